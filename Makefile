@@ -1,0 +1,28 @@
+# make demo: install into .venv and convert the sample checkpoint.  make test: install and run every test.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+SAMPLE := sample_ckpts/tiny-llama-tp2
+
+.PHONY: install demo test lint clean
+
+$(BIN)/reshard: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[test]'
+	touch $@
+
+install: $(BIN)/reshard
+
+demo: install
+	rm -rf demo-out
+	$(BIN)/reshard inspect $(SAMPLE)
+	$(BIN)/reshard convert $(SAMPLE) --tp 1 -o demo-out/full
+	$(BIN)/reshard convert demo-out/full --tp 4 -o demo-out/tp4
+
+test: install
+	$(BIN)/ruff check reshard tests bench sample_ckpts
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf demo-out .pytest_cache .hypothesis

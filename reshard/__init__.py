@@ -1,0 +1,37 @@
+"""reshard: repair and re-slice tensor-parallel checkpoints.
+
+The public surface is small; everything else is private and may change.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from reshard.convert import ConvertReport, convert  # noqa: E402
+from reshard.errors import ReshardError  # noqa: E402
+from reshard.inspect import InspectReport, inspect_checkpoint  # noqa: E402
+from reshard.manifest import Manifest, read_manifest  # noqa: E402
+from reshard.options import ConvertOptions  # noqa: E402
+from reshard.partition import Packed, Partition, Replicate, Shard, Vocab, gather, split  # noqa: E402
+from reshard.plans import Plan, Rule  # noqa: E402
+
+__all__ = [
+    "ConvertOptions",
+    "ConvertReport",
+    "InspectReport",
+    "Manifest",
+    "Packed",
+    "Partition",
+    "Plan",
+    "Replicate",
+    "ReshardError",
+    "Rule",
+    "Shard",
+    "Vocab",
+    "__version__",
+    "convert",
+    "gather",
+    "inspect_checkpoint",
+    "read_manifest",
+    "split",
+]

@@ -1,0 +1,193 @@
+"""The ``reshard`` command line: parse, call the library, print. No logic lives here."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from reshard import __version__
+from reshard._output import emit_json, human_bytes, note, shape_list, table
+from reshard.convert import ConvertReport, convert
+from reshard.errors import ReshardError
+from reshard.inspect import InspectReport, inspect_checkpoint
+from reshard.layouts import WRITABLE_LAYOUTS
+from reshard.options import ConvertOptions
+
+PATH = click.Path(path_type=Path)
+EXISTING = click.Path(exists=True, path_type=Path)
+_SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]?B)?\s*$", re.IGNORECASE)
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+
+
+class InputError(click.ClickException):
+    """Bad input: exit code 2, as DESIGN.md promises (1 is for a check that found a difference)."""
+
+    exit_code = 2
+
+
+def reports_errors(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn a library :class:`ReshardError` into one line on stderr and exit code 2."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except ReshardError as err:
+            raise InputError(err.one_line()) from err
+
+    return wrapper
+
+
+def parse_size(ctx: click.Context, param: click.Parameter, value: str) -> int:
+    match = _SIZE.match(value)
+    if not match:
+        raise click.BadParameter(f"{value!r} is not a size such as 5GB, 500MB or 1000000")
+    return int(match.group(1)) * _UNITS[(match.group(2) or "B").upper()]
+
+
+def common_read_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--config``, ``--plan``, ``--trust-pickle``: how to read any checkpoint."""
+    for option in reversed(
+        [
+            click.option("--config", "config", type=EXISTING, help="config.json to use (default: in or above CKPT)."),
+            click.option("--plan", "plan", type=EXISTING, help="Plan file (TOML/JSON) whose rules come first."),
+            click.option("--trust-pickle", is_flag=True, help="Fully unpickle torch files (only files you trust)."),
+        ]
+    ):
+        command = option(command)
+    return command
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="reshard")
+@click.option("-v", "--verbose", is_flag=True, help="Log what reshard does.")
+def main(verbose: bool) -> None:
+    """Repair and re-slice tensor-parallel checkpoints.
+
+    \b
+    Examples:
+      reshard inspect ckpt/
+      reshard convert ckpt/ --tp 4 -o ckpt-tp4/
+    """
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(message)s")
+
+
+@main.command("inspect")
+@click.argument("ckpt", type=EXISTING)
+@common_read_options
+@click.option("--vocab", type=click.IntRange(min=1), help="True vocab size (default: reshard.json, then config).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+@reports_errors
+def inspect_command(
+    ckpt: Path, config: Path | None, plan: Path | None, trust_pickle: bool, vocab: int | None, as_json: bool
+) -> None:
+    """Show layout, tp, files and how every tensor is split, and why.
+
+    \b
+    Examples:
+      reshard inspect sample_ckpts/tiny-llama-tp2
+      reshard inspect ckpt/ --json | jq '.tensors[0]'
+    """
+    report = inspect_checkpoint(ckpt, ConvertOptions(config=config, plan=plan, trust_pickle=trust_pickle, vocab=vocab))
+    emit_json(report) if as_json else click.echo(render_inspect(report))
+
+
+def render_inspect(report: InspectReport) -> str:
+    vocab = report.vocab
+    lines = [
+        f"checkpoint  {report.path}",
+        f"layout      {report.layout}, tp={report.tp}, {len(report.files)} file(s)",
+        f"config      {report.config or 'none found'}"
+        + (f" (model_type {report.model_type})" if report.model_type else ""),
+        f"plan        {report.plan}",
+        f"vocab       {vocab['original']} (from {vocab['origin']})"
+        + (
+            f", {vocab['padded_in_source']} rows in the source ({vocab['padding_rows']} padding)"
+            if vocab["padded_in_source"] is not None and vocab["padding_rows"]
+            else ""
+        ),
+        "",
+    ]
+    rows = [
+        [
+            t.name,
+            shape_list(t.rank_shapes),
+            t.dtype,
+            human_bytes(t.bytes),
+            (t.partition or {}).get("kind", "-") + _partition_args(t.partition),
+            t.problem or t.reason,
+        ]
+        for t in report.tensors
+    ]
+    lines.append(table(rows, ["tensor", "rank shapes", "dtype", "bytes", "partition", "why"]))
+    lines += [f"note: {n}" for n in report.notes] + [f"not a tensor: {e}" for e in report.extras]
+    if report.problems:
+        lines.append(f"{len(report.problems)} tensor(s) cannot be gathered as they are")
+    return "\n".join(lines)
+
+
+def _partition_args(partition: dict[str, Any] | None) -> str:
+    args = {k: v for k, v in (partition or {}).items() if k != "kind"}
+    return "(" + ", ".join(f"{k}={v}" for k, v in args.items()) + ")" if args else ""
+
+
+@main.command("convert")
+@click.argument("ckpt", type=EXISTING)
+@click.option("--tp", type=click.IntRange(min=1), required=True, help="Target number of ranks (1: full).")
+@click.option("-o", "--output", "out", type=PATH, required=True, help="Output folder.")
+@click.option("--vocab", type=click.IntRange(min=1), help="True vocab size (default: reshard.json, then config).")
+@click.option("--pad-multiple", type=click.IntRange(min=1), help="Pad the vocab to a multiple of K (default: tp).")
+@click.option("--uneven", is_flag=True, help="Split sizes that do not divide as torch.chunk does, without padding.")
+@click.option("--layout", type=click.Choice(WRITABLE_LAYOUTS), help="Target layout (default: from the source).")
+@click.option(
+    "--max-shard-size",
+    default="5GB",
+    show_default=True,
+    callback=parse_size,
+    help="Largest safetensors file before a new shard.",
+)
+@click.option("--overwrite", is_flag=True, help="Replace a non-empty output folder.")
+@click.option("--allow-divergent-replicas", is_flag=True, help="Take rank 0 of replicated tensors that differ.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bars and no report.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON document.")
+@common_read_options
+@reports_errors
+def convert_command(ckpt: Path, out: Path, as_json: bool, quiet: bool, **options: Any) -> None:
+    """Re-slice CKPT for --tp ranks into OUTPUT, with a reshard.json manifest.
+
+    \b
+    Examples:
+      reshard convert sample_ckpts/tiny-llama-tp2 --tp 1 -o tiny-full
+      reshard convert tiny-full --tp 4 --layout hf-ranks -o tiny-tp4
+    """
+    report = convert(ckpt, out, ConvertOptions(progress=not (quiet or as_json), **options))
+    if as_json:
+        emit_json(report)
+    elif not quiet:
+        click.echo(render_convert(report))
+
+
+def render_convert(report: ConvertReport) -> str:
+    vocab = report.vocab
+    lines = [
+        f"{report.source} ({report.source_layout}, tp={report.source_tp}) -> {report.output} "
+        f"({report.layout}, tp={report.tp})",
+        f"{report.tensors} tensors, {human_bytes(report.bytes)} canonical",
+        f"vocab {vocab['original']} (from {vocab['origin']}): {vocab['source_padded']} rows in the source, "
+        f"{vocab['target_padded']} per the target"
+        if vocab["source_padded"] is not None
+        else "no vocab tensors",
+    ]
+    lines += [f"  {c['tensor']}: {c['old']} -> {c['new']}" for c in report.changed]
+    lines += [f"note: {n}" for n in report.notes]
+    lines.append(f"manifest {report.manifest}")
+    return "\n".join(lines)
+
+
+__all__ = ["main", "note"]

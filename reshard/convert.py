@@ -1,0 +1,160 @@
+"""``convert`` (and the ``fix`` repair built on it): any layout and tp in, any layout and tp out."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from reshard.config import find_config
+from reshard.dtypes import dtype_name
+from reshard.layouts import ReadOptions, SourceCheckpoint, TargetSpec, discover, writer_class
+from reshard.layouts.files import TensorHeader
+from reshard.manifest import Manifest, TensorEntry, VocabRecord, find_manifest, write_manifest
+from reshard.options import ConvertOptions
+from reshard.output import check_output, staged_output
+from reshard.pipeline import ConversionPlan, execute, plan_conversion, resolve_vocab
+from reshard.plans import select_plan
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ConvertReport:
+    """What a conversion did: where from, where to, the vocab handling, and what changed shape."""
+
+    source: str
+    source_layout: str
+    source_tp: int
+    output: str
+    layout: str
+    tp: int
+    tensors: int
+    bytes: int
+    vocab: dict[str, Any]
+    manifest: str
+    files: list[str] = field(default_factory=list)
+    changed: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def default_layout(source: SourceCheckpoint, tp: int) -> str:
+    """The source's own layout family: ``megatron``/``sat`` stay so; HF-named checkpoints become ``hf`` at
+    tp 1 and ``hf-ranks`` above."""
+    if source.layout in ("megatron", "sat"):
+        return source.layout
+    return "hf" if tp == 1 else "hf-ranks"
+
+
+def open_source(ckpt: Path, options: ConvertOptions) -> SourceCheckpoint:
+    """Discover the checkpoint, preferring an explicit ``--config``."""
+    source = discover(ckpt, ReadOptions(trust_pickle=options.trust_pickle))
+    if options.config is not None:
+        source.config = find_config(ckpt, options.config)
+    return source
+
+
+def prepare(ckpt: Path, options: ConvertOptions) -> tuple[SourceCheckpoint, ConversionPlan, str]:
+    """Discover and plan, without writing anything (raises every planning problem at once)."""
+    source = open_source(ckpt, options)
+    layout = options.layout or default_layout(source, options.tp)
+    writer = writer_class(layout)
+    manifest = find_manifest(ckpt)
+    vocab = resolve_vocab(options.vocab, source, manifest.vocab.original if manifest else None)
+    plan = select_plan(source.config, source.names(), plan_file=options.plan)
+    pad_multiple = options.pad_multiple or writer.pad_multiple(options.tp, source)
+    conversion = plan_conversion(
+        source, plan, target_tp=options.tp, vocab=vocab, pad_multiple=pad_multiple, uneven=options.uneven
+    )
+    return source, conversion, layout
+
+
+def convert(ckpt: Path, out: Path, options: ConvertOptions) -> ConvertReport:
+    """Re-slice ``ckpt`` for ``options.tp`` ranks into ``out`` in ``options.layout``.
+
+    The output is written under a temporary name beside ``out`` and renamed into place when
+    complete; ``reshard.json`` records the original vocab size, every tensor's partition and the
+    sha256 of every canonical tensor.
+
+    Raises:
+        ReshardError: any problem with the input or the output path, before or during writing
+            (nothing is left at ``out`` then).
+
+    Example:
+        >>> convert(Path("ckpt"), Path("ckpt-tp4"), ConvertOptions(tp=4))  # doctest: +SKIP
+    """
+    ckpt, out = Path(ckpt), Path(out)
+    check_output(out, source=ckpt, overwrite=options.overwrite)
+    source, conversion, layout = prepare(ckpt, options)
+    vocab = conversion.vocab
+    config = None
+    if source.config is not None:
+        config = source.config.raw
+        if vocab.original is not None and vocab.original != source.config.vocab_size:
+            config = source.config.with_vocab_size(vocab.original)
+    spec = TargetSpec(
+        tp=options.tp,
+        rank_headers=[
+            {t.name: TensorHeader(t.target_shapes[r], t.source.dtype) for t in conversion.tensors}
+            for r in range(options.tp)
+        ],
+        config=config,
+        vocab_size=vocab.original,
+        padded_vocab_size=vocab.target_padded,
+        max_shard_size=options.max_shard_size,
+        source=source,
+    )
+    with staged_output(out) as staging:
+        writer = writer_class(layout)(staging, spec)
+        hashes = execute(
+            conversion, writer, allow_divergent=options.allow_divergent_replicas, progress=options.progress
+        )
+        files = [str(p) for p in writer.close()]
+        for side in source.side_files:
+            shutil.copy2(side, staging / side.name)
+            files.append(side.name)
+        manifest = Manifest(
+            source={"path": str(ckpt), "layout": source.layout, "tp": source.tp},
+            target={"layout": layout, "tp": options.tp},
+            vocab=VocabRecord(vocab.original, vocab.target_padded, vocab.pad_multiple),
+            tensors={
+                t.name: TensorEntry(t.source.shape, dtype_name(t.source.dtype), t.source.partition, hashes[t.name])
+                for t in sorted(conversion.tensors, key=lambda t: t.name)
+            },
+        )
+        write_manifest(staging, manifest)
+    return ConvertReport(
+        source=str(ckpt),
+        source_layout=source.layout,
+        source_tp=source.tp,
+        output=str(out),
+        layout=layout,
+        tp=options.tp,
+        tensors=len(conversion.tensors),
+        bytes=sum(t.nbytes for t in conversion.tensors),
+        vocab={
+            "original": vocab.original,
+            "origin": vocab.origin,
+            "source_padded": vocab.source_padded,
+            "target_padded": vocab.target_padded,
+        },
+        manifest=str(out / "reshard.json"),
+        files=sorted(files),
+        changed=_changed_shapes(conversion),
+        notes=list(source.notes),
+    )
+
+
+def _changed_shapes(conversion: ConversionPlan) -> list[dict[str, Any]]:
+    """Tensors whose shape on disk changed, comparing source rank 0 with target rank 0."""
+    changed = []
+    for t in sorted(conversion.tensors, key=lambda t: t.name):
+        before, after = t.source.refs[0].shape, t.target_shapes[0]
+        if before != after:
+            changed.append({"tensor": t.name, "old": list(before), "new": list(after)})
+    return changed

@@ -1,0 +1,112 @@
+"""``inspect``: what a checkpoint is, and how reshard would read every tensor, from headers only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from reshard.convert import open_source
+from reshard.dtypes import dtype_name
+from reshard.layouts.files import TensorHeader
+from reshard.manifest import find_manifest
+from reshard.options import ConvertOptions
+from reshard.partition import Vocab, partition_to_dict
+from reshard.pipeline import plan_sources, resolve_vocab
+from reshard.plans import select_plan
+
+
+@dataclass
+class TensorReport:
+    name: str
+    rank_shapes: list[list[int]]
+    dtype: str
+    bytes: int
+    partition: dict[str, Any] | None
+    reason: str
+    shape: list[int] | None
+    problem: str | None
+
+
+@dataclass
+class InspectReport:
+    """Layout, tp, files, per-tensor decisions, vocab padding found, and notes."""
+
+    path: str
+    layout: str
+    tp: int
+    files: list[str]
+    config: str | None
+    model_type: str | None
+    plan: str
+    vocab: dict[str, Any]
+    tensors: list[TensorReport] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    extras: list[str] = field(default_factory=list)
+
+    @property
+    def problems(self) -> list[str]:
+        return [t.problem for t in self.tensors if t.problem]
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dict(self.__dict__)
+        data["tensors"] = [t.__dict__ for t in self.tensors]
+        data["problems"] = self.problems
+        return data
+
+
+def inspect_checkpoint(ckpt: Path, options: ConvertOptions | None = None) -> InspectReport:
+    """Describe ``ckpt``: layout, tp, files, and for every tensor its rank shapes, partition and why.
+
+    A tensor that cannot be gathered is reported with its problem rather than raised, so one bad
+    tensor does not hide the rest.
+    """
+    options = options or ConvertOptions()
+    ckpt = Path(ckpt)
+    source = open_source(ckpt, options)
+    manifest = find_manifest(ckpt)
+    vocab = resolve_vocab(options.vocab, source, manifest.vocab.original if manifest else None)
+    plan = select_plan(source.config, source.names(), plan_file=options.plan)
+    tensors = plan_sources(source, plan, vocab=vocab, target_tp=source.tp, uneven=options.uneven)
+    padded = next(
+        (
+            sum(r.shape[t.partition.dim] for r in t.refs)
+            for t in tensors
+            if isinstance(t.partition, Vocab) and not t.problem
+        ),
+        None,
+    )
+    report = InspectReport(
+        path=str(ckpt),
+        layout=source.layout,
+        tp=source.tp,
+        files=[str(f) for f in source.files],
+        config=str(source.config.path) if source.config and source.config.path else None,
+        model_type=source.config.model_type if source.config else None,
+        plan=plan.name,
+        vocab={
+            "original": vocab.original,
+            "origin": vocab.origin,
+            "padded_in_source": padded,
+            "padding_rows": None if padded is None or vocab.original is None else padded - vocab.original,
+        },
+        notes=list(source.notes),
+        extras=sorted(
+            {f"{k} (rank {r})" for r, top in enumerate(source.top_level) for k in top}
+            | {f"{k} (non-tensor, rank {r})" for r, ex in enumerate(source.extras) for k in ex}
+        ),
+    )
+    for t in tensors:
+        report.tensors.append(
+            TensorReport(
+                name=t.name,
+                rank_shapes=[list(r.shape) for r in t.refs],
+                dtype=dtype_name(t.dtype),
+                bytes=sum(TensorHeader(r.shape, r.dtype).nbytes for r in t.refs),
+                partition=partition_to_dict(t.partition) if t.partition else None,
+                reason=t.reason,
+                shape=list(t.shape) if t.shape else None,
+                problem=t.problem.one_line() if t.problem else None,
+            )
+        )
+    return report

@@ -1,0 +1,65 @@
+"""Layouts: how checkpoints sit on disk. ``discover`` reads any of them; ``writer_class`` picks a writer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from reshard.errors import ReshardError
+from reshard.layouts import hf, hf_ranks
+from reshard.layouts.base import (
+    WRITABLE_LAYOUTS,
+    CheckpointWriter,
+    Layout,
+    ReadOptions,
+    SourceCheckpoint,
+    TargetSpec,
+    TensorRef,
+)
+
+__all__ = [
+    "WRITABLE_LAYOUTS",
+    "CheckpointWriter",
+    "Layout",
+    "ReadOptions",
+    "SourceCheckpoint",
+    "TargetSpec",
+    "TensorRef",
+    "discover",
+    "writer_class",
+]
+
+_WRITERS: dict[str, type[CheckpointWriter]] = {
+    "hf": hf.HFWriter,
+    "hf-ranks": hf_ranks.HFRanksWriter,
+}
+
+
+def discover(path: Path, options: ReadOptions | None = None) -> SourceCheckpoint:
+    """Open a checkpoint in whatever layout it is, from headers only.
+
+    Raises:
+        ReshardError: the path does not exist or holds no checkpoint reshard can read.
+    """
+    options = options or ReadOptions()
+    if not path.exists():
+        raise ReshardError("no such file or folder", path=path)
+    if path.is_file():
+        return hf.discover(path, options)
+    if hf_ranks.detect(path):
+        return hf_ranks.discover(path, options)
+    if hf.is_hf_folder(path):
+        return hf.discover(path, options)
+    raise ReshardError(
+        "no checkpoint found (looked for rank_NN/ folders, model.safetensors, pytorch_model.bin, *.safetensors)",
+        path=path,
+    )
+
+
+def writer_class(layout: str) -> type[CheckpointWriter]:
+    """The writer for a layout name; ``ReshardError`` for a read-only or unknown layout."""
+    try:
+        return _WRITERS[layout]
+    except KeyError:
+        raise ReshardError(
+            f"cannot write the {layout!r} layout", hint=f"choose one of {', '.join(_WRITERS)}"
+        ) from None

@@ -1,0 +1,165 @@
+"""What every layout hands the pipeline: a :class:`SourceCheckpoint` of lazy :class:`TensorRef`s."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reshard.config import ModelConfig
+from reshard.layouts.files import FileReader, TensorHeader
+
+
+class Layout(str, enum.Enum):
+    """On-disk layouts (DESIGN.md section 3). ``loose`` and ``file`` are read-only."""
+
+    HF = "hf"
+    HF_RANKS = "hf-ranks"
+    MEGATRON = "megatron"
+    SAT = "sat"
+    LOOSE = "loose"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+WRITABLE_LAYOUTS = ("hf", "hf-ranks", "megatron", "sat")
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    """How to open source files."""
+
+    trust_pickle: bool = False
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """One rank's slice of one tensor, known from headers; bytes come only from :meth:`read`."""
+
+    name: str
+    rank: int
+    reader: FileReader = field(repr=False, compare=False)
+    key: str
+    header: TensorHeader
+
+    @property
+    def file(self) -> Path:
+        return self.reader.path
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.header.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.header.dtype
+
+    def read(self) -> torch.Tensor:
+        return self.reader.get(self.key)
+
+
+@dataclass
+class SourceCheckpoint:
+    """A checkpoint as ``tp`` ranks, each a mapping ``name -> TensorRef``, plus what came with it.
+
+    Attributes:
+        path: what the user named.
+        layout: the layout it was read as.
+        ranks: one mapping per TP rank, in rank order.
+        config: the model config, from ``config.json`` or the layout's own metadata.
+        extras: per rank, non-tensor state-dict entries (Megatron ``_extra_state`` blobs, ...).
+        top_level: per rank, other top-level keys of torch files (``args``, optimizer state, ...).
+        notes: things ``inspect`` should tell the user (legacy files, dropped keys, grouping).
+        side_files: files to copy beside the output (tokenizer, generation config, ...).
+        meta: layout-specific facts (iteration, Megatron args, SAT model_config) for its writer.
+    """
+
+    path: Path
+    layout: str
+    ranks: list[dict[str, TensorRef]]
+    config: ModelConfig | None = None
+    extras: list[dict[str, Any]] = field(default_factory=list)
+    top_level: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    side_files: list[Path] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tp(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def files(self) -> list[Path]:
+        seen: dict[Path, None] = {}
+        for rank in self.ranks:
+            for ref in rank.values():
+                seen.setdefault(ref.file)
+        return list(seen)
+
+    def names(self) -> list[str]:
+        """Every tensor name, in the order the ranks first list them."""
+        seen: dict[str, None] = {}
+        for rank in self.ranks:
+            for name in rank:
+                seen.setdefault(name)
+        return list(seen)
+
+
+def refs_from_readers(readers: Iterable[FileReader], rank: int) -> dict[str, TensorRef]:
+    """Merge the tensors of several files of one rank (shards of one state dict)."""
+    refs: dict[str, TensorRef] = {}
+    for reader in readers:
+        for key, header in reader.headers.items():
+            refs[key] = TensorRef(key, rank, reader, key, header)
+    return refs
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """Everything a writer needs to know before the first tensor arrives.
+
+    Attributes:
+        tp: number of target ranks.
+        rank_headers: per target rank, ``name -> TensorHeader`` in write order.
+        config: the ``config.json`` content to write (vocab size already corrected), if any.
+        vocab_size: the true vocab size, if known.
+        padded_vocab_size: the vocab size the vocab tensors are padded to at the target tp.
+        max_shard_size: for safetensors outputs, the largest file before a new shard starts.
+        source: the checkpoint being converted (layout writers read its ``meta``, ``extras``, ``top_level``).
+    """
+
+    tp: int
+    rank_headers: list[dict[str, TensorHeader]]
+    config: dict[str, Any] | None
+    vocab_size: int | None
+    padded_vocab_size: int | None
+    max_shard_size: int | str
+    source: SourceCheckpoint
+
+
+class CheckpointWriter:
+    """Receives, tensor by tensor, the target rank slices and lays them out on disk.
+
+    Subclasses write into ``out_dir`` (a temporary folder the caller renames into place when
+    :meth:`close` returns) and return the paths they wrote, relative to it.
+    """
+
+    def __init__(self, out_dir: Path, spec: TargetSpec) -> None:
+        self.out_dir = out_dir
+        self.spec = spec
+
+    @classmethod
+    def pad_multiple(cls, tp: int, source: SourceCheckpoint) -> int | None:
+        """The multiple the vocab is padded to for ``tp`` ranks when the user does not say (None: tp)."""
+        return None
+
+    def write(self, name: str, slices: list[torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> list[Path]:
+        raise NotImplementedError

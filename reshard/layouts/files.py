@@ -1,0 +1,220 @@
+"""Lazy readers for the two tensor file formats: safetensors and torch pickles.
+
+A reader is opened once per file from its header alone (names, shapes, dtypes); tensor bytes are
+read only by :meth:`FileReader.get`, through ``safe_open`` or a memory-mapped ``torch.load``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import pickle
+import struct
+import zipfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from reshard.dtypes import dtype_from_code
+from reshard.errors import CorruptFileError, UnsafePickleError
+
+logger = logging.getLogger(__name__)
+
+Shape = tuple[int, ...]
+SAFETENSORS_MAX_HEADER = 100_000_000
+# Where frameworks nest the state dict inside a torch checkpoint, in the order we look.
+STATE_DICT_KEYS = ("state_dict", "module", "model")
+# Types that frameworks pickle next to the weights and that are safe to rebuild (extended by layouts).
+SAFE_GLOBALS: list[Any] = [io.BytesIO]
+
+
+@dataclass(frozen=True)
+class TensorHeader:
+    """What a file says about one tensor before any of its bytes are read."""
+
+    shape: Shape
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return numel * self.dtype.itemsize
+
+
+class FileReader:
+    """One open tensor file: ``headers`` maps the key inside the file to its :class:`TensorHeader`."""
+
+    path: Path
+    headers: dict[str, TensorHeader]
+    extras: dict[str, Any]
+    notes: list[str]
+
+    def get(self, key: str) -> torch.Tensor:
+        raise NotImplementedError
+
+
+@dataclass
+class SafetensorsReader(FileReader):
+    """A ``.safetensors`` file; the header is parsed and checked against the file size up front."""
+
+    path: Path
+    headers: dict[str, TensorHeader] = field(init=False)
+    metadata: dict[str, str] = field(init=False)
+    extras: dict[str, Any] = field(init=False, default_factory=dict)
+    notes: list[str] = field(init=False, default_factory=list)
+    _handle: Any = field(init=False, default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.headers, self.metadata = read_safetensors_header(self.path)
+
+    def get(self, key: str) -> torch.Tensor:
+        try:
+            if self._handle is None:
+                self._handle = safe_open(self.path, framework="pt", device="cpu")
+            return self._handle.get_tensor(key)
+        except (SafetensorError, OSError) as err:
+            raise CorruptFileError(f"cannot read tensor: {err}", path=self.path, tensor=key) from err
+
+
+def read_safetensors_header(path: Path) -> tuple[dict[str, TensorHeader], dict[str, str]]:
+    """Parse a safetensors header and check that every tensor's bytes lie inside the file.
+
+    Raises:
+        CorruptFileError: truncated file, unreadable header, or offsets that do not fit.
+    """
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as handle:
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                raise CorruptFileError("truncated safetensors file (no header length)", path=path)
+            (length,) = struct.unpack("<Q", prefix)
+            if length > min(SAFETENSORS_MAX_HEADER, size - 8):
+                raise CorruptFileError(
+                    f"truncated or corrupt safetensors header ({length} bytes announced)", path=path
+                )
+            header = json.loads(handle.read(length))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CorruptFileError(f"cannot read safetensors header: {err}", path=path) from err
+    if not isinstance(header, dict):
+        raise CorruptFileError("safetensors header is not a JSON object", path=path)
+    metadata = header.pop("__metadata__", None) or {}
+    data_size = size - 8 - length
+    headers: dict[str, TensorHeader] = {}
+    for key, info in header.items():
+        try:
+            entry = TensorHeader(tuple(int(s) for s in info["shape"]), dtype_from_code(info["dtype"]))
+            start, stop = (int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise CorruptFileError(f"malformed header entry: {err!r}", path=path, tensor=key) from err
+        if stop - start != entry.nbytes or stop > data_size:
+            raise CorruptFileError(
+                f"tensor bytes [{start}, {stop}) do not fit (file holds {data_size} data bytes): truncated file?",
+                path=path,
+                tensor=key,
+            )
+        headers[key] = entry
+    return headers, metadata
+
+
+@dataclass
+class TorchReader(FileReader):
+    """A ``torch.save`` file, opened with ``torch.load(mmap=True, weights_only=True)``.
+
+    The state dict is found at the top level or under ``state_dict`` / ``module`` / ``model``; nested
+    dicts are flattened with dots (Megatron's legacy ``language_model.embedding...`` nesting). Non-tensor
+    entries of the state dict (``_extra_state`` blobs) land in ``extras``; other top-level keys
+    (``args``, ``iteration``, optimizer state) in ``top_level``.
+    """
+
+    path: Path
+    trust_pickle: bool = False
+    headers: dict[str, TensorHeader] = field(init=False)
+    extras: dict[str, Any] = field(init=False, default_factory=dict)
+    top_level: dict[str, Any] = field(init=False, default_factory=dict)
+    state_dict_key: str | None = field(init=False, default=None)
+    notes: list[str] = field(init=False, default_factory=list)
+    _tensors: dict[str, torch.Tensor] = field(init=False, repr=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        obj = load_torch_file(self.path, trust_pickle=self.trust_pickle, notes=self.notes)
+        state = obj
+        if isinstance(obj, Mapping):
+            for key in STATE_DICT_KEYS:
+                if isinstance(obj.get(key), Mapping):
+                    self.state_dict_key = key
+                    state = obj[key]
+                    self.top_level = {k: v for k, v in obj.items() if k != key}
+                    break
+        if not isinstance(state, Mapping):
+            raise CorruptFileError(f"holds a {type(obj).__name__}, not a state dict", path=self.path)
+        for name, value in _flatten(state):
+            if isinstance(value, torch.Tensor):
+                self._tensors[name] = value
+            else:
+                self.extras[name] = value
+        self.headers = {k: TensorHeader(tuple(t.shape), t.dtype) for k, t in self._tensors.items()}
+
+    def get(self, key: str) -> torch.Tensor:
+        return self._tensors[key]
+
+
+def _flatten(state: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and not isinstance(value, torch.Tensor):
+            yield from _flatten(value, f"{name}.")
+        else:
+            yield name, value
+
+
+def load_torch_file(path: Path, *, trust_pickle: bool, notes: list[str]) -> Any:
+    """``torch.load`` as safely and lazily as the file allows.
+
+    Zip-format files are memory-mapped with ``weights_only=True`` and the :data:`SAFE_GLOBALS`
+    allow-list; legacy (non-zip) files are read whole, with a note that they cannot be streamed.
+
+    Raises:
+        UnsafePickleError: the file pickles a type outside the allow-list and ``trust_pickle`` is off.
+        CorruptFileError: the file is not a readable torch file.
+    """
+    streamable = zipfile.is_zipfile(path)
+    if not streamable:
+        notes.append(f"{path.name}: legacy (non-zip) torch file, read whole into memory: cannot be streamed")
+    try:
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            return torch.load(path, map_location="cpu", mmap=streamable, weights_only=not trust_pickle)
+    except pickle.UnpicklingError as err:
+        message = str(err)
+        if "Unsupported global" in message or "weights_only" in message.lower():
+            culprit = _unsupported_global(message)
+            raise UnsafePickleError(
+                f"pickles {culprit}, which is not on reshard's allow-list",
+                path=path,
+                hint="pass --trust-pickle to unpickle it fully, only if you trust the file",
+            ) from err
+        raise CorruptFileError(f"not a readable torch file: {message.splitlines()[0]}", path=path) from err
+    except (OSError, RuntimeError, EOFError, ValueError) as err:
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise CorruptFileError(f"not a readable torch file: {first}", path=path) from err
+
+
+def _unsupported_global(message: str) -> str:
+    for line in message.splitlines():
+        if "Unsupported global" in line:
+            return line.split("GLOBAL", 1)[-1].split(" was not", 1)[0].strip() or "an unsupported type"
+    return "an object outside the allow-list"
+
+
+def open_tensor_file(path: Path, *, trust_pickle: bool = False) -> FileReader:
+    """A reader for ``path`` chosen by its extension (``.safetensors``, else a torch file)."""
+    if path.suffix == ".safetensors":
+        return SafetensorsReader(path)
+    return TorchReader(path, trust_pickle=trust_pickle)

@@ -1,0 +1,170 @@
+"""The ``hf`` layout: a Hugging Face folder (safetensors or ``.bin``, single or sharded) or a single file."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path, PurePosixPath
+
+import torch
+from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE_FILE
+
+from reshard.config import CONFIG_NAME, find_config
+from reshard.errors import CorruptFileError, MissingRankError, ReshardError
+from reshard.layouts.base import (
+    CheckpointWriter,
+    ReadOptions,
+    SourceCheckpoint,
+    TargetSpec,
+    TensorRef,
+    refs_from_readers,
+)
+from reshard.layouts.files import FileReader, open_tensor_file
+from reshard.safetensors_stream import ShardedSafetensorsWriter
+
+logger = logging.getLogger(__name__)
+
+BIN_SINGLE_FILE = "pytorch_model.bin"
+BIN_INDEX_FILE = "pytorch_model.bin.index.json"
+TENSOR_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+MANIFEST_NAME = "reshard.json"
+
+
+def is_hf_folder(path: Path) -> bool:
+    """True for a folder with HF weight files (single, indexed, or any ``*.safetensors`` / ``*.bin``)."""
+    return path.is_dir() and bool(weight_files(path, probe=True))
+
+
+def weight_files(folder: Path, *, probe: bool = False) -> list[Path]:
+    """The weight files of one HF folder, in the order the HF loaders look for them.
+
+    An index file, when present, is authoritative: every file it names must exist inside the folder.
+    """
+    for index_name in (SAFETENSORS_INDEX_FILE, BIN_INDEX_FILE):
+        if (folder / index_name).is_file():
+            return [folder / f for f in dict.fromkeys(read_index(folder / index_name, probe=probe).values())]
+    for single in (SAFETENSORS_SINGLE_FILE, BIN_SINGLE_FILE):
+        if (folder / single).is_file():
+            return [folder / single]
+    for suffix in TENSOR_SUFFIXES:
+        found = sorted(p for p in folder.glob(f"*{suffix}") if p.is_file())
+        if found:
+            return found
+    return []
+
+
+def read_index(index: Path, *, probe: bool = False) -> dict[str, str]:
+    """``weight_map`` of an index, treated as untrusted: file names must be plain names in the folder."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError("weight_map is not an object")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
+        if probe:
+            return {}
+        raise CorruptFileError(f"corrupt index: {err!r}", path=index) from err
+    if probe:
+        return weight_map
+    for tensor, filename in weight_map.items():
+        pure = PurePosixPath(str(filename))
+        if pure.is_absolute() or len(pure.parts) != 1 or pure.name in ("", ".", "..") or "\\" in str(filename):
+            raise CorruptFileError(f"index names an unsafe file {filename!r}", path=index, tensor=tensor)
+        if pure.suffix not in TENSOR_SUFFIXES:
+            raise CorruptFileError(f"index names {filename!r}, not a tensor file", path=index, tensor=tensor)
+        if not (index.parent / filename).is_file():
+            raise MissingRankError(f"index names {filename!r}, which does not exist", path=index, tensor=tensor)
+    return weight_map
+
+
+def read_folder(folder: Path, rank: int, options: ReadOptions) -> tuple[dict[str, TensorRef], list[FileReader]]:
+    """Open every weight file of one HF folder as one rank's state dict, checking the index against the files."""
+    files = weight_files(folder)
+    if not files:
+        raise MissingRankError("no weight files (model.safetensors, pytorch_model.bin, ...)", path=folder)
+    readers = [open_tensor_file(f, trust_pickle=options.trust_pickle) for f in files]
+    seen: dict[str, Path] = {}
+    for reader in readers:
+        for key in reader.headers:
+            if key in seen:
+                raise CorruptFileError(
+                    f"tensor is in both {seen[key].name} and {reader.path.name}", path=folder, tensor=key
+                )
+            seen[key] = reader.path
+    for index_name in (SAFETENSORS_INDEX_FILE, BIN_INDEX_FILE):
+        if (folder / index_name).is_file():
+            for tensor, filename in read_index(folder / index_name).items():
+                if seen.get(tensor, Path()).name != filename:
+                    raise CorruptFileError(
+                        f"index says {filename!r} holds this tensor, but it does not",
+                        path=folder / index_name,
+                        tensor=tensor,
+                    )
+    return refs_from_readers(readers, rank), readers
+
+
+def side_files(folder: Path) -> list[Path]:
+    """Files beside the weights that belong to the model (tokenizer, generation config, ...)."""
+    skip = {SAFETENSORS_INDEX_FILE, BIN_INDEX_FILE, MANIFEST_NAME, CONFIG_NAME}
+    return sorted(
+        p for p in folder.iterdir() if p.is_file() and p.name not in skip and p.suffix not in TENSOR_SUFFIXES
+    )
+
+
+def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
+    """Read an HF folder or a single tensor file as a tp=1 checkpoint."""
+    if path.is_file():
+        reader = open_tensor_file(path, trust_pickle=options.trust_pickle)
+        readers = [reader]
+        refs = refs_from_readers(readers, 0)
+        folder = path.parent
+        sides: list[Path] = []
+    else:
+        refs, readers = read_folder(path, 0, options)
+        folder = path
+        sides = side_files(path)
+    source = SourceCheckpoint(path, "hf", [refs], config=find_config(folder), side_files=sides)
+    _collect(source, readers)
+    return source
+
+
+def _collect(source: SourceCheckpoint, readers: list[FileReader]) -> None:
+    extras: dict = {}
+    top: dict = {}
+    for reader in readers:
+        extras.update(reader.extras)
+        top.update(getattr(reader, "top_level", {}))
+        source.notes.extend(reader.notes)
+    source.extras.append(extras)
+    source.top_level.append(top)
+
+
+def check_writable(tp: int) -> None:
+    if tp != 1:
+        raise ReshardError(
+            f"the hf layout holds one full checkpoint, not {tp} ranks",
+            hint="use --layout hf-ranks (or megatron / sat) for tp > 1",
+        )
+
+
+class HFWriter(CheckpointWriter):
+    """Writes a canonical HF folder: ``config.json`` and safetensors shards with their index."""
+
+    def __init__(self, out_dir: Path, spec: TargetSpec) -> None:
+        check_writable(spec.tp)
+        super().__init__(out_dir, spec)
+        self._writer = ShardedSafetensorsWriter(out_dir, spec.rank_headers[0], max_shard_size=spec.max_shard_size)
+
+    def write(self, name: str, slices: list[torch.Tensor]) -> None:
+        self._writer.write(name, slices[0])
+
+    def close(self) -> list[Path]:
+        self._writer.close()
+        written = [Path(f) for f in self._writer.filenames]
+        if self.spec.config is not None:
+            write_config(self.out_dir, self.spec.config)
+            written.append(Path(CONFIG_NAME))
+        return written
+
+
+def write_config(folder: Path, config: dict) -> None:
+    (folder / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,85 @@
+"""The ``hf-ranks`` layout: reshard's own per-rank folders ``rank_00/ ... rank_{tp-1:02d}/``.
+
+Each rank folder is an HF weights folder holding that rank's slices under the original names; the
+top level holds ``config.json`` (of the full model) and the ``reshard.json`` manifest.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from reshard.config import CONFIG_NAME, find_config
+from reshard.errors import MissingRankError
+from reshard.layouts.base import CheckpointWriter, ReadOptions, SourceCheckpoint, TargetSpec
+from reshard.layouts.hf import _collect, read_folder, side_files, write_config
+from reshard.safetensors_stream import ShardedSafetensorsWriter
+
+RANK_DIR = re.compile(r"^rank_(\d+)$")
+
+
+def rank_dir(rank: int) -> str:
+    return f"rank_{rank:02d}"
+
+
+def rank_folders(path: Path) -> dict[int, Path]:
+    """``{rank: folder}`` for every ``rank_NN`` folder directly inside ``path``."""
+    if not path.is_dir():
+        return {}
+    found = {}
+    for child in path.iterdir():
+        match = RANK_DIR.match(child.name)
+        if match and child.is_dir():
+            found[int(match.group(1))] = child
+    return found
+
+
+def detect(path: Path) -> bool:
+    return bool(rank_folders(path))
+
+
+def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
+    """Read every rank folder; a gap in the rank numbers is a :class:`MissingRankError`."""
+    folders = rank_folders(path)
+    tp = max(folders) + 1
+    missing = [rank_dir(r) for r in range(tp) if r not in folders]
+    if missing:
+        raise MissingRankError(
+            f"rank folders {', '.join(missing)} are missing (found {len(folders)} of {tp})",
+            path=path,
+            hint="every rank must be present to gather",
+        )
+    source = SourceCheckpoint(path, "hf-ranks", [], config=find_config(path), side_files=side_files(path))
+    for rank in range(tp):
+        refs, readers = read_folder(folders[rank], rank, options)
+        source.ranks.append(refs)
+        _collect(source, readers)
+    return source
+
+
+class HFRanksWriter(CheckpointWriter):
+    """Writes ``rank_NN/`` safetensors folders plus the top-level ``config.json``."""
+
+    def __init__(self, out_dir: Path, spec: TargetSpec) -> None:
+        super().__init__(out_dir, spec)
+        self._writers = []
+        for rank, headers in enumerate(spec.rank_headers):
+            folder = out_dir / rank_dir(rank)
+            folder.mkdir(parents=True, exist_ok=True)
+            self._writers.append(ShardedSafetensorsWriter(folder, headers, max_shard_size=spec.max_shard_size))
+
+    def write(self, name: str, slices: list[torch.Tensor]) -> None:
+        for writer, piece in zip(self._writers, slices, strict=True):
+            writer.write(name, piece)
+
+    def close(self) -> list[Path]:
+        written = []
+        for rank, writer in enumerate(self._writers):
+            writer.close()
+            written.extend(Path(rank_dir(rank)) / f for f in writer.filenames)
+        if self.spec.config is not None:
+            write_config(self.out_dir, self.spec.config)
+            written.append(Path(CONFIG_NAME))
+        return written

@@ -1,0 +1,119 @@
+"""``reshard.json``: the manifest written beside every output (DESIGN.md section 4).
+
+Shapes and sha256 are of the canonical (full, unpadded) tensors, so any two layouts of one model can
+be compared by their manifests, and a later command can recover the original vocab size.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from reshard.errors import CorruptFileError
+from reshard.partition import Partition, partition_from_dict, partition_to_dict
+
+MANIFEST_NAME = "reshard.json"
+FORMAT = "reshard/1"
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One canonical tensor: shape, dtype name, how it is split at the target, and its sha256."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    partition: Partition
+    sha256: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "partition": partition_to_dict(self.partition),
+            "sha256": self.sha256,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TensorEntry:
+        return cls(tuple(data["shape"]), data["dtype"], partition_from_dict(data["partition"]), data["sha256"])
+
+
+@dataclass(frozen=True)
+class VocabRecord:
+    """The true vocab size, the padded size at the target tp, and the multiple it was padded to."""
+
+    original: int | None
+    padded: int | None
+    pad_multiple: int | None
+
+
+@dataclass
+class Manifest:
+    """The whole ``reshard.json``."""
+
+    source: dict[str, Any]
+    target: dict[str, Any]
+    vocab: VocabRecord
+    tensors: dict[str, TensorEntry] = field(default_factory=dict)
+    reshard_version: str = ""
+    created: str = ""
+    format: str = FORMAT
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": self.format,
+            "reshard_version": self.reshard_version,
+            "created": self.created,
+            "source": self.source,
+            "target": self.target,
+            "vocab": asdict(self.vocab),
+            "tensors": {name: entry.to_dict() for name, entry in self.tensors.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Manifest:
+        return cls(
+            source=dict(data.get("source", {})),
+            target=dict(data.get("target", {})),
+            vocab=VocabRecord(**{k: data.get("vocab", {}).get(k) for k in ("original", "padded", "pad_multiple")}),
+            tensors={name: TensorEntry.from_dict(entry) for name, entry in data.get("tensors", {}).items()},
+            reshard_version=data.get("reshard_version", ""),
+            created=data.get("created", ""),
+            format=data.get("format", FORMAT),
+        )
+
+
+def write_manifest(folder: Path, manifest: Manifest) -> Path:
+    """Write ``reshard.json`` into ``folder``, stamping the version and time."""
+    from reshard import __version__
+
+    manifest.reshard_version = __version__
+    manifest.created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    path = folder / MANIFEST_NAME
+    path.write_text(json.dumps(manifest.to_dict(), indent=2) + "\n")
+    return path
+
+
+def read_manifest(path: Path) -> Manifest:
+    """Read a manifest file.
+
+    Raises:
+        CorruptFileError: not JSON, or not a ``reshard/1`` manifest.
+    """
+    try:
+        data = json.loads(path.read_text())
+        if data.get("format") != FORMAT:
+            raise ValueError(f"format is {data.get('format')!r}, expected {FORMAT!r}")
+        return Manifest.from_dict(data)
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise CorruptFileError(f"not a reshard manifest: {err}", path=path) from err
+
+
+def find_manifest(ckpt: Path) -> Manifest | None:
+    """The manifest beside a checkpoint (in the folder, or beside a single file), if there is one."""
+    folder = ckpt if ckpt.is_dir() else ckpt.parent
+    path = folder / MANIFEST_NAME
+    return read_manifest(path) if path.is_file() else None

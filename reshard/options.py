@@ -1,0 +1,43 @@
+"""The options of a conversion, filled once from the command line (or by a library caller)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """How to read the source and what to write.
+
+    Attributes:
+        tp: target number of ranks (1: a canonical full checkpoint).
+        layout: target layout (``hf``, ``hf-ranks``, ``megatron``, ``sat``); None picks from the source.
+        vocab: the true vocab size; None takes it from the manifest, then the config.
+        pad_multiple: pad the vocab to a multiple of this (default: the target tp, or the layout's rule).
+        uneven: split sizes that do not divide as ``torch.chunk`` does instead of padding or refusing.
+        max_shard_size: largest safetensors file before a new shard starts (``"5GB"`` or bytes).
+        overwrite: replace an existing non-empty output.
+        config: an explicit ``config.json`` (else found in or above the checkpoint).
+        plan: a user plan file whose rules come before the built-in plan.
+        trust_pickle: fully unpickle torch files (only for files the user trusts).
+        allow_divergent_replicas: take rank 0 of a replicated tensor that differs between ranks.
+        merge_lora: merge LoRA adapters into their base weights before resharding.
+        lora_alpha: LoRA alpha for merging (scaling = alpha / rank).
+        progress: show tqdm progress bars on stderr.
+    """
+
+    tp: int = 1
+    layout: str | None = None
+    vocab: int | None = None
+    pad_multiple: int | None = None
+    uneven: bool = False
+    max_shard_size: int | str = "5GB"
+    overwrite: bool = False
+    config: Path | None = None
+    plan: Path | None = None
+    trust_pickle: bool = False
+    allow_divergent_replicas: bool = False
+    merge_lora: bool = False
+    lora_alpha: float = 1.0
+    progress: bool = True

@@ -1,0 +1,380 @@
+"""How one tensor is cut across tensor-parallel ranks, and the pure functions that move between views.
+
+A :data:`Partition` says how the full (canonical) tensor ``T`` relates to the ``tp`` rank slices:
+
+* :class:`Replicate` - every rank holds all of ``T``.
+* :class:`Shard` - an even split of ``T`` along ``dim`` (column-parallel: dim 0, row-parallel: dim 1).
+* :class:`Vocab` - like ``Shard``, but ``T`` was padded along ``dim`` to a multiple before the split;
+  the pad rows are not data and are cut off when gathering.
+* :class:`Packed` - ``T`` is the concatenation along ``dim`` of parts (q, k, v; gate, up); each part is
+  split on its own and a rank holds the concatenation of its piece of every part.
+
+Everything here is pure: shapes in, shapes out; tensors in, tensors out. No file is opened. Functions
+that validate shapes raise :class:`~reshard.errors.ShapeMismatchError` with a message that says what
+does not add up; callers add the file and tensor name.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from reshard.errors import DivergentReplicaError, ShapeMismatchError
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """Every rank holds the whole tensor (norms, row-parallel biases, LoRA A of a column layer, ...)."""
+
+    def describe(self) -> str:
+        return "replicate"
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Even split along ``dim``. ``unit`` is the size of an indivisible block (a head, a query group)."""
+
+    dim: int
+    unit: int = 1
+
+    def describe(self) -> str:
+        return f"shard(dim={self.dim}" + (f", unit={self.unit})" if self.unit != 1 else ")")
+
+
+@dataclass(frozen=True)
+class Vocab:
+    """Split along ``dim`` after padding that dim to a multiple; pad rows are dropped on gather."""
+
+    dim: int
+
+    def describe(self) -> str:
+        return f"vocab(dim={self.dim})"
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Concatenation of ``parts`` (full sizes along ``dim``), each part split on its own.
+
+    ``units`` gives, per part, the size of an indivisible block (a head); ``None`` means 1 for all.
+    """
+
+    dim: int
+    parts: tuple[int, ...]
+    units: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "parts", tuple(int(p) for p in self.parts))
+        if self.units is not None:
+            object.__setattr__(self, "units", tuple(int(u) for u in self.units))
+            if len(self.units) != len(self.parts):
+                raise ValueError(f"packed: {len(self.parts)} parts but {len(self.units)} units")
+
+    def describe(self) -> str:
+        return f"packed(dim={self.dim}, parts={list(self.parts)})"
+
+    def part_units(self) -> tuple[int, ...]:
+        return self.units if self.units is not None else (1,) * len(self.parts)
+
+
+Partition = Replicate | Shard | Vocab | Packed
+
+
+# ---------------------------------------------------------------- (de)serialisation, the string boundary
+
+
+def partition_to_dict(partition: Partition) -> dict[str, Any]:
+    """The manifest / plan-file form, e.g. ``{"kind": "shard", "dim": 0}``."""
+    match partition:
+        case Replicate():
+            return {"kind": "replicate"}
+        case Shard(dim, unit):
+            return {"kind": "shard", "dim": dim} | ({"unit": unit} if unit != 1 else {})
+        case Vocab(dim):
+            return {"kind": "vocab", "dim": dim}
+        case Packed(dim, parts, units):
+            return {"kind": "packed", "dim": dim, "parts": list(parts)} | ({"units": list(units)} if units else {})
+    raise TypeError(f"not a partition: {partition!r}")
+
+
+def partition_from_dict(data: dict[str, Any]) -> Partition:
+    """Parse :func:`partition_to_dict` output; ``ValueError`` names what is wrong."""
+    kind = data.get("kind")
+    try:
+        match kind:
+            case "replicate":
+                return Replicate()
+            case "shard":
+                return Shard(int(data["dim"]), int(data.get("unit", 1)))
+            case "vocab":
+                return Vocab(int(data["dim"]))
+            case "packed":
+                units = data.get("units")
+                return Packed(int(data["dim"]), tuple(data["parts"]), None if units is None else tuple(units))
+    except KeyError as err:
+        raise ValueError(f"partition {kind!r} needs the field {err.args[0]!r}") from err
+    raise ValueError(f"unknown partition kind {kind!r} (replicate, shard, vocab or packed)")
+
+
+# ---------------------------------------------------------------- sizes
+
+
+def round_up(size: int, multiple: int) -> int:
+    """Smallest multiple of ``multiple`` that is >= ``size``."""
+    return -(-size // multiple) * multiple
+
+
+def split_sizes(total: int, tp: int, *, uneven: bool = False) -> list[int]:
+    """Sizes of ``tp`` pieces of ``total``.
+
+    Even splits need ``total % tp == 0``. ``uneven=True`` uses ``torch.chunk``'s convention (as the
+    transformers TP loader does): every piece ``ceil(total / tp)`` long, the last ones shorter or empty.
+    """
+    if uneven:
+        step = -(-total // tp)
+        return [max(0, min(step, total - r * step)) for r in range(tp)]
+    if total % tp:
+        raise ShapeMismatchError(f"size {total} does not divide by tp={tp}")
+    return [total // tp] * tp
+
+
+def _norm_dim(dim: int, ndim: int) -> int:
+    if not -ndim <= dim < ndim:
+        raise ShapeMismatchError(f"dim {dim} is out of range for a {ndim}-d tensor")
+    return dim % ndim
+
+
+def _with(shape: Sequence[int], dim: int, size: int) -> Shape:
+    out = list(shape)
+    out[dim] = size
+    return tuple(out)
+
+
+def _check_divisible_units(size: int, unit: int, tp: int, what: str) -> None:
+    if size % unit:
+        raise ShapeMismatchError(f"{what} size {size} is not a whole number of blocks of {unit}")
+    if (size // unit) % tp:
+        raise ShapeMismatchError(f"{what} has {size // unit} blocks of {unit}, which do not divide by tp={tp}")
+
+
+def rank_shapes(
+    partition: Partition, full_shape: Sequence[int], tp: int, *, padded: int | None = None, uneven: bool = False
+) -> list[Shape]:
+    """Per-rank shapes of a full tensor of ``full_shape`` split ``tp`` ways.
+
+    Args:
+        partition: how the tensor is split.
+        full_shape: the canonical (unpadded) shape.
+        tp: number of ranks.
+        padded: for :class:`Vocab`, the padded size of the vocab dim (defaults to the full size).
+        uneven: allow ``torch.chunk``-style uneven pieces instead of requiring divisibility.
+
+    Raises:
+        ShapeMismatchError: the dim (or a part, or whole blocks) does not divide by ``tp``.
+    """
+    full_shape = tuple(full_shape)
+    match partition:
+        case Replicate():
+            return [full_shape] * tp
+        case Shard(dim, unit):
+            dim = _norm_dim(dim, len(full_shape))
+            if not uneven and unit != 1:
+                _check_divisible_units(full_shape[dim], unit, tp, f"dim {dim}")
+            return [_with(full_shape, dim, s) for s in split_sizes(full_shape[dim], tp, uneven=uneven)]
+        case Vocab(dim):
+            dim = _norm_dim(dim, len(full_shape))
+            size = full_shape[dim] if padded is None else padded
+            if size < full_shape[dim]:
+                raise ShapeMismatchError(f"padded size {size} is smaller than the vocab {full_shape[dim]}")
+            return [_with(full_shape, dim, s) for s in split_sizes(size, tp, uneven=uneven)]
+        case Packed(dim, parts, _):
+            dim = _norm_dim(dim, len(full_shape))
+            if sum(parts) != full_shape[dim]:
+                raise ShapeMismatchError(f"packed parts {list(parts)} add up to {sum(parts)}, not {full_shape[dim]}")
+            per_part = _packed_piece_sizes(partition, tp, uneven=uneven)
+            return [_with(full_shape, dim, sum(p[r] for p in per_part)) for r in range(tp)]
+    raise TypeError(f"not a partition: {partition!r}")
+
+
+def _packed_piece_sizes(partition: Packed, tp: int, *, uneven: bool) -> list[list[int]]:
+    """For each part, the sizes of its ``tp`` pieces."""
+    out = []
+    for i, (part, unit) in enumerate(zip(partition.parts, partition.part_units(), strict=True)):
+        if not uneven and unit != 1:
+            _check_divisible_units(part, unit, tp, f"part {i}")
+        try:
+            out.append(split_sizes(part, tp, uneven=uneven))
+        except ShapeMismatchError as err:
+            raise ShapeMismatchError(f"packed part {i} of size {part} does not divide by tp={tp}") from err
+    return out
+
+
+def canonical_shape(
+    partition: Partition, shapes: Sequence[Sequence[int]], *, vocab_size: int | None = None, uneven: bool = False
+) -> Shape:
+    """The full, unpadded shape that rank slices of ``shapes`` gather into, after checking they fit.
+
+    Args:
+        partition: how the tensor was split.
+        shapes: one shape per rank, in rank order.
+        vocab_size: for :class:`Vocab`, the true vocab size to unpad to (``None`` keeps every row).
+        uneven: accept ``torch.chunk``-style uneven pieces.
+
+    Raises:
+        ShapeMismatchError: ranks disagree, sizes do not add up, or the padded total is below ``vocab_size``.
+    """
+    shapes = [tuple(s) for s in shapes]
+    tp = len(shapes)
+    first = shapes[0]
+    if any(len(s) != len(first) for s in shapes):
+        raise ShapeMismatchError(f"ranks have different numbers of dims: {shapes}")
+    if isinstance(partition, Replicate):
+        if any(s != first for s in shapes):
+            raise ShapeMismatchError(f"a replicated tensor has different shapes on different ranks: {shapes}")
+        return first
+    dim = _norm_dim(partition.dim, len(first))
+    others = {_with(s, dim, 0) for s in shapes}
+    if len(others) != 1:
+        raise ShapeMismatchError(f"rank shapes {shapes} differ outside dim {dim}")
+    total = sum(s[dim] for s in shapes)
+    full = _with(first, dim, total)
+    if isinstance(partition, Vocab):
+        full = _with(first, dim, total if vocab_size is None else vocab_size)
+        if vocab_size is not None and total < vocab_size:
+            raise ShapeMismatchError(f"ranks hold {total} rows along dim {dim}, fewer than the vocab {vocab_size}")
+        expected = rank_shapes(partition, full, tp, padded=total, uneven=uneven)
+    else:
+        expected = rank_shapes(partition, full, tp, uneven=uneven)
+    if expected != shapes:
+        raise ShapeMismatchError(
+            f"rank sizes {[s[dim] for s in shapes]} along dim {dim} are not a {partition.describe()} split "
+            f"of {total} over tp={tp} (expected {[e[dim] for e in expected]})"
+        )
+    return full
+
+
+# ---------------------------------------------------------------- tensors
+
+
+def pad(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """Append zero rows along ``dim`` up to ``size`` (no copy when nothing is added)."""
+    dim = _norm_dim(dim, tensor.dim())
+    missing = size - tensor.shape[dim]
+    if missing < 0:
+        raise ShapeMismatchError(f"cannot pad dim {dim} of size {tensor.shape[dim]} down to {size}")
+    if missing == 0:
+        return tensor
+    zeros = tensor.new_zeros(_with(tensor.shape, dim, missing))
+    return torch.cat([tensor, zeros], dim=dim)
+
+
+def unpad(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """A view of the first ``size`` entries along ``dim``: the pad rows are not data."""
+    dim = _norm_dim(dim, tensor.dim())
+    if size > tensor.shape[dim]:
+        raise ShapeMismatchError(f"cannot unpad dim {dim} of size {tensor.shape[dim]} up to {size}")
+    return tensor.narrow(dim, 0, size)
+
+
+def split(
+    full: torch.Tensor, partition: Partition, tp: int, *, padded: int | None = None, uneven: bool = False
+) -> list[torch.Tensor]:
+    """Cut a canonical tensor into ``tp`` rank slices (views where the layout allows).
+
+    Example:
+        >>> [t.tolist() for t in split(torch.arange(4), Packed(0, (2, 2)), 2)]
+        [[0, 2], [1, 3]]
+    """
+    match partition:
+        case Replicate():
+            return [full] * tp
+        case Shard(dim, _):
+            sizes = [s[dim] for s in rank_shapes(partition, full.shape, tp, uneven=uneven)]
+            return list(torch.split(full, sizes, dim=dim))
+        case Vocab(dim):
+            sizes = [s[dim] for s in rank_shapes(partition, full.shape, tp, padded=padded, uneven=uneven)]
+            return list(torch.split(pad(full, dim, sum(sizes)), sizes, dim=dim))
+        case Packed(dim, parts, _):
+            rank_shapes(partition, full.shape, tp, uneven=uneven)  # validates
+            pieces = [
+                torch.split(part, sizes, dim=dim)
+                for part, sizes in zip(
+                    torch.split(full, list(parts), dim=dim),
+                    _packed_piece_sizes(partition, tp, uneven=uneven),
+                    strict=True,
+                )
+            ]
+            return [torch.cat([p[r] for p in pieces], dim=dim) for r in range(tp)]
+    raise TypeError(f"not a partition: {partition!r}")
+
+
+def gather(
+    slices: Sequence[torch.Tensor],
+    partition: Partition,
+    *,
+    vocab_size: int | None = None,
+    uneven: bool = False,
+    allow_divergent: bool = False,
+) -> torch.Tensor:
+    """Join rank slices into the canonical tensor: the inverse of :func:`split`.
+
+    Args:
+        slices: one tensor per rank, in rank order.
+        partition: how they were split.
+        vocab_size: for :class:`Vocab`, the true size to cut the padded dim back to.
+        uneven: accept ``torch.chunk``-style uneven pieces.
+        allow_divergent: for :class:`Replicate`, take rank 0 even when ranks differ.
+
+    Raises:
+        ShapeMismatchError: the slices do not fit the partition.
+        DivergentReplicaError: a replicated tensor differs between ranks (the message gives the max
+            absolute difference and the first differing rank).
+
+    Example:
+        >>> gather([torch.tensor([0, 2]), torch.tensor([1, 3])], Packed(0, (2, 2))).tolist()
+        [0, 1, 2, 3]
+    """
+    full_shape = canonical_shape(partition, [s.shape for s in slices], vocab_size=vocab_size, uneven=uneven)
+    match partition:
+        case Replicate():
+            if not allow_divergent:
+                check_replicas(slices)
+            return slices[0]
+        case Shard(dim, _):
+            return slices[0] if len(slices) == 1 else torch.cat(list(slices), dim=dim)
+        case Vocab(dim):
+            joined = slices[0] if len(slices) == 1 else torch.cat(list(slices), dim=dim)
+            return unpad(joined, dim, full_shape[dim])
+        case Packed(dim, _, _):
+            per_part = _packed_piece_sizes(partition, len(slices), uneven=uneven)
+            rank_pieces = [torch.split(s, [sizes[r] for sizes in per_part], dim=dim) for r, s in enumerate(slices)]
+            return torch.cat(
+                [torch.cat([pieces[i] for pieces in rank_pieces], dim=dim) for i in range(len(per_part))], dim=dim
+            )
+    raise TypeError(f"not a partition: {partition!r}")
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, dtype and bytes (NaNs with equal bits compare equal, unlike ``torch.equal``)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.numel() == 0:
+        return True
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def check_replicas(slices: Sequence[torch.Tensor]) -> None:
+    """Raise :class:`DivergentReplicaError` unless every slice equals the first, bit for bit."""
+    first = slices[0]
+    for rank, other in enumerate(slices[1:], start=1):
+        if not bitwise_equal(first, other):
+            diff = (first.double() - other.double()).abs().max().item() if first.is_floating_point() else math.nan
+            raise DivergentReplicaError(
+                f"replicated tensor differs between rank 0 and rank {rank} (max abs diff {diff:.3g})",
+                hint="pass --allow-divergent-replicas to take rank 0",
+            )

@@ -1,0 +1,67 @@
+"""Built-in plans per model family, plan-file loading, and the choice of plan for a checkpoint."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from reshard.config import ModelConfig
+from reshard.errors import ReshardError
+from reshard.plans import llama
+from reshard.plans.base import EMPTY_PLAN, Plan, Rule
+from reshard.plans.files import load_plan_file
+from reshard.plans.infer import infer_partition
+
+__all__ = ["EMPTY_PLAN", "FAMILIES", "Family", "Plan", "Rule", "infer_partition", "load_plan_file", "select_plan"]
+
+
+@dataclass(frozen=True)
+class Family:
+    """A built-in plan and how to recognise its checkpoints."""
+
+    plan: Plan
+    model_types: tuple[str, ...]
+    signature: str  # a regex some tensor name of the family always matches
+
+    @property
+    def name(self) -> str:
+        return self.plan.name
+
+
+FAMILIES: list[Family] = [
+    Family(llama.LLAMA_PLAN, llama.MODEL_TYPES, llama.SIGNATURE),
+]
+
+
+def builtin_plan(name: str) -> Plan:
+    """A built-in plan by family name."""
+    for family in FAMILIES:
+        if family.name == name:
+            return family.plan
+    raise ReshardError(f"no built-in plan {name!r}", hint=f"built-in plans: {', '.join(f.name for f in FAMILIES)}")
+
+
+def detect_family(config: ModelConfig | None, names: Iterable[str]) -> Family | None:
+    """The family from ``config.json`` ``model_type``, else from parameter-name signatures."""
+    if config is not None and config.model_type:
+        for family in FAMILIES:
+            if config.model_type in family.model_types:
+                return family
+    names = list(names)
+    for family in FAMILIES:
+        pattern = re.compile(family.signature)
+        if any(pattern.search(n) for n in names):
+            return family
+    return None
+
+
+def select_plan(config: ModelConfig | None, names: Iterable[str], *, plan_file: Path | None = None) -> Plan:
+    """The plan for a checkpoint: the user's rules first (if any), then the detected family's."""
+    family = detect_family(config, names)
+    base = family.plan if family else EMPTY_PLAN
+    if plan_file is None:
+        return base
+    user, extends = load_plan_file(plan_file)
+    return user.then(builtin_plan(extends) if extends else base)

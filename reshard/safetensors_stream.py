@@ -1,0 +1,162 @@
+"""A streaming safetensors writer: the header is computed up front, tensors are written one at a time.
+
+The files are byte-for-byte what ``safetensors.torch.save_file`` writes for the same tensors and
+metadata (same tensor order, header JSON and padding), so ``safe_open`` and every loader read them,
+but the writer never holds more than the tensor being written.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+from huggingface_hub import split_state_dict_into_shards_factory
+from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_WEIGHTS_FILE_PATTERN
+
+from reshard.dtypes import code_of, safetensors_order
+from reshard.layouts.files import TensorHeader
+
+FORMAT_METADATA = {"format": "pt"}
+
+
+def ordered(headers: Mapping[str, TensorHeader]) -> list[str]:
+    """Names in the order ``save_file`` lays them out (dtype, largest first; then name)."""
+    return sorted(headers, key=lambda name: safetensors_order(name, headers[name].dtype))
+
+
+def header_bytes(headers: Mapping[str, TensorHeader], metadata: Mapping[str, str] | None) -> bytes:
+    """The 8-byte length plus the JSON header, padded with spaces to a multiple of 8, as safetensors does."""
+    entries: dict[str, object] = {}
+    if metadata:
+        entries["__metadata__"] = dict(metadata)
+    offset = 0
+    for name in ordered(headers):
+        header = headers[name]
+        entries[name] = {
+            "dtype": code_of(header.dtype),
+            "shape": list(header.shape),
+            "data_offsets": [offset, offset + header.nbytes],
+        }
+        offset += header.nbytes
+    text = json.dumps(entries, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes in C order, without a copy when it is already contiguous."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+@dataclass
+class SafetensorsFileWriter:
+    """Writes one safetensors file whose tensors are known in advance, one tensor at a time.
+
+    Tensors must arrive in :func:`ordered` order with the announced shapes and dtypes; the file is
+    complete when the last one is written (:attr:`done`).
+    """
+
+    path: Path
+    headers: Mapping[str, TensorHeader]
+    metadata: Mapping[str, str] | None = field(default_factory=lambda: dict(FORMAT_METADATA))
+    _order: list[str] = field(init=False)
+    _next: int = field(init=False, default=0)
+    _handle: BinaryIO | None = field(init=False, default=None, repr=False)
+    _started: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        self._order = ordered(self.headers)
+
+    @property
+    def done(self) -> bool:
+        return self._next == len(self._order)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        expected = self._order[self._next] if not self.done else None
+        if name != expected:
+            raise ValueError(f"{self.path.name}: expected tensor {expected!r} next, got {name!r}")
+        header = self.headers[name]
+        if tuple(tensor.shape) != header.shape or tensor.dtype != header.dtype:
+            raise ValueError(
+                f"{self.path.name}: {name}: announced {header.shape} {header.dtype}, "
+                f"got {tuple(tensor.shape)} {tensor.dtype}"
+            )
+        if not self._started:
+            self._start()
+        self._handle.write(tensor_bytes(tensor))
+        self._next += 1
+        if self.done:
+            self.close()
+
+    def _start(self) -> None:
+        self._started = True
+        self._handle = self.path.open("wb")
+        self._handle.write(header_bytes(self.headers, self.metadata))
+
+    def close(self) -> None:
+        """Close the file; a file announced with no tensors is written (header only) here."""
+        if not self._started:
+            self._start()
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+
+@dataclass
+class ShardedSafetensorsWriter:
+    """Writes one Hugging Face folder of safetensors shards (``model-0000i-of-0000n.safetensors`` and
+    ``model.safetensors.index.json``, or a single ``model.safetensors``) from headers known up front.
+
+    Shards are planned by ``huggingface_hub.split_state_dict_into_shards_factory`` (greedy in the
+    :func:`ordered` order; a tensor larger than ``max_shard_size`` gets a shard of its own).
+    """
+
+    folder: Path
+    headers: Mapping[str, TensorHeader]
+    max_shard_size: int | str = "5GB"
+    filename_pattern: str = SAFETENSORS_WEIGHTS_FILE_PATTERN
+    _files: dict[str, SafetensorsFileWriter] = field(init=False, default_factory=dict)
+    _file_of: dict[str, str] = field(init=False, default_factory=dict)
+    _index: dict | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        in_order = {name: self.headers[name] for name in ordered(self.headers)}
+        split = split_state_dict_into_shards_factory(
+            in_order,
+            get_storage_size=lambda header: header.nbytes,
+            filename_pattern=self.filename_pattern,
+            max_shard_size=self.max_shard_size,
+        )
+        self._file_of = dict(split.tensor_to_filename)
+        for filename, names in split.filename_to_tensors.items():
+            self._files[filename] = SafetensorsFileWriter(self.folder / filename, {n: self.headers[n] for n in names})
+        if split.is_sharded:
+            self._index = {"metadata": dict(split.metadata), "weight_map": dict(sorted(self._file_of.items()))}
+        if not self.headers:  # an empty state dict still gets its (empty) file
+            self._files[self.filename_pattern.format(suffix="")] = SafetensorsFileWriter(
+                self.folder / self.filename_pattern.format(suffix=""), {}
+            )
+
+    @property
+    def filenames(self) -> list[str]:
+        names = list(self._files)
+        return names + ([SAFETENSORS_INDEX_FILE] if self._index is not None else [])
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        self._files[self._file_of[name]].write(name, tensor)
+
+    def close(self) -> None:
+        """Finish every file (refusing if a tensor is missing) and write the index when sharded."""
+        missing = [f for f, w in self._files.items() if not w.done]
+        if missing:
+            raise ValueError(f"{self.folder}: files not complete: {missing}")
+        for writer in self._files.values():
+            writer.close()
+        if self._index is not None:
+            (self.folder / SAFETENSORS_INDEX_FILE).write_text(json.dumps(self._index, indent=2) + "\n")

@@ -1,0 +1,31 @@
+"""Shared fixtures: an offline, quiet environment and a CLI runner."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner, Result
+
+from reshard.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _offline_quiet(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """No test reaches the network or the user's caches; progress bars stay off."""
+    home = tmp_path_factory.mktemp("hf_home")
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    monkeypatch.setenv("NO_COLOR", "1")
+    monkeypatch.setenv("COLUMNS", "200")
+
+
+@pytest.fixture
+def cli():
+    """Run ``reshard ARGS...`` in-process; unexpected exceptions propagate as tracebacks."""
+    runner = CliRunner()
+
+    def run(*args: object) -> Result:
+        return runner.invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+    return run

@@ -17,7 +17,7 @@ from reshard.convert import ConvertReport, convert
 from reshard.errors import ReshardError
 from reshard.inspect import InspectReport, inspect_checkpoint
 from reshard.layouts import WRITABLE_LAYOUTS
-from reshard.options import ConvertOptions
+from reshard.options import ConvertOptions, default_jobs
 
 PATH = click.Path(path_type=Path)
 EXISTING = click.Path(exists=True, path_type=Path)
@@ -153,6 +153,13 @@ def _partition_args(partition: dict[str, Any] | None) -> str:
     help="Largest safetensors file before a new shard.",
 )
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty output folder.")
+@click.option(
+    "--jobs",
+    type=click.IntRange(min=1),
+    default=default_jobs,
+    show_default="the number of cores",
+    help="Threads reading and hashing tensors while others are written.",
+)
 @click.option("--allow-divergent-replicas", is_flag=True, help="Take rank 0 of replicated tensors that differ.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars and no report.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON document.")

@@ -112,7 +112,11 @@ def convert(ckpt: Path, out: Path, options: ConvertOptions) -> ConvertReport:
     with staged_output(out) as staging:
         writer = writer_class(layout)(staging, spec)
         hashes = execute(
-            conversion, writer, allow_divergent=options.allow_divergent_replicas, progress=options.progress
+            conversion,
+            writer,
+            allow_divergent=options.allow_divergent_replicas,
+            progress=options.progress,
+            jobs=options.jobs,
         )
         files = [str(p) for p in writer.close()]
         for side in source.side_files:

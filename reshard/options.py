@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
+
+
+def default_jobs() -> int:
+    """The number of cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
@@ -25,6 +31,7 @@ class ConvertOptions:
         merge_lora: merge LoRA adapters into their base weights before resharding.
         lora_alpha: LoRA alpha for merging (scaling = alpha / rank).
         progress: show tqdm progress bars on stderr.
+        jobs: threads reading, gathering and hashing tensors while the writes go on (default: the cores).
     """
 
     tp: int = 1
@@ -41,3 +48,4 @@ class ConvertOptions:
     merge_lora: bool = False
     lora_alpha: float = 1.0
     progress: bool = True
+    jobs: int = field(default_factory=default_jobs)

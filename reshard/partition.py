@@ -370,11 +370,15 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def check_replicas(slices: Sequence[torch.Tensor]) -> None:
     """Raise :class:`DivergentReplicaError` unless every slice equals the first, bit for bit."""
-    first = slices[0]
     for rank, other in enumerate(slices[1:], start=1):
-        if not bitwise_equal(first, other):
-            diff = (first.double() - other.double()).abs().max().item() if first.is_floating_point() else math.nan
-            raise DivergentReplicaError(
-                f"replicated tensor differs between rank 0 and rank {rank} (max abs diff {diff:.3g})",
-                hint="pass --allow-divergent-replicas to take rank 0",
-            )
+        check_replica(slices[0], other, rank)
+
+
+def check_replica(first: torch.Tensor, other: torch.Tensor, rank: int) -> None:
+    """Raise :class:`DivergentReplicaError` unless rank ``rank``'s copy ``other`` equals rank 0's ``first``."""
+    if not bitwise_equal(first, other):
+        diff = (first.double() - other.double()).abs().max().item() if first.is_floating_point() else math.nan
+        raise DivergentReplicaError(
+            f"replicated tensor differs between rank 0 and rank {rank} (max abs diff {diff:.3g})",
+            hint="pass --allow-divergent-replicas to take rank 0",
+        )

@@ -9,13 +9,11 @@ hash, split for the target, hand the slices to the writer, drop them, go on.
 from __future__ import annotations
 
 import hashlib
-import sys
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
-from tqdm.auto import tqdm
 
+from reshard import stream
 from reshard.config import ModelConfig
 from reshard.dtypes import safetensors_order
 from reshard.errors import AmbiguousPartitionError, PlanError, ReshardError, ShapeMismatchError
@@ -29,10 +27,9 @@ from reshard.partition import (
     gather,
     rank_shapes,
     round_up,
-    split,
 )
 from reshard.plans import Plan, infer_partition
-from reshard.safetensors_stream import tensor_bytes
+from reshard.safetensors_stream import byte_chunks
 
 Shape = tuple[int, ...]
 
@@ -241,8 +238,11 @@ def plan_conversion(
 
 
 def sha256_of(tensor: torch.Tensor) -> str:
-    """sha256 of a tensor's bytes in C order."""
-    return hashlib.sha256(tensor_bytes(tensor)).hexdigest()
+    """sha256 of a tensor's bytes in C order (read in place when contiguous, else in bounded blocks)."""
+    digest = hashlib.sha256()
+    for chunk in byte_chunks(tensor):
+        digest.update(chunk)
+    return digest.hexdigest()
 
 
 def gather_tensor(
@@ -259,39 +259,18 @@ def gather_tensor(
 
 
 def execute(
-    conversion: ConversionPlan, writer: CheckpointWriter, *, allow_divergent: bool = False, progress: bool = True
+    conversion: ConversionPlan,
+    writer: CheckpointWriter,
+    *,
+    allow_divergent: bool = False,
+    progress: bool = True,
+    jobs: int = 1,
 ) -> dict[str, str]:
-    """Stream every tensor through gather -> hash -> split -> writer. Returns ``{name: sha256}``."""
-    hashes: dict[str, str] = {}
-    total = sum(t.nbytes for t in conversion.tensors)
-    with (
-        tqdm(
-            total=total, unit="B", unit_scale=True, desc="tensors", disable=not progress, file=sys.stderr, leave=False
-        ) as bar,
-        torch.inference_mode(),
-    ):
-        for tensor in conversion.tensors:
-            full = gather_tensor(
-                tensor.source,
-                vocab_size=conversion.vocab.original,
-                uneven=conversion.uneven,
-                allow_divergent=allow_divergent,
-            )
-            hashes[tensor.name] = sha256_of(full)
-            pieces = split(
-                full,
-                tensor.source.partition,
-                conversion.target_tp,
-                padded=conversion.vocab.target_padded,
-                uneven=conversion.uneven,
-            )
-            writer.write(tensor.name, _exact(pieces, tensor.target_shapes))
-            bar.update(tensor.nbytes)
-    return hashes
+    """Stream every tensor through gather -> hash -> split -> writer. Returns ``{name: sha256}``.
 
-
-def _exact(pieces: Sequence[torch.Tensor], shapes: Sequence[Shape]) -> list[torch.Tensor]:
-    for piece, shape in zip(pieces, shapes, strict=True):
-        if tuple(piece.shape) != shape:
-            raise ShapeMismatchError(f"split produced {tuple(piece.shape)}, planned {shape}")
-    return list(pieces)
+    ``jobs`` threads read, gather and hash tensors while this thread writes them in plan order; the
+    bytes held at once stay under about twice the largest tensor (see :mod:`reshard.stream`).
+    """
+    return stream.run(
+        conversion, writer, jobs=jobs, hasher=sha256_of, allow_divergent=allow_divergent, progress=progress
+    )

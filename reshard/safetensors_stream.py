@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -22,6 +22,9 @@ from reshard.dtypes import code_of, safetensors_order
 from reshard.layouts.files import TensorHeader
 
 FORMAT_METADATA = {"format": "pt"}
+# A non-contiguous tensor (a column block of a row-parallel weight) is written through contiguous
+# copies of at most this many bytes, so writing it never needs a second full-size buffer.
+CHUNK_BYTES = 16 << 20
 
 
 def ordered(headers: Mapping[str, TensorHeader]) -> list[str]:
@@ -52,6 +55,24 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The tensor's bytes in C order, without a copy when it is already contiguous."""
     flat = tensor.detach().contiguous().reshape(-1)
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+def byte_chunks(tensor: torch.Tensor, limit: int = CHUNK_BYTES) -> Iterator[memoryview]:
+    """The tensor's bytes in C order as a sequence of buffers: the tensor's own memory when it is
+    contiguous, else contiguous copies of blocks along dim 0 of at most ``limit`` bytes (or one row)."""
+    if tensor.numel() == 0:
+        return
+    if tensor.is_contiguous() or tensor.dim() <= 1:
+        yield tensor_bytes(tensor)
+        return
+    row = tensor[0].numel() * tensor.element_size()
+    if row > limit:
+        for index in range(tensor.shape[0]):
+            yield from byte_chunks(tensor[index], limit)
+        return
+    step = max(1, limit // row)
+    for start in range(0, tensor.shape[0], step):
+        yield tensor_bytes(tensor.narrow(0, start, min(step, tensor.shape[0] - start)))
 
 
 @dataclass
@@ -89,7 +110,8 @@ class SafetensorsFileWriter:
             )
         if not self._started:
             self._start()
-        self._handle.write(tensor_bytes(tensor))
+        for chunk in byte_chunks(tensor):
+            self._handle.write(chunk)
         self._next += 1
         if self.done:
             self.close()

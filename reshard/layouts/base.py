@@ -62,6 +62,11 @@ class TensorRef:
     def read(self) -> torch.Tensor:
         return self.reader.get(self.key)
 
+    def read_into(self, out: torch.Tensor, *, start: int = 0) -> None:
+        """Fill contiguous ``out`` with this slice's bytes from byte ``start`` on (C order), without a copy
+        in between where the reader can."""
+        self.reader.read_into(self.key, out, start=start)
+
 
 @dataclass
 class SourceCheckpoint:

@@ -9,8 +9,10 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import pickle
 import struct
+import threading
 import zipfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -59,10 +61,30 @@ class FileReader:
     def get(self, key: str) -> torch.Tensor:
         raise NotImplementedError
 
+    def read_into(self, key: str, out: torch.Tensor, *, start: int = 0) -> None:
+        """Fill the contiguous tensor ``out`` with bytes ``[start, start + out.nbytes)`` of tensor ``key``
+        (in C order). Readers that can read straight from the file into ``out`` override this."""
+        if out.numel() == 0:
+            return
+        if not out.is_contiguous():
+            raise ValueError(f"{self.path.name}: {key}: read_into needs a contiguous buffer")
+        source = _flat_bytes(self.get(key))
+        _flat_bytes(out).copy_(source[start : start + out.numel() * out.element_size()])
+
+
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A 1-d uint8 view of a tensor's bytes (a contiguous copy first if it is not contiguous)."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
 
 @dataclass
 class SafetensorsReader(FileReader):
-    """A ``.safetensors`` file; the header is parsed and checked against the file size up front."""
+    """A ``.safetensors`` file; the header is parsed and checked against the file size up front.
+
+    :meth:`read_into` reads with ``pread`` straight into the caller's buffer: one copy from the page
+    cache and no mapping, so the resident memory of a conversion does not grow with the file sizes
+    (pages of a memory-mapped file count as resident for as long as the mapping lives).
+    """
 
     path: Path
     headers: dict[str, TensorHeader] = field(init=False)
@@ -70,9 +92,39 @@ class SafetensorsReader(FileReader):
     extras: dict[str, Any] = field(init=False, default_factory=dict)
     notes: list[str] = field(init=False, default_factory=list)
     _handle: Any = field(init=False, default=None, repr=False)
+    _offsets: dict[str, int] = field(init=False, repr=False)
+    _fd: int | None = field(init=False, default=None, repr=False)
+    _lock: threading.Lock = field(init=False, default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
-        self.headers, self.metadata = read_safetensors_header(self.path)
+        self.headers, self.metadata, self._offsets = _parse_safetensors_header(self.path)
+
+    def read_into(self, key: str, out: torch.Tensor, *, start: int = 0) -> None:
+        if out.numel() == 0:
+            return
+        view = memoryview(_flat_bytes(out).numpy())
+        if not out.is_contiguous() or start + len(view) > self.headers[key].nbytes:
+            raise ValueError(f"{self.path.name}: {key}: read_into needs a contiguous buffer inside the tensor")
+        position = self._offsets[key] + start
+        try:
+            fd = self._descriptor()
+            while view:
+                count = os.preadv(fd, [view], position)
+                if count == 0:
+                    raise CorruptFileError(
+                        "file ends before the tensor's bytes: truncated?", path=self.path, tensor=key
+                    )
+                view, position = view[count:], position + count
+        except OSError as err:
+            raise CorruptFileError(f"cannot read tensor: {err}", path=self.path, tensor=key) from err
+
+    def _descriptor(self) -> int:
+        with self._lock:
+            if self._fd is None:
+                self._fd = os.open(self.path, os.O_RDONLY)
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            return self._fd
 
     def get(self, key: str) -> torch.Tensor:
         try:
@@ -89,6 +141,12 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, TensorHeader], dict[s
     Raises:
         CorruptFileError: truncated file, unreadable header, or offsets that do not fit.
     """
+    headers, metadata, _ = _parse_safetensors_header(path)
+    return headers, metadata
+
+
+def _parse_safetensors_header(path: Path) -> tuple[dict[str, TensorHeader], dict[str, str], dict[str, int]]:
+    """:func:`read_safetensors_header` plus, per tensor, the file offset where its bytes start."""
     try:
         size = path.stat().st_size
         with path.open("rb") as handle:
@@ -108,6 +166,7 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, TensorHeader], dict[s
     metadata = header.pop("__metadata__", None) or {}
     data_size = size - 8 - length
     headers: dict[str, TensorHeader] = {}
+    offsets: dict[str, int] = {}
     for key, info in header.items():
         try:
             entry = TensorHeader(tuple(int(s) for s in info["shape"]), dtype_from_code(info["dtype"]))
@@ -121,7 +180,8 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, TensorHeader], dict[s
                 tensor=key,
             )
         headers[key] = entry
-    return headers, metadata
+        offsets[key] = 8 + length + start
+    return headers, metadata, offsets
 
 
 @dataclass

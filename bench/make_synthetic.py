@@ -1,0 +1,246 @@
+"""Write a synthetic tensor-parallel checkpoint with real Llama-7B tensor shapes and random bytes.
+
+Shapes are Llama-2-7B's (hidden 4096, intermediate 11008, 32 heads, vocab 32000, bf16); only the
+number of layers changes, chosen with ``--layers`` or from ``--size-gb``. The bytes are random (tiled
+from a 64 MB random block at shifting offsets, so no two tensors are equal), which is all a speed and
+memory benchmark needs; replicated tensors (the norms) are bit-identical on every rank, as they must be.
+
+Layouts:
+
+* ``hf-ranks``: reshard's own layout, ``rank_NN/model.safetensors`` (HF names) + top-level
+  ``config.json``; written with reshard's streaming safetensors writer (byte-identical to ``save_file``)
+  without ever building a tensor, so it runs at disk speed.
+* ``megatron``: Megatron-LM ``torch`` format, ``iter_0000001/mp_rank_NN/model_optim_rng.pt`` holding
+  ``{"model": <mcore state dict>, "args": argparse.Namespace, "checkpoint_version": 3.0, "iteration": 1}``
+  and ``latest_checkpointed_iteration.txt``. The vocab is padded as Megatron pads it
+  (``make_vocab_size_divisible_by`` 128 x tp), gate/up are packed per rank in ``linear_fc1`` and q/k/v
+  are one ``linear_qkv`` (32 query groups, so a contiguous row split is Megatron's own split).
+
+Examples:
+    python bench/make_synthetic.py bench/out/llama-4g-tp8 --size-gb 4 --tp 8
+    python bench/make_synthetic.py bench/out/llama-2l-mega --layers 2 --tp 8 --layout megatron
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from reshard.layouts.files import TensorHeader
+from reshard.safetensors_stream import FORMAT_METADATA, header_bytes, ordered
+
+HIDDEN = 4096
+INTERMEDIATE = 11008
+HEADS = 32
+VOCAB = 32000
+DTYPE = torch.bfloat16
+POOL_BYTES = 64 << 20
+MEGATRON_DIVISIBLE_BY = 128
+
+
+def round_up(size: int, multiple: int) -> int:
+    return -(-size // multiple) * multiple
+
+
+def hf_rank_shapes(layers: int, tp: int) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """HF Llama names -> (per-rank shape, replicated?) for ``tp`` ranks (vocab padded to a multiple of tp)."""
+    vocab = round_up(VOCAB, tp)
+    shapes: dict[str, tuple[tuple[int, ...], bool]] = {
+        "model.embed_tokens.weight": ((vocab // tp, HIDDEN), False),
+        "lm_head.weight": ((vocab // tp, HIDDEN), False),
+        "model.norm.weight": ((HIDDEN,), True),
+    }
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            shapes[f"{p}self_attn.{proj}.weight"] = ((HIDDEN // tp, HIDDEN), False)
+        shapes[f"{p}self_attn.o_proj.weight"] = ((HIDDEN, HIDDEN // tp), False)
+        shapes[f"{p}mlp.gate_proj.weight"] = ((INTERMEDIATE // tp, HIDDEN), False)
+        shapes[f"{p}mlp.up_proj.weight"] = ((INTERMEDIATE // tp, HIDDEN), False)
+        shapes[f"{p}mlp.down_proj.weight"] = ((HIDDEN, INTERMEDIATE // tp), False)
+        shapes[f"{p}input_layernorm.weight"] = ((HIDDEN,), True)
+        shapes[f"{p}post_attention_layernorm.weight"] = ((HIDDEN,), True)
+    return shapes
+
+
+def megatron_rank_shapes(layers: int, tp: int) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """mcore GPTModel (TE spec) names -> (per-rank shape, replicated?)."""
+    vocab = round_up(VOCAB, MEGATRON_DIVISIBLE_BY * tp)
+    shapes: dict[str, tuple[tuple[int, ...], bool]] = {
+        "embedding.word_embeddings.weight": ((vocab // tp, HIDDEN), False)
+    }
+    for i in range(layers):
+        p = f"decoder.layers.{i}."
+        shapes[f"{p}self_attention.linear_qkv.layer_norm_weight"] = ((HIDDEN,), True)
+        shapes[f"{p}self_attention.linear_qkv.weight"] = ((3 * HIDDEN // tp, HIDDEN), False)
+        shapes[f"{p}self_attention.linear_proj.weight"] = ((HIDDEN, HIDDEN // tp), False)
+        shapes[f"{p}mlp.linear_fc1.layer_norm_weight"] = ((HIDDEN,), True)
+        shapes[f"{p}mlp.linear_fc1.weight"] = ((2 * INTERMEDIATE // tp, HIDDEN), False)
+        shapes[f"{p}mlp.linear_fc2.weight"] = ((HIDDEN, INTERMEDIATE // tp), False)
+    shapes["decoder.final_layernorm.weight"] = ((HIDDEN,), True)
+    shapes["output_layer.weight"] = ((vocab // tp, HIDDEN), False)
+    return shapes
+
+
+def layers_for_size(size_gb: float) -> int:
+    """The number of layers whose checkpoint is closest to ``size_gb`` (10^9 bytes), at least 1."""
+    ranked = hf_rank_shapes(1, 1)
+    fixed = sum(_nbytes(s) for n, (s, _) in ranked.items() if "layers." not in n)
+    layer = sum(_nbytes(s) for n, (s, _) in ranked.items() if "layers." in n)
+    return max(1, round((size_gb * 1e9 - fixed) / layer))
+
+
+def _nbytes(shape: tuple[int, ...]) -> int:
+    return TensorHeader(shape, DTYPE).nbytes
+
+
+class RandomBytes:
+    """Hands out ``n`` random-looking bytes, tiling a fixed random pool from an offset that moves on."""
+
+    def __init__(self, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        pool = torch.randint(0, 256, (POOL_BYTES,), dtype=torch.uint8, generator=generator)
+        self._pool = memoryview(pool.numpy()).cast("B")
+        self._offset = 0
+
+    def chunks(self, n: int):
+        """Yield memoryviews adding up to ``n`` bytes."""
+        start = self._offset
+        self._offset = (self._offset + 4099) % POOL_BYTES  # the next tensor starts elsewhere
+        while n:
+            take = min(n, POOL_BYTES - start)
+            yield self._pool[start : start + take]
+            n -= take
+            start = 0
+
+    def tensor(self, shape: tuple[int, ...]) -> torch.Tensor:
+        out = torch.empty(shape, dtype=DTYPE)
+        flat = memoryview(out.view(torch.uint8).numpy()).cast("B") if out.numel() else memoryview(b"")
+        done = 0
+        for chunk in self.chunks(out.numel() * DTYPE.itemsize):
+            flat[done : done + len(chunk)] = chunk
+            done += len(chunk)
+        return out
+
+
+def llama_config(layers: int) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": HEADS,
+        "num_hidden_layers": layers,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def write_hf_ranks(out: Path, layers: int, tp: int, seed: int) -> None:
+    shapes = hf_rank_shapes(layers, tp)
+    headers = {name: TensorHeader(shape, DTYPE) for name, (shape, _) in shapes.items()}
+    shared = RandomBytes(seed + 1000)
+    replicated = {name: b"".join(shared.chunks(_nbytes(shape))) for name, (shape, rep) in shapes.items() if rep}
+    for rank in range(tp):
+        source = RandomBytes(seed + rank)
+        folder = out / f"rank_{rank:02d}"
+        folder.mkdir(parents=True)
+        with (folder / "model.safetensors").open("wb") as handle:
+            handle.write(header_bytes(headers, FORMAT_METADATA))
+            for name in ordered(headers):
+                shape, is_replicated = shapes[name]
+                if is_replicated:
+                    handle.write(replicated[name])
+                else:
+                    for chunk in source.chunks(_nbytes(shape)):
+                        handle.write(chunk)
+    (out / "config.json").write_text(json.dumps(llama_config(layers), indent=2) + "\n")
+
+
+def megatron_args(layers: int, tp: int) -> argparse.Namespace:
+    return argparse.Namespace(
+        num_layers=layers,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=INTERMEDIATE,
+        num_attention_heads=HEADS,
+        num_query_groups=HEADS,
+        group_query_attention=False,
+        kv_channels=HIDDEN // HEADS,
+        seq_length=4096,
+        max_position_embeddings=4096,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=1,
+        make_vocab_size_divisible_by=MEGATRON_DIVISIBLE_BY,
+        padded_vocab_size=round_up(VOCAB, MEGATRON_DIVISIBLE_BY * tp),
+        vocab_size=VOCAB,
+        swiglu=True,
+        normalization="RMSNorm",
+        position_embedding_type="rope",
+        untie_embeddings_and_output_weights=True,
+        add_bias_linear=False,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        transformer_impl="transformer_engine",
+        iteration=1,
+    )
+
+
+def write_megatron(out: Path, layers: int, tp: int, seed: int) -> None:
+    """One rank's state dict in memory at a time (torch.save needs it whole)."""
+    shapes = megatron_rank_shapes(layers, tp)
+    replicated = RandomBytes(seed + 1000)
+    norms = {name: replicated.tensor(shape) for name, (shape, rep) in shapes.items() if rep}
+    for rank in range(tp):
+        source = RandomBytes(seed + rank)
+        model = {name: norms[name].clone() if rep else source.tensor(shape) for name, (shape, rep) in shapes.items()}
+        folder = out / "iter_0000001" / f"mp_rank_{rank:02d}"
+        folder.mkdir(parents=True)
+        checkpoint = {"args": megatron_args(layers, tp), "checkpoint_version": 3.0, "iteration": 1, "model": model}
+        torch.save(checkpoint, folder / "model_optim_rng.pt")
+        del model, checkpoint
+    (out / "latest_checkpointed_iteration.txt").write_text("1")
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path, help="folder to create (must not exist)")
+    size = parser.add_mutually_exclusive_group(required=True)
+    size.add_argument("--layers", type=int, help="number of transformer layers")
+    size.add_argument("--size-gb", type=float, help="pick the number of layers for about this many GB (1e9 bytes)")
+    parser.add_argument("--tp", type=int, default=8, help="tensor-parallel ranks (default 8)")
+    parser.add_argument("--layout", choices=("hf-ranks", "megatron"), default="hf-ranks")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.out.exists():
+        parser.error(f"{args.out} exists")
+    if HIDDEN % args.tp or INTERMEDIATE % args.tp:
+        parser.error(f"tp={args.tp} does not divide hidden {HIDDEN} and intermediate {INTERMEDIATE}")
+    layers = args.layers if args.layers is not None else layers_for_size(args.size_gb)
+    args.out.mkdir(parents=True)
+    with torch.inference_mode():
+        if args.layout == "hf-ranks":
+            write_hf_ranks(args.out, layers, args.tp, args.seed)
+        else:
+            write_megatron(args.out, layers, args.tp, args.seed)
+    os.sync()
+    total = folder_bytes(args.out)
+    sys.stdout.write(f"{args.out}: {args.layout}, tp={args.tp}, {layers} layers, {total / 1e9:.2f} GB\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

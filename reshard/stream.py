@@ -1,0 +1,256 @@
+"""Moving the bytes of a planned conversion: read, gather, hash and split on worker threads, write in order.
+
+Why it is shaped like this:
+
+* **One buffer per tensor.** The rank slices are read straight into their place in one buffer of
+  the gathered (padded) tensor: a dim-0 piece is one ``pread`` into the buffer, other pieces go
+  through one slice-sized temporary. The canonical tensor, and every target piece of a
+  ``shard``/``vocab``/``replicate`` tensor, is then a view of that buffer: nothing is copied again.
+  Pad rows for a bigger target vocab are zeroed in the buffer, not concatenated.
+* **Overlap, bounded by bytes.** ``jobs`` threads prepare tensors (read, gather, sha256: all release
+  the GIL) while the calling thread writes the previous ones in plan order. A tensor is only started
+  when the bytes of every prepared-but-unwritten tensor plus its own fit in the budget
+  (``2 x`` the largest tensor), or when nothing else is in flight; so memory stays near
+  ``2 x`` the largest tensor whatever the size of the checkpoint.
+* **Same bytes as the one-at-a-time path.** The gather here is :func:`reshard.partition.gather`
+  done in place; ``tests/test_stream.py`` checks both agree on every partition kind.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from tqdm.auto import tqdm
+
+from reshard.errors import ReshardError, ShapeMismatchError
+from reshard.layouts.base import CheckpointWriter, TensorRef
+from reshard.partition import Packed, Replicate, Shard, Vocab, check_replica, split, split_sizes
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from reshard.pipeline import ConversionPlan, TensorPlan
+
+MIN_BUDGET = 64 << 20
+MAX_PENDING = 256
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Copy:
+    """Rows ``[src, src + length)`` along the split dim of rank ``rank``'s slice go to ``[dst, dst + length)``."""
+
+    rank: int
+    src: int
+    dst: int
+    length: int
+
+
+def copy_plan(partition: Shard | Vocab | Packed, shapes: Sequence[Shape], *, uneven: bool) -> tuple[list[Copy], int]:
+    """Where every piece of every rank slice lands in the gathered buffer, and the buffer's size along dim.
+
+    Pure: the in-place equivalent of the ``cat`` in :func:`reshard.partition.gather`.
+    """
+    dim = partition.dim % len(shapes[0])
+    sizes = [shape[dim] for shape in shapes]
+    if isinstance(partition, Packed):
+        per_part = [split_sizes(part, len(shapes), uneven=uneven) for part in partition.parts]
+        copies, part_start = [], 0
+        src = [0] * len(shapes)
+        for part, pieces in zip(partition.parts, per_part, strict=True):
+            dst = part_start
+            for rank, length in enumerate(pieces):
+                copies.append(Copy(rank, src[rank], dst, length))
+                src[rank] += length
+                dst += length
+            part_start += part
+        return copies, part_start
+    offsets = [sum(sizes[:r]) for r in range(len(sizes))]
+    return [Copy(r, 0, offsets[r], sizes[r]) for r in range(len(sizes))], sum(sizes)
+
+
+@dataclass(frozen=True)
+class Work:
+    """One tensor to move: its plan, the gathered buffer's shape, and the bytes it may hold at once."""
+
+    tensor: TensorPlan
+    buffer_shape: Shape
+    cost: int
+
+
+def plan_work(tensor: TensorPlan, *, target_tp: int) -> Work:
+    """The buffer for one tensor and an upper bound of the bytes held while it is prepared and written."""
+    source = tensor.source
+    partition = source.partition
+    itemsize = source.dtype.itemsize
+    shape = tuple(source.shape)
+    slice_bytes = max(ref.header.nbytes for ref in source.refs)
+    if isinstance(partition, Replicate):
+        return Work(tensor, shape, 2 * tensor.nbytes if len(source.refs) > 1 else tensor.nbytes)
+    dim = partition.dim % len(shape)
+    gathered = sum(ref.shape[dim] for ref in source.refs)
+    rows = gathered
+    if isinstance(partition, Vocab):
+        rows = max(gathered, sum(s[dim] for s in tensor.target_shapes))
+    buffer_shape = shape[:dim] + (max(rows, shape[dim]),) + shape[dim + 1 :]
+    cost = math.prod(buffer_shape) * itemsize
+    if math.prod(shape[:dim]) != 1:
+        cost += slice_bytes  # pieces that are not contiguous in the file go through one temporary
+    if isinstance(partition, Packed) and target_tp > 1:
+        cost += tensor.nbytes  # split() concatenates each target rank's parts
+    return Work(tensor, buffer_shape, cost)
+
+
+def _gather_into(work: Work, *, vocab_size: int | None, uneven: bool, allow_divergent: bool) -> torch.Tensor:
+    """Read every rank slice into one buffer; returns the buffer (the canonical tensor is a view of it)."""
+    source = work.tensor.source
+    refs: tuple[TensorRef, ...] = source.refs
+    buffer = torch.empty(work.buffer_shape, dtype=source.dtype)
+    partition = source.partition
+    if isinstance(partition, Replicate):
+        refs[0].read_into(buffer)
+        if not allow_divergent and len(refs) > 1:
+            other = torch.empty_like(buffer)
+            for rank, ref in enumerate(refs[1:], start=1):
+                ref.read_into(other)
+                check_replica(buffer, other, rank)
+        return buffer
+    dim = partition.dim % buffer.dim()
+    copies, _ = copy_plan(partition, [ref.shape for ref in refs], uneven=uneven)
+    direct = math.prod(buffer.shape[:dim]) == 1  # pieces along dim are contiguous in file and buffer
+    for rank, ref in enumerate(refs):
+        mine = [c for c in copies if c.rank == rank and c.length]
+        if direct:
+            row_bytes = math.prod(ref.shape[dim + 1 :]) * buffer.element_size()
+            for c in mine:
+                ref.read_into(buffer.narrow(dim, c.dst, c.length), start=c.src * row_bytes)
+            continue
+        if not mine:
+            continue
+        whole = torch.empty(ref.shape, dtype=buffer.dtype)
+        ref.read_into(whole)
+        for c in mine:
+            buffer.narrow(dim, c.dst, c.length).copy_(whole.narrow(dim, c.src, c.length))
+        del whole
+    return buffer
+
+
+def prepare(
+    work: Work, *, target_tp: int, vocab_size: int | None, uneven: bool, allow_divergent: bool
+) -> tuple[str, torch.Tensor, list[torch.Tensor]]:
+    """Gather one tensor; return its name, the canonical tensor and the target rank slices."""
+    tensor = work.tensor
+    source = tensor.source
+    try:
+        with torch.inference_mode():
+            buffer = _gather_into(work, vocab_size=vocab_size, uneven=uneven, allow_divergent=allow_divergent)
+            partition = source.partition
+            if isinstance(partition, Replicate):
+                return tensor.name, buffer, [buffer] * target_tp
+            dim = partition.dim % buffer.dim()
+            canonical = buffer.narrow(dim, 0, source.shape[dim])
+            if isinstance(partition, Vocab):
+                sizes = [s[dim] for s in tensor.target_shapes]
+                target = sum(sizes)
+                if target > source.shape[dim]:
+                    buffer.narrow(dim, source.shape[dim], target - source.shape[dim]).zero_()
+                return tensor.name, canonical, list(torch.split(buffer.narrow(dim, 0, target), sizes, dim=dim))
+            return tensor.name, canonical, split(canonical, partition, target_tp, uneven=uneven)
+    except ReshardError as err:
+        if err.path:
+            raise
+        raise type(err)(err.detail, path=source.refs[0].file, tensor=source.name, hint=err.hint) from err
+
+
+class Budget:
+    """Bytes held by tensors started but not yet written. Used from one thread only."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self.peak = 0
+
+    def take(self, cost: int) -> bool:
+        """Hold ``cost`` bytes if they fit, or if nothing is held (a tensor larger than the budget runs alone)."""
+        if self.held and self.held + cost > self.limit:
+            return False
+        self.held += cost
+        self.peak = max(self.peak, self.held)
+        return True
+
+    def give(self, cost: int) -> None:
+        self.held -= cost
+
+
+def budget_for(works: Sequence[Work]) -> int:
+    """Twice the largest tensor: one being written while the next is read."""
+    largest = max((w.tensor.nbytes for w in works), default=0)
+    return max(2 * largest, MIN_BUDGET)
+
+
+def run(
+    conversion: ConversionPlan,
+    writer: CheckpointWriter,
+    *,
+    jobs: int,
+    hasher: Callable[[torch.Tensor], str],
+    allow_divergent: bool = False,
+    progress: bool = True,
+    budget: Budget | None = None,
+) -> dict[str, str]:
+    """Prepare tensors on ``jobs`` threads, write them in plan order here; returns ``{name: sha256}``."""
+    works = [plan_work(t, target_tp=conversion.target_tp) for t in conversion.tensors]
+    budget = budget or Budget(budget_for(works))
+    options = {
+        "target_tp": conversion.target_tp,
+        "vocab_size": conversion.vocab.original,
+        "uneven": conversion.uneven,
+        "allow_divergent": allow_divergent,
+    }
+
+    def job(work: Work) -> tuple[str, str, list[torch.Tensor]]:
+        name, canonical, pieces = prepare(work, **options)
+        return name, hasher(canonical), pieces
+
+    hashes: dict[str, str] = {}
+    total = sum(t.nbytes for t in conversion.tensors)
+    pending: deque[tuple[Work, Future]] = deque()
+    with (
+        ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="reshard-read") as pool,
+        tqdm(
+            total=total, unit="B", unit_scale=True, desc="tensors", disable=not progress, file=sys.stderr, leave=False
+        ) as bar,
+        torch.inference_mode(),
+    ):
+        queue = deque(works)
+        try:
+            while queue or pending:
+                while queue and len(pending) < MAX_PENDING and budget.take(queue[0].cost):
+                    work = queue.popleft()
+                    pending.append((work, pool.submit(job, work)))
+                work, future = pending.popleft()
+                name, digest, pieces = future.result()
+                hashes[name] = digest
+                writer.write(name, _exact(pieces, work.tensor.target_shapes))
+                del pieces, future
+                budget.give(work.cost)
+                bar.update(work.tensor.nbytes)
+        except BaseException:
+            for _, future in pending:
+                future.cancel()
+            raise
+    return hashes
+
+
+def _exact(pieces: Sequence[torch.Tensor], shapes: Sequence[Shape]) -> list[torch.Tensor]:
+    for piece, shape in zip(pieces, shapes, strict=True):
+        if tuple(piece.shape) != shape:
+            raise ShapeMismatchError(f"split produced {tuple(piece.shape)}, planned {shape}")
+    return list(pieces)

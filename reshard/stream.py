@@ -103,8 +103,8 @@ def plan_work(tensor: TensorPlan, *, target_tp: int) -> Work:
     cost = math.prod(buffer_shape) * itemsize
     if math.prod(shape[:dim]) != 1:
         cost += slice_bytes  # pieces that are not contiguous in the file go through one temporary
-    if isinstance(partition, Packed) and target_tp > 1:
-        cost += tensor.nbytes  # split() concatenates each target rank's parts
+    if target_tp > 1 and (isinstance(partition, Packed) or math.prod(shape[:dim]) != 1):
+        cost += tensor.nbytes  # target pieces that are not views in C order are copied (on the worker)
     return Work(tensor, buffer_shape, cost)
 
 
@@ -112,6 +112,8 @@ def _gather_into(work: Work, *, vocab_size: int | None, uneven: bool, allow_dive
     """Read every rank slice into one buffer; returns the buffer (the canonical tensor is a view of it)."""
     source = work.tensor.source
     refs: tuple[TensorRef, ...] = source.refs
+    for ref in refs:  # every rank's read starts on the disk at once; the reads below then find it cached
+        ref.prefetch()
     buffer = torch.empty(work.buffer_shape, dtype=source.dtype)
     partition = source.partition
     if isinstance(partition, Replicate):
@@ -162,7 +164,8 @@ def prepare(
                 if target > source.shape[dim]:
                     buffer.narrow(dim, source.shape[dim], target - source.shape[dim]).zero_()
                 return tensor.name, canonical, list(torch.split(buffer.narrow(dim, 0, target), sizes, dim=dim))
-            return tensor.name, canonical, split(canonical, partition, target_tp, uneven=uneven)
+            pieces = split(canonical, partition, target_tp, uneven=uneven)
+            return tensor.name, canonical, [p if p.is_contiguous() else p.contiguous() for p in pieces]
     except ReshardError as err:
         if err.path:
             raise

@@ -67,6 +67,10 @@ class TensorRef:
         in between where the reader can."""
         self.reader.read_into(self.key, out, start=start)
 
+    def prefetch(self) -> None:
+        """Let the OS start reading this slice from disk in the background."""
+        self.reader.prefetch(self.key)
+
 
 @dataclass
 class SourceCheckpoint:

@@ -71,6 +71,9 @@ class FileReader:
         source = _flat_bytes(self.get(key))
         _flat_bytes(out).copy_(source[start : start + out.numel() * out.element_size()])
 
+    def prefetch(self, key: str) -> None:
+        """Ask the OS to start reading tensor ``key`` in the background (a hint; may do nothing)."""
+
 
 def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A 1-d uint8 view of a tensor's bytes (a contiguous copy first if it is not contiguous)."""
@@ -117,6 +120,15 @@ class SafetensorsReader(FileReader):
                 view, position = view[count:], position + count
         except OSError as err:
             raise CorruptFileError(f"cannot read tensor: {err}", path=self.path, tensor=key) from err
+
+    def prefetch(self, key: str) -> None:
+        if hasattr(os, "posix_fadvise") and self.headers[key].nbytes:
+            try:
+                os.posix_fadvise(
+                    self._descriptor(), self._offsets[key], self.headers[key].nbytes, os.POSIX_FADV_WILLNEED
+                )
+            except OSError as err:
+                logger.debug("%s: no read-ahead for %s: %s", self.path, key, err)
 
     def _descriptor(self) -> int:
         with self._lock:

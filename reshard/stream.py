@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -112,8 +113,6 @@ def _gather_into(work: Work, *, vocab_size: int | None, uneven: bool, allow_dive
     """Read every rank slice into one buffer; returns the buffer (the canonical tensor is a view of it)."""
     source = work.tensor.source
     refs: tuple[TensorRef, ...] = source.refs
-    for ref in refs:  # every rank's read starts on the disk at once; the reads below then find it cached
-        ref.prefetch()
     buffer = torch.empty(work.buffer_shape, dtype=source.dtype)
     partition = source.partition
     if isinstance(partition, Replicate):
@@ -198,6 +197,53 @@ def budget_for(works: Sequence[Work]) -> int:
     return max(2 * largest, MIN_BUDGET)
 
 
+class ReadAhead:
+    """A thread asking the OS to read the source slices of the coming tensors (``posix_fadvise`` WILLNEED).
+
+    It stays at most ``window`` source bytes ahead of the tensors the workers have started, so the disk
+    is kept busy while the workers hash; what it reads lands in the page cache, not in this process.
+    """
+
+    def __init__(self, works: Sequence[Work], window: int) -> None:
+        self._works = works
+        self._window = window
+        self._started = 0
+        self._stop = False
+        self._wake = threading.Condition()
+        self._thread = threading.Thread(target=self._loop, name="reshard-readahead", daemon=True)
+
+    def __enter__(self) -> ReadAhead:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        self._thread.join()
+
+    def started(self, work: Work) -> None:
+        with self._wake:
+            self._started += _source_bytes(work)
+            self._wake.notify()
+
+    def _loop(self) -> None:
+        ahead = 0
+        for work in self._works:
+            with self._wake:
+                while not self._stop and ahead > self._started + self._window:
+                    self._wake.wait()
+                if self._stop:
+                    return
+            for ref in work.tensor.source.refs:
+                ref.prefetch()
+            ahead += _source_bytes(work)
+
+
+def _source_bytes(work: Work) -> int:
+    return sum(ref.header.nbytes for ref in work.tensor.source.refs)
+
+
 def run(
     conversion: ConversionPlan,
     writer: CheckpointWriter,
@@ -231,6 +277,7 @@ def run(
             total=total, unit="B", unit_scale=True, desc="tensors", disable=not progress, file=sys.stderr, leave=False
         ) as bar,
         torch.inference_mode(),
+        ReadAhead(works, budget.limit) as read_ahead,
     ):
         queue = deque(works)
         try:
@@ -238,6 +285,7 @@ def run(
                 while queue and len(pending) < MAX_PENDING and budget.take(queue[0].cost):
                     work = queue.popleft()
                     pending.append((work, pool.submit(job, work)))
+                    read_ahead.started(work)
                 work, future = pending.popleft()
                 name, digest, pieces = future.result()
                 hashes[name] = digest

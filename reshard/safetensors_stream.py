@@ -18,6 +18,7 @@ import torch
 from huggingface_hub import split_state_dict_into_shards_factory
 from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_WEIGHTS_FILE_PATTERN
 
+from reshard._io import row_views, write_all
 from reshard.dtypes import code_of, safetensors_order
 from reshard.layouts.files import TensorHeader
 
@@ -110,16 +111,17 @@ class SafetensorsFileWriter:
             )
         if not self._started:
             self._start()
-        for chunk in byte_chunks(tensor):
-            self._handle.write(chunk)
+        rows = row_views(tensor)
+        for chunk in [rows] if rows is not None else ([c] for c in byte_chunks(tensor)):
+            write_all(self._handle.fileno(), chunk)
         self._next += 1
         if self.done:
             self.close()
 
     def _start(self) -> None:
         self._started = True
-        self._handle = self.path.open("wb")
-        self._handle.write(header_bytes(self.headers, self.metadata))
+        self._handle = self.path.open("wb", buffering=0)
+        write_all(self._handle.fileno(), [memoryview(header_bytes(self.headers, self.metadata))])
 
     def close(self) -> None:
         """Close the file; a file announced with no tensors is written (header only) here."""

@@ -103,9 +103,9 @@ def plan_work(tensor: TensorPlan, *, target_tp: int) -> Work:
     buffer_shape = shape[:dim] + (max(rows, shape[dim]),) + shape[dim + 1 :]
     cost = math.prod(buffer_shape) * itemsize
     if math.prod(shape[:dim]) != 1:
-        cost += slice_bytes  # pieces that are not contiguous in the file go through one temporary
-    if target_tp > 1 and (isinstance(partition, Packed) or math.prod(shape[:dim]) != 1):
-        cost += tensor.nbytes  # target pieces that are not views in C order are copied (on the worker)
+        cost += slice_bytes  # packed parts, or short rows, go through one slice-sized temporary
+    if target_tp > 1 and isinstance(partition, Packed):
+        cost += tensor.nbytes  # split() concatenates each target rank's parts
     return Work(tensor, buffer_shape, cost)
 
 
@@ -135,6 +135,9 @@ def _gather_into(work: Work, *, vocab_size: int | None, uneven: bool, allow_dive
             continue
         if not mine:
             continue
+        if len(mine) == 1 and mine[0].length == ref.shape[dim]:  # the whole slice: read into its block
+            ref.read_into(buffer.narrow(dim, mine[0].dst, mine[0].length))
+            continue
         whole = torch.empty(ref.shape, dtype=buffer.dtype)
         ref.read_into(whole)
         for c in mine:
@@ -163,8 +166,7 @@ def prepare(
                 if target > source.shape[dim]:
                     buffer.narrow(dim, source.shape[dim], target - source.shape[dim]).zero_()
                 return tensor.name, canonical, list(torch.split(buffer.narrow(dim, 0, target), sizes, dim=dim))
-            pieces = split(canonical, partition, target_tp, uneven=uneven)
-            return tensor.name, canonical, [p if p.is_contiguous() else p.contiguous() for p in pieces]
+            return tensor.name, canonical, split(canonical, partition, target_tp, uneven=uneven)
     except ReshardError as err:
         if err.path:
             raise

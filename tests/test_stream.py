@@ -45,6 +45,9 @@ CASES = {
     "shard0": (Shard(0), (8, 6), 2, 4, {}),
     "shard1": (Shard(1), (6, 8), 4, 2, {}),
     "shard1-3d": (Shard(1), (3, 8, 5), 2, 4, {}),
+    "shard1-long-rows": (Shard(1), (5, 1024), 2, 4, {}),  # rows >= 1 KB: read and written row by row
+    "shard2-long-rows": (Shard(2), (2, 3, 1024), 4, 2, {}),
+    "vocab1-long-rows": (Vocab(1), (3, 1001), 2, 4, {"vocab": 1001}),
     "vocab0-pad-more": (Vocab(0), (13, 4), 2, 4, {"vocab": 13}),
     "vocab0-pad-less": (Vocab(0), (13, 4), 4, 1, {"vocab": 13}),
     "vocab1": (Vocab(1), (3, 10), 4, 2, {"vocab": 10}),
@@ -194,3 +197,53 @@ def test_bytes_in_flight_stay_within_the_budget(tmp_path: Path, monkeypatch: pyt
     assert budget.held == 0
     assert largest <= peak[0] <= budget.limit
     assert live[0] == 0
+
+
+def test_short_writes_and_reads_resume_where_they_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from reshard import _io
+
+    data = [memoryview(bytes(range(i, i + 7))) for i in range(0, 70, 7)]
+    real_writev, real_preadv = os.writev, os.preadv
+    monkeypatch.setattr(_io.os, "writev", lambda fd, views: real_writev(fd, [views[0][:3]]))  # 3 bytes a call
+    path = tmp_path / "f"
+    with path.open("wb", buffering=0) as handle:
+        _io.write_all(handle.fileno(), data)
+    assert path.read_bytes() == b"".join(bytes(d) for d in data)
+
+    monkeypatch.setattr(_io.os, "preadv", lambda fd, views, pos: real_preadv(fd, [views[0][:5]], pos))
+    out = [memoryview(bytearray(7)) for _ in range(10)]
+    with path.open("rb") as handle:
+        assert _io.read_all(handle.fileno(), out, 0)
+        assert b"".join(bytes(o) for o in out) == path.read_bytes()
+        assert not _io.read_all(handle.fileno(), [memoryview(bytearray(8))], 66)  # the file ends
+
+
+def test_row_views_are_the_strided_rows_without_a_copy() -> None:
+    full = _full((4, 1024))
+    block = full[:, 256:768]
+    views = _io_rows(block)
+    assert len(views) == 4 and b"".join(bytes(v) for v in views) == block.contiguous().numpy().tobytes()
+    views[0][:4] = bytes(4)  # writes through to the tensor: no copy was made
+    assert full[0, 256] == 0
+    assert _io_rows(full[:, 1:9]) is None  # 32-byte rows: not worth a buffer each
+
+
+def _io_rows(tensor: torch.Tensor):
+    from reshard._io import row_views
+
+    return row_views(tensor)
+
+
+@pytest.mark.parametrize("columns", [(256, 768), (1, 9)], ids=["long-rows", "short-rows"])
+def test_a_column_block_is_written_as_save_file_writes_it(tmp_path: Path, columns: tuple[int, int]) -> None:
+    from reshard.layouts.files import TensorHeader
+    from reshard.safetensors_stream import SafetensorsFileWriter
+
+    block = _full((6, 1024))[:, columns[0] : columns[1]]
+    writer = SafetensorsFileWriter(tmp_path / "ours.safetensors", {"w": TensorHeader(tuple(block.shape), block.dtype)})
+    writer.write("w", block)
+    assert writer.done
+    save_file({"w": block.contiguous()}, tmp_path / "theirs.safetensors", metadata={"format": "pt"})
+    assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "theirs.safetensors").read_bytes()

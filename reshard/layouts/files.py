@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from reshard._io import read_all, row_views
 from reshard.dtypes import dtype_from_code
 from reshard.errors import CorruptFileError, UnsafePickleError
 
@@ -62,14 +63,20 @@ class FileReader:
         raise NotImplementedError
 
     def read_into(self, key: str, out: torch.Tensor, *, start: int = 0) -> None:
-        """Fill the contiguous tensor ``out`` with bytes ``[start, start + out.nbytes)`` of tensor ``key``
-        (in C order). Readers that can read straight from the file into ``out`` override this."""
+        """Fill ``out`` with bytes ``[start, start + out.nbytes)`` of tensor ``key`` (in C order).
+
+        ``out`` is contiguous, or (with ``start`` 0) a strided view of the tensor's shape, such as its
+        column block in a gathered tensor. Readers that can read from the file into ``out`` override this.
+        """
         if out.numel() == 0:
             return
-        if not out.is_contiguous():
-            raise ValueError(f"{self.path.name}: {key}: read_into needs a contiguous buffer")
-        source = _flat_bytes(self.get(key))
-        _flat_bytes(out).copy_(source[start : start + out.numel() * out.element_size()])
+        source = self.get(key)
+        if out.is_contiguous():
+            _flat_bytes(out).copy_(_flat_bytes(source)[start : start + out.numel() * out.element_size()])
+        elif start == 0 and out.shape == source.shape:
+            out.copy_(source)
+        else:
+            raise ValueError(f"{self.path.name}: {key}: cannot read part of a tensor into a strided buffer")
 
     def prefetch(self, key: str) -> None:
         """Ask the OS to start reading tensor ``key`` in the background (a hint; may do nothing)."""
@@ -105,21 +112,20 @@ class SafetensorsReader(FileReader):
     def read_into(self, key: str, out: torch.Tensor, *, start: int = 0) -> None:
         if out.numel() == 0:
             return
-        view = memoryview(_flat_bytes(out).numpy())
-        if not out.is_contiguous() or start + len(view) > self.headers[key].nbytes:
-            raise ValueError(f"{self.path.name}: {key}: read_into needs a contiguous buffer inside the tensor")
-        position = self._offsets[key] + start
+        if start + out.numel() * out.element_size() > self.headers[key].nbytes:
+            raise ValueError(f"{self.path.name}: {key}: read_into past the end of the tensor")
+        views = row_views(out)
+        if views is None:  # short strided rows: read into a temporary, then copy
+            whole = torch.empty(out.shape, dtype=out.dtype)
+            self.read_into(key, whole, start=start)
+            out.copy_(whole)
+            return
         try:
-            fd = self._descriptor()
-            while view:
-                count = os.preadv(fd, [view], position)
-                if count == 0:
-                    raise CorruptFileError(
-                        "file ends before the tensor's bytes: truncated?", path=self.path, tensor=key
-                    )
-                view, position = view[count:], position + count
+            complete = read_all(self._descriptor(), views, self._offsets[key] + start)
         except OSError as err:
             raise CorruptFileError(f"cannot read tensor: {err}", path=self.path, tensor=key) from err
+        if not complete:
+            raise CorruptFileError("file ends before the tensor's bytes", path=self.path, tensor=key)
 
     def prefetch(self, key: str) -> None:
         if hasattr(os, "posix_fadvise") and self.headers[key].nbytes:

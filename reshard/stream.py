@@ -109,11 +109,12 @@ def plan_work(tensor: TensorPlan, *, target_tp: int) -> Work:
     return Work(tensor, buffer_shape, cost)
 
 
-def _gather_into(work: Work, *, vocab_size: int | None, uneven: bool, allow_divergent: bool) -> torch.Tensor:
-    """Read every rank slice into one buffer; returns the buffer (the canonical tensor is a view of it)."""
+def _gather_into(
+    work: Work, buffer: torch.Tensor, *, vocab_size: int | None, uneven: bool, allow_divergent: bool
+) -> torch.Tensor:
+    """Read every rank slice into ``buffer``; returns it (the canonical tensor is a view of it)."""
     source = work.tensor.source
     refs: tuple[TensorRef, ...] = source.refs
-    buffer = torch.empty(work.buffer_shape, dtype=source.dtype)
     partition = source.partition
     if isinstance(partition, Replicate):
         refs[0].read_into(buffer)
@@ -147,14 +148,23 @@ def _gather_into(work: Work, *, vocab_size: int | None, uneven: bool, allow_dive
 
 
 def prepare(
-    work: Work, *, target_tp: int, vocab_size: int | None, uneven: bool, allow_divergent: bool
+    work: Work,
+    *,
+    target_tp: int,
+    vocab_size: int | None,
+    uneven: bool,
+    allow_divergent: bool,
+    buffer: torch.Tensor | None = None,
 ) -> tuple[str, torch.Tensor, list[torch.Tensor]]:
-    """Gather one tensor; return its name, the canonical tensor and the target rank slices."""
+    """Gather one tensor (into ``buffer`` of ``work.buffer_shape``, or a new one); return its name, the
+    canonical tensor and the target rank slices (views of the buffer, but for ``packed``)."""
     tensor = work.tensor
     source = tensor.source
+    if buffer is None:
+        buffer = torch.empty(work.buffer_shape, dtype=source.dtype)
     try:
         with torch.inference_mode():
-            buffer = _gather_into(work, vocab_size=vocab_size, uneven=uneven, allow_divergent=allow_divergent)
+            buffer = _gather_into(work, buffer, vocab_size=vocab_size, uneven=uneven, allow_divergent=allow_divergent)
             partition = source.partition
             if isinstance(partition, Replicate):
                 return tensor.name, buffer, [buffer] * target_tp
@@ -171,6 +181,45 @@ def prepare(
         if err.path:
             raise
         raise type(err)(err.detail, path=source.refs[0].file, tensor=source.name, hint=err.hint) from err
+
+
+class BufferPool:
+    """Hands out gather buffers and takes them back once written, to hand them out again.
+
+    Fresh memory costs a page fault and the zeroing of every page, about as much as reading the
+    bytes; and the same sizes come again and again (every layer has the same shapes, and the plan
+    orders tensors by size). Buffers are kept by byte size; free ones are dropped when keeping them
+    would take the memory held (in use or free) over ``limit``.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._held = 0
+        self.peak = 0
+        self._lock = threading.Lock()
+
+    def get(self, shape: Shape, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """A raw byte buffer (give it back with :meth:`put`) and a tensor of ``shape`` and ``dtype`` on it."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        raw = None
+        with self._lock:
+            if self._free.get(nbytes):
+                raw = self._free[nbytes].pop()
+            else:
+                while self._held + nbytes > self.limit and any(self._free.values()):
+                    size = max(size for size, free in self._free.items() if free)
+                    self._free[size].pop()
+                    self._held -= size
+                self._held += nbytes
+                self.peak = max(self.peak, self._held)
+        if raw is None:
+            raw = torch.empty(nbytes, dtype=torch.uint8)
+        return raw, raw.view(dtype).view(shape)
+
+    def put(self, raw: torch.Tensor) -> None:
+        with self._lock:
+            self._free.setdefault(raw.numel(), []).append(raw)
 
 
 class Budget:
@@ -266,9 +315,12 @@ def run(
         "allow_divergent": allow_divergent,
     }
 
-    def job(work: Work) -> tuple[str, str, list[torch.Tensor]]:
-        name, canonical, pieces = prepare(work, **options)
-        return name, hasher(canonical), pieces
+    buffers = BufferPool(budget.limit)
+
+    def job(work: Work) -> tuple[str, str, list[torch.Tensor], torch.Tensor]:
+        raw, buffer = buffers.get(work.buffer_shape, work.tensor.source.dtype)
+        name, canonical, pieces = prepare(work, buffer=buffer, **options)
+        return name, hasher(canonical), pieces, raw
 
     hashes: dict[str, str] = {}
     total = sum(t.nbytes for t in conversion.tensors)
@@ -289,10 +341,11 @@ def run(
                     pending.append((work, pool.submit(job, work)))
                     read_ahead.started(work)
                 work, future = pending.popleft()
-                name, digest, pieces = future.result()
+                name, digest, pieces, raw = future.result()
                 hashes[name] = digest
                 writer.write(name, _exact(pieces, work.tensor.target_shapes))
                 del pieces, future
+                buffers.put(raw)
                 budget.give(work.cost)
                 bar.update(work.tensor.nbytes)
         except BaseException:

@@ -153,12 +153,19 @@ def test_threaded_convert_writes_the_same_bytes_as_one_job(cli, tmp_path: Path, 
 
 
 def test_bytes_in_flight_stay_within_the_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The tensor memory alive at once (storages behind prepared, unwritten slices) stays under the budget."""
+    """The tensor memory alive at once (storages behind prepared, unwritten slices, and gather buffers kept
+    for reuse) stays under the budget."""
     from reshard.convert import convert
     from reshard.options import ConvertOptions
 
     budgets: list[stream.Budget] = []
+    pools: list[stream.BufferPool] = []
     live, peak, lock = [0], [0], threading.Lock()
+
+    class RecordingPool(stream.BufferPool):
+        def __init__(self, limit: int) -> None:
+            super().__init__(limit)
+            pools.append(self)
 
     class Recording(stream.Budget):
         def __init__(self, limit: int) -> None:
@@ -188,6 +195,7 @@ def test_bytes_in_flight_stay_within_the_budget(tmp_path: Path, monkeypatch: pyt
 
     prepare = stream.prepare
     monkeypatch.setattr(stream, "Budget", Recording)
+    monkeypatch.setattr(stream, "BufferPool", RecordingPool)
     monkeypatch.setattr(stream, "prepare", tracking)
     monkeypatch.setattr(stream, "MIN_BUDGET", 0)  # the tiny model's own 2 x largest tensor
     convert(SAMPLE, tmp_path / "out", ConvertOptions(tp=2, jobs=4, progress=False))
@@ -197,6 +205,8 @@ def test_bytes_in_flight_stay_within_the_budget(tmp_path: Path, monkeypatch: pyt
     assert budget.held == 0
     assert largest <= peak[0] <= budget.limit
     assert live[0] == 0
+    (pool,) = pools  # gather buffers kept for reuse count too
+    assert pool.limit == budget.limit and largest <= pool.peak <= pool.limit
 
 
 def test_short_writes_and_reads_resume_where_they_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

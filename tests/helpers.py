@@ -54,3 +54,59 @@ def logits(model, vocab: int, *, seed: int = 1) -> torch.Tensor:
     ids = torch.randint(0, vocab, (2, 9), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         return model(ids).logits
+
+
+LINEAR = dict(linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8, linear_value_head_dim=8)
+
+
+def tiny_qwen3_5(path: Path, *, vocab: int = 1001, seed: int = 0, **overrides):
+    """A random tiny ``Qwen3_5ForCausalLM``: one Gated DeltaNet layer, one gated full-attention layer."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(seed)
+    config = Qwen3_5TextConfig(vocab_size=vocab, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+                               layer_types=["linear_attention", "full_attention"], tie_word_embeddings=False,
+                               **(TINY | LINEAR | overrides))
+    model = Qwen3_5ForCausalLM(config).eval()
+    _randomize_small_params(model)
+    model.save_pretrained(path)
+    return model
+
+
+def tiny_qwen3_next(path: Path, *, vocab: int = 1001, seed: int = 0, **overrides):
+    """A random tiny ``Qwen3NextForCausalLM`` (MoE with 4 experts and a shared expert), layers as Qwen3.5's."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3NextConfig(vocab_size=vocab, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+                             moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
+                             num_experts_per_tok=2, layer_types=["linear_attention", "full_attention"],
+                             tie_word_embeddings=False, **(TINY | LINEAR | overrides))
+    model = Qwen3NextForCausalLM(config).eval()
+    _randomize_small_params(model)
+    model.save_pretrained(path)
+    return model
+
+
+def tiny_qwen2_vl(path: Path, *, vocab: int = 1001, seed: int = 0):
+    """A random tiny ``Qwen2VLForConditionalGeneration`` (one vision block of 4 heads, two text layers)."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    config = Qwen2VLConfig(
+        text_config=dict(vocab_size=vocab, num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, **TINY),
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, spatial_merge_size=2),
+        tie_word_embeddings=False,
+    )
+    model = Qwen2VLForConditionalGeneration(config).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def _randomize_small_params(model) -> None:
+    """Norms, ``A_log`` and ``dt_bias`` start as constants: make them random so a misplaced row shows."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 1:
+                param.copy_(torch.rand_like(param) + 0.5)

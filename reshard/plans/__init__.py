@@ -9,7 +9,7 @@ from pathlib import Path
 
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
-from reshard.plans import llama
+from reshard.plans import llama, qwen2_vl, qwen3_5, qwen3_next
 from reshard.plans.base import EMPTY_PLAN, Plan, Rule
 from reshard.plans.files import load_plan_file
 from reshard.plans.infer import infer_partition
@@ -30,13 +30,20 @@ class Family:
         return self.plan.name
 
 
+# Signatures are tried in order: the hybrid and multimodal families (which also have Llama-like
+# attention names) come before Llama.
 FAMILIES: list[Family] = [
+    Family(qwen3_next.QWEN3_NEXT_PLAN, qwen3_next.MODEL_TYPES, qwen3_next.SIGNATURE),
+    Family(qwen3_5.QWEN3_5_PLAN, qwen3_5.MODEL_TYPES, qwen3_5.SIGNATURE),
+    Family(qwen2_vl.QWEN2_VL_PLAN, qwen2_vl.MODEL_TYPES, qwen2_vl.SIGNATURE),
     Family(llama.LLAMA_PLAN, llama.MODEL_TYPES, llama.SIGNATURE),
 ]
 
 
 def builtin_plan(name: str) -> Plan:
-    """A built-in plan by family name."""
+    """A built-in plan by family name (``none``: no rules, so a plan file can stand alone)."""
+    if name == EMPTY_PLAN.name:
+        return EMPTY_PLAN
     for family in FAMILIES:
         if family.name == name:
             return family.plan

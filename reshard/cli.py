@@ -18,9 +18,24 @@ from reshard.errors import ReshardError
 from reshard.inspect import InspectReport, inspect_checkpoint
 from reshard.layouts import WRITABLE_LAYOUTS
 from reshard.options import ConvertOptions
+from reshard.plans import TRANSFORMERS
 
 PATH = click.Path(path_type=Path)
 EXISTING = click.Path(exists=True, path_type=Path)
+
+
+class PlanParam(click.ParamType):
+    """``--plan``: an existing plan FILE, or the word ``transformers`` (the installed transformers' plan)."""
+
+    name = "FILE|transformers"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path | str:
+        if value == TRANSFORMERS:
+            return TRANSFORMERS
+        return EXISTING.convert(value, param, ctx)
+
+
+PLAN = PlanParam()
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]?B)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 
@@ -56,7 +71,12 @@ def common_read_options(command: Callable[..., Any]) -> Callable[..., Any]:
     for option in reversed(
         [
             click.option("--config", "config", type=EXISTING, help="config.json to use (default: in or above CKPT)."),
-            click.option("--plan", "plan", type=EXISTING, help="Plan file (TOML/JSON) whose rules come first."),
+            click.option(
+                "--plan",
+                "plan",
+                type=PLAN,
+                help="Plan file (TOML/JSON) whose rules come first, or 'transformers' for transformers' own TP plan.",
+            ),
             click.option("--trust-pickle", is_flag=True, help="Fully unpickle torch files (only files you trust)."),
         ]
     ):
@@ -85,7 +105,7 @@ def main(verbose: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
 @reports_errors
 def inspect_command(
-    ckpt: Path, config: Path | None, plan: Path | None, trust_pickle: bool, vocab: int | None, as_json: bool
+    ckpt: Path, config: Path | None, plan: Path | str | None, trust_pickle: bool, vocab: int | None, as_json: bool
 ) -> None:
     """Show layout, tp, files and how every tensor is split, and why.
 

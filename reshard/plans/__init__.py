@@ -13,8 +13,20 @@ from reshard.plans import llama, qwen2_vl, qwen3_5, qwen3_next
 from reshard.plans.base import EMPTY_PLAN, Plan, Rule
 from reshard.plans.files import load_plan_file
 from reshard.plans.infer import infer_partition
+from reshard.plans.transformers_plan import NAME as TRANSFORMERS
+from reshard.plans.transformers_plan import transformers_plan
 
-__all__ = ["EMPTY_PLAN", "FAMILIES", "Family", "Plan", "Rule", "infer_partition", "load_plan_file", "select_plan"]
+__all__ = [
+    "TRANSFORMERS",
+    "EMPTY_PLAN",
+    "FAMILIES",
+    "Family",
+    "Plan",
+    "Rule",
+    "infer_partition",
+    "load_plan_file",
+    "select_plan",
+]
 
 
 @dataclass(frozen=True)
@@ -64,11 +76,16 @@ def detect_family(config: ModelConfig | None, names: Iterable[str]) -> Family | 
     return None
 
 
-def select_plan(config: ModelConfig | None, names: Iterable[str], *, plan_file: Path | None = None) -> Plan:
-    """The plan for a checkpoint: the user's rules first (if any), then the detected family's."""
+def select_plan(config: ModelConfig | None, names: Iterable[str], *, plan_file: Path | str | None = None) -> Plan:
+    """The plan for a checkpoint: the user's rules first (if any), then the detected family's.
+
+    ``plan_file="transformers"`` takes the installed transformers' own TP plan for the config instead.
+    """
+    if plan_file == TRANSFORMERS:
+        return transformers_plan(config)
     family = detect_family(config, names)
     base = family.plan if family else EMPTY_PLAN
     if plan_file is None:
         return base
-    user, extends = load_plan_file(plan_file)
+    user, extends = load_plan_file(Path(plan_file))
     return user.then(builtin_plan(extends) if extends else base)

@@ -13,6 +13,7 @@ import click
 
 from reshard import __version__
 from reshard._output import emit_json, human_bytes, note, shape_list, table
+from reshard.check import CheckOptions, CheckReport, check
 from reshard.convert import ConvertReport, convert
 from reshard.errors import ReshardError
 from reshard.inspect import InspectReport, inspect_checkpoint
@@ -207,6 +208,56 @@ def render_convert(report: ConvertReport) -> str:
     lines += [f"  {c['tensor']}: {c['old']} -> {c['new']}" for c in report.changed]
     lines += [f"note: {n}" for n in report.notes]
     lines.append(f"manifest {report.manifest}")
+    return "\n".join(lines)
+
+
+@main.command("check")
+@click.argument("target", metavar="CKPT|CONFIG", type=EXISTING)
+@click.option("--tp", type=click.IntRange(min=1), required=True, help="Number of ranks to check for.")
+@click.option("--uneven", is_flag=True, help="Allow torch.chunk-style uneven splits (transformers' convention).")
+@click.option("--pad-multiple", type=click.IntRange(min=1), help="Pad the vocab to a multiple of K (default: tp).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+@common_read_options
+@reports_errors
+def check_command(target: Path, as_json: bool, **options: Any) -> None:
+    """Can this model be split --tp ways? Reads headers (or a config.json) only, never tensor data.
+
+    Exit code 0: it can; 1: it cannot (the problems say why); 2: bad input.
+
+    \b
+    Examples:
+      reshard check sample_ckpts/tiny-llama-tp2 --tp 4
+      reshard check config.json --tp 4 --plan transformers --json
+    """
+    report = check(target, CheckOptions(**options))
+    emit_json(report) if as_json else click.echo(render_check(report))
+    if not report.ok:
+        raise SystemExit(1)
+
+
+def render_check(report: CheckReport) -> str:
+    lines = [
+        f"{report.input}  {report.source}" + (f" (model_type {report.model_type})" if report.model_type else ""),
+        f"plan        {report.plan}, tp={report.tp}" + (", uneven" if report.uneven else ""),
+        "",
+    ]
+    rows = [
+        [
+            t.name,
+            str(t.shape),
+            t.rule if t.rule is not None else "-",
+            (t.partition or {}).get("kind", "-") + _partition_args(t.partition),
+            str(t.rank_shape) if t.rank_shape is not None else "-",
+            "; ".join(t.problems),
+        ]
+        for t in report.tensors
+    ]
+    lines.append(table(rows, ["tensor", "shape", "rule", "partition", "per rank", "problem"]))
+    for problem in report.problems:
+        names = problem.tensors
+        where = f" ({names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "") + ")" if names else ""
+        lines.append(f"{problem.severity}: {problem.message}{where}")
+    lines.append(f"splits {report.tp} ways" if report.ok else f"cannot be split {report.tp} ways")
     return "\n".join(lines)
 
 

@@ -64,9 +64,9 @@ def tiny_qwen3_5(path: Path, *, vocab: int = 1001, seed: int = 0, **overrides):
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     torch.manual_seed(seed)
-    config = Qwen3_5TextConfig(vocab_size=vocab, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
-                               layer_types=["linear_attention", "full_attention"], tie_word_embeddings=False,
-                               **(TINY | LINEAR | overrides))
+    heads = dict(num_attention_heads=4, num_key_value_heads=4, head_dim=16)
+    config = Qwen3_5TextConfig(vocab_size=vocab, layer_types=["linear_attention", "full_attention"],
+                               tie_word_embeddings=False, **(TINY | LINEAR | heads | overrides))
     model = Qwen3_5ForCausalLM(config).eval()
     _randomize_small_params(model)
     model.save_pretrained(path)

@@ -107,6 +107,6 @@ def tiny_qwen2_vl(path: Path, *, vocab: int = 1001, seed: int = 0):
 def _randomize_small_params(model) -> None:
     """Norms, ``A_log`` and ``dt_bias`` start as constants: make them random so a misplaced row shows."""
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             if param.dim() == 1:
                 param.copy_(torch.rand_like(param) + 0.5)

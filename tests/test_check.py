@@ -68,8 +68,16 @@ def test_plan_lacking_linear_attn_names_those_parameters(cli, qwen35, tmp_path):
     prefix = "model.layers.0.linear_attn."
     assert uncovered == {
         prefix + n
-        for n in ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight", "out_proj.weight",
-                  "conv1d.weight", "A_log", "dt_bias")
+        for n in (
+            "in_proj_qkv.weight",
+            "in_proj_z.weight",
+            "in_proj_b.weight",
+            "in_proj_a.weight",
+            "out_proj.weight",
+            "conv1d.weight",
+            "A_log",
+            "dt_bias",
+        )
     }  # linear_attn.norm.weight is covered by the plan's norm rule
     text = cli("check", qwen35 / "config.json", "--tp", 4, "--plan", plan)
     assert text.exit_code == 1 and "in_proj_qkv.weight" in text.output and "cannot be split 4 ways" in text.output
@@ -79,9 +87,15 @@ def test_heads_that_do_not_divide_are_named(cli, qwen35):
     code, report = run_json(cli, qwen35 / "config.json", "--tp", 8)
     messages = [p["message"] for p in report["problems"] if p["severity"] == "error"]
     assert code == 1
-    assert "linear_num_key_heads=4 heads do not divide by tp=8 (fewer than the 8 ranks): a head would be cut" in messages
-    assert "num_attention_heads=4 heads do not divide by tp=8 (fewer than the 8 ranks): a head would be cut" in messages
-    assert "num_key_value_heads=4 heads do not divide by tp=8 (fewer than the 8 ranks): a head would be cut" in messages
+    assert (
+        "linear_num_key_heads=4 heads do not divide by tp=8 (fewer than the 8 ranks): a head would be cut" in messages
+    )
+    assert (
+        "num_attention_heads=4 heads do not divide by tp=8 (fewer than the 8 ranks): a head would be cut" in messages
+    )
+    assert (
+        "num_key_value_heads=4 heads do not divide by tp=8 (fewer than the 8 ranks): a head would be cut" in messages
+    )
 
 
 def test_kv_heads_fewer_than_ranks_from_checkpoint_headers(cli, tmp_path):
@@ -110,7 +124,9 @@ def test_conv_split_not_matching_its_input_projection(cli, qwen35, tmp_path):
 def test_transformers_plan_gathers_linear_attn_so_the_whole_conv_fits(cli, qwen35):
     code, report = run_json(cli, qwen35 / "config.json", "--tp", 2, "--plan", "transformers", "--uneven")
     assert code == 0 and report["plan"] == "transformers"
-    warned = {n for p in report["problems"] if p["message"].startswith("not in the transformers plan") for n in p["tensors"]}
+    warned = {
+        n for p in report["problems"] if p["message"].startswith("not in the transformers plan") for n in p["tensors"]
+    }
     assert warned == {"model.layers.0.linear_attn.conv1d.weight"}
 
 

@@ -79,7 +79,9 @@ def test_qwen3_5_gated_query_split_by_whole_heads(cli, tmp_path):
     assert q.shape[0] == 4 * 2 * 16  # query and gate per head
     assert cli("convert", tmp_path / "full", "--tp", 2, "-o", tmp_path / "tp2", "-q").exit_code == 0
     for r in range(2):
-        assert torch.equal(rank_state(tmp_path / "tp2", r)["model.layers.1.self_attn.q_proj.weight"], q[64 * r : 64 * r + 64])
+        assert torch.equal(
+            rank_state(tmp_path / "tp2", r)["model.layers.1.self_attn.q_proj.weight"], q[64 * r : 64 * r + 64]
+        )
 
 
 def test_qwen2_vl_vision_qkv_packed_and_tower_rest_replicated(cli, tmp_path):
@@ -92,14 +94,28 @@ def test_qwen2_vl_vision_qkv_packed_and_tower_rest_replicated(cli, tmp_path):
         assert torch.equal(ranks[r]["visual.blocks.0.attn.qkv.weight"], expected)
         assert torch.equal(ranks[r]["visual.merger.mlp.0.weight"], full["visual.merger.mlp.0.weight"])
         assert torch.equal(ranks[r]["visual.patch_embed.proj.weight"], full["visual.patch_embed.proj.weight"])
-        assert torch.equal(ranks[r]["visual.blocks.0.attn.proj.weight"], full["visual.blocks.0.attn.proj.weight"][:, 16 * r : 16 * r + 16])
+        assert torch.equal(
+            ranks[r]["visual.blocks.0.attn.proj.weight"],
+            full["visual.blocks.0.attn.proj.weight"][:, 16 * r : 16 * r + 16],
+        )
 
 
 def test_plan_transformers_matches_torch_chunk_of_the_loader(cli, tmp_path):
     """transformers' own plan: colwise rows chunked, linear_attn projections chunked (gathered after), conv whole."""
     tiny_qwen3_5(tmp_path / "full", vocab=1001)
     full = load_folder(tmp_path / "full")
-    args = ("convert", tmp_path / "full", "--tp", 3, "--plan", "transformers", "--uneven", "-o", tmp_path / "tp3", "-q")
+    args = (
+        "convert",
+        tmp_path / "full",
+        "--tp",
+        3,
+        "--plan",
+        "transformers",
+        "--uneven",
+        "-o",
+        tmp_path / "tp3",
+        "-q",
+    )
     assert cli(*args).exit_code == 0
     ranks = [rank_state(tmp_path / "tp3", r) for r in range(3)]
     for name, dim in [
@@ -113,7 +129,9 @@ def test_plan_transformers_matches_torch_chunk_of_the_loader(cli, tmp_path):
         for r, expected in enumerate(full[name].chunk(3, dim=dim)):
             assert torch.equal(ranks[r][name], expected), name
     for r in range(3):
-        assert torch.equal(ranks[r]["model.layers.0.linear_attn.conv1d.weight"], full["model.layers.0.linear_attn.conv1d.weight"])
+        assert torch.equal(
+            ranks[r]["model.layers.0.linear_attn.conv1d.weight"], full["model.layers.0.linear_attn.conv1d.weight"]
+        )
     back_args = ("convert", tmp_path / "tp3", "--tp", 1, "--plan", "transformers", "--uneven", "-o", tmp_path / "back")
     assert cli(*back_args, "-q").exit_code == 0
     back = load_folder(tmp_path / "back")
@@ -123,7 +141,9 @@ def test_plan_transformers_matches_torch_chunk_of_the_loader(cli, tmp_path):
 def test_plan_option_still_takes_a_file_and_rejects_a_missing_one(cli, tmp_path):
     tiny_qwen3_5(tmp_path / "full")
     plan = tmp_path / "plan.toml"
-    plan.write_text('extends = "qwen3_5"\n[[rules]]\npattern = "linear_attn\\\\.norm\\\\.weight$"\nkind = "replicate"\n')
+    plan.write_text(
+        'extends = "qwen3_5"\n[[rules]]\npattern = "linear_attn\\\\.norm\\\\.weight$"\nkind = "replicate"\n'
+    )
     assert cli("convert", tmp_path / "full", "--tp", 2, "--plan", plan, "-o", tmp_path / "tp2", "-q").exit_code == 0
     result = cli("convert", tmp_path / "full", "--tp", 2, "--plan", tmp_path / "nope.toml", "-o", tmp_path / "x")
     assert result.exit_code == 2 and "nope.toml" in result.output and not (tmp_path / "x").exists()

@@ -67,8 +67,12 @@ def tiny_qwen3_5(path: Path, *, vocab: int = 1001, seed: int = 0, **overrides):
 
     torch.manual_seed(seed)
     heads = dict(num_attention_heads=4, num_key_value_heads=4, head_dim=16)
-    config = Qwen3_5TextConfig(vocab_size=vocab, layer_types=["linear_attention", "full_attention"],
-                               tie_word_embeddings=False, **(TINY | LINEAR | heads | overrides))
+    config = Qwen3_5TextConfig(
+        vocab_size=vocab,
+        layer_types=["linear_attention", "full_attention"],
+        tie_word_embeddings=False,
+        **(TINY | LINEAR | heads | overrides),
+    )
     model = Qwen3_5ForCausalLM(config).eval()
     _randomize_small_params(model)
     model.save_pretrained(path)
@@ -80,10 +84,19 @@ def tiny_qwen3_next(path: Path, *, vocab: int = 1001, seed: int = 0, **overrides
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen3NextConfig(vocab_size=vocab, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
-                             moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
-                             num_experts_per_tok=2, layer_types=["linear_attention", "full_attention"],
-                             tie_word_embeddings=False, **(TINY | LINEAR | overrides))
+    config = Qwen3NextConfig(
+        vocab_size=vocab,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=16,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["linear_attention", "full_attention"],
+        tie_word_embeddings=False,
+        **(TINY | LINEAR | overrides),
+    )
     model = Qwen3NextForCausalLM(config).eval()
     _randomize_small_params(model)
     model.save_pretrained(path)
@@ -96,8 +109,14 @@ def tiny_qwen2_vl(path: Path, *, vocab: int = 1001, seed: int = 0):
 
     torch.manual_seed(seed)
     config = Qwen2VLConfig(
-        text_config=dict(vocab_size=vocab, num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False,
-                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, **TINY),
+        text_config=dict(
+            vocab_size=vocab,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            tie_word_embeddings=False,
+            rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+            **TINY,
+        ),
         vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, spatial_merge_size=2),
         tie_word_embeddings=False,
     )

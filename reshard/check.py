@@ -102,7 +102,8 @@ def check_model(
     tensors, heads, partitions = [], {}, {}
     for name, shape in shapes.items():
         rule = plan.match(name)
-        row = CheckedTensor(name, list(shape), None if rule is None else rule.pattern, None, None)
+        label = None if rule is None else "(not in the plan: replicated)" if rule.implicit else rule.pattern
+        row = CheckedTensor(name, list(shape), label, None, None)
         tensors.append(row)
         if rule is None:
             row.rank_shape = None

@@ -120,7 +120,7 @@ def check_model(
             row.rank_shape = list(rank_shapes(partition, shape, tp, padded=padded, uneven=uneven)[0])
         except ShapeMismatchError as err:
             row.problems.append(f"{partition.describe()} cannot be split {tp} ways: {err.detail}")
-        if not isinstance(partition, Replicate):
+        if not isinstance(partition, Replicate) and not rule.gathered:  # gathered: computed whole after
             for key in _head_keys(name):
                 heads.setdefault(key, []).append(name)
     problems += _head_problems(heads, config, tp)
@@ -278,6 +278,8 @@ def _full_shapes(source: Any, plan: Plan, config: ModelConfig | None) -> dict[st
     shapes = {}
     for name in source.names():
         rank = [r.get(name).shape for r in source.ranks if r.get(name) is not None]
+        if len(rank) != source.tp:
+            raise ReshardError(f"on {len(rank)} of {source.tp} ranks", tensor=name, hint="every rank must hold it")
         if source.tp == 1 or all(s == rank[0] for s in rank) and plan.match(name) is None:
             shapes[name] = rank[0]
             continue

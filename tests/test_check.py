@@ -130,6 +130,14 @@ def test_transformers_plan_gathers_linear_attn_so_the_whole_conv_fits(cli, qwen3
     assert warned == {"model.layers.0.linear_attn.conv1d.weight"}
 
 
+def test_transformers_plan_heads_only_matter_where_the_output_stays_split(cli, qwen35):
+    """linear_attn projections are gathered after the matmul (storage split only); k/v_proj are not."""
+    code, report = run_json(cli, qwen35 / "config.json", "--tp", 8, "--plan", "transformers", "--uneven")
+    errors = [p["message"] for p in report["problems"] if p["severity"] == "error"]
+    assert code == 1
+    assert [m.split("=")[0] for m in errors] == ["num_attention_heads", "num_key_value_heads"]
+
+
 def test_model_with_no_plan_says_so(cli, tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 2, "vocab_size": 50}))

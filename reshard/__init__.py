@@ -7,6 +7,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from reshard.check import CheckOptions, CheckReport, check  # noqa: E402
 from reshard.convert import ConvertReport, convert  # noqa: E402
 from reshard.errors import ReshardError  # noqa: E402
 from reshard.inspect import InspectReport, inspect_checkpoint  # noqa: E402
@@ -16,6 +17,8 @@ from reshard.partition import Packed, Partition, Replicate, Shard, Vocab, gather
 from reshard.plans import Plan, Rule  # noqa: E402
 
 __all__ = [
+    "CheckOptions",
+    "CheckReport",
     "ConvertOptions",
     "ConvertReport",
     "InspectReport",
@@ -29,6 +32,7 @@ __all__ = [
     "Shard",
     "Vocab",
     "__version__",
+    "check",
     "convert",
     "gather",
     "inspect_checkpoint",

@@ -106,7 +106,6 @@ def check_model(
         row = CheckedTensor(name, list(shape), label, None, None)
         tensors.append(row)
         if rule is None:
-            row.rank_shape = None
             if plan.rules:
                 row.problems.append("no rule covers it")
             continue
@@ -115,7 +114,7 @@ def check_model(
         row.partition = partition_to_dict(partition)
         if rule.implicit and len(shape) >= 2:
             row.problems.append(f"not in the {plan.name} plan: every rank holds it whole")
-        padded = _padded_vocab(partition, shape, vocab, tp, multiple, uneven)
+        padded = _padded_vocab(partition, shape, vocab, multiple, uneven)
         try:
             row.rank_shape = list(rank_shapes(partition, shape, tp, padded=padded, uneven=uneven)[0])
         except ShapeMismatchError as err:
@@ -130,10 +129,11 @@ def check_model(
     return CheckReport(source, kind, config.model_type if config else None, plan.name, tp, uneven, tensors, problems)
 
 
-def _padded_vocab(partition: Partition, shape: Shape, vocab: int | None, tp: int, multiple: int, uneven: bool):
+def _padded_vocab(partition: Partition, shape: Shape, vocab: int | None, multiple: int, uneven: bool) -> int | None:
+    """The vocab rows after padding (a tensor already longer than the config's vocab keeps its rows)."""
     if not isinstance(partition, Vocab):
         return None
-    size = vocab or shape[partition.dim]
+    size = max(vocab or 0, shape[partition.dim])
     return size if uneven else round_up(size, multiple)
 
 
@@ -219,7 +219,7 @@ def _vocab_problems(partitions, shapes, vocab, tp, multiple, uneven) -> list[Pro
     names = [n for n, (_, p) in partitions.items() if isinstance(p, Vocab)]
     if not names:
         return []
-    size = vocab or shapes[names[0]][partitions[names[0]][1].dim]
+    size = max(vocab or 0, shapes[names[0]][partitions[names[0]][1].dim])
     if uneven:
         if size % tp:
             return [Problem(WARNING, f"vocab {size} splits unevenly over tp={tp} (torch.chunk)", names)]

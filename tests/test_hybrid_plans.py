@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -147,3 +148,47 @@ def test_plan_option_still_takes_a_file_and_rejects_a_missing_one(cli, tmp_path)
     assert cli("convert", tmp_path / "full", "--tp", 2, "--plan", plan, "-o", tmp_path / "tp2", "-q").exit_code == 0
     result = cli("convert", tmp_path / "full", "--tp", 2, "--plan", tmp_path / "nope.toml", "-o", tmp_path / "x")
     assert result.exit_code == 2 and "nope.toml" in result.output and not (tmp_path / "x").exists()
+
+
+def local_module(cls, config, layer, prefix, state, **fewer):
+    """``cls`` built with this rank's head counts, holding this rank's slices."""
+    local = copy.deepcopy(config)
+    for key, tp in fewer.items():
+        setattr(local, key, getattr(config, key) // tp)
+    module = cls(local, layer).eval()
+    module.load_state_dict({k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)})
+    return module
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_each_rank_computes_exactly_its_heads(cli, tmp_path, family):
+    """Rank modules with 1/tp of the heads, fed the rank files, sum (the row-parallel all-reduce) to the layer."""
+    module = __import__(f"transformers.models.{family}.modeling_{family}", fromlist=["_"])
+    prefix_cls = {"qwen3_5": "Qwen3_5", "qwen3_next": "Qwen3Next"}[family]
+    model = BUILDERS[family](tmp_path / "full")
+    assert cli("convert", tmp_path / "full", "--tp", 4, "-o", tmp_path / "tp4", "-q").exit_code == 0
+    states = [rank_state(tmp_path / "tp4", r) for r in range(4)]
+    config, x = model.config, torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(3))
+    rotary = getattr(module, f"{prefix_cls}TextRotaryEmbedding", None) or getattr(
+        module, f"{prefix_cls}RotaryEmbedding"
+    )
+    position = rotary(config)(x, torch.arange(9)[None].expand(2, -1))
+    with torch.no_grad():
+        gdn = getattr(module, f"{prefix_cls}GatedDeltaNet")
+        expected = model.model.layers[0].linear_attn(x)
+        ranks = [
+            local_module(
+                gdn, config, 0, "model.layers.0.linear_attn.", s, linear_num_key_heads=4, linear_num_value_heads=4
+            )(x)
+            for s in states
+        ]
+        torch.testing.assert_close(sum(ranks), expected, rtol=0, atol=1e-5)
+        attention = getattr(module, f"{prefix_cls}Attention")
+        expected, _ = model.model.layers[1].self_attn(x, position_embeddings=position, attention_mask=None)
+        ranks = [
+            local_module(
+                attention, config, 1, "model.layers.1.self_attn.", s, num_attention_heads=4, num_key_value_heads=4
+            )(x, position_embeddings=position, attention_mask=None)[0]
+            for s in states
+        ]
+        torch.testing.assert_close(sum(ranks), expected, rtol=0, atol=1e-5)

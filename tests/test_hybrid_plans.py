@@ -192,3 +192,25 @@ def test_each_rank_computes_exactly_its_heads(cli, tmp_path, family):
             for s in states
         ]
         torch.testing.assert_close(sum(ranks), expected, rtol=0, atol=1e-5)
+
+
+def test_qwen2_vl_vision_ranks_compute_their_heads(cli, tmp_path):
+    """Vision attention with 1/tp of the heads per rank, fed the rank files, sums to the full block's attention."""
+    model = tiny_qwen2_vl(tmp_path / "full")
+    assert cli("convert", tmp_path / "full", "--tp", 2, "-o", tmp_path / "tp2", "-q").exit_code == 0
+    full = model.model.visual.blocks[0].attn
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(4))
+    angles = torch.randn(8, 8, generator=torch.Generator().manual_seed(5))
+    kwargs = dict(cu_seqlens=torch.tensor([0, 8], dtype=torch.int32), position_embeddings=(angles.cos(), angles.sin()))
+    total = 0
+    with torch.no_grad():
+        for r in range(2):
+            state = rank_state(tmp_path / "tp2", r)
+            local = copy.deepcopy(full)
+            local.num_heads = 2
+            local.qkv = torch.nn.Linear(32, 48)
+            local.proj = torch.nn.Linear(16, 32)
+            prefix = "visual.blocks.0.attn."
+            local.load_state_dict({k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)})
+            total = total + local(x, **kwargs) - (local.proj.bias if r else 0)  # the row-parallel bias is added once
+        torch.testing.assert_close(total, full(x, **kwargs), rtol=0, atol=1e-5)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.config import ModelConfig, find_config, load_config
-from reshard.errors import ReshardError, ShapeMismatchError
+from reshard.errors import AmbiguousPartitionError, ReshardError, ShapeMismatchError
 from reshard.layouts import ReadOptions, discover
 from reshard.partition import Partition, Replicate, Vocab, canonical_shape, partition_to_dict, rank_shapes, round_up
 from reshard.plans import Plan, select_plan
@@ -109,7 +109,11 @@ def check_model(
             if plan.rules:
                 row.problems.append("no rule covers it")
             continue
-        partition = rule.resolve(config)
+        try:
+            partition = rule.resolve(config)
+        except AmbiguousPartitionError as err:
+            row.problems.append(err.detail)
+            continue
         partitions[name] = (rule, partition)
         row.partition = partition_to_dict(partition)
         if rule.implicit and len(shape) >= 2:

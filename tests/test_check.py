@@ -7,6 +7,9 @@ import json
 import pytest
 from helpers import tiny_qwen3_5
 
+from reshard.check import check_model
+from reshard.plans.transformers_plan import plan_from_tp_plan
+
 # transformers 5.12's Qwen3.5 plan (transformers#46846): attention and MLP only, no linear_attn.
 OLD_PLAN = """
 extends = "none"
@@ -156,3 +159,15 @@ def test_bad_input_exits_2(cli, tmp_path):
     unknown.write_text(json.dumps({"model_type": "no-such-model"}))
     result = cli("check", unknown, "--tp", 2)
     assert result.exit_code == 2 and "no-such-model" in result.output
+
+
+def test_a_transformers_style_reshard_cannot_express_is_an_error_not_a_replica():
+    """``local`` keeps a replicated tensor divided by tp at load time: no partition says that."""
+    plan = plan_from_tp_plan({"model.layers.*.mlp.down_proj": "local", "model.layers.*.mlp.up_proj": "colwise"}, None)
+    shapes = {"model.layers.0.mlp.down_proj.weight": (8, 16), "model.layers.0.mlp.up_proj.weight": (16, 8)}
+    report = check_model(shapes, None, plan, 2)
+    assert not report.ok
+    assert [(p.message, p.tensors) for p in report.problems] == [
+        ("transformers' TP style 'local' has no reshard partition", ["model.layers.0.mlp.down_proj.weight"])
+    ]
+    assert report.tensors[1].rank_shape == [8, 8]

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from reshard.config import ModelConfig
-from reshard.errors import ReshardError
+from reshard.errors import AmbiguousPartitionError, ReshardError
 from reshard.partition import Packed, Partition, Replicate, Shard, Vocab
 from reshard.plans.base import Plan, Rule
 
@@ -39,7 +39,6 @@ REPLICATED = {
     "moe_identity_expert",
     "all_reduce",
     "all_reduce_output",
-    "isolated",
 }
 GATHERED = {"colwise_rep", "colwise_gather_output"}
 # Prefixes of the model in memory that saved checkpoints may lack (or spell otherwise).
@@ -121,8 +120,8 @@ def plan_from_tp_plan(tp_plan: dict[str, str] | None, config: ModelConfig | None
     rules: list[Rule] = []
     for key, style in sorted(tp_plan.items(), key=lambda kv: -kv[0].count(".")):
         weight, bias = _style_partitions(style, key, config)
-        if weight is None:
-            continue  # an unknown style: what it covers stays implicit, and check reports it
+        if weight is None:  # a style reshard cannot express: an error for what it covers, never a guess
+            weight = bias = _unsupported(style)
         path = re.escape(_PREFIX.sub("", key)).replace(r"\*", r"\d+")
         gathered = style in GATHERED
         rules.append(Rule(rf"(^|\.){path}\.bias$", bias, gathered=gathered))
@@ -130,6 +129,15 @@ def plan_from_tp_plan(tp_plan: dict[str, str] | None, config: ModelConfig | None
         rules += _per_expert_rules(path, style)
     rules.append(Rule("", Replicate(), implicit=True))
     return Plan(NAME, tuple(rules))
+
+
+def _unsupported(style: str):
+    def partition(config: ModelConfig | None) -> Partition:
+        raise AmbiguousPartitionError(
+            f"transformers' TP style {style!r} has no reshard partition", hint="add a rule for it with --plan FILE"
+        )
+
+    return partition
 
 
 def _per_expert_rules(path: str, style: str) -> list[Rule]:

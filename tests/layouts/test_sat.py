@@ -146,10 +146,12 @@ def test_divergent_row_lora_b_is_refused_without_merge(tmp_path: Path, cli) -> N
     assert len(err.value.problems) == 3  # attention.dense, cross_attention.dense, EVA attention.dense
 
 
-@pytest.mark.parametrize("tp", [4, 1])
-def test_merge_lora_is_exact(tmp_path: Path, cli, tp: int) -> None:
+@pytest.mark.parametrize(
+    ("tp", "dtype"), [(4, torch.float32), (1, torch.float32), (4, torch.bfloat16)], ids=["tp4", "tp1", "tp4-bf16"]
+)
+def test_merge_lora_is_exact(tmp_path: Path, cli, tp: int, dtype: torch.dtype) -> None:
     cfg = config()
-    full = full_tensors(cfg)
+    full = full_tensors(cfg, dtype)
     ranks = write_sat(tmp_path / "src", cfg, full, 8, divergent_b=True)
     out = tmp_path / "merged"
     result = cli("convert", tmp_path / "src", "--tp", tp, "--layout", "sat", "--merge-lora", "-o", out)

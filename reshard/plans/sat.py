@@ -145,6 +145,6 @@ def _rules(scope: str, sizes: Sizes) -> tuple[Rule, ...]:
 
 SAT_PLAN = Plan(
     "sat",
-    _rules(EVA_SCOPE, eva_sizes) + _rules("", trunk_sizes) + (Rule(r"", Replicate()),),  # the rest: replicated
+    _rules(EVA_SCOPE, eva_sizes) + _rules("", trunk_sizes) + (Rule(r".*", Replicate()),),  # the rest: replicated
 )
 MODEL_TYPES: tuple[str, ...] = ()  # SAT's model_config.json names a model_class, not a model_type

@@ -189,3 +189,16 @@ def test_peft_merge_writes_plain_weights(peft_full, tmp_path: Path) -> None:
     a, b = full[p + "lora_A.default.weight"], full[p + "lora_B.default.weight"]
     want = full[p + "base_layer.weight"] + 8.0 / 4 * (b @ a)
     assert torch.equal(merged[p + "weight"], want)
+
+
+def test_merge_without_base_weight_is_refused(tmp_path: Path, cli) -> None:
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA))
+    p = "base_model.model.model.layers.0.self_attn.q_proj."
+    adapter = {p + "lora_A.weight": torch.ones(4, 32), p + "lora_B.weight": torch.ones(32, 4)}
+    save_file(adapter, folder / "model.safetensors")
+    result = cli("convert", folder, "--tp", 1, "--merge-lora", "-o", tmp_path / "out")
+    assert result.exit_code == 2
+    assert "without its base weight" in result.stderr and p + "lora_" in result.stderr
+    assert not (tmp_path / "out").exists()

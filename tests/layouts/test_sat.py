@@ -252,3 +252,49 @@ def test_lora_alpha_needs_merge_lora(tmp_path: Path, cli) -> None:
     result = cli("convert", tmp_path / "src", "--tp", 4, "--lora-alpha", 2, "-o", tmp_path / "out")
     assert result.exit_code == 2 and "--merge-lora" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+class Trainer:
+    """Stands for an arbitrary object a training script might pickle into a rank file."""
+
+
+def _resave(path: Path, **extra) -> None:
+    obj = torch.load(path, weights_only=True)
+    torch.save(obj | extra, path)
+
+
+def test_deepspeed_rank_files_with_rng_state_load_safely(tmp_path: Path, cli) -> None:
+    """DeepSpeed saves (sat/training/model_io.py) add rng and scheduler state; they load without
+    --trust-pickle, are reported, and only ``iteration`` is carried over."""
+    import random
+
+    import numpy as np
+
+    cfg = config()
+    full = full_tensors(cfg)
+    write_sat(tmp_path / "src", cfg, full, 8)
+    for file in (tmp_path / "src" / "400").iterdir():
+        _resave(
+            file,
+            random_rng_state=random.getstate(),
+            np_rng_state=np.random.get_state(),
+            torch_rng_state=torch.get_rng_state(),
+            client_lr_scheduler={"num_iters": 400},
+            mp_world_size=8,
+        )
+    result = cli("convert", tmp_path / "src", "--tp", 2, "-o", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert "not carried over" in result.stdout and "np_rng_state" in result.stdout
+    _, files = read_sat(tmp_path / "out")
+    assert set(files[0]) == {"module", "iteration"}
+
+
+def test_unknown_pickled_object_needs_trust_pickle(tmp_path: Path, cli) -> None:
+    cfg = config()
+    write_sat(tmp_path / "src", cfg, full_tensors(cfg), 8)
+    _resave(tmp_path / "src" / "400" / "mp_rank_03_model_states.pt", trainer=Trainer())
+    result = cli("convert", tmp_path / "src", "--tp", 4, "-o", tmp_path / "out")
+    assert result.exit_code == 2
+    assert "mp_rank_03_model_states.pt" in result.stderr and "Trainer" in result.stderr
+    assert "--trust-pickle" in result.stderr
+    assert not (tmp_path / "out").exists()

@@ -13,7 +13,7 @@ from reshard.plans import llama, sat
 from reshard.plans.base import EMPTY_PLAN, Plan, Rule
 from reshard.plans.files import load_plan_file
 from reshard.plans.infer import infer_partition
-from reshard.plans.lora import with_lora
+from reshard.plans.lora import plain_name, with_lora
 
 __all__ = ["EMPTY_PLAN", "FAMILIES", "Family", "Plan", "Rule", "infer_partition", "load_plan_file", "select_plan"]
 
@@ -51,7 +51,7 @@ def detect_family(config: ModelConfig | None, names: Iterable[str]) -> Family | 
         for family in FAMILIES:
             if config.model_type in family.model_types:
                 return family
-    names = list(names)
+    names = [plain_name(n) for n in names]  # LoRA-wrapped bases count under their plain names
     for family in FAMILIES:
         pattern = re.compile(family.signature)
         if any(pattern.search(n) for n in names):

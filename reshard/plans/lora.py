@@ -68,6 +68,12 @@ def parse_lora_name(name: str) -> LoraName | None:
     return None
 
 
+def plain_name(name: str) -> str:
+    """The name a LoRA-wrapped base tensor has without its wrapper (``X.base_layer.weight`` -> ``X.weight``)."""
+    lora = parse_lora_name(name)
+    return lora.base if lora is not None and lora.role == BASE else name
+
+
 def lora_partition(base: Partition, lora: LoraName) -> Partition:
     """The partition of a LoRA tensor whose base layer's weight has partition ``base``.
 

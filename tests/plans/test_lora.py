@@ -202,3 +202,12 @@ def test_merge_without_base_weight_is_refused(tmp_path: Path, cli) -> None:
     assert result.exit_code == 2
     assert "without its base weight" in result.stderr and p + "lora_" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_family_is_found_from_peft_names_without_a_config() -> None:
+    names = ["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"]
+    plan = select_plan(None, names)
+    assert plan.name == "llama"
+    assert plan.match("base_model.model.model.layers.0.self_attn.o_proj.lora_A.default.weight").resolve(None) == Shard(
+        1
+    )

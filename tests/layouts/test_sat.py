@@ -298,3 +298,18 @@ def test_unknown_pickled_object_needs_trust_pickle(tmp_path: Path, cli) -> None:
     assert "mp_rank_03_model_states.pt" in result.stderr and "Trainer" in result.stderr
     assert "--trust-pickle" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_missing_model_config_is_reported_per_tensor(tmp_path: Path, cli) -> None:
+    cfg = config()
+    write_sat(tmp_path / "src", cfg, full_tensors(cfg), 8)
+    (tmp_path / "src" / "model_config.json").unlink()
+    result = cli("convert", tmp_path / "src", "--tp", 4, "-o", tmp_path / "out")
+    assert result.exit_code == 2
+    line = next(x for x in result.stderr.splitlines() if "layers.0.attention.query_key_value.original.weight" in x)
+    assert "mp_rank_00_model_states.pt" in line and "needs its model_config.json" in line and "--config" in line
+    assert not (tmp_path / "out").exists()
+    config_file = tmp_path / "model_config.json"
+    config_file.write_text(json.dumps(cfg))
+    result = cli("convert", tmp_path / "src", "--tp", 4, "--config", config_file, "-o", tmp_path / "out", "-q")
+    assert result.exit_code == 0, result.output

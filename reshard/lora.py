@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,9 @@ from reshard.layouts.base import SourceCheckpoint, TensorRef
 from reshard.layouts.files import FileReader, TensorHeader
 from reshard.partition import Replicate, bitwise_equal
 from reshard.plans.lora import BASE, A, B, parse_lora_name
+
+if TYPE_CHECKING:
+    from reshard.pipeline import TensorPlan
 
 
 @dataclass
@@ -110,17 +114,19 @@ def merge_lora_source(source: SourceCheckpoint, *, alpha: float = 1.0) -> Source
     if not adapters:
         return replace(source, notes=[*source.notes, "--merge-lora: no LoRA adapters found, nothing merged"])
     renamed: dict[str, str] = {}  # base tensor's source name -> its plain name
-    plans = {}
+    merges: dict[str, tuple[str, list[str], list[str]]] = {}  # base weight -> (plain name, A names, B names)
     for layer, adapter in adapters.items():
+        for param, name in adapter.base.items():
+            renamed[name] = f"{layer}.{param}"
+        if not adapter.a and not adapter.b:  # a wrapped base whose adapter is gone: only the name changes
+            continue
         if "weight" not in adapter.base:
             some = next(iter({**adapter.a, **adapter.b}.values()))
             raise ShapeMismatchError("a LoRA adapter without its base weight cannot be merged", tensor=some)
         a_names, b_names = adapter.ordered(adapter.a, "A"), adapter.ordered(adapter.b, "B")
-        if not a_names or len(a_names) != len(b_names):
+        if len(a_names) != len(b_names):
             raise ShapeMismatchError(f"{len(a_names)} A and {len(b_names)} B tensors do not pair up", tensor=layer)
-        for param, name in adapter.base.items():
-            renamed[name] = f"{layer}.{param}"
-        plans[adapter.base["weight"]] = (f"{layer}.weight", a_names, b_names)
+        merges[adapter.base["weight"]] = (f"{layer}.weight", a_names, b_names)
     clashes = sorted(set(renamed.values()) & set(source.names()))
     if clashes:
         raise ShapeMismatchError("both a LoRA base and a plain tensor of this name exist", tensor=clashes[0])
@@ -131,8 +137,8 @@ def merge_lora_source(source: SourceCheckpoint, *, alpha: float = 1.0) -> Source
         for name, ref in rank.items():
             if name in dropped:
                 continue
-            if name in plans:
-                out, a_names, b_names = plans[name]
+            if name in merges:
+                out, a_names, b_names = merges[name]
                 a, b = _refs(rank, a_names, ref), _refs(rank, b_names, ref)
                 _check_shapes(out, ref, a, b)
                 reader = MergedLoraReader(out, ref, a, b, alpha)
@@ -141,7 +147,7 @@ def merge_lora_source(source: SourceCheckpoint, *, alpha: float = 1.0) -> Source
                 out = renamed.get(name, name)
                 refs[out] = TensorRef(out, ref.rank, ref.reader, ref.key, ref.header)
         ranks.append(refs)
-    note = f"--merge-lora: merged {len(adapters)} LoRA adapters per rank (scaling = {alpha:g} / rank)"
+    note = f"--merge-lora: merged {len(merges)} LoRA adapters per rank (scaling = {alpha:g} / rank)"
     return replace(source, ranks=ranks, notes=[*source.notes, note])
 
 
@@ -152,10 +158,10 @@ def _refs(rank: dict[str, TensorRef], names: list[str], base: TensorRef) -> list
     return [rank[n] for n in names]
 
 
-def check_lora_replicas(tensors: Sequence) -> None:
+def check_lora_replicas(tensors: Sequence[TensorPlan]) -> None:
     """Refuse LoRA A/B tensors that their rule replicates but that differ between ranks.
 
-    ``tensors`` are the pipeline's planned tensors (``.name``, ``.source.partition``, ``.source.refs``).
+    Reads those (small) tensors once before anything is written, so the refusal leaves no output.
 
     Raises:
         PlanError: one :class:`DivergentReplicaError` per such tensor, naming ``--merge-lora``.

@@ -211,3 +211,17 @@ def test_family_is_found_from_peft_names_without_a_config() -> None:
     assert plan.match("base_model.model.model.layers.0.self_attn.o_proj.lora_A.default.weight").resolve(None) == Shard(
         1
     )
+
+
+def test_merge_with_unpaired_parts_is_refused(peft_full, tmp_path: Path, cli) -> None:
+    folder, full = peft_full
+    p = "base_model.model.model.layers.0.self_attn.q_proj."
+    state = {n: t for n, t in full.items() if n != p + "lora_B.default.weight"}
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps(LLAMA))
+    save_file(state, broken / "model.safetensors")
+    result = cli("convert", broken, "--tp", 2, "--merge-lora", "-o", tmp_path / "out")
+    assert result.exit_code == 2
+    assert "1 A and 0 B tensors do not pair up" in result.stderr and p.rstrip(".") in result.stderr
+    assert not (tmp_path / "out").exists()

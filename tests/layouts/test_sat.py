@@ -313,3 +313,24 @@ def test_missing_model_config_is_reported_per_tensor(tmp_path: Path, cli) -> Non
     config_file.write_text(json.dumps(cfg))
     result = cli("convert", tmp_path / "src", "--tp", 4, "--config", config_file, "-o", tmp_path / "out", "-q")
     assert result.exit_code == 0, result.output
+
+
+def test_latest_naming_a_missing_iteration_is_reported(tmp_path: Path, cli) -> None:
+    cfg = config()
+    write_sat(tmp_path / "src", cfg, full_tensors(cfg), 8)
+    (tmp_path / "src" / "latest").write_text("500")
+    result = cli("inspect", tmp_path / "src")
+    assert result.exit_code == 2
+    assert "latest" in result.stderr and "'500'" in result.stderr
+
+
+def test_several_iterations_without_latest_ask_for_one(tmp_path: Path, cli) -> None:
+    cfg = config()
+    full = full_tensors(cfg)
+    write_sat(tmp_path / "src", cfg, full, 8, iteration="100")
+    write_sat(tmp_path / "src", cfg, full, 8, iteration="200")
+    (tmp_path / "src" / "latest").unlink()
+    result = cli("inspect", tmp_path / "src")
+    assert result.exit_code == 2
+    assert "100, 200" in result.stderr and "iteration folder" in result.stderr
+    assert cli("inspect", tmp_path / "src" / "200").exit_code == 0

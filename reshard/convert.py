@@ -121,7 +121,13 @@ def convert(ckpt: Path, out: Path, options: ConvertOptions) -> ConvertReport:
         manifest = Manifest(
             source={"path": str(ckpt), "layout": source.layout, "tp": source.tp},
             target={"layout": layout, "tp": options.tp},
-            vocab=VocabRecord(vocab.original, vocab.target_padded, vocab.pad_multiple),
+            vocab=VocabRecord(
+                vocab.original,
+                vocab.target_padded,
+                vocab.pad_multiple,
+                source_padded=vocab.source_padded,
+                source_config=source.config.vocab_size if source.config else None,
+            ),
             tensors={
                 t.name: TensorEntry(t.source.shape, dtype_name(t.source.dtype), t.source.partition, hashes[t.name])
                 for t in sorted(conversion.tensors, key=lambda t: t.name)

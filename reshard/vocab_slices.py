@@ -64,7 +64,8 @@ def find_short(tensors: Sequence[SourceTensor], vocab: int) -> list[ShortVocab]:
         if sum(rows) < vocab:
             groups.setdefault(rows, []).append(t)
     return [
-        ShortVocab(tuple(sorted(t.name for t in group)), rows, str(group[0].refs[0].file)) for rows, group in groups.items()
+        ShortVocab(tuple(sorted(t.name for t in group)), rows, str(group[0].refs[0].file))
+        for rows, group in groups.items()
     ]
 
 

@@ -200,3 +200,20 @@ def test_trainer_fixture_pads_with_junk(original):
     ranks = rank_states(original[2], 2)
     assert ranks[1]["lm_head.weight"].shape == (32768, HIDDEN)
     assert (ranks[1]["lm_head.weight"][-1] >= 3).all()
+
+
+def test_fix_the_committed_sample(cli, tmp_path):
+    """The README's command on sample_ckpts/tiny-llama-65535-tp2 gives back the weights make_samples.py drew."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[1] / "sample_ckpts"
+    spec = importlib.util.spec_from_file_location("make_samples", root / "make_samples.py")
+    samples = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(samples)
+    result = cli("fix", root / "tiny-llama-65535-tp2", "--vocab", V, "-o", tmp_path / "fixed")
+    assert result.exit_code == 0, result.output
+    assert "model.embed_tokens.weight: 2 x [32768, 8] -> [65535, 8]" in result.stdout
+    expected = {k: v.to(torch.bfloat16) for k, v in samples.llama_state_dict(samples.PADDED_CONFIG, seed=1).items()}
+    written = load_folder(tmp_path / "fixed")
+    assert written.keys() == expected.keys()
+    assert all(torch.equal(written[k], v) for k, v in expected.items())

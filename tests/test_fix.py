@@ -72,7 +72,12 @@ def test_fix_per_rank_files_gives_the_original_logits(cli, tmp_path, original, t
     assert snapshot(ckpt) == before
 
 
-def test_fix_full_padded_checkpoint_unpads_into_ckpt_fixed(cli, tmp_path, original):
+@pytest.mark.parametrize(
+    ("target", "fixed"),
+    [("ckpt", "ckpt.fixed"), ("ckpt/model.safetensors", "ckpt/model.safetensors.fixed")],
+    ids=["folder", "file"],
+)
+def test_fix_full_padded_checkpoint_unpads_into_ckpt_fixed(cli, tmp_path, original, target, fixed):
     """Case 2: one full file with 65536 vocab rows (the last one junk); output defaults to CKPT.fixed."""
     _, folder, state = original
     ckpt = tmp_path / "ckpt"
@@ -82,11 +87,30 @@ def test_fix_full_padded_checkpoint_unpads_into_ckpt_fixed(cli, tmp_path, origin
         padded[name] = torch.cat([state[name], torch.full((1, HIDDEN), 7.0)])
     save_file(padded, ckpt / "model.safetensors", metadata={"format": "pt"})
     shutil.copy(folder / "config.json", ckpt / "config.json")
-    result = cli("fix", ckpt, "--vocab", V)
+    result = cli("fix", tmp_path / target, "--vocab", V)
     assert result.exit_code == 0, result.output
     assert f"model.embed_tokens.weight: [65536, {HIDDEN}] -> [{V}, {HIDDEN}]" in result.stdout
-    assert "no tensor changed shape" not in result.stdout
-    assert_same_model(tmp_path / "ckpt.fixed", original)
+    assert f"{tmp_path / target} (hf, tp=1) -> {tmp_path / fixed} (hf, tp=1)" in result.stdout
+    assert_same_model(tmp_path / fixed, original)
+
+
+def test_fix_of_a_sound_checkpoint_changes_nothing(cli, tmp_path, original):
+    result = cli("fix", original[1], "--vocab", V, "-o", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert "  no tensor changed shape" in result.stdout
+    assert "config.json vocab_size" not in result.stdout
+    assert_same_model(tmp_path / "out", original)
+
+
+def test_fix_names_the_missing_rank_folders_of_hf_ranks(cli, tmp_path, original):
+    ckpt = tmp_path / "ckpt"
+    assert cli("convert", original[1], "--tp", 2, "--pad-multiple", 128, "-o", ckpt).exit_code == 0
+    shutil.rmtree(ckpt / "rank_01")
+    result = cli("fix", ckpt)
+    assert result.exit_code == 2
+    assert "explained by tp=2: 32768 x 2 = 65536" in result.stderr
+    assert "missing rank files for tp=2: rank_01/ (reshard never invents rows" in result.stderr
+    assert not (tmp_path / "ckpt.fixed").exists()
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["folder", "file"])

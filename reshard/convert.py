@@ -125,8 +125,8 @@ def convert(ckpt: Path, out: Path, options: ConvertOptions) -> ConvertReport:
                 vocab.original,
                 vocab.target_padded,
                 vocab.pad_multiple,
-                source_padded=vocab.source_padded,
-                source_config=source.config.vocab_size if source.config else None,
+                source_padded=_if_differs(vocab.source_padded, vocab.original),
+                source_config=_if_differs(source.config.vocab_size if source.config else None, vocab.original),
             ),
             tensors={
                 t.name: TensorEntry(t.source.shape, dtype_name(t.source.dtype), t.source.partition, hashes[t.name])
@@ -154,6 +154,11 @@ def convert(ckpt: Path, out: Path, options: ConvertOptions) -> ConvertReport:
         changed=_changed_shapes(conversion),
         notes=list(source.notes),
     )
+
+
+def _if_differs(size: int | None, original: int | None) -> int | None:
+    """A source vocab size worth recording: one that is not the true size."""
+    return size if size != original else None
 
 
 def _changed_shapes(conversion: ConversionPlan) -> list[dict[str, Any]]:

@@ -47,7 +47,8 @@ class VocabRecord:
     """The true vocab size, the padded size at the target tp, and the multiple it was padded to.
 
     ``source_padded`` (rows of the vocab tensors in the source) and ``source_config`` (``vocab_size`` in the
-    source's config.json) record what the input said, so a padded size taken for the vocab is visible.
+    source's config.json) record what the input said when it differs from ``original`` (a padded size
+    repaired by ``fix``); they are None, and left out of ``reshard.json``, otherwise.
     """
 
     original: int | None
@@ -76,7 +77,7 @@ class Manifest:
             "created": self.created,
             "source": self.source,
             "target": self.target,
-            "vocab": asdict(self.vocab),
+            "vocab": {k: v for k, v in asdict(self.vocab).items() if k in VOCAB_FIELDS[:3] or v is not None},
             "tensors": {name: entry.to_dict() for name, entry in self.tensors.items()},
         }
 

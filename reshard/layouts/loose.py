@@ -19,7 +19,7 @@ from reshard.config import find_config
 from reshard.errors import CorruptFileError, MissingRankError, ReshardError
 from reshard.layouts.base import ReadOptions, SourceCheckpoint, refs_from_readers
 from reshard.layouts.files import open_tensor_file
-from reshard.layouts.hf import TENSOR_SUFFIXES, _collect, read_folder, side_files, weight_files
+from reshard.layouts.hf import TENSOR_SUFFIXES, _collect, is_hf_folder, read_folder, side_files
 
 # A rank token: an optional two-letter parallel kind before "rank" (tp_rank, mp_rank, pp_rank), or "tp".
 RANK_TOKEN = re.compile(r"(?<![a-z0-9])(?P<kind>(?:[a-z]{2}[_-]?)?rank|tp)[_-]?(?P<num>\d+)(?![0-9])", re.I)
@@ -66,7 +66,7 @@ def _candidates(folder: Path) -> list[Path]:
     for child in sorted(folder.iterdir()):
         if child.is_file() and child.suffix in TENSOR_SUFFIXES:
             out.append(child)
-        elif child.is_dir() and weight_files(child, probe=True):
+        elif is_hf_folder(child):
             out.append(child)
     return out
 

@@ -1,4 +1,4 @@
-# make demo: install into .venv, convert the sample checkpoint and fix the padded one.  make test: install and run every test.
+# make demo: install into .venv and convert the sample checkpoint.  make test: install and run every test.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -18,8 +18,8 @@ demo: install
 	rm -rf demo-out
 	$(BIN)/reshard inspect $(SAMPLE)
 	$(BIN)/reshard convert $(SAMPLE) --tp 1 -o demo-out/full
-	$(BIN)/reshard fix sample_ckpts/tiny-llama-65535-tp2 --vocab 65535 -o demo-out/fixed
 	$(BIN)/reshard convert demo-out/full --tp 4 -o demo-out/tp4
+	$(BIN)/reshard fix sample_ckpts/tiny-llama-65535-tp2 --vocab 65535 -o demo-out/fixed
 
 test: install
 	$(BIN)/ruff check .

@@ -48,12 +48,20 @@ def rank_template(name: str) -> tuple[int, str] | None:
     tokens = [m for m in RANK_TOKEN.finditer(name) if _kind(m) in TP_KINDS]
     if len({int(m.group("num")) for m in tokens}) != 1:
         return None
-    match = tokens[-1]
-    digits = match.group("num")
-    field = f"{{rank:0{len(digits)}d}}" if len(digits) > 1 and digits.startswith("0") else "{rank}"
-    escape = lambda s: s.replace("{", "{{").replace("}", "}}")  # noqa: E731
-    start, end = match.span("num")
-    return int(digits), escape(name[:start]) + field + escape(name[end:])
+    parts, last = [], 0
+    for match in tokens:  # every token carries the rank (``rank0_tp0``): number each of them
+        digits = match.group("num")
+        start, end = match.span("num")
+        parts += [
+            _escape(name[last:start]),
+            f"{{rank:0{len(digits)}d}}" if digits[0] == "0" and len(digits) > 1 else "{rank}",
+        ]
+        last = end
+    return int(tokens[0].group("num")), "".join([*parts, _escape(name[last:])])
+
+
+def _escape(text: str) -> str:
+    return text.replace("{", "{{").replace("}", "}}")
 
 
 def _kind(match: re.Match[str]) -> str:

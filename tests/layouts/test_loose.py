@@ -76,6 +76,8 @@ def write_folder(folder: Path, tp: int = 2, *, name: str = "pytorch_model_rank{r
         ("model.safetensors", None),
         ("tp_size_2.bin", None),
         ("rank0_tp1.bin", None),
+        ("ckpt_rank1_tp1.bin", (1, "ckpt_rank{rank}_tp{rank}.bin")),
+        ("{odd}_rank_3.pt", (3, "{{odd}}_rank_{rank}.pt")),
     ],
 )
 def test_rank_template(name, expected):

@@ -19,7 +19,7 @@ from reshard.config import find_config
 from reshard.errors import CorruptFileError, MissingRankError, ReshardError
 from reshard.layouts.base import ReadOptions, SourceCheckpoint, refs_from_readers
 from reshard.layouts.files import open_tensor_file
-from reshard.layouts.hf import TENSOR_SUFFIXES, _collect, is_hf_folder, read_folder, side_files
+from reshard.layouts.hf import TENSOR_SUFFIXES, _collect, is_hf_folder, read_folder, read_index, side_files
 
 # A rank token: an optional two-letter parallel kind before "rank" (tp_rank, mp_rank, pp_rank), or "tp".
 RANK_TOKEN = re.compile(r"(?<![a-z0-9])(?P<kind>(?:[a-z]{2}[_-]?)?rank|tp)[_-]?(?P<num>\d+)(?![0-9])", re.I)
@@ -156,7 +156,14 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
 
 
 def _rank_files(folder: Path, rank: int, files: list[Path], notes: list[str]) -> list[Path]:
-    """One rank's files: safetensors preferred over torch copies (as transformers does); shards complete."""
+    """One rank's files: its index if it has one (authoritative, as in HF), safetensors preferred over torch
+    copies (as transformers does), and every ``-0000i-of-0000n`` shard present."""
+    indexes = sorted(
+        (p for p in folder.glob("*.index.json") if (found := rank_template(p.name)) and found[0] == rank),
+        key=lambda p: ".safetensors" not in p.name,
+    )
+    if indexes:
+        files = [folder / name for name in dict.fromkeys(read_index(indexes[0]).values())]
     safetensors = [f for f in files if f.suffix == ".safetensors"]
     if safetensors and len(safetensors) < len(files):
         ignored = ", ".join(f.name for f in files if f not in safetensors)

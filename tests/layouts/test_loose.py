@@ -126,7 +126,28 @@ def test_a_missing_shard_of_a_rank_is_named(tmp_path):
     ckpt = tmp_path / "ckpt"
     save_rank_shards(ckpt)
     (ckpt / "model_rank1-00002-of-00002.safetensors").unlink()
+    (ckpt / "model_rank1.safetensors.index.json").unlink()  # with it, the index names the file
     with pytest.raises(MissingRankError, match=r"shard files model_rank1-00002-of-00002\.safetensors of rank 1"):
+        discover(ckpt)
+
+
+def test_a_rank_index_is_authoritative(tmp_path):
+    """Shards with their own names: the per-rank index says which exist, and a missing one is named."""
+    ckpt = write_folder(tmp_path / "ckpt", 2, name="model_rank{r}_all.bin")
+    for r in range(2):
+        state = torch.load(ckpt / f"model_rank{r}_all.bin")
+        names = sorted(state)
+        torch.save({k: state[k] for k in names[:5]}, ckpt / f"model_rank{r}_a.bin")
+        torch.save({k: state[k] for k in names[5:]}, ckpt / f"model_rank{r}_b.bin")
+        weight_map = {k: f"model_rank{r}_{'a' if i < 5 else 'b'}.bin" for i, k in enumerate(names)}
+        (ckpt / f"model_rank{r}.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    source = discover(ckpt)
+    assert [sorted(f.name for f in source.files if f"rank{r}" in f.name) for r in range(2)] == [
+        ["model_rank0_a.bin", "model_rank0_b.bin"],
+        ["model_rank1_a.bin", "model_rank1_b.bin"],
+    ]
+    (ckpt / "model_rank1_b.bin").unlink()
+    with pytest.raises(MissingRankError, match=r"model_rank1\.bin\.index\.json: .*index names 'model_rank1_b\.bin'"):
         discover(ckpt)
 
 

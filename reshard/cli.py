@@ -233,7 +233,8 @@ def render_fix(report: FixReport) -> str:
         f"  {c['tensor']}: {shape_list(c['old'])} -> {shape_list(c['new'])}" for c in report.changed if c["vocab"]
     ]
     if others:
-        lines.append(f"  {len(others)} other tensor(s) gathered from tp={report.source_tp} to tp={report.tp}")
+        verb = "gathered" if report.tp == 1 else "re-sliced"
+        lines.append(f"  {len(others)} other tensor(s) {verb} from tp={report.source_tp} to tp={report.tp}")
     if not report.changed:
         lines.append("  no tensor changed shape")
     if report.config_vocab:

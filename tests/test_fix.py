@@ -212,6 +212,17 @@ def test_fix_with_tp_reslices_the_repaired_checkpoint(cli, tmp_path, original):
     assert torch.equal(q, state["model.layers.0.self_attn.q_proj.weight"])
 
 
+def test_fix_quiet_and_text_report_for_tp(cli, tmp_path, original):
+    ckpt = write_ranks(original[1], tmp_path / "ckpt", 2)
+    result = cli("fix", ckpt, "--vocab", V, "--tp", 4, "-o", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert f"model.embed_tokens.weight: 2 x [32768, {HIDDEN}] -> 4 x [16384, {HIDDEN}]" in result.stdout
+    assert "  7 other tensor(s) re-sliced from tp=2 to tp=4" in result.stdout
+    result = cli("fix", ckpt, "--vocab", V, "-q")
+    assert (result.exit_code, result.stdout) == (0, "")
+    assert (tmp_path / "ckpt.fixed" / "model.safetensors").is_file()
+
+
 def test_fix_refuses_a_vocab_that_would_drop_data(cli, tmp_path, original):
     ckpt = write_ranks(original[1], tmp_path / "ckpt", 2)
     result = cli("fix", ckpt, "--vocab", 1000, "-o", tmp_path / "out")

@@ -9,6 +9,7 @@ Everything here is pure: source tensors and sizes in, a :class:`MissingRankError
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -17,6 +18,10 @@ from reshard.partition import Vocab, round_up
 from reshard.pipeline import SourceTensor
 from reshard.plans.infer import MAX_VOCAB_PAD_PER_RANK
 
+# Names of vocab tensors across families, for tensors no plan rule covers (GPT-2 wte, Megatron, Meta, NeoX).
+VOCAB_NAME = re.compile(
+    r"(^|\.)(embed_tokens|wte|word_embeddings|tok_embeddings|embed_in|embed_out|lm_head|output_layer|output)\.weight$"
+)
 # Per-rank pad multiples frameworks use (ColossalAI make_vocab_size_divisible_by 64, Megatron 128).
 PAD_MULTIPLES = (1, 2, 4, 8, 16, 32, 64, 128)
 MAX_TP = 64
@@ -50,12 +55,17 @@ def explain(rows: int, present: int, vocab: int, multiples: Sequence[int] = PAD_
 
 
 def find_short(tensors: Sequence[SourceTensor], vocab: int) -> list[ShortVocab]:
-    """Vocab tensors (by plan or shape) whose ranks hold fewer rows than ``vocab``, grouped by rank rows."""
+    """Vocab tensors whose ranks hold fewer rows than ``vocab``, grouped by rank rows.
+
+    A vocab tensor is one the plan splits as :class:`Vocab`, or, where no rule covers it, one with a vocab
+    tensor's name whose rows are exactly one rank's slice of the padded vocab (inference keeps such a
+    tensor whole, so it would otherwise pass).
+    """
     groups: dict[tuple[int, ...], list[SourceTensor]] = {}
     for t in tensors:
         if isinstance(t.partition, Vocab):
             rows = tuple(ref.shape[t.partition.dim] for ref in t.refs)
-        elif t.reason.startswith("inferred") and t.refs[0].shape:
+        elif t.reason.startswith("inferred") and t.refs[0].shape and VOCAB_NAME.search(t.name):
             rows = tuple(ref.shape[0] for ref in t.refs)
             if len(set(rows)) != 1 or not explain(rows[0], len(rows), vocab):
                 continue

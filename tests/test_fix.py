@@ -142,6 +142,23 @@ def test_fix_refuses_half_of_the_ranks(cli, tmp_path, original):
     assert not (tmp_path / "out").exists()
 
 
+def test_fix_refuses_a_slice_no_plan_rule_covers(cli, tmp_path):
+    """A family without a plan (GPT-2 names): wte's 32768 rows are refused, wpe's 32768 positions are not."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    rows = torch.arange(32768 * 8, dtype=torch.float32).reshape(32768, 8)
+    save_file({"transformer.wte.weight": rows, "transformer.wpe.weight": rows + 1}, ckpt / "model.safetensors")
+    config = {"model_type": "gpt2", "vocab_size": V, "n_embd": 8, "n_positions": 32768}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    result = cli("fix", ckpt, "-o", tmp_path / "out")
+    assert result.exit_code == 2
+    assert result.stderr.startswith(
+        f"Error: {ckpt / 'model.safetensors'}: transformer.wte.weight: only 32768 of 65535 vocab rows are present"
+    )
+    assert "missing rank files for tp=2: those of rank 1 (reshard never invents rows" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_explain_the_colossalai_6108_shape():
     """Llama-3.1-70B at tp 8: one padded slice of 16064 rows saved as the whole embedding."""
     assert explain(16064, 1, 128256) == {8: [64]}

@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 
 from reshard.convert import ConvertReport, convert  # noqa: E402
 from reshard.errors import ReshardError  # noqa: E402
+from reshard.fix import FixReport, fix  # noqa: E402
 from reshard.inspect import InspectReport, inspect_checkpoint  # noqa: E402
 from reshard.manifest import Manifest, read_manifest  # noqa: E402
 from reshard.options import ConvertOptions  # noqa: E402
@@ -18,6 +19,7 @@ from reshard.plans import Plan, Rule  # noqa: E402
 __all__ = [
     "ConvertOptions",
     "ConvertReport",
+    "FixReport",
     "InspectReport",
     "Manifest",
     "Packed",
@@ -30,6 +32,7 @@ __all__ = [
     "Vocab",
     "__version__",
     "convert",
+    "fix",
     "gather",
     "inspect_checkpoint",
     "read_manifest",

@@ -130,7 +130,13 @@ def convert(ckpt: Path, out: Path, options: ConvertOptions) -> ConvertReport:
         manifest = Manifest(
             source={"path": str(ckpt), "layout": source.layout, "tp": source.tp},
             target={"layout": layout, "tp": options.tp},
-            vocab=VocabRecord(vocab.original, vocab.target_padded, vocab.pad_multiple),
+            vocab=VocabRecord(
+                vocab.original,
+                vocab.target_padded,
+                vocab.pad_multiple,
+                source_padded=_if_differs(vocab.source_padded, vocab.original),
+                source_config=_if_differs(source.config.vocab_size if source.config else None, vocab.original),
+            ),
             tensors={
                 t.name: TensorEntry(t.source.shape, dtype_name(t.source.dtype), t.source.partition, hashes[t.name])
                 for t in sorted(conversion.tensors, key=lambda t: t.name)
@@ -157,6 +163,11 @@ def convert(ckpt: Path, out: Path, options: ConvertOptions) -> ConvertReport:
         changed=_changed_shapes(conversion),
         notes=list(source.notes),
     )
+
+
+def _if_differs(size: int | None, original: int | None) -> int | None:
+    """A source vocab size worth recording: one that is not the true size."""
+    return size if size != original else None
 
 
 def _changed_shapes(conversion: ConversionPlan) -> list[dict[str, Any]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from reshard.errors import ReshardError
-from reshard.layouts import hf, hf_ranks, sat
+from reshard.layouts import hf, hf_ranks, loose, sat
 from reshard.layouts.base import (
     WRITABLE_LAYOUTS,
     CheckpointWriter,
@@ -50,10 +50,13 @@ def discover(path: Path, options: ReadOptions | None = None) -> SourceCheckpoint
         return sat.discover(path, options)
     if hf_ranks.detect(path):
         return hf_ranks.discover(path, options)
+    if loose.detect(path):
+        return loose.discover(path, options)
     if hf.is_hf_folder(path):
         return hf.discover(path, options)
     raise ReshardError(
-        "no checkpoint found (looked for rank_NN/ folders, model.safetensors, pytorch_model.bin, *.safetensors)",
+        "no checkpoint found (looked for rank_NN/ folders, *rank{r}* files, model.safetensors, "
+        "pytorch_model.bin, *.safetensors)",
         path=path,
     )
 

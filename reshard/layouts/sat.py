@@ -23,6 +23,7 @@ from reshard.config import ModelConfig
 from reshard.errors import CorruptFileError, MissingRankError, ReshardError
 from reshard.layouts.base import ReadOptions, SourceCheckpoint, TargetSpec, refs_from_readers
 from reshard.layouts.files import SAFE_GLOBALS, TorchReader
+from reshard.layouts.loose import OPTIMIZER
 from reshard.layouts.torch_ranks import TorchRanksWriter
 
 LATEST = "latest"
@@ -68,11 +69,15 @@ def _rank_files(folder: Path) -> dict[int, Path]:
 
 
 def detect(path: Path) -> bool:
-    """A SAT save folder (``latest`` or ``model_config.json`` beside rank folders) or an iteration folder."""
+    """A SAT save folder (``latest`` or ``model_config.json`` beside rank folders) or an iteration folder.
+
+    DeepSpeed names its rank files as SAT does (``mp_rank_XX_model_states.pt``); such a folder with an HF
+    ``config.json`` and no SAT ``model_config.json`` is left to the loose-rank-files layout.
+    """
     if not path.is_dir():
         return False
-    if _rank_files(path):
-        return True
+    if _rank_files(path):  # an iteration folder; with an HF config.json it is a DeepSpeed-saved HF model
+        return not (path / "config.json").is_file() or (path.parent / MODEL_CONFIG).is_file()
     if (path / LATEST).is_file() or (path / MODEL_CONFIG).is_file():
         return any(_rank_files(child) for child in path.iterdir() if child.is_dir())
     return False
@@ -168,6 +173,9 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
     if any(source.extras):
         extras = ", ".join(sorted({k for extras in source.extras for k in extras}))
         source.notes.append(f"non-tensor state-dict entries are not carried over: {extras}")
+    skipped = sorted(p.name for p in folder.iterdir() if p.is_file() and p not in files and OPTIMIZER.search(p.name))
+    if skipped:
+        source.notes.append(f"skipped optimizer state: {', '.join(skipped)}")
     if model_config is None:
         source.notes.append(f"no {MODEL_CONFIG} beside {folder.name}/: packed tensors cannot be sized")
     return source

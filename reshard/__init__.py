@@ -12,12 +12,13 @@ from reshard.errors import ReshardError  # noqa: E402
 from reshard.inspect import InspectReport, inspect_checkpoint  # noqa: E402
 from reshard.manifest import Manifest, read_manifest  # noqa: E402
 from reshard.options import ConvertOptions  # noqa: E402
-from reshard.partition import Packed, Partition, Replicate, Shard, Vocab, gather, split  # noqa: E402
+from reshard.partition import Grouped, Packed, Partition, Replicate, Shard, Vocab, gather, split  # noqa: E402
 from reshard.plans import Plan, Rule  # noqa: E402
 
 __all__ = [
     "ConvertOptions",
     "ConvertReport",
+    "Grouped",
     "InspectReport",
     "Manifest",
     "Packed",

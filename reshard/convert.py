@@ -62,6 +62,8 @@ def open_source(ckpt: Path, options: ConvertOptions) -> SourceCheckpoint:
 def prepare(ckpt: Path, options: ConvertOptions) -> tuple[SourceCheckpoint, ConversionPlan, str]:
     """Discover and plan, without writing anything (raises every planning problem at once)."""
     source = open_source(ckpt, options)
+    if source.meta.get("cannot_convert"):  # a layout read it for inspect, but cannot convert it
+        raise source.meta["cannot_convert"]
     layout = options.layout or default_layout(source, options.tp)
     writer = writer_class(layout)
     manifest = find_manifest(ckpt)

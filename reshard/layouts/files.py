@@ -12,7 +12,7 @@ import logging
 import pickle
 import struct
 import zipfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -175,11 +175,12 @@ def _flatten(state: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, 
             yield name, value
 
 
-def load_torch_file(path: Path, *, trust_pickle: bool, notes: list[str]) -> Any:
+def load_torch_file(path: Path, *, trust_pickle: bool, notes: list[str], allowed: Sequence[Any] = ()) -> Any:
     """``torch.load`` as safely and lazily as the file allows.
 
     Zip-format files are memory-mapped with ``weights_only=True`` and the :data:`SAFE_GLOBALS`
-    allow-list; legacy (non-zip) files are read whole, with a note that they cannot be streamed.
+    allow-list (plus a layout's own ``allowed`` types); legacy (non-zip) files are read whole, with a
+    note that they cannot be streamed.
 
     Raises:
         UnsafePickleError: the file pickles a type outside the allow-list and ``trust_pickle`` is off.
@@ -189,7 +190,7 @@ def load_torch_file(path: Path, *, trust_pickle: bool, notes: list[str]) -> Any:
     if not streamable:
         notes.append(f"{path.name}: legacy (non-zip) torch file, read whole into memory: cannot be streamed")
     try:
-        with torch.serialization.safe_globals(SAFE_GLOBALS):
+        with torch.serialization.safe_globals([*SAFE_GLOBALS, *allowed]):
             return torch.load(path, map_location="cpu", mmap=streamable, weights_only=not trust_pickle)
     except pickle.UnpicklingError as err:
         message = str(err)
@@ -201,6 +202,10 @@ def load_torch_file(path: Path, *, trust_pickle: bool, notes: list[str]) -> Any:
                 hint="pass --trust-pickle to unpickle it fully, only if you trust the file",
             ) from err
         raise CorruptFileError(f"not a readable torch file: {message.splitlines()[0]}", path=path) from err
+    except (ImportError, AttributeError) as err:  # --trust-pickle, and the pickled class is not importable here
+        raise CorruptFileError(
+            f"cannot unpickle: {err}", path=path, hint="install the package that defines it to load this file"
+        ) from err
     except (OSError, RuntimeError, EOFError, ValueError) as err:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise CorruptFileError(f"not a readable torch file: {first}", path=path) from err

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
-from reshard.plans import llama
+from reshard.plans import llama, megatron
 from reshard.plans.base import EMPTY_PLAN, Plan, Rule
 from reshard.plans.files import load_plan_file
 from reshard.plans.infer import infer_partition
@@ -32,6 +32,7 @@ class Family:
 
 FAMILIES: list[Family] = [
     Family(llama.LLAMA_PLAN, llama.MODEL_TYPES, llama.SIGNATURE),
+    Family(megatron.MEGATRON_PLAN, megatron.MODEL_TYPES, megatron.SIGNATURE),
 ]
 
 

@@ -154,6 +154,7 @@ def extra_states(tp: int, r: int) -> dict:
         out[p + "self_attention.linear_qkv._extra_state"] = io.BytesIO(f"fp8 qkv l{i} r{r}/{tp}".encode())
         out[p + "mlp.linear_fc2._extra_state"] = io.BytesIO(f"fp8 fc2 l{i} r{r}/{tp}".encode())
         out[p + "self_attention.core_attention._extra_state"] = None
+        out[p + "mlp.linear_fc1._extra_state"] = torch.tensor(list(f"te l{i} r{r}".encode()), dtype=torch.uint8)
     return out
 
 

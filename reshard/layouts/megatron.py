@@ -45,8 +45,11 @@ KEPT_KEYS = ("args", "checkpoint_version", "iteration")
 class MegatronFile(FileReader):
     """One ``model_optim_rng.pt``: its model chunk(s) flattened to dotted names, the rest kept aside.
 
-    ``paths`` maps every flat name (tensor or not) to its key path in the nested dict, so the writer can
-    rebuild the legacy ``language_model -> embedding -> ...`` nesting exactly.
+    ``_extra_state`` entries (Transformer Engine's per-rank FP8 metadata: BytesIO, None, or a byte
+    tensor that may differ between ranks) are never resharded, only carried: they go to ``extras``
+    with the other non-tensor entries. ``paths`` maps every flat name (tensor or not) to its key path
+    in the nested dict, so the writer can rebuild the legacy ``language_model -> embedding -> ...``
+    nesting exactly.
     """
 
     path: Path
@@ -77,7 +80,7 @@ class MegatronFile(FileReader):
             for path, value in _walk(obj[key]):
                 name = self.prefix + chunk_prefix + ".".join(path)
                 self.paths[name] = path
-                if isinstance(value, torch.Tensor):
+                if isinstance(value, torch.Tensor) and not name.endswith("_extra_state"):
                     self._tensors[name] = value
                     self.headers[name] = TensorHeader(tuple(value.shape), value.dtype)
                 else:
@@ -205,6 +208,8 @@ def _describe(source: SourceCheckpoint, first: MegatronFile, folder: Path, pp: i
     problems = []
     if pp > 1:
         problems.append(f"{pp} pipeline stages (mp_rank_XX_YYY): merging stages is not supported yet")
+    if int(arg(args, "expert_model_parallel_size", 1) or 1) > 1:
+        problems.append("expert-parallel ranks (an extra _YYY in mp_rank_*): not supported yet")
     if first.chunks > 1:
         problems.append(f"{first.chunks} virtual pipeline chunks (model0..): not supported yet")
     if isinstance(version, (int, float)) and version < 2.0:

@@ -5,6 +5,7 @@ computed independently in ``megatron_fixtures``."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import shutil
 import sys
@@ -268,3 +269,23 @@ def test_missing_rank_and_infeasible_tp(cli, tp8: Path, tmp_path: Path) -> None:
     result = cli("convert", tp8, "-o", tmp_path / "o2", "--tp", 3, "--vocab", V)
     assert result.exit_code == 2 and not (tmp_path / "o2").exists()
     assert "linear_qkv.weight" in result.output and "holds 2 groups: tp=3" in result.output
+
+
+def test_sample_checkpoint_is_what_its_generator_writes(cli, tmp_path: Path) -> None:
+    sample = Path(__file__).resolve().parents[2] / "sample_ckpts"
+    spec = importlib.util.spec_from_file_location("make_megatron_sample", sample / "make_megatron_sample.py")
+    generator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generator)
+    generator.main(tmp_path / "regenerated")
+    committed = sorted(p.relative_to(sample / "tiny-megatron-tp8") for p in (sample / "tiny-megatron-tp8").rglob("*"))
+    assert committed == sorted(p.relative_to(tmp_path / "regenerated") for p in (tmp_path / "regenerated").rglob("*"))
+    for rel in committed:
+        if (sample / "tiny-megatron-tp8" / rel).is_file():
+            assert (sample / "tiny-megatron-tp8" / rel).read_bytes() == (tmp_path / "regenerated" / rel).read_bytes()
+    out = tmp_path / "tp4"
+    result = cli("convert", sample / "tiny-megatron-tp8", "--tp", 4, "-o", out, "--vocab", 500)
+    assert result.exit_code == 0, result.output
+    model, r = generator.full_model(), 1
+    rank_file = out / "iter_0000100" / f"mp_rank_{r:02d}" / "model_optim_rng.pt"
+    fc1 = torch.load(rank_file, weights_only=False)["model"]["decoder.layers.0.mlp.linear_fc1.weight"]
+    assert torch.equal(fc1, torch.cat([model["0.gate"].chunk(4)[r], model["0.up"].chunk(4)[r]]))

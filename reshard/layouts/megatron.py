@@ -234,6 +234,14 @@ class MegatronWriter(TorchRanksWriter):
 
     def __init__(self, out_dir: Path, spec: TargetSpec) -> None:
         _require_megatron_source(spec.source)
+        uneven = sorted(
+            {n for h in spec.rank_headers for n, t in h.items() if t.shape != spec.rank_headers[0][n].shape}
+        )
+        if uneven:
+            raise ReshardError(
+                f"Megatron needs every rank to hold equal shapes, but {uneven[0]} would differ between ranks",
+                hint="drop --uneven: the megatron layout pads the vocab the Megatron way",
+            )
         super().__init__(out_dir, spec)
         meta = spec.source.meta
         self._folder = "release" if meta.get("release") else f"iter_{int(meta.get('iteration') or 0):07d}"

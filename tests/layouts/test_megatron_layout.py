@@ -289,3 +289,46 @@ def test_sample_checkpoint_is_what_its_generator_writes(cli, tmp_path: Path) -> 
     rank_file = out / "iter_0000100" / f"mp_rank_{r:02d}" / "model_optim_rng.pt"
     fc1 = torch.load(rank_file, weights_only=False)["model"]["decoder.layers.0.mlp.linear_fc1.weight"]
     assert torch.equal(fc1, torch.cat([model["0.gate"].chunk(4)[r], model["0.up"].chunk(4)[r]]))
+
+
+def test_release_folder_and_bad_tracker(cli, full: FullModel, tmp_path: Path) -> None:
+    src = write_megatron(tmp_path / "rel", full, 2, model_type=False)
+    (src / f"iter_{ITERATION:07d}").rename(src / "release")
+    (src / "latest_checkpointed_iteration.txt").write_text("release\n")
+    out = tmp_path / "out"
+    assert cli("convert", src, "-o", out, "--tp", 1, "--vocab", V).exit_code == 0
+    assert (out / "latest_checkpointed_iteration.txt").read_text() == "release\n"
+    assert (out / "release" / "mp_rank_00" / "model_optim_rng.pt").is_file()
+    (src / "latest_checkpointed_iteration.txt").write_text("latest?\n")
+    result = cli("inspect", src)
+    assert (
+        result.exit_code == 2 and "latest_checkpointed_iteration.txt" in result.output and "'latest?'" in result.output
+    )
+
+
+def test_virtual_pipeline_chunks_are_reported_and_refused(cli, full: FullModel, tmp_path: Path) -> None:
+    root = tmp_path / "vpp"
+    for r in range(2):
+        state = rank_state(full, 2, r, MCORE)
+        chunks = {f"model{i}": {k: v for k, v in state.items() if (".layers.1." in k) == bool(i)} for i in range(2)}
+        folder = root / f"iter_{ITERATION:07d}" / f"mp_rank_{r:02d}"
+        folder.mkdir(parents=True)
+        torch.save(
+            {"args": make_args(2), "checkpoint_version": 3.0, "iteration": ITERATION, **chunks},
+            folder / "model_optim_rng.pt",
+        )
+    (root / "latest_checkpointed_iteration.txt").write_text(f"{ITERATION}\n")
+    report = json.loads(cli("inspect", root, "--json").output)
+    names = [t["name"] for t in report["tensors"]]
+    assert (
+        "model0.embedding.word_embeddings.weight" in names and "model1.decoder.layers.1.mlp.linear_fc1.weight" in names
+    )
+    assert any("2 virtual pipeline chunks" in n for n in report["notes"])
+    result = cli("convert", root, "-o", tmp_path / "out", "--tp", 1)
+    assert result.exit_code == 2 and "virtual pipeline chunks" in result.output and not (tmp_path / "out").exists()
+
+
+def test_uneven_is_refused_for_the_megatron_layout(cli, tp8: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = cli("convert", tp8, "-o", out, "--tp", 4, "--vocab", V - 1, "--uneven")
+    assert result.exit_code == 2 and "equal shapes" in result.output and not out.exists()

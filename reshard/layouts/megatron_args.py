@@ -25,7 +25,10 @@ from reshard.config import ModelConfig
 ENUM_PATHS = (
     "megatron.core.enums.ModelType",
     "megatron.core.enums.Fp8Recipe",
+    "megatron.core.enums.Fp4Recipe",
+    "megatron.core.transformer.enums.ModelType",
     "megatron.core.transformer.enums.AttnBackend",
+    "megatron.core.transformer.enums.CudaGraphScope",
     "megatron.core.transformer.enums.AttnMaskType",
     "megatron.core.transformer.enums.AttnType",
     "megatron.core.transformer.enums.LayerType",

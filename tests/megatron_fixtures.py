@@ -221,6 +221,7 @@ def write_megatron(
 ) -> Path:
     """Write ``root`` as Megatron's ``torch`` format at ``tp`` (optionally split in ``stages`` pipeline stages)."""
     args = args or make_args(tp)
+    args.pipeline_model_parallel_size = stages
     mods = fake_megatron_enums() if model_type else {}
     if model_type:
         args.model_type = ModelType.encoder_or_decoder

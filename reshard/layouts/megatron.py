@@ -180,6 +180,14 @@ def _describe(source: SourceCheckpoint, first: MegatronFile, folder: Path, pp: i
     """Config from the args, the facts the writer needs, notes, and why a conversion would be refused."""
     top = first.top_level
     args = top.get("args")
+    for key, found in (("tensor_model_parallel_size", source.tp), ("pipeline_model_parallel_size", pp)):
+        expected = arg(args, key)
+        if isinstance(expected, int) and expected > found:
+            raise MissingRankError(
+                f"the args say {key}={expected}, but only {found} are here",
+                path=folder,
+                hint="every rank file must be present to gather",
+            )
     source.config = config_from_args(args, first.path) if args is not None else None
     version = top.get("checkpoint_version")
     source.meta.update(

@@ -266,6 +266,10 @@ def test_missing_rank_and_infeasible_tp(cli, tp8: Path, tmp_path: Path) -> None:
     shutil.rmtree(broken / f"iter_{ITERATION:07d}" / "mp_rank_05")
     result = cli("convert", broken, "-o", tmp_path / "o1", "--tp", 4)
     assert result.exit_code == 2 and "mp_rank_05/model_optim_rng.pt" in result.output
+    shutil.rmtree(broken / f"iter_{ITERATION:07d}" / "mp_rank_07")  # the last rank: only the args tell
+    shutil.copytree(tp8 / f"iter_{ITERATION:07d}" / "mp_rank_05", broken / f"iter_{ITERATION:07d}" / "mp_rank_05")
+    result = cli("inspect", broken)
+    assert result.exit_code == 2 and "tensor_model_parallel_size=8, but only 7 are here" in result.output
     result = cli("convert", tp8, "-o", tmp_path / "o2", "--tp", 3, "--vocab", V)
     assert result.exit_code == 2 and not (tmp_path / "o2").exists()
     assert "linear_qkv.weight" in result.output and "holds 2 groups: tp=3" in result.output

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from reshard.errors import ReshardError
-from reshard.layouts import hf, hf_ranks, megatron
+from reshard.layouts import hf, hf_ranks, megatron, sat
 from reshard.layouts.base import (
     WRITABLE_LAYOUTS,
     CheckpointWriter,
@@ -32,6 +32,7 @@ _WRITERS: dict[str, type[CheckpointWriter]] = {
     "hf": hf.HFWriter,
     "hf-ranks": hf_ranks.HFRanksWriter,
     "megatron": megatron.MegatronWriter,
+    "sat": sat.SatWriter,
 }
 
 
@@ -48,6 +49,8 @@ def discover(path: Path, options: ReadOptions | None = None) -> SourceCheckpoint
         return hf.discover(path, options)
     if megatron.detect(path):
         return megatron.discover(path, options)
+    if sat.detect(path):
+        return sat.discover(path, options)
     if hf_ranks.detect(path):
         return hf_ranks.discover(path, options)
     if hf.is_hf_folder(path):

@@ -13,13 +13,14 @@ from reshard.fix import FixReport, fix  # noqa: E402
 from reshard.inspect import InspectReport, inspect_checkpoint  # noqa: E402
 from reshard.manifest import Manifest, read_manifest  # noqa: E402
 from reshard.options import ConvertOptions  # noqa: E402
-from reshard.partition import Packed, Partition, Replicate, Shard, Vocab, gather, split  # noqa: E402
+from reshard.partition import Grouped, Packed, Partition, Replicate, Shard, Vocab, gather, split  # noqa: E402
 from reshard.plans import Plan, Rule  # noqa: E402
 
 __all__ = [
     "ConvertOptions",
     "ConvertReport",
     "FixReport",
+    "Grouped",
     "InspectReport",
     "Manifest",
     "Packed",

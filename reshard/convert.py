@@ -67,6 +67,8 @@ def prepare(ckpt: Path, options: ConvertOptions) -> tuple[SourceCheckpoint, Conv
     without it, LoRA tensors that should be replicated but differ between ranks are refused.
     """
     source = open_source(ckpt, options)
+    if source.meta.get("cannot_convert"):  # a layout read it for inspect, but cannot convert it
+        raise source.meta["cannot_convert"]
     if options.merge_lora:
         source = merge_lora_source(source, alpha=options.lora_alpha)
     layout = options.layout or default_layout(source, options.tp)

@@ -178,7 +178,8 @@ def resolve_vocab(explicit: int | None, source: SourceCheckpoint, manifest_vocab
     if manifest_vocab is not None:
         return VocabPlan(manifest_vocab, "reshard.json", None)
     if source.config is not None and source.config.vocab_size:
-        return VocabPlan(source.config.vocab_size, "config.json", None)
+        origin = source.config.path.name if source.config.path else "config"
+        return VocabPlan(source.config.vocab_size, origin, None)
     return VocabPlan(None, "unknown", None)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
-from reshard.plans import llama, sat
+from reshard.plans import llama, megatron, sat
 from reshard.plans.base import EMPTY_PLAN, Plan, Rule
 from reshard.plans.files import load_plan_file
 from reshard.plans.infer import infer_partition
@@ -33,6 +33,7 @@ class Family:
 
 FAMILIES: list[Family] = [
     Family(llama.LLAMA_PLAN, llama.MODEL_TYPES, llama.SIGNATURE),
+    Family(megatron.MEGATRON_PLAN, megatron.MODEL_TYPES, megatron.SIGNATURE),
     Family(sat.SAT_PLAN, sat.MODEL_TYPES, sat.SIGNATURE),
 ]
 

@@ -19,6 +19,7 @@ demo: install
 	$(BIN)/reshard inspect $(SAMPLE)
 	$(BIN)/reshard convert $(SAMPLE) --tp 1 -o demo-out/full
 	$(BIN)/reshard convert demo-out/full --tp 4 -o demo-out/tp4
+	$(BIN)/reshard fix sample_ckpts/tiny-llama-65535-tp2 --vocab 65535 -o demo-out/fixed
 
 test: install
 	$(BIN)/ruff check .

@@ -16,6 +16,7 @@ from reshard._output import emit_json, human_bytes, note, shape_list, table
 from reshard.check import CheckOptions, CheckReport, check
 from reshard.convert import ConvertReport, convert
 from reshard.errors import ReshardError
+from reshard.fix import FixReport, fix
 from reshard.inspect import InspectReport, inspect_checkpoint
 from reshard.layouts import WRITABLE_LAYOUTS
 from reshard.options import ConvertOptions
@@ -94,6 +95,7 @@ def main(verbose: bool) -> None:
     \b
     Examples:
       reshard inspect ckpt/
+      reshard fix ckpt/ --vocab 65535
       reshard convert ckpt/ --tp 4 -o ckpt-tp4/
     """
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(message)s")
@@ -175,6 +177,8 @@ def _partition_args(partition: dict[str, Any] | None) -> str:
 )
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty output folder.")
 @click.option("--allow-divergent-replicas", is_flag=True, help="Take rank 0 of replicated tensors that differ.")
+@click.option("--merge-lora", is_flag=True, help="Merge LoRA adapters into their base weights per rank, then reshard.")
+@click.option("--lora-alpha", type=float, help="LoRA alpha for --merge-lora (scaling = alpha / rank; default 1).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars and no report.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON document.")
 @common_read_options
@@ -187,6 +191,9 @@ def convert_command(ckpt: Path, out: Path, as_json: bool, quiet: bool, **options
       reshard convert sample_ckpts/tiny-llama-tp2 --tp 1 -o tiny-full
       reshard convert tiny-full --tp 4 --layout hf-ranks -o tiny-tp4
     """
+    if options["lora_alpha"] is not None and not options["merge_lora"]:
+        raise click.UsageError("--lora-alpha only applies with --merge-lora")
+    options["lora_alpha"] = 1.0 if options["lora_alpha"] is None else options["lora_alpha"]
     report = convert(ckpt, out, ConvertOptions(progress=not (quiet or as_json), **options))
     if as_json:
         emit_json(report)
@@ -206,6 +213,58 @@ def render_convert(report: ConvertReport) -> str:
         else "no vocab tensors",
     ]
     lines += [f"  {c['tensor']}: {c['old']} -> {c['new']}" for c in report.changed]
+    lines += [f"note: {n}" for n in report.notes]
+    lines.append(f"manifest {report.manifest}")
+    return "\n".join(lines)
+
+
+@main.command("fix")
+@click.argument("ckpt", type=EXISTING)
+@click.option("--vocab", type=click.IntRange(min=1), help="True vocab size (default: reshard.json, then config).")
+@click.option("-o", "--output", "out", type=PATH, help="Output folder (default: CKPT.fixed beside the input).")
+@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="Ranks to write (1: full).")
+@click.option("--overwrite", is_flag=True, help="Replace a non-empty output folder.")
+@click.option("--allow-divergent-replicas", is_flag=True, help="Take rank 0 of replicated tensors that differ.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bars and no report.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON document.")
+@common_read_options
+@reports_errors
+def fix_command(ckpt: Path, out: Path | None, as_json: bool, quiet: bool, **options: Any) -> None:
+    """Gather and unpad CKPT into a canonical checkpoint (CKPT.fixed unless -o), with a reshard.json.
+
+    \b
+    Examples:
+      reshard fix sample_ckpts/tiny-llama-65535-tp2 --vocab 65535 -o tiny-fixed
+      reshard fix ckpt/ --vocab 65535 --tp 4 -o ckpt-tp4/
+    """
+    report = fix(ckpt, out, ConvertOptions(progress=not (quiet or as_json), **options))
+    if as_json:
+        emit_json(report)
+    elif not quiet:
+        click.echo(render_fix(report))
+
+
+def render_fix(report: FixReport) -> str:
+    vocab = report.vocab
+    lines = [
+        f"{report.source} ({report.source_layout}, tp={report.source_tp}) -> {report.output} "
+        f"({report.layout}, tp={report.tp})",
+        f"vocab {vocab['original']} (from {vocab['origin']}): {vocab['source_padded']} rows in the source, "
+        f"{vocab['target_padded']} written"
+        if vocab["source_padded"] is not None
+        else "no vocab tensors",
+    ]
+    others = [c for c in report.changed if not c["vocab"]]
+    lines += [
+        f"  {c['tensor']}: {shape_list(c['old'])} -> {shape_list(c['new'])}" for c in report.changed if c["vocab"]
+    ]
+    if others:
+        verb = "gathered" if report.tp == 1 else "re-sliced"
+        lines.append(f"  {len(others)} other tensor(s) {verb} from tp={report.source_tp} to tp={report.tp}")
+    if not report.changed:
+        lines.append("  no tensor changed shape")
+    if report.config_vocab:
+        lines.append(f"config.json vocab_size {report.config_vocab[0]} -> {report.config_vocab[1]}")
     lines += [f"note: {n}" for n in report.notes]
     lines.append(f"manifest {report.manifest}")
     return "\n".join(lines)

@@ -17,6 +17,7 @@ from reshard.partition import Partition, partition_from_dict, partition_to_dict
 
 MANIFEST_NAME = "reshard.json"
 FORMAT = "reshard/1"
+VOCAB_FIELDS = ("original", "padded", "pad_multiple", "source_padded", "source_config")
 
 
 @dataclass(frozen=True)
@@ -43,11 +44,18 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class VocabRecord:
-    """The true vocab size, the padded size at the target tp, and the multiple it was padded to."""
+    """The true vocab size, the padded size at the target tp, and the multiple it was padded to.
+
+    ``source_padded`` (rows of the vocab tensors in the source) and ``source_config`` (``vocab_size`` in the
+    source's config.json) record what the input said when it differs from ``original`` (a padded size
+    repaired by ``fix``); they are None, and left out of ``reshard.json``, otherwise.
+    """
 
     original: int | None
     padded: int | None
     pad_multiple: int | None
+    source_padded: int | None = None
+    source_config: int | None = None
 
 
 @dataclass
@@ -69,7 +77,7 @@ class Manifest:
             "created": self.created,
             "source": self.source,
             "target": self.target,
-            "vocab": asdict(self.vocab),
+            "vocab": {k: v for k, v in asdict(self.vocab).items() if k in VOCAB_FIELDS[:3] or v is not None},
             "tensors": {name: entry.to_dict() for name, entry in self.tensors.items()},
         }
 
@@ -78,7 +86,7 @@ class Manifest:
         return cls(
             source=dict(data.get("source", {})),
             target=dict(data.get("target", {})),
-            vocab=VocabRecord(**{k: data.get("vocab", {}).get(k) for k in ("original", "padded", "pad_multiple")}),
+            vocab=VocabRecord(**{k: data.get("vocab", {}).get(k) for k in VOCAB_FIELDS}),
             tensors={name: TensorEntry.from_dict(entry) for name, entry in data.get("tensors", {}).items()},
             reshard_version=data.get("reshard_version", ""),
             created=data.get("created", ""),

@@ -153,10 +153,14 @@ def _plan_one(
         shape = canonical_shape(partition, shapes, vocab_size=vocab.original, uneven=uneven)
     except AmbiguousPartitionError as err:
         problem = AmbiguousPartitionError(
-            f"no plan rule, and {err.detail}",
+            f"no plan rule, and {err.detail}"
+            if rule is None
+            else f"rule '{rule.pattern}' ({plan.name}): {err.detail}",
             path=refs[0].file,
             tensor=name,
-            hint="add a rule for it with --plan FILE",
+            hint="add a rule for it with --plan FILE"
+            if rule is None
+            else "give the model's config with --config FILE",
         )
         return SourceTensor(name, refs, None, "", None, problem)
     except ShapeMismatchError as err:
@@ -174,7 +178,8 @@ def resolve_vocab(explicit: int | None, source: SourceCheckpoint, manifest_vocab
     if manifest_vocab is not None:
         return VocabPlan(manifest_vocab, "reshard.json", None)
     if source.config is not None and source.config.vocab_size:
-        return VocabPlan(source.config.vocab_size, "config.json", None)
+        origin = source.config.path.name if source.config.path else "config"
+        return VocabPlan(source.config.vocab_size, origin, None)
     return VocabPlan(None, "unknown", None)
 
 

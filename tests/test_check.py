@@ -171,3 +171,16 @@ def test_a_transformers_style_reshard_cannot_express_is_an_error_not_a_replica()
         ("transformers' TP style 'local' has no reshard partition", ["model.layers.0.mlp.down_proj.weight"])
     ]
     assert report.tensors[1].rank_shape == [8, 8]
+
+
+def test_checkpoint_at_tp2_is_checked_on_its_full_shapes(cli, qwen35, tmp_path):
+    """Rank headers are joined by the plan: the same table as from the full checkpoint, no data read."""
+    assert cli("convert", qwen35, "--tp", 2, "-o", tmp_path / "tp2", "-q").exit_code == 0
+    _, from_full = run_json(cli, qwen35, "--tp", 4)
+    code, from_ranks = run_json(cli, tmp_path / "tp2", "--tp", 4)
+    assert code == 0 and from_ranks["input"] == "checkpoint"
+    assert sorted(from_ranks["tensors"], key=lambda t: t["name"]) == sorted(
+        from_full["tensors"], key=lambda t: t["name"]
+    )
+    conv = next(t for t in from_ranks["tensors"] if t["name"].endswith("conv1d.weight"))
+    assert conv["shape"] == [128, 1, 4] and conv["rank_shape"] == [32, 1, 4]

@@ -111,8 +111,13 @@ def convert(ckpt: Path, out: Path, options: ConvertOptions) -> ConvertReport:
     )
     with staged_output(out) as staging:
         writer = writer_class(layout)(staging, spec)
+        finite: dict[str, bool] = {}
         hashes = execute(
-            conversion, writer, allow_divergent=options.allow_divergent_replicas, progress=options.progress
+            conversion,
+            writer,
+            allow_divergent=options.allow_divergent_replicas,
+            progress=options.progress,
+            finite=finite,
         )
         files = [str(p) for p in writer.close()]
         for side in source.side_files:
@@ -123,7 +128,9 @@ def convert(ckpt: Path, out: Path, options: ConvertOptions) -> ConvertReport:
             target={"layout": layout, "tp": options.tp},
             vocab=VocabRecord(vocab.original, vocab.target_padded, vocab.pad_multiple),
             tensors={
-                t.name: TensorEntry(t.source.shape, dtype_name(t.source.dtype), t.source.partition, hashes[t.name])
+                t.name: TensorEntry(
+                    t.source.shape, dtype_name(t.source.dtype), t.source.partition, hashes[t.name], finite[t.name]
+                )
                 for t in sorted(conversion.tensors, key=lambda t: t.name)
             },
         )

@@ -17,8 +17,8 @@ def tiny_llama(path: Path, *, vocab: int = 1001, tie: bool = False, dtype: torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=tie,
-                         **(TINY | overrides))
+    config = LlamaConfig(vocab_size=vocab, tie_word_embeddings=tie,
+                         **(TINY | dict(num_attention_heads=4, num_key_value_heads=4) | overrides))
     model = LlamaForCausalLM(config).to(dtype).eval()
     model.save_pretrained(path)
     return model

@@ -14,6 +14,7 @@ from reshard.manifest import Manifest, read_manifest  # noqa: E402
 from reshard.options import ConvertOptions  # noqa: E402
 from reshard.partition import Packed, Partition, Replicate, Shard, Vocab, gather, split  # noqa: E402
 from reshard.plans import Plan, Rule  # noqa: E402
+from reshard.verify import VerifyOptions, VerifyResult, verify  # noqa: E402
 
 __all__ = [
     "ConvertOptions",
@@ -27,6 +28,8 @@ __all__ = [
     "ReshardError",
     "Rule",
     "Shard",
+    "VerifyOptions",
+    "VerifyResult",
     "Vocab",
     "__version__",
     "convert",
@@ -34,4 +37,5 @@ __all__ = [
     "inspect_checkpoint",
     "read_manifest",
     "split",
+    "verify",
 ]

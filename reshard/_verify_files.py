@@ -27,7 +27,8 @@ class Difference:
     """One thing ``verify`` found: its kind, the tensor (if any), what differs, the file(s) concerned.
 
     Kinds: ``missing-file``, ``duplicate``, ``missing``, ``extra``, ``inconsistent`` (the ranks do not
-    gather), ``dtype``, ``shape``/``reshaped``, ``sha256``, ``non-finite``, ``values``, ``plan``.
+    gather), ``dtype``, ``shape``/``reshaped``, ``sha256``, ``non-finite``, ``values``, ``plan`` (a round trip
+    the model cannot make), ``not-run``.
     """
 
     kind: str

@@ -138,25 +138,37 @@ def verify(ckpt: Path, other: Path | None = None, options: VerifyOptions | None 
         result.reports.append(compare_checkpoints(ckpt, Path(other), options))
     elif not options.roundtrip or find_manifest(ckpt) is not None:
         result.reports.append(check_manifest(ckpt, options))
-    result.reports += [roundtrip(ckpt, tp, options) for tp in options.roundtrip]
+    missing = [d for r in result.reports for d in r.differences if d.kind == "missing-file"]
+    for tp in options.roundtrip:
+        if missing:  # the checkpoint cannot be read: say so per round trip instead of failing to read it
+            cause = Difference("not-run", None, "files of the checkpoint are missing (see above)", missing[0].file)
+            result.reports.append(VerifyReport("roundtrip", str(ckpt), f"tp={tp} and back", 0, [cause], tp))
+        else:
+            result.reports.append(roundtrip(ckpt, tp, options))
     return result
 
 
 @dataclass
 class _Canonical:
-    """A checkpoint planned for gathering: every tensor's source, and the true vocab size."""
+    """A checkpoint planned for gathering: every tensor's source, the true vocab size, the split convention."""
 
     tensors: dict[str, SourceTensor]
     vocab: int | None
-    tp: int
+    uneven: bool
+
+
+def written_uneven(manifest: Manifest | None) -> bool:
+    """Whether reshard wrote the checkpoint with ``--uneven`` (its manifest has a vocab but no pad multiple)."""
+    return manifest is not None and manifest.vocab.padded is not None and manifest.vocab.pad_multiple is None
 
 
 def _open(path: Path, options: ConvertOptions, manifest: Manifest | None) -> _Canonical:
     source = open_source(path, options)
     vocab = resolve_vocab(None, source, manifest.vocab.original if manifest else None)
     plan = select_plan(source.config, source.names(), plan_file=options.plan)
-    tensors = plan_sources(source, plan, vocab=vocab, target_tp=1)
-    return _Canonical({t.name: t for t in tensors}, vocab.original, source.tp)
+    uneven = written_uneven(manifest)
+    tensors = plan_sources(source, plan, vocab=vocab, target_tp=1, uneven=uneven)
+    return _Canonical({t.name: t for t in tensors}, vocab.original, uneven)
 
 
 def _files(tensor: SourceTensor) -> str:
@@ -174,7 +186,7 @@ def _gathered(
                 diffs.append(Difference("inconsistent", name, tensor.problem.detail, _files(tensor)))
                 continue
             try:
-                yield name, gather_tensor(tensor, vocab_size=canon.vocab)
+                yield name, gather_tensor(tensor, vocab_size=canon.vocab, uneven=canon.uneven)
             except (DivergentReplicaError, ShapeMismatchError) as err:
                 diffs.append(Difference("inconsistent", name, err.detail, _files(tensor)))
 
@@ -293,13 +305,13 @@ def roundtrip(ckpt: Path, tp: int, options: VerifyOptions) -> VerifyReport:
     The temporary folder (under ``$TMPDIR``) is removed however this ends, Ctrl-C included. A tp the
     model cannot be split into is reported as a difference of this round trip, not raised.
     """
-    source = open_source(ckpt, options.read_options())
+    source, uneven = open_source(ckpt, options.read_options()), written_uneven(find_manifest(ckpt))
     report = VerifyReport("roundtrip", str(ckpt), f"tp={tp} and back", tp=tp)
     with tempfile.TemporaryDirectory(prefix=f"reshard-verify-tp{tp}-") as tmp:
         there, back = Path(tmp) / f"tp{tp}", Path(tmp) / f"back-tp{source.tp}"
         try:
-            convert(ckpt, there, options.read_options(tp=tp))
-            convert(there, back, options.read_options(tp=source.tp, config=None))
+            convert(ckpt, there, options.read_options(tp=tp, uneven=uneven))
+            convert(there, back, options.read_options(tp=source.tp, config=None, uneven=uneven))
         except PlanError as err:
             report.differences = [Difference("plan", p.tensor, p.detail, p.path) for p in err.problems]
             return report

@@ -108,6 +108,28 @@ def test_deleted_rank_file(cli, copy) -> None:
     assert str(ckpt / "rank_01") in result.stdout
 
 
+def test_deleted_rank_file_with_roundtrip(cli, copy) -> None:
+    ckpt = copy("tp2")
+    (ckpt / "rank_00" / "model.safetensors").unlink()
+    result = cli("verify", ckpt, "--roundtrip", "4", "--json")
+    assert result.exit_code == 1
+    manifest, trip = json.loads(result.stdout)["checks"]
+    assert [d["kind"] for d in manifest["differences"]] == ["missing-file"]
+    assert trip["tp"] == 4 and [d["kind"] for d in trip["differences"]] == ["not-run"]
+
+
+def test_uneven_checkpoint_verifies(cli, checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    convert(checkpoints["hf"], tmp_path / "uneven", ConvertOptions(tp=2, uneven=True, progress=False))
+    shapes = [
+        load_file(tmp_path / "uneven" / r / "model.safetensors")["lm_head.weight"].shape[0]
+        for r in ("rank_00", "rank_01")
+    ]
+    assert shapes == [501, 500]
+    for args in ([], [checkpoints["hf"]], ["--roundtrip", "2,4"]):
+        result = cli("verify", tmp_path / "uneven", *args)
+        assert result.exit_code == 0, result.stdout
+
+
 def test_deleted_rank_folder(cli, copy) -> None:
     ckpt = copy("tp2")
     shutil.rmtree(ckpt / "rank_01")
@@ -127,6 +149,18 @@ def test_deleted_shard_named_by_the_index(cli, copy) -> None:
     [diff] = json.loads(result.stdout)["checks"][0]["differences"]
     assert diff["kind"] == "missing-file" and diff["file"] == str(ckpt / "rank_00" / victim)
     assert index[diff["tensor"]] == victim
+
+
+def test_tensor_in_two_files(cli, copy) -> None:
+    ckpt = copy("sharded")
+    files = sorted(p.name for p in (ckpt / "rank_01").glob("*.safetensors"))
+    first = load_file(ckpt / "rank_01" / files[0])
+    key = sorted(first)[0]
+    rewrite(ckpt / "rank_01" / files[1], lambda s: s.__setitem__(key, first[key]))
+    result = cli("verify", ckpt, "--json")
+    assert result.exit_code == 1
+    [diff] = json.loads(result.stdout)["checks"][0]["differences"]
+    assert (diff["kind"], diff["tensor"]) == ("duplicate", key) and files[0] in diff["detail"]
 
 
 def test_renamed_tensor(cli, copy) -> None:
@@ -251,9 +285,10 @@ def test_roundtrip_reports_an_infeasible_tp(cli, checkpoints: dict[str, Path]) -
 
 @pytest.mark.parametrize("interrupt", [KeyboardInterrupt, RuntimeError])
 def test_roundtrip_cleans_up_on_interrupt(checkpoints, tmp_path, monkeypatch, interrupt) -> None:
+    import importlib
     import tempfile
 
-    import reshard.verify as verify_module
+    verify_module = importlib.import_module("reshard.verify")  # the module; ``reshard.verify`` is the function
 
     scratch = tmp_path / "scratch"
     scratch.mkdir()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 import struct
@@ -97,6 +98,11 @@ def test_flipped_byte_in_a_replicated_tensor(cli, copy) -> None:
     result = cli("verify", ckpt, "--json")
     assert result.exit_code == 1
     assert found(json.loads(result.stdout)) == {("inconsistent", NORM)}
+    result = cli("verify", ckpt, "--roundtrip", "4", "--json")
+    assert result.exit_code == 1
+    manifest, trip = json.loads(result.stdout)["checks"]
+    [diff] = trip["differences"]
+    assert (diff["kind"], diff["tensor"]) == ("inconsistent", NORM) and "rank_00" in diff["file"]
 
 
 def test_deleted_rank_file(cli, copy) -> None:
@@ -260,7 +266,7 @@ def test_compare_reports_values_missing_extra_reshaped(cli, copy, checkpoints: d
     }
 
 
-def test_value_difference() -> None:
+def test_value_difference(monkeypatch: pytest.MonkeyPatch) -> None:
     a = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     b = a.clone()
     b[1, 2] += 0.5
@@ -272,6 +278,11 @@ def test_value_difference() -> None:
     nan[0, 0] = float("nan")
     assert value_difference(nan, nan.clone()) is None
     assert value_difference(nan, a) == float("inf")
+    monkeypatch.setattr(importlib.import_module("reshard.verify"), "_BLOCK", 7)
+    big = torch.arange(100, dtype=torch.float32)  # 15 blocks of 7
+    other = big.clone()
+    other[-1] += 2
+    assert value_difference(big, other) == 2.0 and value_difference(big, other, atol=2.5) is None
 
 
 def test_roundtrip_reports_an_infeasible_tp(cli, checkpoints: dict[str, Path]) -> None:
@@ -285,7 +296,6 @@ def test_roundtrip_reports_an_infeasible_tp(cli, checkpoints: dict[str, Path]) -
 
 @pytest.mark.parametrize("interrupt", [KeyboardInterrupt, RuntimeError])
 def test_roundtrip_cleans_up_on_interrupt(checkpoints, tmp_path, monkeypatch, interrupt) -> None:
-    import importlib
     import tempfile
 
     verify_module = importlib.import_module("reshard.verify")  # the module; ``reshard.verify`` is the function

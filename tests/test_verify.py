@@ -315,3 +315,22 @@ def test_roundtrip_cleans_up_on_interrupt(checkpoints, tmp_path, monkeypatch, in
     with pytest.raises(interrupt):
         verify(checkpoints["hf"], options=VerifyOptions(roundtrip=(2,)))
     assert calls and list(scratch.iterdir()) == []
+
+
+def test_verify_never_modifies_its_inputs(cli, checkpoints: dict[str, Path]) -> None:
+    def snapshot() -> dict[Path, bytes]:
+        return {
+            p: p.read_bytes() for name in ("hf", "tp2") for p in sorted(checkpoints[name].rglob("*")) if p.is_file()
+        }
+
+    before, siblings = snapshot(), sorted(checkpoints["root"].iterdir())
+    assert cli("verify", checkpoints["tp2"], "--roundtrip", "1,4").exit_code == 0
+    assert cli("verify", checkpoints["hf"], checkpoints["tp2"]).exit_code == 0
+    assert snapshot() == before and sorted(checkpoints["root"].iterdir()) == siblings
+
+
+@pytest.mark.parametrize("value", ["2,x", "0", ","])
+def test_bad_roundtrip_list_is_a_usage_error(cli, checkpoints: dict[str, Path], value: str) -> None:
+    result = cli("verify", checkpoints["tp2"], "--roundtrip", value)
+    assert result.exit_code == 2
+    assert "is not a list of tp sizes such as 2,4,8" in result.stderr

@@ -21,7 +21,7 @@ demo: install
 	$(BIN)/reshard convert demo-out/full --tp 4 -o demo-out/tp4
 
 test: install
-	$(BIN)/ruff check reshard tests bench sample_ckpts
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
 clean:

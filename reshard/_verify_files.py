@@ -82,7 +82,7 @@ def _check_folder(folder: Path) -> list[Difference]:
                 )
     if diffs:
         return diffs
-    files = weight_files(folder, probe=True)
+    files = weight_files(folder)  # files an index names are all there (checked above)
     if not files:
         return [Difference("missing-file", None, "no weight files in the folder", str(folder))]
     seen: dict[str, Path] = {}

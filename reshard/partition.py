@@ -243,18 +243,20 @@ def canonical_shape(
         raise ShapeMismatchError(f"rank shapes {shapes} differ outside dim {dim}")
     total = sum(s[dim] for s in shapes)
     full = _with(first, dim, total)
+    padded = None
     if isinstance(partition, Vocab):
         full = _with(first, dim, total if vocab_size is None else vocab_size)
         if vocab_size is not None and total < vocab_size:
             raise ShapeMismatchError(f"ranks hold {total} rows along dim {dim}, fewer than the vocab {vocab_size}")
-        expected = rank_shapes(partition, full, tp, padded=total, uneven=uneven)
-    else:
-        expected = rank_shapes(partition, full, tp, uneven=uneven)
+        padded = total
+    sizes = [s[dim] for s in shapes]
+    what = f"rank sizes {sizes} along dim {dim} are not a {partition.describe()} split of {total} over tp={tp}"
+    try:
+        expected = rank_shapes(partition, full, tp, padded=padded, uneven=uneven)
+    except ShapeMismatchError as err:
+        raise ShapeMismatchError(f"{what} ({err.detail})") from err
     if expected != shapes:
-        raise ShapeMismatchError(
-            f"rank sizes {[s[dim] for s in shapes]} along dim {dim} are not a {partition.describe()} split "
-            f"of {total} over tp={tp} (expected {[e[dim] for e in expected]})"
-        )
+        raise ShapeMismatchError(f"{what} (expected {[e[dim] for e in expected]})")
     return full
 
 

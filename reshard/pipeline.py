@@ -22,6 +22,7 @@ from reshard.errors import AmbiguousPartitionError, PlanError, ReshardError, Sha
 from reshard.layouts.base import CheckpointWriter, SourceCheckpoint, TensorRef
 from reshard.layouts.files import TensorHeader
 from reshard.partition import (
+    Packed,
     Partition,
     Vocab,
     bitwise_equal,
@@ -229,7 +230,7 @@ def plan_conversion(
                     f"{err.detail}",
                     path=tensor.refs[0].file,
                     tensor=tensor.name,
-                    hint="choose a tp that divides it, or --uneven",
+                    hint="choose a tp that divides it" + ("" if _whole_blocks(tensor.partition) else ", or --uneven"),
                 )
             )
             continue
@@ -238,6 +239,12 @@ def plan_conversion(
         raise PlanError(problems)
     planned.sort(key=lambda t: safetensors_order(t.name, t.source.dtype))
     return ConversionPlan(source, target_tp, tuple(planned), vocab, uneven)
+
+
+def _whole_blocks(partition: Partition) -> bool:
+    """True when the partition splits in blocks (heads) that ``--uneven`` must not cut either."""
+    units = partition.part_units() if isinstance(partition, Packed) else (getattr(partition, "unit", 1),)
+    return any(unit != 1 for unit in units)
 
 
 def sha256_of(tensor: torch.Tensor) -> str:

@@ -11,14 +11,15 @@ from safetensors.torch import load_file
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=64)
 
 
-def tiny_llama(path: Path, *, vocab: int = 1001, tie: bool = False, dtype: torch.dtype = torch.float32,
-               seed: int = 0, **overrides):
-    """A random tiny ``LlamaForCausalLM`` saved with ``save_pretrained``; returns the model (eval mode)."""
+def tiny_llama(
+    path: Path, *, vocab: int = 1001, tie: bool = False, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides
+):
+    """A random tiny ``LlamaForCausalLM`` (8 heads of 8), saved with ``save_pretrained``; returns it in eval mode."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, tie_word_embeddings=tie,
-                         **(TINY | dict(num_attention_heads=4, num_key_value_heads=4) | overrides))
+    heads = dict(num_attention_heads=8, num_key_value_heads=8)
+    config = LlamaConfig(vocab_size=vocab, tie_word_embeddings=tie, **(TINY | heads | overrides))
     model = LlamaForCausalLM(config).to(dtype).eval()
     model.save_pretrained(path)
     return model
@@ -29,8 +30,8 @@ def tiny_qwen3(path: Path, *, vocab: int = 1001, seed: int = 0, **overrides):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=vocab, num_attention_heads=16, num_key_value_heads=8, head_dim=8,
-                         tie_word_embeddings=False, **(TINY | overrides))
+    sizes = TINY | {"num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 8} | overrides
+    config = Qwen3Config(vocab_size=vocab, tie_word_embeddings=False, **sizes)
     model = Qwen3ForCausalLM(config).eval()
     model.save_pretrained(path)
     return model

@@ -72,3 +72,23 @@ def test_github_actions_job_runs(cli, tmp_path: Path) -> None:
         assert result.exit_code == 0, result.output
         assert '"ok": true' in result.stdout
     assert job["env"]["CKPT"] == "checkpoints/latest"
+
+
+def test_readme_verify_console_matches(cli, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every ``$ reshard verify`` in the README prints what the README shows (``...`` elides the rest of a line)."""
+    monkeypatch.chdir(README.parent)
+    section = README.read_text().split("### `reshard verify`", 1)[1]
+    [console] = re.findall(r"```console\n(.*?)```", section.split("\n## ", 1)[0], flags=re.DOTALL)
+    runs = re.split(r"^\$ ", console, flags=re.MULTILINE)[1:]
+    assert len(runs) == 2
+    for run in runs:
+        command, *shown = run.rstrip("\n").split("\n")
+        result = cli(*shlex.split(command)[1:])
+        assert result.exit_code == (0 if shown[-1].endswith(": OK") else 1)
+        actual = result.stdout.rstrip("\n").split("\n")
+        assert actual[-1] == shown[-1]
+        for want, got in zip(shown[:-1], actual, strict=False):
+            if want == "...":
+                break
+            head = want.split("...")[0] if "..." in want else want
+            assert " ".join(got.split()).startswith(" ".join(head.split())), (want, got)

@@ -16,7 +16,7 @@ from reshard.testing import assert_roundtrip, assert_same_checkpoint, assert_sam
 
 # 8 KV heads of 8 so that tp 8 splits whole heads; vocab 1001 needs padding at every tp.
 MODELS = {
-    "llama": lambda path: tiny_llama(path, vocab=1001, num_attention_heads=8, num_key_value_heads=8),
+    "llama": lambda path: tiny_llama(path, vocab=1001),
     "qwen3": lambda path: tiny_qwen3(path, vocab=1001),
 }
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
@@ -81,7 +81,7 @@ BROKEN_PLANS = {
 
 @pytest.mark.parametrize("broken", sorted(BROKEN_PLANS))
 def test_wrong_plan_roundtrips_bytes_but_not_logits(cli, tmp_path: Path, broken: str) -> None:
-    tiny_llama(tmp_path / "full", vocab=1000)  # hidden 64, 4 heads of 16
+    tiny_llama(tmp_path / "full", vocab=1000)  # hidden 64, 8 heads of 8
     real_tp_ranks(tmp_path / "full", tmp_path / "ranks", tp=2)
     plan = tmp_path / "broken.toml"
     plan.write_text(BROKEN_PLANS[broken])

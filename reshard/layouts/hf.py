@@ -32,17 +32,20 @@ MANIFEST_NAME = "reshard.json"
 
 def is_hf_folder(path: Path) -> bool:
     """True for a folder with HF weight files (single, indexed, or any ``*.safetensors`` / ``*.bin``)."""
-    return path.is_dir() and bool(weight_files(path, probe=True))
+    if not path.is_dir():
+        return False
+    has_index = any((path / name).is_file() for name in (SAFETENSORS_INDEX_FILE, BIN_INDEX_FILE))
+    return has_index or bool(weight_files(path))
 
 
-def weight_files(folder: Path, *, probe: bool = False) -> list[Path]:
+def weight_files(folder: Path) -> list[Path]:
     """The weight files of one HF folder, in the order the HF loaders look for them.
 
     An index file, when present, is authoritative: every file it names must exist inside the folder.
     """
     for index_name in (SAFETENSORS_INDEX_FILE, BIN_INDEX_FILE):
         if (folder / index_name).is_file():
-            return [folder / f for f in dict.fromkeys(read_index(folder / index_name, probe=probe).values())]
+            return [folder / f for f in dict.fromkeys(read_index(folder / index_name).values())]
     for single in (SAFETENSORS_SINGLE_FILE, BIN_SINGLE_FILE):
         if (folder / single).is_file():
             return [folder / single]
@@ -53,18 +56,14 @@ def weight_files(folder: Path, *, probe: bool = False) -> list[Path]:
     return []
 
 
-def read_index(index: Path, *, probe: bool = False) -> dict[str, str]:
+def read_index(index: Path) -> dict[str, str]:
     """``weight_map`` of an index, treated as untrusted: file names must be plain names in the folder."""
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError("weight_map is not an object")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
-        if probe:
-            return {}
         raise CorruptFileError(f"corrupt index: {err!r}", path=index) from err
-    if probe:
-        return weight_map
     for tensor, filename in weight_map.items():
         pure = PurePosixPath(str(filename))
         if pure.is_absolute() or len(pure.parts) != 1 or pure.name in ("", ".", "..") or "\\" in str(filename):

@@ -18,18 +18,14 @@ import torch
 from tqdm.auto import tqdm
 
 from reshard._output import table
-from reshard._verify_files import Difference, check_files
+from reshard._verify_checks import Difference, check_files, value_difference
 from reshard.convert import convert, open_source
 from reshard.dtypes import dtype_name
 from reshard.errors import DivergentReplicaError, PlanError, ReshardError, ShapeMismatchError
 from reshard.manifest import Manifest, find_manifest
 from reshard.options import ConvertOptions
-from reshard.partition import bitwise_equal
 from reshard.pipeline import SourceTensor, all_finite, gather_tensor, plan_sources, resolve_vocab, sha256_of
 from reshard.plans import select_plan
-
-# Elements widened to float64 at a time when comparing values (128 MB per side).
-_BLOCK = 1 << 24
 
 __all__ = ["Difference", "VerifyOptions", "VerifyReport", "VerifyResult", "verify"]
 
@@ -284,27 +280,6 @@ def compare_checkpoints(ckpt: Path, other: Path, options: VerifyOptions) -> Veri
                 )
             )
     return report
-
-
-def value_difference(a: torch.Tensor, b: torch.Tensor, *, atol: float = 0.0, rtol: float = 0.0) -> float | None:
-    """None when ``a`` and ``b`` agree (bit for bit when both tolerances are 0), else their max abs difference.
-
-    NaN equals NaN here (a NaN on one side only counts as an infinite difference). Values are widened to
-    float64 (complex128) a block at a time, so the extra memory stays bounded whatever the tensor's size.
-    """
-    if atol == 0 and rtol == 0 and a.dtype == b.dtype and bitwise_equal(a, b):
-        return None
-    wide = torch.complex128 if a.is_complex() or b.is_complex() else torch.float64
-    flat_a, flat_b = a.reshape(-1), b.reshape(-1)
-    close, gap = True, 0.0
-    for start in range(0, flat_a.numel(), _BLOCK):
-        x, y = flat_a[start : start + _BLOCK].to(wide), flat_b[start : start + _BLOCK].to(wide)
-        if atol or rtol:
-            close = close and bool(torch.isclose(x, y, rtol=rtol, atol=atol, equal_nan=True).all())
-        distance = (x - y).abs().nan_to_num(nan=float("inf"))
-        distance[torch.isnan(x) & torch.isnan(y)] = 0.0
-        gap = max(gap, float(distance.max()))
-    return None if (atol or rtol) and close else gap
 
 
 def roundtrip(ckpt: Path, tp: int, options: VerifyOptions) -> VerifyReport:

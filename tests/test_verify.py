@@ -14,7 +14,8 @@ from helpers import load_folder, tiny_llama
 from safetensors.torch import load_file, save_file
 
 from reshard import ConvertOptions, convert
-from reshard.verify import VerifyOptions, value_difference, verify
+from reshard._verify_checks import value_difference
+from reshard.verify import VerifyOptions, verify
 
 Q1 = "model.layers.1.self_attn.q_proj.weight"
 NORM = "model.layers.0.input_layernorm.weight"
@@ -278,7 +279,7 @@ def test_value_difference(monkeypatch: pytest.MonkeyPatch) -> None:
     nan[0, 0] = float("nan")
     assert value_difference(nan, nan.clone()) is None
     assert value_difference(nan, a) == float("inf")
-    monkeypatch.setattr(importlib.import_module("reshard.verify"), "_BLOCK", 7)
+    monkeypatch.setattr(importlib.import_module("reshard._verify_checks"), "_BLOCK", 7)
     big = torch.arange(100, dtype=torch.float32)  # 15 blocks of 7
     other = big.clone()
     other[-1] += 2

@@ -1,7 +1,8 @@
-"""The file-level half of ``verify``: are all the files a checkpoint's manifest and indexes promise there?
+"""The parts of ``verify`` that need no pipeline: the :class:`Difference` record, the file checks, and
+the comparison of two tensors' values.
 
-Checked before any tensor is gathered, so a deleted rank file is reported as a difference naming the
-file, not as a failure to read the checkpoint.
+Files are checked before any tensor is gathered, so a deleted rank file is reported as a difference
+naming the file, not as a failure to read the checkpoint.
 """
 
 from __future__ import annotations
@@ -11,15 +12,19 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+import torch
 from huggingface_hub.constants import SAFETENSORS_INDEX_FILE
 
 from reshard.layouts.files import read_safetensors_header
 from reshard.layouts.hf import BIN_INDEX_FILE, weight_files
 from reshard.layouts.hf_ranks import rank_dir, rank_folders
 from reshard.manifest import Manifest
+from reshard.partition import bitwise_equal
 
 # Layouts whose folders reshard can check file by file; others are checked by reading them.
 _FOLDER_LAYOUTS = ("hf", "hf-ranks")
+# Elements widened to float64 at a time when comparing values (128 MB per side).
+_BLOCK = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -92,3 +97,24 @@ def _check_folder(folder: Path) -> list[Difference]:
                 diffs.append(Difference("duplicate", key, f"also in {seen[key].name}", str(path)))
             seen.setdefault(key, path)
     return diffs
+
+
+def value_difference(a: torch.Tensor, b: torch.Tensor, *, atol: float = 0.0, rtol: float = 0.0) -> float | None:
+    """None when ``a`` and ``b`` agree (bit for bit when both tolerances are 0), else their max abs difference.
+
+    NaN equals NaN here (a NaN on one side only counts as an infinite difference). Values are widened to
+    float64 (complex128) a block at a time, so the extra memory stays bounded whatever the tensor's size.
+    """
+    if atol == 0 and rtol == 0 and a.dtype == b.dtype and bitwise_equal(a, b):
+        return None
+    wide = torch.complex128 if a.is_complex() or b.is_complex() else torch.float64
+    flat_a, flat_b = a.reshape(-1), b.reshape(-1)
+    close, gap = True, 0.0
+    for start in range(0, flat_a.numel(), _BLOCK):
+        x, y = flat_a[start : start + _BLOCK].to(wide), flat_b[start : start + _BLOCK].to(wide)
+        if atol or rtol:
+            close = close and bool(torch.isclose(x, y, rtol=rtol, atol=atol, equal_nan=True).all())
+        distance = (x - y).abs().nan_to_num(nan=float("inf"))
+        distance[torch.isnan(x) & torch.isnan(y)] = 0.0
+        gap = max(gap, float(distance.max()))
+    return None if (atol or rtol) and close else gap

@@ -137,6 +137,15 @@ def test_uneven_checkpoint_verifies(cli, checkpoints: dict[str, Path], tmp_path:
         assert result.exit_code == 0, result.stdout
 
 
+def test_compare_with_a_deleted_rank_file_is_unreadable(cli, copy, checkpoints: dict[str, Path]) -> None:
+    other = copy("tp2")
+    (other / "rank_01" / "model.safetensors").unlink()
+    result = cli("verify", checkpoints["hf"], other)
+    assert result.exit_code == 2 and result.stdout == ""
+    [line] = result.stderr.strip().splitlines()
+    assert str(other / "rank_01") in line and "no weight files" in line
+
+
 def test_deleted_rank_folder(cli, copy) -> None:
     ckpt = copy("tp2")
     shutil.rmtree(ckpt / "rank_01")

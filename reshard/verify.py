@@ -7,6 +7,7 @@ a file that cannot be read at all is a :class:`~reshard.errors.ReshardError` (ex
 
 from __future__ import annotations
 
+import re
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -25,7 +26,7 @@ from reshard.errors import DivergentReplicaError, PlanError, ReshardError, Shape
 from reshard.manifest import Manifest, find_manifest
 from reshard.options import ConvertOptions
 from reshard.pipeline import SourceTensor, all_finite, gather_tensor, plan_sources, resolve_vocab, sha256_of
-from reshard.plans import select_plan
+from reshard.plans import EMPTY_PLAN, Plan, Rule, select_plan
 
 __all__ = ["Difference", "VerifyOptions", "VerifyReport", "VerifyResult", "verify"]
 
@@ -156,6 +157,26 @@ class _Canonical:
     uneven: bool
 
 
+@dataclass(frozen=True)
+class RecordedPlan(Plan):
+    """The partitions a ``reshard.json`` recorded, by exact tensor name; ``fallback`` for names it lacks.
+
+    A checkpoint reshard wrote is read the way it was written, even if that took a ``--plan`` file the
+    verifying user does not pass again.
+    """
+
+    recorded: dict[str, Rule] = field(default_factory=dict)
+    fallback: Plan = EMPTY_PLAN
+
+    @classmethod
+    def of(cls, manifest: Manifest, *, fallback: Plan) -> RecordedPlan:
+        rules = {name: Rule(f"^{re.escape(name)}$", entry.partition) for name, entry in manifest.tensors.items()}
+        return cls(f"reshard.json+{fallback.name}", tuple(rules.values()), rules, fallback)
+
+    def match(self, name: str) -> Rule | None:
+        return self.recorded.get(name) or self.fallback.match(name)
+
+
 def written_uneven(manifest: Manifest | None) -> bool:
     """Whether reshard wrote the checkpoint with ``--uneven`` (its manifest has a vocab but no pad multiple)."""
     return manifest is not None and manifest.vocab.padded is not None and manifest.vocab.pad_multiple is None
@@ -165,6 +186,8 @@ def _open(path: Path, options: ConvertOptions, manifest: Manifest | None) -> _Ca
     source = open_source(path, options)
     vocab = resolve_vocab(None, source, manifest.vocab.original if manifest else None)
     plan = select_plan(source.config, source.names(), plan_file=options.plan)
+    if manifest is not None and options.plan is None:
+        plan = RecordedPlan.of(manifest, fallback=plan)
     uneven = written_uneven(manifest)
     tensors = plan_sources(source, plan, vocab=vocab, target_tp=1, uneven=uneven)
     return _Canonical({t.name: t for t in tensors}, vocab.original, uneven)

@@ -109,3 +109,15 @@ def test_same_logits_sees_small_changes(tmp_path: Path) -> None:
         assert_same_logits(tmp_path / "full", tmp_path / "scaled")
     assert_same_logits(tmp_path / "full", tmp_path / "scaled", atol=1.0, rtol=0.1)
     assert torch.equal(load_folder(tmp_path / "full")["model.norm.weight"] * 1.01, state["model.norm.weight"])
+
+
+def test_checkpoint_written_with_a_plan_verifies_without_it(cli, tmp_path: Path) -> None:
+    """reshard.json records each partition, so verify reads the checkpoint as it was written."""
+    tiny_llama(tmp_path / "full", vocab=1000)
+    plan = tmp_path / "broken.toml"
+    plan.write_text(BROKEN_PLANS["o_proj-as-column"])
+    assert cli("convert", tmp_path / "full", "--tp", "2", "-o", tmp_path / "tp2", "--plan", plan, "-q").exit_code == 0
+    o_proj = load_folder(tmp_path / "tp2" / "rank_00")["model.layers.0.self_attn.o_proj.weight"]
+    assert list(o_proj.shape) == [32, 64]  # split on dim 0, as the plan said
+    assert cli("verify", tmp_path / "tp2").exit_code == 0
+    assert cli("verify", tmp_path / "tp2", tmp_path / "full").exit_code == 0

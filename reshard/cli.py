@@ -156,6 +156,8 @@ def _partition_args(partition: dict[str, Any] | None) -> str:
 )
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty output folder.")
 @click.option("--allow-divergent-replicas", is_flag=True, help="Take rank 0 of replicated tensors that differ.")
+@click.option("--merge-lora", is_flag=True, help="Merge LoRA adapters into their base weights per rank, then reshard.")
+@click.option("--lora-alpha", type=float, help="LoRA alpha for --merge-lora (scaling = alpha / rank; default 1).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars and no report.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON document.")
 @common_read_options
@@ -168,6 +170,9 @@ def convert_command(ckpt: Path, out: Path, as_json: bool, quiet: bool, **options
       reshard convert sample_ckpts/tiny-llama-tp2 --tp 1 -o tiny-full
       reshard convert tiny-full --tp 4 --layout hf-ranks -o tiny-tp4
     """
+    if options["lora_alpha"] is not None and not options["merge_lora"]:
+        raise click.UsageError("--lora-alpha only applies with --merge-lora")
+    options["lora_alpha"] = 1.0 if options["lora_alpha"] is None else options["lora_alpha"]
     report = convert(ckpt, out, ConvertOptions(progress=not (quiet or as_json), **options))
     if as_json:
         emit_json(report)

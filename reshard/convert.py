@@ -12,6 +12,7 @@ from reshard.config import find_config
 from reshard.dtypes import dtype_name
 from reshard.layouts import ReadOptions, SourceCheckpoint, TargetSpec, discover, writer_class
 from reshard.layouts.files import TensorHeader
+from reshard.lora import check_lora_replicas, merge_lora_source
 from reshard.manifest import Manifest, TensorEntry, VocabRecord, find_manifest, write_manifest
 from reshard.options import ConvertOptions
 from reshard.output import check_output, staged_output
@@ -60,8 +61,14 @@ def open_source(ckpt: Path, options: ConvertOptions) -> SourceCheckpoint:
 
 
 def prepare(ckpt: Path, options: ConvertOptions) -> tuple[SourceCheckpoint, ConversionPlan, str]:
-    """Discover and plan, without writing anything (raises every planning problem at once)."""
+    """Discover and plan, without writing anything (raises every planning problem at once).
+
+    With ``merge_lora`` the LoRA adapters are merged into their base weights per source rank first;
+    without it, LoRA tensors that should be replicated but differ between ranks are refused.
+    """
     source = open_source(ckpt, options)
+    if options.merge_lora:
+        source = merge_lora_source(source, alpha=options.lora_alpha)
     layout = options.layout or default_layout(source, options.tp)
     writer = writer_class(layout)
     manifest = find_manifest(ckpt)
@@ -71,6 +78,8 @@ def prepare(ckpt: Path, options: ConvertOptions) -> tuple[SourceCheckpoint, Conv
     conversion = plan_conversion(
         source, plan, target_tp=options.tp, vocab=vocab, pad_multiple=pad_multiple, uneven=options.uneven
     )
+    if not (options.merge_lora or options.allow_divergent_replicas):
+        check_lora_replicas(conversion.tensors)
     return source, conversion, layout
 
 

@@ -153,10 +153,14 @@ def _plan_one(
         shape = canonical_shape(partition, shapes, vocab_size=vocab.original, uneven=uneven)
     except AmbiguousPartitionError as err:
         problem = AmbiguousPartitionError(
-            f"no plan rule, and {err.detail}",
+            f"no plan rule, and {err.detail}"
+            if rule is None
+            else f"rule '{rule.pattern}' ({plan.name}): {err.detail}",
             path=refs[0].file,
             tensor=name,
-            hint="add a rule for it with --plan FILE",
+            hint="add a rule for it with --plan FILE"
+            if rule is None
+            else "give the model's config with --config FILE",
         )
         return SourceTensor(name, refs, None, "", None, problem)
     except ShapeMismatchError as err:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from reshard.errors import ReshardError
-from reshard.layouts import hf, hf_ranks
+from reshard.layouts import hf, hf_ranks, sat
 from reshard.layouts.base import (
     WRITABLE_LAYOUTS,
     CheckpointWriter,
@@ -31,6 +31,7 @@ __all__ = [
 _WRITERS: dict[str, type[CheckpointWriter]] = {
     "hf": hf.HFWriter,
     "hf-ranks": hf_ranks.HFRanksWriter,
+    "sat": sat.SatWriter,
 }
 
 
@@ -45,6 +46,8 @@ def discover(path: Path, options: ReadOptions | None = None) -> SourceCheckpoint
         raise ReshardError("no such file or folder", path=path)
     if path.is_file():
         return hf.discover(path, options)
+    if sat.detect(path):
+        return sat.discover(path, options)
     if hf_ranks.detect(path):
         return hf_ranks.discover(path, options)
     if hf.is_hf_folder(path):

@@ -9,10 +9,11 @@ from pathlib import Path
 
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
-from reshard.plans import llama
+from reshard.plans import llama, sat
 from reshard.plans.base import EMPTY_PLAN, Plan, Rule
 from reshard.plans.files import load_plan_file
 from reshard.plans.infer import infer_partition
+from reshard.plans.lora import plain_name, with_lora
 
 __all__ = ["EMPTY_PLAN", "FAMILIES", "Family", "Plan", "Rule", "infer_partition", "load_plan_file", "select_plan"]
 
@@ -32,6 +33,7 @@ class Family:
 
 FAMILIES: list[Family] = [
     Family(llama.LLAMA_PLAN, llama.MODEL_TYPES, llama.SIGNATURE),
+    Family(sat.SAT_PLAN, sat.MODEL_TYPES, sat.SIGNATURE),
 ]
 
 
@@ -49,7 +51,7 @@ def detect_family(config: ModelConfig | None, names: Iterable[str]) -> Family | 
         for family in FAMILIES:
             if config.model_type in family.model_types:
                 return family
-    names = list(names)
+    names = [plain_name(n) for n in names]  # LoRA-wrapped bases count under their plain names
     for family in FAMILIES:
         pattern = re.compile(family.signature)
         if any(pattern.search(n) for n in names):
@@ -58,10 +60,13 @@ def detect_family(config: ModelConfig | None, names: Iterable[str]) -> Family | 
 
 
 def select_plan(config: ModelConfig | None, names: Iterable[str], *, plan_file: Path | None = None) -> Plan:
-    """The plan for a checkpoint: the user's rules first (if any), then the detected family's."""
+    """The plan for a checkpoint: the user's rules first (if any), then the detected family's.
+
+    LoRA tensors (SAT ``matrix_A``/``matrix_B``, peft ``lora_A``/``lora_B``) follow their base layer's rule.
+    """
     family = detect_family(config, names)
     base = family.plan if family else EMPTY_PLAN
     if plan_file is None:
-        return base
+        return with_lora(base)
     user, extends = load_plan_file(plan_file)
-    return user.then(builtin_plan(extends) if extends else base)
+    return with_lora(user.then(builtin_plan(extends) if extends else base))

@@ -344,3 +344,12 @@ def test_bad_roundtrip_list_is_a_usage_error(cli, checkpoints: dict[str, Path], 
     result = cli("verify", checkpoints["tp2"], "--roundtrip", value)
     assert result.exit_code == 2
     assert "is not a list of tp sizes such as 2,4,8" in result.stderr
+
+
+def test_sat_sample_verifies_and_roundtrips(cli) -> None:
+    sample = Path(__file__).resolve().parent.parent / "sample_ckpts" / "tiny-cogagent-sat-tp8"
+    recorded = json.loads((sample / "reshard.json").read_text())["tensors"]
+    result = cli("verify", sample, "--roundtrip", "4", "--json")
+    assert result.exit_code == 0, result.stdout
+    checks = json.loads(result.stdout)["checks"]
+    assert [(c["check"], c["tensors"]) for c in checks] == [("manifest", len(recorded)), ("roundtrip", len(recorded))]

@@ -15,6 +15,7 @@ from reshard.manifest import Manifest, read_manifest  # noqa: E402
 from reshard.options import ConvertOptions  # noqa: E402
 from reshard.partition import Grouped, Packed, Partition, Replicate, Shard, Vocab, gather, split  # noqa: E402
 from reshard.plans import Plan, Rule  # noqa: E402
+from reshard.verify import VerifyOptions, VerifyResult, verify  # noqa: E402
 
 __all__ = [
     "ConvertOptions",
@@ -30,6 +31,8 @@ __all__ = [
     "ReshardError",
     "Rule",
     "Shard",
+    "VerifyOptions",
+    "VerifyResult",
     "Vocab",
     "__version__",
     "convert",
@@ -38,4 +41,5 @@ __all__ = [
     "inspect_checkpoint",
     "read_manifest",
     "split",
+    "verify",
 ]

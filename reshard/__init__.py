@@ -16,6 +16,7 @@ from reshard.manifest import Manifest, read_manifest  # noqa: E402
 from reshard.options import ConvertOptions  # noqa: E402
 from reshard.partition import Grouped, Packed, Partition, Replicate, Shard, Vocab, gather, split  # noqa: E402
 from reshard.plans import Plan, Rule  # noqa: E402
+from reshard.verify import VerifyOptions, VerifyResult, verify  # noqa: E402
 
 __all__ = [
     "CheckOptions",
@@ -33,6 +34,8 @@ __all__ = [
     "ReshardError",
     "Rule",
     "Shard",
+    "VerifyOptions",
+    "VerifyResult",
     "Vocab",
     "__version__",
     "check",
@@ -42,4 +45,5 @@ __all__ = [
     "inspect_checkpoint",
     "read_manifest",
     "split",
+    "verify",
 ]

@@ -21,6 +21,7 @@ from reshard.inspect import InspectReport, inspect_checkpoint
 from reshard.layouts import WRITABLE_LAYOUTS
 from reshard.options import ConvertOptions
 from reshard.plans import TRANSFORMERS
+from reshard.verify import VerifyOptions, verify
 
 PATH = click.Path(path_type=Path)
 EXISTING = click.Path(exists=True, path_type=Path)
@@ -97,6 +98,7 @@ def main(verbose: bool) -> None:
       reshard inspect ckpt/
       reshard fix ckpt/ --vocab 65535
       reshard convert ckpt/ --tp 4 -o ckpt-tp4/
+      reshard verify ckpt-tp4/ --roundtrip 2,8
     """
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(message)s")
 
@@ -318,6 +320,46 @@ def render_check(report: CheckReport) -> str:
         lines.append(f"{problem.severity}: {problem.message}{where}")
     lines.append(f"splits {report.tp} ways" if report.ok else f"cannot be split {report.tp} ways")
     return "\n".join(lines)
+
+
+def parse_tps(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    try:
+        tps = tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        tps = ()
+    if not tps or min(tps) < 1:
+        raise click.BadParameter(f"{value!r} is not a list of tp sizes such as 2,4,8")
+    return tps
+
+
+@main.command("verify")
+@click.argument("ckpt", type=EXISTING)
+@click.argument("other", type=EXISTING, required=False)
+@click.option("--roundtrip", callback=parse_tps, metavar="2,4,8", help="Convert to each tp and back; compare.")
+@click.option("--atol", type=click.FloatRange(min=0), default=0.0, help="Absolute tolerance for CKPT vs OTHER.")
+@click.option("--rtol", type=click.FloatRange(min=0), default=0.0, help="Relative tolerance for CKPT vs OTHER.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bars and no report (the exit code says it).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON document.")
+@common_read_options
+@reports_errors
+def verify_command(ckpt: Path, other: Path | None, quiet: bool, as_json: bool, **options: Any) -> None:
+    """Check CKPT against its reshard.json, or against OTHER, and/or round-trip it through other tp sizes.
+
+    Exit 0 when everything holds, 1 with a table of differences, 2 when a checkpoint cannot be read.
+
+    \b
+    Examples:
+      reshard verify sample_ckpts/tiny-llama-tp2
+      reshard verify sample_ckpts/tiny-llama-tp2 tiny-full --json
+    """
+    result = verify(ckpt, other, VerifyOptions(progress=not (quiet or as_json), **options))
+    if as_json:
+        emit_json(result)
+    elif not quiet:
+        click.echo(result.render())
+    click.get_current_context().exit(0 if result.ok else 1)
 
 
 __all__ = ["main", "note"]

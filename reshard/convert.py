@@ -122,8 +122,13 @@ def convert(ckpt: Path, out: Path, options: ConvertOptions) -> ConvertReport:
     )
     with staged_output(out) as staging:
         writer = writer_class(layout)(staging, spec)
+        finite: dict[str, bool] = {}
         hashes = execute(
-            conversion, writer, allow_divergent=options.allow_divergent_replicas, progress=options.progress
+            conversion,
+            writer,
+            allow_divergent=options.allow_divergent_replicas,
+            progress=options.progress,
+            finite=finite,
         )
         files = [str(p) for p in writer.close()]
         for side in source.side_files:
@@ -140,7 +145,9 @@ def convert(ckpt: Path, out: Path, options: ConvertOptions) -> ConvertReport:
                 source_config=_if_differs(source.config.vocab_size if source.config else None, vocab.original),
             ),
             tensors={
-                t.name: TensorEntry(t.source.shape, dtype_name(t.source.dtype), t.source.partition, hashes[t.name])
+                t.name: TensorEntry(
+                    t.source.shape, dtype_name(t.source.dtype), t.source.partition, hashes[t.name], finite[t.name]
+                )
                 for t in sorted(conversion.tensors, key=lambda t: t.name)
             },
         )

@@ -22,24 +22,39 @@ VOCAB_FIELDS = ("original", "padded", "pad_multiple", "source_padded", "source_c
 
 @dataclass(frozen=True)
 class TensorEntry:
-    """One canonical tensor: shape, dtype name, how it is split at the target, and its sha256."""
+    """One canonical tensor: shape, dtype name, how it is split at the target, and its sha256.
+
+    ``finite`` says whether every value was finite (no NaN/Inf) when it was written, so ``verify`` can
+    tell a NaN that appeared later from one that was always there; None in manifests older than it.
+    """
 
     shape: tuple[int, ...]
     dtype: str
     partition: Partition
     sha256: str
+    finite: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "shape": list(self.shape),
             "dtype": self.dtype,
             "partition": partition_to_dict(self.partition),
             "sha256": self.sha256,
         }
+        if self.finite is not None:
+            data["finite"] = self.finite
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TensorEntry:
-        return cls(tuple(data["shape"]), data["dtype"], partition_from_dict(data["partition"]), data["sha256"])
+        finite = data.get("finite")
+        return cls(
+            tuple(data["shape"]),
+            data["dtype"],
+            partition_from_dict(data["partition"]),
+            data["sha256"],
+            None if finite is None else bool(finite),
+        )
 
 
 @dataclass(frozen=True)

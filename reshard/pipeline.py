@@ -257,6 +257,16 @@ def sha256_of(tensor: torch.Tensor) -> str:
     return hashlib.sha256(tensor_bytes(tensor)).hexdigest()
 
 
+def all_finite(tensor: torch.Tensor) -> bool:
+    """True when no value is NaN or Inf (always for integer and bool tensors)."""
+    if not (tensor.is_floating_point() or tensor.is_complex()):
+        return True
+    try:
+        return bool(torch.isfinite(tensor).all())
+    except (RuntimeError, NotImplementedError):  # float8 kinds without an isfinite kernel
+        return bool(torch.isfinite(tensor.float()).all())
+
+
 def gather_tensor(
     tensor: SourceTensor, *, vocab_size: int | None, uneven: bool = False, allow_divergent: bool = False
 ) -> torch.Tensor:
@@ -271,9 +281,17 @@ def gather_tensor(
 
 
 def execute(
-    conversion: ConversionPlan, writer: CheckpointWriter, *, allow_divergent: bool = False, progress: bool = True
+    conversion: ConversionPlan,
+    writer: CheckpointWriter,
+    *,
+    allow_divergent: bool = False,
+    progress: bool = True,
+    finite: dict[str, bool] | None = None,
 ) -> dict[str, str]:
-    """Stream every tensor through gather -> hash -> split -> writer. Returns ``{name: sha256}``."""
+    """Stream every tensor through gather -> hash -> split -> writer. Returns ``{name: sha256}``.
+
+    When ``finite`` is given it is filled with ``{name: no NaN/Inf in the canonical tensor}``, for the manifest.
+    """
     hashes: dict[str, str] = {}
     total = sum(t.nbytes for t in conversion.tensors)
     with (
@@ -290,6 +308,8 @@ def execute(
                 allow_divergent=allow_divergent,
             )
             hashes[tensor.name] = sha256_of(full)
+            if finite is not None:
+                finite[tensor.name] = all_finite(full)
             pieces = split(
                 full,
                 tensor.source.partition,

@@ -18,9 +18,8 @@ def tiny_llama(
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab, num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=tie, **(TINY | overrides)
-    )
+    heads = dict(num_attention_heads=8, num_key_value_heads=8)
+    config = LlamaConfig(vocab_size=vocab, tie_word_embeddings=tie, **(TINY | heads | overrides))
     model = LlamaForCausalLM(config).to(dtype).eval()
     model.save_pretrained(path)
     return model

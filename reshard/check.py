@@ -17,9 +17,9 @@ from typing import Any
 
 from reshard.config import ModelConfig, find_config, load_config
 from reshard.errors import AmbiguousPartitionError, ReshardError, ShapeMismatchError
-from reshard.layouts import ReadOptions, discover
+from reshard.layouts import ReadOptions, SourceCheckpoint, discover
 from reshard.partition import Partition, Replicate, Vocab, canonical_shape, partition_to_dict, rank_shapes, round_up
-from reshard.plans import Plan, select_plan
+from reshard.plans import Plan, Rule, select_plan
 from reshard.plans.transformers_plan import build_skeleton
 
 Shape = tuple[int, ...]
@@ -184,7 +184,7 @@ def _tensor_problems(
 
 def _check_convs(
     shapes: dict[str, Shape],
-    partitions: dict[str, tuple[Any, Partition]],
+    partitions: dict[str, tuple[Rule, Partition]],
     tp: int,
     uneven: bool,
     tensors: list[CheckedTensor],
@@ -277,7 +277,7 @@ def check(path: Path, options: CheckOptions) -> CheckReport:
     )
 
 
-def _full_shapes(source: Any, plan: Plan, config: ModelConfig | None) -> dict[str, Shape]:
+def _full_shapes(source: SourceCheckpoint, plan: Plan, config: ModelConfig | None) -> dict[str, Shape]:
     """Full shapes from the rank headers: rank 0's at tp 1, else gathered by the plan's partition."""
     shapes = {}
     for name in source.names():
@@ -288,11 +288,11 @@ def _full_shapes(source: Any, plan: Plan, config: ModelConfig | None) -> dict[st
             shapes[name] = rank[0]
             continue
         rule = plan.match(name)
-        partition = rule.resolve(config) if rule else None
         try:
-            if partition is None:
+            if rule is None:
                 raise ShapeMismatchError("no rule says how its ranks join")
+            partition = rule.resolve(config)
             shapes[name] = canonical_shape(partition, rank, vocab_size=config.vocab_size if config else None)
-        except ShapeMismatchError as err:
+        except (ShapeMismatchError, AmbiguousPartitionError) as err:
             raise ReshardError(f"rank shapes {rank} do not join: {err.detail}", tensor=name) from err
     return shapes

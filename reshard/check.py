@@ -219,7 +219,14 @@ def _check_convs(
             )
 
 
-def _vocab_problems(partitions, shapes, vocab, tp, multiple, uneven) -> list[Problem]:
+def _vocab_problems(
+    partitions: dict[str, tuple[Rule, Partition]],
+    shapes: dict[str, Shape],
+    vocab: int | None,
+    tp: int,
+    multiple: int,
+    uneven: bool,
+) -> list[Problem]:
     names = [n for n, (_, p) in partitions.items() if isinstance(p, Vocab)]
     if not names:
         return []

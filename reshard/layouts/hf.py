@@ -128,11 +128,11 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
         folder = path
         sides = side_files(path)
     source = SourceCheckpoint(path, "hf", [refs], config=find_config(folder), side_files=sides)
-    _collect(source, readers)
+    collect_extras(source, readers)
     return source
 
 
-def _collect(source: SourceCheckpoint, readers: list[FileReader]) -> None:
+def collect_extras(source: SourceCheckpoint, readers: list[FileReader]) -> None:
     extras: dict = {}
     top: dict = {}
     for reader in readers:

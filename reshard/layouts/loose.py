@@ -21,8 +21,8 @@ from reshard.layouts.base import ReadOptions, SourceCheckpoint, refs_from_reader
 from reshard.layouts.files import open_tensor_file
 from reshard.layouts.hf import (
     TENSOR_SUFFIXES,
-    _collect,
     check_unique,
+    collect_extras,
     is_hf_folder,
     read_folder,
     read_index,
@@ -158,7 +158,7 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
             refs = refs_from_readers(readers, rank)
             check_unique(path, readers)
         source.ranks.append(refs)
-        _collect(source, readers)
+        collect_extras(source, readers)
     source.notes[:0] = [_grouping_note(ranks, tp), *notes]
     return source
 

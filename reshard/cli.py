@@ -131,7 +131,7 @@ def render_inspect(report: InspectReport) -> str:
         f"config      {report.config or 'none found'}"
         + (f" (model_type {report.model_type})" if report.model_type else ""),
         f"plan        {report.plan}",
-        f"vocab       {vocab['original']} (from {vocab['origin']})"
+        f"vocab       {vocab['original'] or 'unknown'} (from {vocab['origin']})"
         + (
             f", {vocab['padded_in_source']} rows in the source ({vocab['padding_rows']} padding)"
             if vocab["padded_in_source"] is not None and vocab["padding_rows"]

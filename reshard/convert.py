@@ -13,7 +13,7 @@ from reshard.dtypes import dtype_name
 from reshard.layouts import ReadOptions, SourceCheckpoint, TargetSpec, discover, writer_class
 from reshard.layouts.files import TensorHeader
 from reshard.lora import check_lora_replicas, merge_lora_source
-from reshard.manifest import Manifest, TensorEntry, VocabRecord, find_manifest, write_manifest
+from reshard.manifest import Manifest, TensorEntry, VocabRecord, find_manifest, write_manifest, written_uneven
 from reshard.options import ConvertOptions
 from reshard.output import check_output, staged_output
 from reshard.pipeline import ConversionPlan, execute, plan_conversion, resolve_vocab
@@ -78,7 +78,12 @@ def prepare(ckpt: Path, options: ConvertOptions) -> tuple[SourceCheckpoint, Conv
     plan = select_plan(source.config, source.names(), plan_file=options.plan)
     pad_multiple = options.pad_multiple or writer.pad_multiple(options.tp, source)
     conversion = plan_conversion(
-        source, plan, target_tp=options.tp, vocab=vocab, pad_multiple=pad_multiple, uneven=options.uneven
+        source,
+        plan,
+        target_tp=options.tp,
+        vocab=vocab,
+        pad_multiple=pad_multiple,
+        uneven=options.uneven or written_uneven(manifest),
     )
     if not (options.merge_lora or options.allow_divergent_replicas):
         check_lora_replicas(conversion.tensors)

@@ -19,7 +19,7 @@ from reshard.convert import convert, open_source
 from reshard.errors import ReshardError
 from reshard.layouts import SourceCheckpoint
 from reshard.layouts.loose import rank_template
-from reshard.manifest import Manifest, find_manifest
+from reshard.manifest import Manifest, find_manifest, written_uneven
 from reshard.options import ConvertOptions
 from reshard.output import check_output
 from reshard.partition import Vocab, rank_shapes
@@ -110,8 +110,10 @@ def fix(ckpt: Path, out: Path | None = None, options: ConvertOptions | None = No
     out = Path(out) if out is not None else default_output(ckpt)
     check_output(out, source=ckpt, overwrite=options.overwrite)
     source = open_source(ckpt, options)
-    vocab = fix_vocab(options.vocab, source, find_manifest(ckpt))
+    manifest = find_manifest(ckpt)
+    vocab = fix_vocab(options.vocab, source, manifest)
     plan = select_plan(source.config, source.names(), plan_file=options.plan)
+    options = replace(options, uneven=options.uneven or written_uneven(manifest))
     tensors = plan_sources(source, plan, vocab=vocab, target_tp=options.tp, uneven=options.uneven)
     check_vocab_rows(
         tensors, vocab.original, source_tp=source.tp, missing_files=lambda tp: missing_rank_files(source, tp)

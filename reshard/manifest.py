@@ -109,6 +109,14 @@ class Manifest:
         )
 
 
+def written_uneven(manifest: Manifest | None) -> bool:
+    """Whether reshard wrote the checkpoint with ``--uneven`` (its manifest has a vocab but no pad multiple).
+
+    Such a checkpoint is read back with the same ``torch.chunk`` convention without being told.
+    """
+    return manifest is not None and manifest.vocab.padded is not None and manifest.vocab.pad_multiple is None
+
+
 def write_manifest(folder: Path, manifest: Manifest) -> Path:
     """Write ``reshard.json`` into ``folder``, stamping the version and time."""
     from reshard import __version__

@@ -23,7 +23,7 @@ from reshard._verify_checks import Difference, check_files, value_difference
 from reshard.convert import convert, open_source
 from reshard.dtypes import dtype_name
 from reshard.errors import DivergentReplicaError, PlanError, ReshardError, ShapeMismatchError
-from reshard.manifest import Manifest, find_manifest
+from reshard.manifest import Manifest, find_manifest, written_uneven
 from reshard.options import ConvertOptions
 from reshard.pipeline import SourceTensor, all_finite, gather_tensor, plan_sources, resolve_vocab, sha256_of
 from reshard.plans import EMPTY_PLAN, Plan, Rule, select_plan
@@ -175,11 +175,6 @@ class RecordedPlan(Plan):
 
     def match(self, name: str) -> Rule | None:
         return self.recorded.get(name) or self.fallback.match(name)
-
-
-def written_uneven(manifest: Manifest | None) -> bool:
-    """Whether reshard wrote the checkpoint with ``--uneven`` (its manifest has a vocab but no pad multiple)."""
-    return manifest is not None and manifest.vocab.padded is not None and manifest.vocab.pad_multiple is None
 
 
 def _open(path: Path, options: ConvertOptions, manifest: Manifest | None) -> _Canonical:

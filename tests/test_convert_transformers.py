@@ -112,3 +112,24 @@ def test_uneven_split_follows_torch_chunk_without_padding(tmp_path, cli):
     assert cli("convert", tmp_path / "u", "--tp", 1, "--uneven", "-o", tmp_path / "b", "-q").exit_code == 0
     assert load_folder(tmp_path / "b").keys() == load_folder(tmp_path / "orig").keys()
     assert all(torch.equal(v, load_folder(tmp_path / "orig")[k]) for k, v in load_folder(tmp_path / "b").items())
+
+
+def test_uneven_checkpoint_reads_back_without_the_flag(tmp_path, cli):
+    tiny_llama(tmp_path / "orig", vocab=VOCAB)
+    assert cli("convert", tmp_path / "orig", "--tp", 4, "--uneven", "-o", tmp_path / "u", "-q").exit_code == 0
+    report = json.loads(cli("inspect", tmp_path / "u", "--json").stdout)
+    assert report["problems"] == []
+    assert cli("convert", tmp_path / "u", "--tp", 1, "-o", tmp_path / "b", "-q").exit_code == 0
+    original, back = load_folder(tmp_path / "orig"), load_folder(tmp_path / "b")
+    assert back.keys() == original.keys() and all(torch.equal(back[k], original[k]) for k in original)
+
+
+def test_output_folder_is_an_ordinary_folder(tmp_path, cli):
+    import os
+    import stat
+
+    tiny_llama(tmp_path / "orig", vocab=VOCAB)
+    assert cli("convert", tmp_path / "orig", "--tp", 2, "-o", tmp_path / "out", "-q").exit_code == 0
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o777 & ~umask

@@ -81,14 +81,7 @@ def read_folder(folder: Path, rank: int, options: ReadOptions) -> tuple[dict[str
     if not files:
         raise MissingRankError("no weight files (model.safetensors, pytorch_model.bin, ...)", path=folder)
     readers = [open_tensor_file(f, trust_pickle=options.trust_pickle) for f in files]
-    seen: dict[str, Path] = {}
-    for reader in readers:
-        for key in reader.headers:
-            if key in seen:
-                raise CorruptFileError(
-                    f"tensor is in both {seen[key].name} and {reader.path.name}", path=folder, tensor=key
-                )
-            seen[key] = reader.path
+    seen = check_unique(folder, readers)
     for index_name in (SAFETENSORS_INDEX_FILE, BIN_INDEX_FILE):
         if (folder / index_name).is_file():
             for tensor, filename in read_index(folder / index_name).items():
@@ -99,6 +92,19 @@ def read_folder(folder: Path, rank: int, options: ReadOptions) -> tuple[dict[str
                         tensor=tensor,
                     )
     return refs_from_readers(readers, rank), readers
+
+
+def check_unique(folder: Path, readers: list[FileReader]) -> dict[str, Path]:
+    """``{tensor: file}`` over the shard files of one state dict; a tensor in two files is an error."""
+    seen: dict[str, Path] = {}
+    for reader in readers:
+        for key in reader.headers:
+            if key in seen:
+                raise CorruptFileError(
+                    f"tensor is in both {seen[key].name} and {reader.path.name}", path=folder, tensor=key
+                )
+            seen[key] = reader.path
+    return seen
 
 
 def side_files(folder: Path) -> list[Path]:
@@ -122,11 +128,11 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
         folder = path
         sides = side_files(path)
     source = SourceCheckpoint(path, "hf", [refs], config=find_config(folder), side_files=sides)
-    _collect(source, readers)
+    collect_extras(source, readers)
     return source
 
 
-def _collect(source: SourceCheckpoint, readers: list[FileReader]) -> None:
+def collect_extras(source: SourceCheckpoint, readers: list[FileReader]) -> None:
     extras: dict = {}
     top: dict = {}
     for reader in readers:

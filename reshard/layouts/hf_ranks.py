@@ -14,7 +14,7 @@ import torch
 from reshard.config import CONFIG_NAME, find_config
 from reshard.errors import MissingRankError
 from reshard.layouts.base import CheckpointWriter, ReadOptions, SourceCheckpoint, TargetSpec
-from reshard.layouts.hf import _collect, read_folder, side_files, write_config
+from reshard.layouts.hf import collect_extras, read_folder, side_files, write_config
 from reshard.manifest import find_manifest
 from reshard.safetensors_stream import ShardedSafetensorsWriter
 
@@ -59,7 +59,7 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
     for rank in range(tp):
         refs, readers = read_folder(folders[rank], rank, options)
         source.ranks.append(refs)
-        _collect(source, readers)
+        collect_extras(source, readers)
     return source
 
 

@@ -19,7 +19,15 @@ from reshard.config import find_config
 from reshard.errors import CorruptFileError, MissingRankError, ReshardError
 from reshard.layouts.base import ReadOptions, SourceCheckpoint, refs_from_readers
 from reshard.layouts.files import open_tensor_file
-from reshard.layouts.hf import TENSOR_SUFFIXES, _collect, is_hf_folder, read_folder, read_index, side_files
+from reshard.layouts.hf import (
+    TENSOR_SUFFIXES,
+    check_unique,
+    collect_extras,
+    is_hf_folder,
+    read_folder,
+    read_index,
+    side_files,
+)
 
 # A rank token: an optional two-letter parallel kind before "rank" (tp_rank, mp_rank, pp_rank), or "tp".
 RANK_TOKEN = re.compile(r"(?<![a-z0-9])(?P<kind>(?:[a-z]{2}[_-]?)?rank|tp)[_-]?(?P<num>\d+)(?![0-9])", re.I)
@@ -148,9 +156,9 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
             files = _rank_files(path, rank, [e.path for e in entries], notes)
             readers = [open_tensor_file(f, trust_pickle=options.trust_pickle) for f in files]
             refs = refs_from_readers(readers, rank)
-            _check_unique(path, readers)
+            check_unique(path, readers)
         source.ranks.append(refs)
-        _collect(source, readers)
+        collect_extras(source, readers)
     source.notes[:0] = [_grouping_note(ranks, tp), *notes]
     return source
 
@@ -181,17 +189,6 @@ def _rank_files(folder: Path, rank: int, files: list[Path], notes: list[str]) ->
                 raise MissingRankError(f"shard files {', '.join(names)} of rank {rank} are missing", path=folder)
             break
     return files
-
-
-def _check_unique(folder: Path, readers: list) -> None:
-    seen: dict[str, Path] = {}
-    for reader in readers:
-        for key in reader.headers:
-            if key in seen:
-                raise CorruptFileError(
-                    f"tensor is in both {seen[key].name} and {reader.path.name}", path=folder, tensor=key
-                )
-            seen[key] = reader.path
 
 
 def _side_files(folder: Path) -> list[Path]:

@@ -19,9 +19,10 @@ demo: install
 	$(BIN)/reshard inspect $(SAMPLE)
 	$(BIN)/reshard convert $(SAMPLE) --tp 1 -o demo-out/full
 	$(BIN)/reshard convert demo-out/full --tp 4 -o demo-out/tp4
+	$(BIN)/reshard fix sample_ckpts/tiny-llama-65535-tp2 --vocab 65535 -o demo-out/fixed
 
 test: install
-	$(BIN)/ruff check reshard tests bench sample_ckpts
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
 clean:

@@ -207,7 +207,7 @@ def render(rows: list[dict], info: dict, notes: list[str]) -> str:
         f"Peak RSS bound for reshard: 2 x largest tensor ({LARGEST_TENSOR / 1e6:.0f} MB) + 600 MB = "
         f"{BOUND / 1e6:.0f} MB. Throughput = source bytes / wall time (wall includes a final `sync`).",
         "",
-        "| layout | size | case | wall s | GB/s | vs cp | peak RSS MB | within bound | cache | load 1/5/15 min | when |",
+        "| layout | size | case | wall s | GB/s | vs cp | peak RSS MB | in bound | cache | load 1/5/15 min | when |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(rows, key=lambda r: (r["layout"] != "hf-ranks", r["size_gb"], _order(r["case"]))):

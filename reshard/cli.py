@@ -13,14 +13,32 @@ import click
 
 from reshard import __version__
 from reshard._output import emit_json, human_bytes, note, shape_list, table
+from reshard.check import CheckOptions, CheckReport, check
 from reshard.convert import ConvertReport, convert
 from reshard.errors import ReshardError
+from reshard.fix import FixReport, fix
 from reshard.inspect import InspectReport, inspect_checkpoint
 from reshard.layouts import WRITABLE_LAYOUTS
 from reshard.options import ConvertOptions, default_jobs
+from reshard.plans import TRANSFORMERS
+from reshard.verify import VerifyOptions, verify
 
 PATH = click.Path(path_type=Path)
 EXISTING = click.Path(exists=True, path_type=Path)
+
+
+class PlanParam(click.ParamType):
+    """``--plan``: an existing plan FILE, or the word ``transformers`` (the installed transformers' plan)."""
+
+    name = "FILE|transformers"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path | str:
+        if value == TRANSFORMERS:
+            return TRANSFORMERS
+        return EXISTING.convert(value, param, ctx)
+
+
+PLAN = PlanParam()
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]?B)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 
@@ -56,7 +74,12 @@ def common_read_options(command: Callable[..., Any]) -> Callable[..., Any]:
     for option in reversed(
         [
             click.option("--config", "config", type=EXISTING, help="config.json to use (default: in or above CKPT)."),
-            click.option("--plan", "plan", type=EXISTING, help="Plan file (TOML/JSON) whose rules come first."),
+            click.option(
+                "--plan",
+                "plan",
+                type=PLAN,
+                help="Plan file (TOML/JSON) whose rules come first, or 'transformers' for transformers' own TP plan.",
+            ),
             click.option("--trust-pickle", is_flag=True, help="Fully unpickle torch files (only files you trust)."),
         ]
     ):
@@ -73,7 +96,9 @@ def main(verbose: bool) -> None:
     \b
     Examples:
       reshard inspect ckpt/
+      reshard fix ckpt/ --vocab 65535
       reshard convert ckpt/ --tp 4 -o ckpt-tp4/
+      reshard verify ckpt-tp4/ --roundtrip 2,8
     """
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(message)s")
 
@@ -85,7 +110,7 @@ def main(verbose: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
 @reports_errors
 def inspect_command(
-    ckpt: Path, config: Path | None, plan: Path | None, trust_pickle: bool, vocab: int | None, as_json: bool
+    ckpt: Path, config: Path | None, plan: Path | str | None, trust_pickle: bool, vocab: int | None, as_json: bool
 ) -> None:
     """Show layout, tp, files and how every tensor is split, and why.
 
@@ -106,7 +131,7 @@ def render_inspect(report: InspectReport) -> str:
         f"config      {report.config or 'none found'}"
         + (f" (model_type {report.model_type})" if report.model_type else ""),
         f"plan        {report.plan}",
-        f"vocab       {vocab['original']} (from {vocab['origin']})"
+        f"vocab       {vocab['original'] or 'unknown'} (from {vocab['origin']})"
         + (
             f", {vocab['padded_in_source']} rows in the source ({vocab['padding_rows']} padding)"
             if vocab["padded_in_source"] is not None and vocab["padding_rows"]
@@ -161,6 +186,8 @@ def _partition_args(partition: dict[str, Any] | None) -> str:
     help="Threads reading and hashing tensors while others are written.",
 )
 @click.option("--allow-divergent-replicas", is_flag=True, help="Take rank 0 of replicated tensors that differ.")
+@click.option("--merge-lora", is_flag=True, help="Merge LoRA adapters into their base weights per rank, then reshard.")
+@click.option("--lora-alpha", type=float, help="LoRA alpha for --merge-lora (scaling = alpha / rank; default 1).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars and no report.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON document.")
 @common_read_options
@@ -173,6 +200,9 @@ def convert_command(ckpt: Path, out: Path, as_json: bool, quiet: bool, **options
       reshard convert sample_ckpts/tiny-llama-tp2 --tp 1 -o tiny-full
       reshard convert tiny-full --tp 4 --layout hf-ranks -o tiny-tp4
     """
+    if options["lora_alpha"] is not None and not options["merge_lora"]:
+        raise click.UsageError("--lora-alpha only applies with --merge-lora")
+    options["lora_alpha"] = 1.0 if options["lora_alpha"] is None else options["lora_alpha"]
     report = convert(ckpt, out, ConvertOptions(progress=not (quiet or as_json), **options))
     if as_json:
         emit_json(report)
@@ -195,6 +225,148 @@ def render_convert(report: ConvertReport) -> str:
     lines += [f"note: {n}" for n in report.notes]
     lines.append(f"manifest {report.manifest}")
     return "\n".join(lines)
+
+
+@main.command("fix")
+@click.argument("ckpt", type=EXISTING)
+@click.option("--vocab", type=click.IntRange(min=1), help="True vocab size (default: reshard.json, then config).")
+@click.option("-o", "--output", "out", type=PATH, help="Output folder (default: CKPT.fixed beside the input).")
+@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="Ranks to write (1: full).")
+@click.option("--overwrite", is_flag=True, help="Replace a non-empty output folder.")
+@click.option("--allow-divergent-replicas", is_flag=True, help="Take rank 0 of replicated tensors that differ.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bars and no report.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON document.")
+@common_read_options
+@reports_errors
+def fix_command(ckpt: Path, out: Path | None, as_json: bool, quiet: bool, **options: Any) -> None:
+    """Gather and unpad CKPT into a canonical checkpoint (CKPT.fixed unless -o), with a reshard.json.
+
+    \b
+    Examples:
+      reshard fix sample_ckpts/tiny-llama-65535-tp2 --vocab 65535 -o tiny-fixed
+      reshard fix ckpt/ --vocab 65535 --tp 4 -o ckpt-tp4/
+    """
+    report = fix(ckpt, out, ConvertOptions(progress=not (quiet or as_json), **options))
+    if as_json:
+        emit_json(report)
+    elif not quiet:
+        click.echo(render_fix(report))
+
+
+def render_fix(report: FixReport) -> str:
+    vocab = report.vocab
+    lines = [
+        f"{report.source} ({report.source_layout}, tp={report.source_tp}) -> {report.output} "
+        f"({report.layout}, tp={report.tp})",
+        f"vocab {vocab['original']} (from {vocab['origin']}): {vocab['source_padded']} rows in the source, "
+        f"{vocab['target_padded']} written"
+        if vocab["source_padded"] is not None
+        else "no vocab tensors",
+    ]
+    others = [c for c in report.changed if not c["vocab"]]
+    lines += [
+        f"  {c['tensor']}: {shape_list(c['old'])} -> {shape_list(c['new'])}" for c in report.changed if c["vocab"]
+    ]
+    if others:
+        verb = "gathered" if report.tp == 1 else "re-sliced"
+        lines.append(f"  {len(others)} other tensor(s) {verb} from tp={report.source_tp} to tp={report.tp}")
+    if not report.changed:
+        lines.append("  no tensor changed shape")
+    if report.config_vocab:
+        lines.append(f"config.json vocab_size {report.config_vocab[0]} -> {report.config_vocab[1]}")
+    lines += [f"note: {n}" for n in report.notes]
+    lines.append(f"manifest {report.manifest}")
+    return "\n".join(lines)
+
+
+@main.command("check")
+@click.argument("target", metavar="CKPT|CONFIG", type=EXISTING)
+@click.option("--tp", type=click.IntRange(min=1), required=True, help="Number of ranks to check for.")
+@click.option("--uneven", is_flag=True, help="Allow torch.chunk-style uneven splits (transformers' convention).")
+@click.option("--pad-multiple", type=click.IntRange(min=1), help="Pad the vocab to a multiple of K (default: tp).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+@common_read_options
+@reports_errors
+def check_command(target: Path, as_json: bool, **options: Any) -> None:
+    """Can this model be split --tp ways? Reads headers (or a config.json) only, never tensor data.
+
+    Exit code 0: it can; 1: it cannot (the problems say why); 2: bad input.
+
+    \b
+    Examples:
+      reshard check sample_ckpts/tiny-llama-tp2 --tp 4
+      reshard check config.json --tp 4 --plan transformers --json
+    """
+    report = check(target, CheckOptions(**options))
+    emit_json(report) if as_json else click.echo(render_check(report))
+    if not report.ok:
+        raise SystemExit(1)
+
+
+def render_check(report: CheckReport) -> str:
+    lines = [
+        f"{report.input}  {report.source}" + (f" (model_type {report.model_type})" if report.model_type else ""),
+        f"plan        {report.plan}, tp={report.tp}" + (", uneven" if report.uneven else ""),
+        "",
+    ]
+    rows = [
+        [
+            t.name,
+            str(t.shape),
+            t.rule if t.rule is not None else "-",
+            (t.partition or {}).get("kind", "-") + _partition_args(t.partition),
+            str(t.rank_shape) if t.rank_shape is not None else "-",
+            "; ".join(t.problems),
+        ]
+        for t in report.tensors
+    ]
+    lines.append(table(rows, ["tensor", "shape", "rule", "partition", "per rank", "problem"]))
+    for problem in report.problems:
+        names = problem.tensors
+        where = f" ({names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "") + ")" if names else ""
+        lines.append(f"{problem.severity}: {problem.message}{where}")
+    lines.append(f"splits {report.tp} ways" if report.ok else f"cannot be split {report.tp} ways")
+    return "\n".join(lines)
+
+
+def parse_tps(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    try:
+        tps = tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        tps = ()
+    if not tps or min(tps) < 1:
+        raise click.BadParameter(f"{value!r} is not a list of tp sizes such as 2,4,8")
+    return tps
+
+
+@main.command("verify")
+@click.argument("ckpt", type=EXISTING)
+@click.argument("other", type=EXISTING, required=False)
+@click.option("--roundtrip", callback=parse_tps, metavar="2,4,8", help="Convert to each tp and back; compare.")
+@click.option("--atol", type=click.FloatRange(min=0), default=0.0, help="Absolute tolerance for CKPT vs OTHER.")
+@click.option("--rtol", type=click.FloatRange(min=0), default=0.0, help="Relative tolerance for CKPT vs OTHER.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bars and no report (the exit code says it).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON document.")
+@common_read_options
+@reports_errors
+def verify_command(ckpt: Path, other: Path | None, quiet: bool, as_json: bool, **options: Any) -> None:
+    """Check CKPT against its reshard.json, or against OTHER, and/or round-trip it through other tp sizes.
+
+    Exit 0 when everything holds, 1 with a table of differences, 2 when a checkpoint cannot be read.
+
+    \b
+    Examples:
+      reshard verify sample_ckpts/tiny-llama-tp2
+      reshard verify sample_ckpts/tiny-llama-tp2 tiny-full --json
+    """
+    result = verify(ckpt, other, VerifyOptions(progress=not (quiet or as_json), **options))
+    if as_json:
+        emit_json(result)
+    elif not quiet:
+        click.echo(result.render())
+    click.get_current_context().exit(0 if result.ok else 1)
 
 
 __all__ = ["main", "note"]

@@ -12,7 +12,8 @@ from reshard.config import find_config
 from reshard.dtypes import dtype_name
 from reshard.layouts import ReadOptions, SourceCheckpoint, TargetSpec, discover, writer_class
 from reshard.layouts.files import TensorHeader
-from reshard.manifest import Manifest, TensorEntry, VocabRecord, find_manifest, write_manifest
+from reshard.lora import check_lora_replicas, merge_lora_source
+from reshard.manifest import Manifest, TensorEntry, VocabRecord, find_manifest, write_manifest, written_uneven
 from reshard.options import ConvertOptions
 from reshard.output import check_output, staged_output
 from reshard.pipeline import ConversionPlan, execute, plan_conversion, resolve_vocab
@@ -60,8 +61,16 @@ def open_source(ckpt: Path, options: ConvertOptions) -> SourceCheckpoint:
 
 
 def prepare(ckpt: Path, options: ConvertOptions) -> tuple[SourceCheckpoint, ConversionPlan, str]:
-    """Discover and plan, without writing anything (raises every planning problem at once)."""
+    """Discover and plan, without writing anything (raises every planning problem at once).
+
+    With ``merge_lora`` the LoRA adapters are merged into their base weights per source rank first;
+    without it, LoRA tensors that should be replicated but differ between ranks are refused.
+    """
     source = open_source(ckpt, options)
+    if source.meta.get("cannot_convert"):  # a layout read it for inspect, but cannot convert it
+        raise source.meta["cannot_convert"]
+    if options.merge_lora:
+        source = merge_lora_source(source, alpha=options.lora_alpha)
     layout = options.layout or default_layout(source, options.tp)
     writer = writer_class(layout)
     manifest = find_manifest(ckpt)
@@ -69,8 +78,15 @@ def prepare(ckpt: Path, options: ConvertOptions) -> tuple[SourceCheckpoint, Conv
     plan = select_plan(source.config, source.names(), plan_file=options.plan)
     pad_multiple = options.pad_multiple or writer.pad_multiple(options.tp, source)
     conversion = plan_conversion(
-        source, plan, target_tp=options.tp, vocab=vocab, pad_multiple=pad_multiple, uneven=options.uneven
+        source,
+        plan,
+        target_tp=options.tp,
+        vocab=vocab,
+        pad_multiple=pad_multiple,
+        uneven=options.uneven or written_uneven(manifest),
     )
+    if not (options.merge_lora or options.allow_divergent_replicas):
+        check_lora_replicas(conversion.tensors)
     return source, conversion, layout
 
 
@@ -111,11 +127,13 @@ def convert(ckpt: Path, out: Path, options: ConvertOptions) -> ConvertReport:
     )
     with staged_output(out) as staging:
         writer = writer_class(layout)(staging, spec)
+        finite: dict[str, bool] = {}
         hashes = execute(
             conversion,
             writer,
             allow_divergent=options.allow_divergent_replicas,
             progress=options.progress,
+            finite=finite,
             jobs=options.jobs,
         )
         files = [str(p) for p in writer.close()]
@@ -125,9 +143,17 @@ def convert(ckpt: Path, out: Path, options: ConvertOptions) -> ConvertReport:
         manifest = Manifest(
             source={"path": str(ckpt), "layout": source.layout, "tp": source.tp},
             target={"layout": layout, "tp": options.tp},
-            vocab=VocabRecord(vocab.original, vocab.target_padded, vocab.pad_multiple),
+            vocab=VocabRecord(
+                vocab.original,
+                vocab.target_padded,
+                vocab.pad_multiple,
+                source_padded=_if_differs(vocab.source_padded, vocab.original),
+                source_config=_if_differs(source.config.vocab_size if source.config else None, vocab.original),
+            ),
             tensors={
-                t.name: TensorEntry(t.source.shape, dtype_name(t.source.dtype), t.source.partition, hashes[t.name])
+                t.name: TensorEntry(
+                    t.source.shape, dtype_name(t.source.dtype), t.source.partition, hashes[t.name], finite[t.name]
+                )
                 for t in sorted(conversion.tensors, key=lambda t: t.name)
             },
         )
@@ -152,6 +178,11 @@ def convert(ckpt: Path, out: Path, options: ConvertOptions) -> ConvertReport:
         changed=_changed_shapes(conversion),
         notes=list(source.notes),
     )
+
+
+def _if_differs(size: int | None, original: int | None) -> int | None:
+    """A source vocab size worth recording: one that is not the true size."""
+    return size if size != original else None
 
 
 def _changed_shapes(conversion: ConversionPlan) -> list[dict[str, Any]]:

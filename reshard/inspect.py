@@ -8,8 +8,9 @@ from typing import Any
 
 from reshard.convert import open_source
 from reshard.dtypes import dtype_name
+from reshard.layouts import SourceCheckpoint
 from reshard.layouts.files import TensorHeader
-from reshard.manifest import find_manifest
+from reshard.manifest import find_manifest, written_uneven
 from reshard.options import ConvertOptions
 from reshard.partition import Vocab, partition_to_dict
 from reshard.pipeline import plan_sources, resolve_vocab
@@ -55,6 +56,23 @@ class InspectReport:
         return data
 
 
+def _ranks_text(ranks: list[int], tp: int) -> str:
+    if len(ranks) == tp and tp > 1:
+        return "all ranks"
+    return "rank " + ", ".join(str(r) for r in ranks) if len(ranks) < 4 else f"ranks {ranks[0]}-{ranks[-1]}"
+
+
+def _not_tensors(source: SourceCheckpoint) -> list[str]:
+    """Top-level keys and non-tensor state-dict entries, each listed once with the ranks that hold it."""
+    found: dict[str, list[int]] = {}
+    for rank, (top, extras) in enumerate(zip(source.top_level, source.extras, strict=False)):
+        for key in top:
+            found.setdefault(f"{key} (top level)", []).append(rank)
+        for key in extras:
+            found.setdefault(f"{key} (in the state dict)", []).append(rank)
+    return [f"{key}, {_ranks_text(ranks, source.tp)}" for key, ranks in sorted(found.items())]
+
+
 def inspect_checkpoint(ckpt: Path, options: ConvertOptions | None = None) -> InspectReport:
     """Describe ``ckpt``: layout, tp, files, and for every tensor its rank shapes, partition and why.
 
@@ -67,7 +85,9 @@ def inspect_checkpoint(ckpt: Path, options: ConvertOptions | None = None) -> Ins
     manifest = find_manifest(ckpt)
     vocab = resolve_vocab(options.vocab, source, manifest.vocab.original if manifest else None)
     plan = select_plan(source.config, source.names(), plan_file=options.plan)
-    tensors = plan_sources(source, plan, vocab=vocab, target_tp=source.tp, uneven=options.uneven)
+    tensors = plan_sources(
+        source, plan, vocab=vocab, target_tp=source.tp, uneven=options.uneven or written_uneven(manifest)
+    )
     padded = next(
         (
             sum(r.shape[t.partition.dim] for r in t.refs)
@@ -91,10 +111,7 @@ def inspect_checkpoint(ckpt: Path, options: ConvertOptions | None = None) -> Ins
             "padding_rows": None if padded is None or vocab.original is None else padded - vocab.original,
         },
         notes=list(source.notes),
-        extras=sorted(
-            {f"{k} (rank {r})" for r, top in enumerate(source.top_level) for k in top}
-            | {f"{k} (non-tensor, rank {r})" for r, ex in enumerate(source.extras) for k in ex}
-        ),
+        extras=_not_tensors(source),
     )
     for t in tensors:
         report.tensors.append(

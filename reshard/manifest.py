@@ -17,37 +17,60 @@ from reshard.partition import Partition, partition_from_dict, partition_to_dict
 
 MANIFEST_NAME = "reshard.json"
 FORMAT = "reshard/1"
+VOCAB_FIELDS = ("original", "padded", "pad_multiple", "source_padded", "source_config")
 
 
 @dataclass(frozen=True)
 class TensorEntry:
-    """One canonical tensor: shape, dtype name, how it is split at the target, and its sha256."""
+    """One canonical tensor: shape, dtype name, how it is split at the target, and its sha256.
+
+    ``finite`` says whether every value was finite (no NaN/Inf) when it was written, so ``verify`` can
+    tell a NaN that appeared later from one that was always there; None in manifests older than it.
+    """
 
     shape: tuple[int, ...]
     dtype: str
     partition: Partition
     sha256: str
+    finite: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "shape": list(self.shape),
             "dtype": self.dtype,
             "partition": partition_to_dict(self.partition),
             "sha256": self.sha256,
         }
+        if self.finite is not None:
+            data["finite"] = self.finite
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TensorEntry:
-        return cls(tuple(data["shape"]), data["dtype"], partition_from_dict(data["partition"]), data["sha256"])
+        finite = data.get("finite")
+        return cls(
+            tuple(data["shape"]),
+            data["dtype"],
+            partition_from_dict(data["partition"]),
+            data["sha256"],
+            None if finite is None else bool(finite),
+        )
 
 
 @dataclass(frozen=True)
 class VocabRecord:
-    """The true vocab size, the padded size at the target tp, and the multiple it was padded to."""
+    """The true vocab size, the padded size at the target tp, and the multiple it was padded to.
+
+    ``source_padded`` (rows of the vocab tensors in the source) and ``source_config`` (``vocab_size`` in the
+    source's config.json) record what the input said when it differs from ``original`` (a padded size
+    repaired by ``fix``); they are None, and left out of ``reshard.json``, otherwise.
+    """
 
     original: int | None
     padded: int | None
     pad_multiple: int | None
+    source_padded: int | None = None
+    source_config: int | None = None
 
 
 @dataclass
@@ -69,7 +92,7 @@ class Manifest:
             "created": self.created,
             "source": self.source,
             "target": self.target,
-            "vocab": asdict(self.vocab),
+            "vocab": {k: v for k, v in asdict(self.vocab).items() if k in VOCAB_FIELDS[:3] or v is not None},
             "tensors": {name: entry.to_dict() for name, entry in self.tensors.items()},
         }
 
@@ -78,12 +101,20 @@ class Manifest:
         return cls(
             source=dict(data.get("source", {})),
             target=dict(data.get("target", {})),
-            vocab=VocabRecord(**{k: data.get("vocab", {}).get(k) for k in ("original", "padded", "pad_multiple")}),
+            vocab=VocabRecord(**{k: data.get("vocab", {}).get(k) for k in VOCAB_FIELDS}),
             tensors={name: TensorEntry.from_dict(entry) for name, entry in data.get("tensors", {}).items()},
             reshard_version=data.get("reshard_version", ""),
             created=data.get("created", ""),
             format=data.get("format", FORMAT),
         )
+
+
+def written_uneven(manifest: Manifest | None) -> bool:
+    """Whether reshard wrote the checkpoint with ``--uneven`` (its manifest has a vocab but no pad multiple).
+
+    Such a checkpoint is read back with the same ``torch.chunk`` convention without being told.
+    """
+    return manifest is not None and manifest.vocab.padded is not None and manifest.vocab.pad_multiple is None
 
 
 def write_manifest(folder: Path, manifest: Manifest) -> Path:

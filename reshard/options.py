@@ -25,7 +25,8 @@ class ConvertOptions:
         max_shard_size: largest safetensors file before a new shard starts (``"5GB"`` or bytes).
         overwrite: replace an existing non-empty output.
         config: an explicit ``config.json`` (else found in or above the checkpoint).
-        plan: a user plan file whose rules come before the built-in plan.
+        plan: a user plan file whose rules come before the built-in plan, or ``"transformers"`` for the
+            installed transformers' own TP plan.
         trust_pickle: fully unpickle torch files (only for files the user trusts).
         allow_divergent_replicas: take rank 0 of a replicated tensor that differs between ranks.
         merge_lora: merge LoRA adapters into their base weights before resharding.
@@ -42,7 +43,7 @@ class ConvertOptions:
     max_shard_size: int | str = "5GB"
     overwrite: bool = False
     config: Path | None = None
-    plan: Path | None = None
+    plan: Path | str | None = None
     trust_pickle: bool = False
     allow_divergent_replicas: bool = False
     merge_lora: bool = False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -24,11 +25,18 @@ def check_output(out: Path, *, source: Path, overwrite: bool) -> None:
         raise OutputExistsError("output exists and is not empty", path=out, hint="pass --overwrite to replace it")
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def staged_output(out: Path) -> Iterator[Path]:
     """Yield a temporary folder beside ``out``; on success it replaces ``out``, on any error it is removed."""
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".reshard-tmp", dir=out.parent))
+    staging.chmod(0o777 & ~_umask())  # mkdtemp makes it private; the output is an ordinary folder
     try:
         yield staging
     except BaseException:

@@ -4,6 +4,8 @@ A :data:`Partition` says how the full (canonical) tensor ``T`` relates to the ``
 
 * :class:`Replicate` - every rank holds all of ``T``.
 * :class:`Shard` - an even split of ``T`` along ``dim`` (column-parallel: dim 0, row-parallel: dim 1).
+* :class:`Grouped` - like ``Shard``, over a dim made of ``groups`` equal blocks (Megatron's query groups
+  of a fused QKV): each rank holds whole groups, or each group is spread evenly over ``tp / groups`` ranks.
 * :class:`Vocab` - like ``Shard``, but ``T`` was padded along ``dim`` to a multiple before the split;
   the pad rows are not data and are cut off when gathering.
 * :class:`Packed` - ``T`` is the concatenation along ``dim`` of parts (q, k, v; gate, up); each part is
@@ -48,6 +50,23 @@ class Shard:
 
 
 @dataclass(frozen=True)
+class Grouped:
+    """Even split along ``dim`` of a tensor made of ``groups`` equal blocks (fused QKV query groups).
+
+    Valid when every rank holds whole groups (``groups % tp == 0``) or when every group is spread evenly
+    over ``tp / groups`` ranks (``tp % groups == 0``: Megatron core stores a plain contiguous ``1/tp`` row
+    chunk then, and each rank all-gathers and picks its group at run time). Any other tp would put
+    pieces of two groups on one rank, which Megatron cannot run, so it is refused.
+    """
+
+    dim: int
+    groups: int
+
+    def describe(self) -> str:
+        return f"grouped(dim={self.dim}, groups={self.groups})"
+
+
+@dataclass(frozen=True)
 class Vocab:
     """Split along ``dim`` after padding that dim to a multiple; pad rows are dropped on gather."""
 
@@ -82,7 +101,7 @@ class Packed:
         return self.units if self.units is not None else (1,) * len(self.parts)
 
 
-Partition = Replicate | Shard | Vocab | Packed
+Partition = Replicate | Shard | Grouped | Vocab | Packed
 
 
 # ---------------------------------------------------------------- (de)serialisation, the string boundary
@@ -97,6 +116,8 @@ def partition_to_dict(partition: Partition) -> dict[str, Any]:
             return {"kind": "shard", "dim": dim} | ({"unit": unit} if unit != 1 else {})
         case Vocab(dim):
             return {"kind": "vocab", "dim": dim}
+        case Grouped(dim, groups):
+            return {"kind": "grouped", "dim": dim, "groups": groups}
         case Packed(dim, parts, units):
             return {"kind": "packed", "dim": dim, "parts": list(parts)} | ({"units": list(units)} if units else {})
     raise TypeError(f"not a partition: {partition!r}")
@@ -113,12 +134,14 @@ def partition_from_dict(data: dict[str, Any]) -> Partition:
                 return Shard(int(data["dim"]), int(data.get("unit", 1)))
             case "vocab":
                 return Vocab(int(data["dim"]))
+            case "grouped":
+                return Grouped(int(data["dim"]), int(data["groups"]))
             case "packed":
                 units = data.get("units")
                 return Packed(int(data["dim"]), tuple(data["parts"]), None if units is None else tuple(units))
     except KeyError as err:
         raise ValueError(f"partition {kind!r} needs the field {err.args[0]!r}") from err
-    raise ValueError(f"unknown partition kind {kind!r} (replicate, shard, vocab or packed)")
+    raise ValueError(f"unknown partition kind {kind!r} (replicate, shard, grouped, vocab or packed)")
 
 
 # ---------------------------------------------------------------- sizes
@@ -162,6 +185,16 @@ def _check_divisible_units(size: int, unit: int, tp: int, what: str) -> None:
         raise ShapeMismatchError(f"{what} has {size // unit} blocks of {unit}, which do not divide by tp={tp}")
 
 
+def _check_groups(size: int, groups: int, tp: int, what: str) -> None:
+    if groups < 1 or size % groups:
+        raise ShapeMismatchError(f"{what} size {size} is not {groups} equal groups")
+    if groups % tp and tp % groups:
+        raise ShapeMismatchError(
+            f"{what} holds {groups} groups: tp={tp} neither divides them (whole groups per rank) nor is a "
+            f"multiple of them (each group spread over tp/groups ranks)"
+        )
+
+
 def rank_shapes(
     partition: Partition, full_shape: Sequence[int], tp: int, *, padded: int | None = None, uneven: bool = False
 ) -> list[Shape]:
@@ -186,6 +219,10 @@ def rank_shapes(
             if not uneven and unit != 1:
                 _check_divisible_units(full_shape[dim], unit, tp, f"dim {dim}")
             return [_with(full_shape, dim, s) for s in split_sizes(full_shape[dim], tp, uneven=uneven)]
+        case Grouped(dim, groups):
+            dim = _norm_dim(dim, len(full_shape))
+            _check_groups(full_shape[dim], groups, tp, f"dim {dim}")
+            return [_with(full_shape, dim, s) for s in split_sizes(full_shape[dim], tp)]
         case Vocab(dim):
             dim = _norm_dim(dim, len(full_shape))
             size = full_shape[dim] if padded is None else padded
@@ -243,18 +280,20 @@ def canonical_shape(
         raise ShapeMismatchError(f"rank shapes {shapes} differ outside dim {dim}")
     total = sum(s[dim] for s in shapes)
     full = _with(first, dim, total)
+    padded = None
     if isinstance(partition, Vocab):
         full = _with(first, dim, total if vocab_size is None else vocab_size)
         if vocab_size is not None and total < vocab_size:
             raise ShapeMismatchError(f"ranks hold {total} rows along dim {dim}, fewer than the vocab {vocab_size}")
-        expected = rank_shapes(partition, full, tp, padded=total, uneven=uneven)
-    else:
-        expected = rank_shapes(partition, full, tp, uneven=uneven)
+        padded = total
+    sizes = [s[dim] for s in shapes]
+    what = f"rank sizes {sizes} along dim {dim} are not a {partition.describe()} split of {total} over tp={tp}"
+    try:
+        expected = rank_shapes(partition, full, tp, padded=padded, uneven=uneven)
+    except ShapeMismatchError as err:
+        raise ShapeMismatchError(f"{what} ({err.detail})") from err
     if expected != shapes:
-        raise ShapeMismatchError(
-            f"rank sizes {[s[dim] for s in shapes]} along dim {dim} are not a {partition.describe()} split "
-            f"of {total} over tp={tp} (expected {[e[dim] for e in expected]})"
-        )
+        raise ShapeMismatchError(f"{what} (expected {[e[dim] for e in expected]})")
     return full
 
 
@@ -293,7 +332,7 @@ def split(
     match partition:
         case Replicate():
             return [full] * tp
-        case Shard(dim, _):
+        case Shard(dim, _) | Grouped(dim, _):
             sizes = [s[dim] for s in rank_shapes(partition, full.shape, tp, uneven=uneven)]
             return list(torch.split(full, sizes, dim=dim))
         case Vocab(dim):
@@ -345,7 +384,7 @@ def gather(
             if not allow_divergent:
                 check_replicas(slices)
             return slices[0]
-        case Shard(dim, _):
+        case Shard(dim, _) | Grouped(dim, _):
             return slices[0] if len(slices) == 1 else torch.cat(list(slices), dim=dim)
         case Vocab(dim):
             joined = slices[0] if len(slices) == 1 else torch.cat(list(slices), dim=dim)

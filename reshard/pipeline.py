@@ -20,6 +20,7 @@ from reshard.errors import AmbiguousPartitionError, PlanError, ReshardError, Sha
 from reshard.layouts.base import CheckpointWriter, SourceCheckpoint, TensorRef
 from reshard.layouts.files import TensorHeader
 from reshard.partition import (
+    Packed,
     Partition,
     Vocab,
     bitwise_equal,
@@ -29,7 +30,7 @@ from reshard.partition import (
     round_up,
 )
 from reshard.plans import Plan, infer_partition
-from reshard.safetensors_stream import byte_chunks
+from reshard.safetensors_stream import CHUNK_BYTES, byte_chunks
 
 Shape = tuple[int, ...]
 
@@ -149,10 +150,14 @@ def _plan_one(
         shape = canonical_shape(partition, shapes, vocab_size=vocab.original, uneven=uneven)
     except AmbiguousPartitionError as err:
         problem = AmbiguousPartitionError(
-            f"no plan rule, and {err.detail}",
+            f"no plan rule, and {err.detail}"
+            if rule is None
+            else f"rule '{rule.pattern}' ({plan.name}): {err.detail}",
             path=refs[0].file,
             tensor=name,
-            hint="add a rule for it with --plan FILE",
+            hint="add a rule for it with --plan FILE"
+            if rule is None
+            else "give the model's config with --config FILE",
         )
         return SourceTensor(name, refs, None, "", None, problem)
     except ShapeMismatchError as err:
@@ -170,7 +175,8 @@ def resolve_vocab(explicit: int | None, source: SourceCheckpoint, manifest_vocab
     if manifest_vocab is not None:
         return VocabPlan(manifest_vocab, "reshard.json", None)
     if source.config is not None and source.config.vocab_size:
-        return VocabPlan(source.config.vocab_size, "config.json", None)
+        origin = source.config.path.name if source.config.path else "config"
+        return VocabPlan(source.config.vocab_size, origin, None)
     return VocabPlan(None, "unknown", None)
 
 
@@ -226,7 +232,7 @@ def plan_conversion(
                     f"{err.detail}",
                     path=tensor.refs[0].file,
                     tensor=tensor.name,
-                    hint="choose a tp that divides it, or --uneven",
+                    hint="choose a tp that divides it" + ("" if _whole_blocks(tensor.partition) else ", or --uneven"),
                 )
             )
             continue
@@ -237,12 +243,38 @@ def plan_conversion(
     return ConversionPlan(source, target_tp, tuple(planned), vocab, uneven)
 
 
+def _whole_blocks(partition: Partition) -> bool:
+    """True when the partition splits in blocks (heads) that ``--uneven`` must not cut either."""
+    units = partition.part_units() if isinstance(partition, Packed) else (getattr(partition, "unit", 1),)
+    return any(unit != 1 for unit in units)
+
+
 def sha256_of(tensor: torch.Tensor) -> str:
     """sha256 of a tensor's bytes in C order (read in place when contiguous, else in bounded blocks)."""
     digest = hashlib.sha256()
     for chunk in byte_chunks(tensor):
         digest.update(chunk)
     return digest.hexdigest()
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """True when no value is NaN or Inf (always for integer and bool tensors)."""
+    if not (tensor.is_floating_point() or tensor.is_complex()):
+        return True
+    try:
+        return bool(torch.isfinite(tensor).all())
+    except (RuntimeError, NotImplementedError):  # float8 kinds without an isfinite kernel
+        return bool(torch.isfinite(tensor.float()).all())
+
+
+def all_finite_in_blocks(tensor: torch.Tensor) -> bool:
+    """:func:`all_finite` in blocks along dim 0, so the check never holds a mask of the whole tensor."""
+    if tensor.dim() == 0 or not (tensor.is_floating_point() or tensor.is_complex()) or tensor.numel() == 0:
+        return all_finite(tensor)
+    rows = max(1, CHUNK_BYTES // max(1, tensor[0].numel() * tensor.element_size()))
+    return all(
+        all_finite(tensor.narrow(0, s, min(rows, tensor.shape[0] - s))) for s in range(0, tensor.shape[0], rows)
+    )
 
 
 def gather_tensor(
@@ -264,13 +296,23 @@ def execute(
     *,
     allow_divergent: bool = False,
     progress: bool = True,
+    finite: dict[str, bool] | None = None,
     jobs: int = 1,
 ) -> dict[str, str]:
     """Stream every tensor through gather -> hash -> split -> writer. Returns ``{name: sha256}``.
+
+    When ``finite`` is given it is filled with ``{name: no NaN/Inf in the canonical tensor}``, for the manifest.
 
     ``jobs`` threads read, gather and hash tensors while this thread writes them in plan order; the
     bytes held at once stay under about twice the largest tensor (see :mod:`reshard.stream`).
     """
     return stream.run(
-        conversion, writer, jobs=jobs, hasher=sha256_of, allow_divergent=allow_divergent, progress=progress
+        conversion,
+        writer,
+        jobs=jobs,
+        hasher=sha256_of,
+        finite_of=None if finite is None else all_finite_in_blocks,
+        finite=finite,
+        allow_divergent=allow_divergent,
+        progress=progress,
     )

@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from reshard.errors import ReshardError, ShapeMismatchError
 from reshard.layouts.base import CheckpointWriter, TensorRef
-from reshard.partition import Packed, Replicate, Shard, Vocab, check_replica, split, split_sizes
+from reshard.partition import Grouped, Packed, Replicate, Shard, Vocab, check_replica, split, split_sizes
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -54,7 +54,9 @@ class Copy:
     length: int
 
 
-def copy_plan(partition: Shard | Vocab | Packed, shapes: Sequence[Shape], *, uneven: bool) -> tuple[list[Copy], int]:
+def copy_plan(
+    partition: Shard | Grouped | Vocab | Packed, shapes: Sequence[Shape], *, uneven: bool
+) -> tuple[list[Copy], int]:
     """Where every piece of every rank slice lands in the gathered buffer, and the buffer's size along dim.
 
     Pure: the in-place equivalent of the ``cat`` in :func:`reshard.partition.gather`.
@@ -301,11 +303,16 @@ def run(
     *,
     jobs: int,
     hasher: Callable[[torch.Tensor], str],
+    finite_of: Callable[[torch.Tensor], bool] | None = None,
+    finite: dict[str, bool] | None = None,
     allow_divergent: bool = False,
     progress: bool = True,
     budget: Budget | None = None,
 ) -> dict[str, str]:
-    """Prepare tensors on ``jobs`` threads, write them in plan order here; returns ``{name: sha256}``."""
+    """Prepare tensors on ``jobs`` threads, write them in plan order here; returns ``{name: sha256}``.
+
+    With ``finite_of``, ``finite`` is filled with ``{name: finite_of(canonical tensor)}``.
+    """
     works = [plan_work(t, target_tp=conversion.target_tp) for t in conversion.tensors]
     budget = budget or Budget(budget_for(works))
     options = {
@@ -317,10 +324,10 @@ def run(
 
     buffers = BufferPool(budget.limit)
 
-    def job(work: Work) -> tuple[str, str, list[torch.Tensor], torch.Tensor]:
+    def job(work: Work) -> tuple[str, str, bool | None, list[torch.Tensor], torch.Tensor]:
         raw, buffer = buffers.get(work.buffer_shape, work.tensor.source.dtype)
         name, canonical, pieces = prepare(work, buffer=buffer, **options)
-        return name, hasher(canonical), pieces, raw
+        return name, hasher(canonical), finite_of(canonical) if finite_of else None, pieces, raw
 
     hashes: dict[str, str] = {}
     total = sum(t.nbytes for t in conversion.tensors)
@@ -341,8 +348,10 @@ def run(
                     pending.append((work, pool.submit(job, work)))
                     read_ahead.started(work)
                 work, future = pending.popleft()
-                name, digest, pieces, raw = future.result()
+                name, digest, is_finite, pieces, raw = future.result()
                 hashes[name] = digest
+                if finite is not None:
+                    finite[name] = is_finite
                 writer.write(name, _exact(pieces, work.tensor.target_shapes))
                 del pieces, future
                 buffers.put(raw)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from reshard.errors import ReshardError
-from reshard.layouts import hf, hf_ranks
+from reshard.layouts import hf, hf_ranks, loose, megatron, sat
 from reshard.layouts.base import (
     WRITABLE_LAYOUTS,
     CheckpointWriter,
@@ -31,6 +31,8 @@ __all__ = [
 _WRITERS: dict[str, type[CheckpointWriter]] = {
     "hf": hf.HFWriter,
     "hf-ranks": hf_ranks.HFRanksWriter,
+    "megatron": megatron.MegatronWriter,
+    "sat": sat.SatWriter,
 }
 
 
@@ -45,12 +47,20 @@ def discover(path: Path, options: ReadOptions | None = None) -> SourceCheckpoint
         raise ReshardError("no such file or folder", path=path)
     if path.is_file():
         return hf.discover(path, options)
+    if megatron.detect(path):
+        return megatron.discover(path, options)
+    if sat.detect(path):
+        return sat.discover(path, options)
     if hf_ranks.detect(path):
         return hf_ranks.discover(path, options)
+    if loose.detect(path):
+        return loose.discover(path, options)
     if hf.is_hf_folder(path):
         return hf.discover(path, options)
     raise ReshardError(
-        "no checkpoint found (looked for rank_NN/ folders, model.safetensors, pytorch_model.bin, *.safetensors)",
+        "no checkpoint found (looked for Megatron iter_*/mp_rank_*, SAT mp_rank_XX_model_states.pt, rank_NN/ "
+        "folders, *rank{r}* files, model.safetensors, "
+        "pytorch_model.bin, *.safetensors)",
         path=path,
     )
 

@@ -14,9 +14,10 @@ import pickle
 import struct
 import threading
 import zipfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -253,11 +254,13 @@ def _flatten(state: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, 
             yield name, value
 
 
-def load_torch_file(path: Path, *, trust_pickle: bool, notes: list[str]) -> Any:
+def load_torch_file(path: Path, *, trust_pickle: bool, notes: list[str], allowed: Sequence[Any] = ()) -> Any:
     """``torch.load`` as safely and lazily as the file allows.
 
     Zip-format files are memory-mapped with ``weights_only=True`` and the :data:`SAFE_GLOBALS`
-    allow-list; legacy (non-zip) files are read whole, with a note that they cannot be streamed.
+    allow-list (plus a layout's own ``allowed`` types); legacy (non-zip) files are read whole, with a
+    note that they cannot be streamed. With ``trust_pickle`` the file is unpickled fully; stand-ins
+    given in ``allowed`` as ``(callable, "module.Name")`` still serve when that module is not installed.
 
     Raises:
         UnsafePickleError: the file pickles a type outside the allow-list and ``trust_pickle`` is off.
@@ -267,8 +270,12 @@ def load_torch_file(path: Path, *, trust_pickle: bool, notes: list[str]) -> Any:
     if not streamable:
         notes.append(f"{path.name}: legacy (non-zip) torch file, read whole into memory: cannot be streamed")
     try:
-        with torch.serialization.safe_globals(SAFE_GLOBALS):
-            return torch.load(path, map_location="cpu", mmap=streamable, weights_only=not trust_pickle)
+        if trust_pickle:
+            return torch.load(
+                path, map_location="cpu", mmap=streamable, weights_only=False, pickle_module=_trusting(allowed)
+            )
+        with torch.serialization.safe_globals([*SAFE_GLOBALS, *allowed]):
+            return torch.load(path, map_location="cpu", mmap=streamable, weights_only=True)
     except pickle.UnpicklingError as err:
         message = str(err)
         if "Unsupported global" in message or "weights_only" in message.lower():
@@ -279,9 +286,32 @@ def load_torch_file(path: Path, *, trust_pickle: bool, notes: list[str]) -> Any:
                 hint="pass --trust-pickle to unpickle it fully, only if you trust the file",
             ) from err
         raise CorruptFileError(f"not a readable torch file: {message.splitlines()[0]}", path=path) from err
+    except (ImportError, AttributeError) as err:  # --trust-pickle, and the pickled class is not importable here
+        raise CorruptFileError(
+            f"cannot unpickle: {err}", path=path, hint="install the package that defines it to load this file"
+        ) from err
     except (OSError, RuntimeError, EOFError, ValueError) as err:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise CorruptFileError(f"not a readable torch file: {first}", path=path) from err
+
+
+def _trusting(allowed: Sequence[Any]) -> ModuleType:
+    """A pickle module for full unpickling whose classes fall back to the stand-ins in ``allowed``."""
+    stand_ins = {name: obj for obj, name in (a for a in allowed if isinstance(a, tuple))}
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            try:
+                return super().find_class(module, name)
+            except (ImportError, AttributeError):
+                if f"{module}.{name}" in stand_ins:
+                    return stand_ins[f"{module}.{name}"]
+                raise
+
+    trusting = ModuleType("reshard_trusting_pickle")
+    trusting.__dict__.update({k: v for k, v in vars(pickle).items() if not k.startswith("__")})
+    trusting.Unpickler = Unpickler
+    return trusting
 
 
 def _unsupported_global(message: str) -> str:

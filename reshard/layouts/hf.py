@@ -32,17 +32,20 @@ MANIFEST_NAME = "reshard.json"
 
 def is_hf_folder(path: Path) -> bool:
     """True for a folder with HF weight files (single, indexed, or any ``*.safetensors`` / ``*.bin``)."""
-    return path.is_dir() and bool(weight_files(path, probe=True))
+    if not path.is_dir():
+        return False
+    has_index = any((path / name).is_file() for name in (SAFETENSORS_INDEX_FILE, BIN_INDEX_FILE))
+    return has_index or bool(weight_files(path))
 
 
-def weight_files(folder: Path, *, probe: bool = False) -> list[Path]:
+def weight_files(folder: Path) -> list[Path]:
     """The weight files of one HF folder, in the order the HF loaders look for them.
 
     An index file, when present, is authoritative: every file it names must exist inside the folder.
     """
     for index_name in (SAFETENSORS_INDEX_FILE, BIN_INDEX_FILE):
         if (folder / index_name).is_file():
-            return [folder / f for f in dict.fromkeys(read_index(folder / index_name, probe=probe).values())]
+            return [folder / f for f in dict.fromkeys(read_index(folder / index_name).values())]
     for single in (SAFETENSORS_SINGLE_FILE, BIN_SINGLE_FILE):
         if (folder / single).is_file():
             return [folder / single]
@@ -53,18 +56,14 @@ def weight_files(folder: Path, *, probe: bool = False) -> list[Path]:
     return []
 
 
-def read_index(index: Path, *, probe: bool = False) -> dict[str, str]:
+def read_index(index: Path) -> dict[str, str]:
     """``weight_map`` of an index, treated as untrusted: file names must be plain names in the folder."""
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError("weight_map is not an object")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
-        if probe:
-            return {}
         raise CorruptFileError(f"corrupt index: {err!r}", path=index) from err
-    if probe:
-        return weight_map
     for tensor, filename in weight_map.items():
         pure = PurePosixPath(str(filename))
         if pure.is_absolute() or len(pure.parts) != 1 or pure.name in ("", ".", "..") or "\\" in str(filename):
@@ -82,14 +81,7 @@ def read_folder(folder: Path, rank: int, options: ReadOptions) -> tuple[dict[str
     if not files:
         raise MissingRankError("no weight files (model.safetensors, pytorch_model.bin, ...)", path=folder)
     readers = [open_tensor_file(f, trust_pickle=options.trust_pickle) for f in files]
-    seen: dict[str, Path] = {}
-    for reader in readers:
-        for key in reader.headers:
-            if key in seen:
-                raise CorruptFileError(
-                    f"tensor is in both {seen[key].name} and {reader.path.name}", path=folder, tensor=key
-                )
-            seen[key] = reader.path
+    seen = check_unique(folder, readers)
     for index_name in (SAFETENSORS_INDEX_FILE, BIN_INDEX_FILE):
         if (folder / index_name).is_file():
             for tensor, filename in read_index(folder / index_name).items():
@@ -100,6 +92,19 @@ def read_folder(folder: Path, rank: int, options: ReadOptions) -> tuple[dict[str
                         tensor=tensor,
                     )
     return refs_from_readers(readers, rank), readers
+
+
+def check_unique(folder: Path, readers: list[FileReader]) -> dict[str, Path]:
+    """``{tensor: file}`` over the shard files of one state dict; a tensor in two files is an error."""
+    seen: dict[str, Path] = {}
+    for reader in readers:
+        for key in reader.headers:
+            if key in seen:
+                raise CorruptFileError(
+                    f"tensor is in both {seen[key].name} and {reader.path.name}", path=folder, tensor=key
+                )
+            seen[key] = reader.path
+    return seen
 
 
 def side_files(folder: Path) -> list[Path]:
@@ -123,11 +128,11 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
         folder = path
         sides = side_files(path)
     source = SourceCheckpoint(path, "hf", [refs], config=find_config(folder), side_files=sides)
-    _collect(source, readers)
+    collect_extras(source, readers)
     return source
 
 
-def _collect(source: SourceCheckpoint, readers: list[FileReader]) -> None:
+def collect_extras(source: SourceCheckpoint, readers: list[FileReader]) -> None:
     extras: dict = {}
     top: dict = {}
     for reader in readers:

@@ -14,7 +14,8 @@ import torch
 from reshard.config import CONFIG_NAME, find_config
 from reshard.errors import MissingRankError
 from reshard.layouts.base import CheckpointWriter, ReadOptions, SourceCheckpoint, TargetSpec
-from reshard.layouts.hf import _collect, read_folder, side_files, write_config
+from reshard.layouts.hf import collect_extras, read_folder, side_files, write_config
+from reshard.manifest import find_manifest
 from reshard.safetensors_stream import ShardedSafetensorsWriter
 
 RANK_DIR = re.compile(r"^rank_(\d+)$")
@@ -44,10 +45,13 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
     """Read every rank folder; a gap in the rank numbers is a :class:`MissingRankError`."""
     folders = rank_folders(path)
     tp = max(folders) + 1
+    manifest = find_manifest(path)
+    if manifest is not None and manifest.target.get("layout") == "hf-ranks":
+        tp = max(tp, int(manifest.target.get("tp", tp)))
     missing = [rank_dir(r) for r in range(tp) if r not in folders]
     if missing:
         raise MissingRankError(
-            f"rank folders {', '.join(missing)} are missing (found {len(folders)} of {tp})",
+            f"rank folder(s) {', '.join(missing)} missing (found {len(folders)} of {tp})",
             path=path,
             hint="every rank must be present to gather",
         )
@@ -55,7 +59,7 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
     for rank in range(tp):
         refs, readers = read_folder(folders[rank], rank, options)
         source.ranks.append(refs)
-        _collect(source, readers)
+        collect_extras(source, readers)
     return source
 
 

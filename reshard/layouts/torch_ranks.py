@@ -8,6 +8,7 @@ memory is about one rank's state dict (never the model); the spool costs one ext
 
 from __future__ import annotations
 
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -25,8 +26,11 @@ class TorchRanksWriter(CheckpointWriter):
     """Spools per-rank slices, then ``torch.save``s what :meth:`rank_file` builds for each rank.
 
     Subclasses implement :meth:`rank_file` (where rank ``r`` goes and the object to pickle around its
-    state dict) and may override :meth:`finish` to write the layout's other files.
+    state dict) and may override :meth:`finish` to write the layout's other files. ``pickle_module`` is
+    what ``torch.save`` pickles with.
     """
+
+    pickle_module: Any = pickle
 
     def __init__(self, out_dir: Path, spec: TargetSpec) -> None:
         super().__init__(out_dir, spec)
@@ -59,7 +63,7 @@ class TorchRanksWriter(CheckpointWriter):
                 state = {name: spooled.get_tensor(name) for name in names}
             relative, obj = self.rank_file(rank, state)
             (self.out_dir / relative).parent.mkdir(parents=True, exist_ok=True)
-            torch.save(obj, self.out_dir / relative)
+            torch.save(obj, self.out_dir / relative, pickle_module=self.pickle_module)
             written.append(relative)
             del state, obj
             writer.path.unlink()

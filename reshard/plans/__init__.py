@@ -9,12 +9,25 @@ from pathlib import Path
 
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
-from reshard.plans import llama
+from reshard.plans import llama, megatron, qwen2_vl, qwen3_5, qwen3_next, sat
 from reshard.plans.base import EMPTY_PLAN, Plan, Rule
 from reshard.plans.files import load_plan_file
 from reshard.plans.infer import infer_partition
+from reshard.plans.lora import plain_name, with_lora
+from reshard.plans.transformers_plan import NAME as TRANSFORMERS
+from reshard.plans.transformers_plan import transformers_plan
 
-__all__ = ["EMPTY_PLAN", "FAMILIES", "Family", "Plan", "Rule", "infer_partition", "load_plan_file", "select_plan"]
+__all__ = [
+    "TRANSFORMERS",
+    "EMPTY_PLAN",
+    "FAMILIES",
+    "Family",
+    "Plan",
+    "Rule",
+    "infer_partition",
+    "load_plan_file",
+    "select_plan",
+]
 
 
 @dataclass(frozen=True)
@@ -30,13 +43,22 @@ class Family:
         return self.plan.name
 
 
+# Signatures are tried in order: the hybrid and multimodal families (which also have Llama-like
+# attention names) come before Llama.
 FAMILIES: list[Family] = [
+    Family(qwen3_next.QWEN3_NEXT_PLAN, qwen3_next.MODEL_TYPES, qwen3_next.SIGNATURE),
+    Family(qwen3_5.QWEN3_5_PLAN, qwen3_5.MODEL_TYPES, qwen3_5.SIGNATURE),
+    Family(qwen2_vl.QWEN2_VL_PLAN, qwen2_vl.MODEL_TYPES, qwen2_vl.SIGNATURE),
     Family(llama.LLAMA_PLAN, llama.MODEL_TYPES, llama.SIGNATURE),
+    Family(megatron.MEGATRON_PLAN, megatron.MODEL_TYPES, megatron.SIGNATURE),
+    Family(sat.SAT_PLAN, sat.MODEL_TYPES, sat.SIGNATURE),
 ]
 
 
 def builtin_plan(name: str) -> Plan:
-    """A built-in plan by family name."""
+    """A built-in plan by family name (``none``: no rules, so a plan file can stand alone)."""
+    if name == EMPTY_PLAN.name:
+        return EMPTY_PLAN
     for family in FAMILIES:
         if family.name == name:
             return family.plan
@@ -49,7 +71,7 @@ def detect_family(config: ModelConfig | None, names: Iterable[str]) -> Family | 
         for family in FAMILIES:
             if config.model_type in family.model_types:
                 return family
-    names = list(names)
+    names = [plain_name(n) for n in names]  # LoRA-wrapped bases count under their plain names
     for family in FAMILIES:
         pattern = re.compile(family.signature)
         if any(pattern.search(n) for n in names):
@@ -57,11 +79,17 @@ def detect_family(config: ModelConfig | None, names: Iterable[str]) -> Family | 
     return None
 
 
-def select_plan(config: ModelConfig | None, names: Iterable[str], *, plan_file: Path | None = None) -> Plan:
-    """The plan for a checkpoint: the user's rules first (if any), then the detected family's."""
+def select_plan(config: ModelConfig | None, names: Iterable[str], *, plan_file: Path | str | None = None) -> Plan:
+    """The plan for a checkpoint: the user's rules first (if any), then the detected family's.
+
+    LoRA tensors (SAT ``matrix_A``/``matrix_B``, peft ``lora_A``/``lora_B``) follow their base layer's rule.
+    ``plan_file="transformers"`` takes the installed transformers' own TP plan for the config instead.
+    """
+    if plan_file == TRANSFORMERS:
+        return with_lora(transformers_plan(config))
     family = detect_family(config, names)
     base = family.plan if family else EMPTY_PLAN
     if plan_file is None:
-        return base
-    user, extends = load_plan_file(plan_file)
-    return user.then(builtin_plan(extends) if extends else base)
+        return with_lora(base)
+    user, extends = load_plan_file(Path(plan_file))
+    return with_lora(user.then(builtin_plan(extends) if extends else base))

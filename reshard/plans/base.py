@@ -18,10 +18,16 @@ class Rule:
 
     ``partition`` is a partition, or a function of the config for partitions whose sizes come from
     the model (packed part sizes, head sizes).
+
+    ``gathered``: the layer's output is all-gathered after it (transformers' ``colwise_gather_output``),
+    so the modules after it see the full size. ``implicit``: not a rule anyone wrote but a default
+    (transformers replicates what its plan does not name); ``reshard check`` reports what it covers.
     """
 
     pattern: str
     partition: Partition | PartitionFactory
+    gathered: bool = False
+    implicit: bool = False
     _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

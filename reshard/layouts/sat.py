@@ -1,0 +1,203 @@
+"""The ``sat`` layout: SwissArmyTransformer checkpoints (CogVLM, CogAgent), as ``sat/training/model_io.py`` saves them.
+
+::
+
+    <save>/latest                                    the iteration folder's name (a number, or ``release``)
+    <save>/model_config.json                         model_class, arch args and ``model_parallel_size``
+    <save>/<iteration>/mp_rank_{r:02d}_model_states.pt  ``{"module": state_dict, "iteration": ..., ...}``
+
+SAT itself can only merge to one rank and split from one (``mp_split_model_rank0``); reshard goes from
+any tp to any tp directly. The path given may be the save folder or one iteration folder inside it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reshard.config import ModelConfig
+from reshard.errors import CorruptFileError, MissingRankError, ReshardError
+from reshard.layouts.base import ReadOptions, SourceCheckpoint, TargetSpec, refs_from_readers
+from reshard.layouts.files import SAFE_GLOBALS, TorchReader
+from reshard.layouts.loose import OPTIMIZER
+from reshard.layouts.torch_ranks import TorchRanksWriter
+
+LATEST = "latest"
+MODEL_CONFIG = "model_config.json"
+RANK_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+# Top-level keys of a rank file that stay true at another tp; optimizer, scheduler and rng state do not.
+KEPT_TOP_LEVEL = ("iteration",)
+DEFAULT_ITERATION = "1"  # what CogVLM's merge_model.py saves under
+
+
+def _rng_state_globals() -> list[Any]:
+    """The numpy types in ``np.random.get_state()`` (a uint32 array), which SAT's DeepSpeed saves pickle
+    as ``np_rng_state`` next to the weights: plain arrays, safe to rebuild under ``weights_only``."""
+    try:
+        import numpy as np
+
+        try:
+            from numpy._core.multiarray import _reconstruct
+        except ImportError:  # numpy < 2
+            from numpy.core.multiarray import _reconstruct
+    except ImportError:
+        return []
+    uint32 = getattr(getattr(np, "dtypes", None), "UInt32DType", None)
+    return [np.ndarray, np.dtype, _reconstruct] + ([uint32] if uint32 is not None else [])
+
+
+SAFE_GLOBALS.extend(g for g in _rng_state_globals() if g not in SAFE_GLOBALS)
+
+
+def rank_file_name(rank: int) -> str:
+    return f"mp_rank_{rank:02d}_model_states.pt"
+
+
+def _rank_files(folder: Path) -> dict[int, Path]:
+    if not folder.is_dir():
+        return {}
+    found = {}
+    for child in folder.iterdir():
+        match = RANK_FILE.match(child.name)
+        if match and child.is_file():
+            found[int(match.group(1))] = child
+    return found
+
+
+def detect(path: Path) -> bool:
+    """A SAT save folder (``latest`` or ``model_config.json`` beside rank folders) or an iteration folder.
+
+    DeepSpeed names its rank files as SAT does (``mp_rank_XX_model_states.pt``); such a folder with an HF
+    ``config.json`` and no SAT ``model_config.json`` is left to the loose-rank-files layout.
+    """
+    if not path.is_dir():
+        return False
+    if _rank_files(path):  # an iteration folder; with an HF config.json it is a DeepSpeed-saved HF model
+        return not (path / "config.json").is_file() or (path.parent / MODEL_CONFIG).is_file()
+    if (path / LATEST).is_file() or (path / MODEL_CONFIG).is_file():
+        return any(_rank_files(child) for child in path.iterdir() if child.is_dir())
+    return False
+
+
+def _locate(path: Path) -> tuple[Path, str]:
+    """``(save folder, iteration)`` for ``path``."""
+    if _rank_files(path):
+        return path.parent, path.name
+    if (path / LATEST).is_file():
+        iteration = (path / LATEST).read_text().strip()
+        if not iteration or "/" in iteration or "\\" in iteration or iteration in (".", ".."):
+            raise CorruptFileError(f"does not name an iteration folder: {iteration!r}", path=path / LATEST)
+        return path, iteration
+    candidates = sorted(child.name for child in path.iterdir() if child.is_dir() and _rank_files(child))
+    if not candidates:
+        raise MissingRankError("no iteration folder with mp_rank_XX_model_states.pt files", path=path)
+    if len(candidates) > 1:
+        raise ReshardError(
+            f"several iteration folders ({', '.join(candidates)}) and no 'latest' file to choose one",
+            path=path,
+            hint="pass the iteration folder itself",
+        )
+    return path, candidates[0]
+
+
+def read_model_config(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CorruptFileError(f"cannot read the model config: {err}", path=path) from err
+    if not isinstance(raw, dict):
+        raise CorruptFileError("the model config is not a JSON object", path=path)
+    return raw
+
+
+def _ranks(folder: Path, declared: Any, config_path: Path) -> list[Path]:
+    """The rank files in rank order, checked against ``model_parallel_size``."""
+    files = _rank_files(folder)
+    if not files:
+        raise MissingRankError("no mp_rank_XX_model_states.pt files", path=folder)
+    if declared is not None and (not isinstance(declared, int) or declared < 1):
+        raise CorruptFileError(f"model_parallel_size is {declared!r}, not a positive integer", path=config_path)
+    found = max(files) + 1
+    if declared is not None and found > declared:
+        raise ReshardError(
+            f"model_parallel_size is {declared} but rank files up to {rank_file_name(found - 1)} "
+            f"({len(files)} files) are in {folder}",
+            path=config_path,
+            hint="fix model_parallel_size or remove the stale rank files",
+        )
+    tp = declared or found
+    missing = [rank_file_name(r) for r in range(tp) if r not in files]
+    if missing:
+        said = f"model_parallel_size is {declared}" if declared else f"ranks up to {found - 1} exist"
+        raise MissingRankError(
+            f"missing {', '.join(missing)} ({said}, {len(files)} rank files found)",
+            path=folder / missing[0],
+            hint="every rank file must be present to gather",
+        )
+    return [files[r] for r in range(tp)]
+
+
+def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
+    """Read a SAT checkpoint from headers; a missing rank file is a :class:`MissingRankError` naming it."""
+    root, iteration = _locate(path)
+    folder = root / iteration
+    if not folder.is_dir():
+        raise MissingRankError(f"names iteration {iteration!r} but {folder} does not exist", path=root / LATEST)
+    config_path = root / MODEL_CONFIG
+    model_config = read_model_config(config_path)
+    files = _ranks(folder, (model_config or {}).get("model_parallel_size"), config_path)
+    source = SourceCheckpoint(
+        path,
+        "sat",
+        [],
+        config=ModelConfig(model_config, config_path) if model_config is not None else None,
+        meta={"iteration": iteration},
+    )
+    for rank, file in enumerate(files):
+        reader = TorchReader(file, trust_pickle=options.trust_pickle)
+        source.ranks.append(refs_from_readers([reader], rank))
+        source.extras.append(reader.extras)
+        source.top_level.append(reader.top_level)
+        source.notes.extend(reader.notes)
+        if reader.state_dict_key != "module":
+            source.notes.append(f"{file.name}: no 'module' state dict; read the tensors found at its top level")
+    dropped = sorted({k for top in source.top_level for k in top} - set(KEPT_TOP_LEVEL))
+    if dropped:
+        source.notes.append(f"top-level keys not carried over (optimizer, scheduler, rng state): {', '.join(dropped)}")
+    if any(source.extras):
+        extras = ", ".join(sorted({k for extras in source.extras for k in extras}))
+        source.notes.append(f"non-tensor state-dict entries are not carried over: {extras}")
+    skipped = sorted(p.name for p in folder.iterdir() if p.is_file() and p not in files and OPTIMIZER.search(p.name))
+    if skipped:
+        source.notes.append(f"skipped optimizer state: {', '.join(skipped)}")
+    if model_config is None:
+        source.notes.append(f"no {MODEL_CONFIG} beside {folder.name}/: packed tensors cannot be sized")
+    return source
+
+
+class SatWriter(TorchRanksWriter):
+    """Writes ``<iteration>/mp_rank_XX_model_states.pt`` (``{"module": ...}``), ``latest`` and
+    ``model_config.json`` with ``model_parallel_size`` set to the target tp."""
+
+    def __init__(self, out_dir: Path, spec: TargetSpec) -> None:
+        super().__init__(out_dir, spec)
+        source = spec.source
+        self.iteration = str(source.meta.get("iteration", DEFAULT_ITERATION)) if source.layout == "sat" else "1"
+        first = source.top_level[0] if source.top_level else {}
+        self._top = {k: first[k] for k in KEPT_TOP_LEVEL if k in first}
+
+    def rank_file(self, rank: int, state_dict: dict[str, torch.Tensor]) -> tuple[Path, Any]:
+        return Path(self.iteration) / rank_file_name(rank), {"module": state_dict, **self._top}
+
+    def finish(self) -> list[Path]:
+        (self.out_dir / LATEST).write_text(self.iteration)
+        config = dict(self.spec.config or {})
+        config["model_parallel_size"] = self.spec.tp
+        (self.out_dir / MODEL_CONFIG).write_text(json.dumps(config, indent=4) + "\n")
+        return [Path(LATEST), Path(MODEL_CONFIG)]

@@ -1,0 +1,127 @@
+"""LoRA tensors take the partition implied by their base layer's partition.
+
+Names recognised (``X`` is the wrapped layer, ``X.weight`` is what a plan knows):
+
+* SAT ``lora2``: ``X.original.weight`` / ``X.original.bias`` (the base), ``X.matrix_A.{i}``,
+  ``X.matrix_B.{i}`` (one pair per packed part of the base: q, k, v or k, v).
+* peft: ``X.base_layer.weight`` (the base), ``X.lora_A.weight`` / ``X.lora_A.<adapter>.weight``, ``lora_B``.
+
+The rule (peft ``LoraParallelLinear``, SAT ``LoraLinear``): for a column-parallel base (``shard`` on
+dim 0 or ``packed``), A ``[r, in]`` is replicated and B ``[out, r]`` is split like the base's rows (SAT's
+``matrix_B.i`` is a shard of part ``i``); for a row-parallel base (``shard`` on dim 1), A ``[r, in]`` is
+split on dim 1 and B is replicated. A replicated base keeps both replicated.
+
+Pure: names and partitions in, partitions out.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from reshard.config import ModelConfig
+from reshard.errors import AmbiguousPartitionError
+from reshard.partition import Packed, Partition, Replicate, Shard
+from reshard.plans.base import Plan, Rule
+
+BASE, A, B = "base", "A", "B"
+_PATTERNS = (
+    (re.compile(r"^(?P<layer>.+)\.original\.(?P<param>weight|bias)$"), BASE),
+    (re.compile(r"^(?P<layer>.+)\.base_layer\.(?P<param>weight|bias)$"), BASE),
+    (re.compile(r"^(?P<layer>.+)\.matrix_A\.(?P<index>\d+)$"), A),
+    (re.compile(r"^(?P<layer>.+)\.matrix_B\.(?P<index>\d+)$"), B),
+    (re.compile(r"^(?P<layer>.+)\.lora_A(\.[^.]+)?\.weight$"), A),
+    (re.compile(r"^(?P<layer>.+)\.lora_B(\.[^.]+)?\.weight$"), B),
+)
+
+
+@dataclass(frozen=True)
+class LoraName:
+    """What a LoRA tensor name says.
+
+    Attributes:
+        layer: the wrapped layer (``...attention.query_key_value``).
+        role: ``base`` (the frozen weight or bias), ``A`` or ``B``.
+        index: SAT's part index of ``matrix_A.i`` / ``matrix_B.i``; None for peft names.
+        param: for the base, ``weight`` or ``bias``.
+    """
+
+    layer: str
+    role: str
+    index: int | None = None
+    param: str = "weight"
+
+    @property
+    def base(self) -> str:
+        """The name a plan knows the base tensor by (``X.weight`` or ``X.bias``)."""
+        return f"{self.layer}.{self.param}"
+
+
+def parse_lora_name(name: str) -> LoraName | None:
+    """The LoRA reading of ``name``, or None when it is not a LoRA tensor."""
+    for pattern, role in _PATTERNS:
+        match = pattern.match(name)
+        if match:
+            groups = match.groupdict()
+            index = int(groups["index"]) if groups.get("index") is not None else None
+            return LoraName(groups["layer"], role, index, groups.get("param") or "weight")
+    return None
+
+
+def plain_name(name: str) -> str:
+    """The name a LoRA-wrapped base tensor has without its wrapper (``X.base_layer.weight`` -> ``X.weight``)."""
+    lora = parse_lora_name(name)
+    return lora.base if lora is not None and lora.role == BASE else name
+
+
+def lora_partition(base: Partition, lora: LoraName) -> Partition:
+    """The partition of a LoRA tensor whose base layer's weight has partition ``base``.
+
+    Raises:
+        AmbiguousPartitionError: a base split in a way LoRA has no rule for (a padded vocab, a dim > 1),
+            or a SAT part index the base does not have.
+    """
+    if lora.role == BASE or isinstance(base, Replicate):
+        return base
+    match base:
+        case Shard(0, unit):
+            if lora.index not in (None, 0):
+                raise AmbiguousPartitionError(f"matrix_B.{lora.index} of a layer split as {base.describe()}")
+            return Replicate() if lora.role == A else Shard(0, unit)
+        case Shard(1, unit):
+            return Shard(1, unit) if lora.role == A else Replicate()
+        case Packed(0, parts, _):
+            if lora.role == A:
+                return Replicate()
+            if lora.index is None:  # one B over every part (peft): its rows are packed like the base's
+                return base
+            if lora.index >= len(parts):
+                raise AmbiguousPartitionError(f"matrix_B.{lora.index} but the base has {len(parts)} packed parts")
+            return Shard(0, base.part_units()[lora.index])
+    raise AmbiguousPartitionError(f"no LoRA rule for a base layer split as {base.describe()}")
+
+
+class LoraPlan(Plan):
+    """A plan whose LoRA tensors follow their base layer's rule; other names go to the plan's rules.
+
+    A LoRA name is tried first, so a catch-all rule of the plan never swallows an adapter tensor.
+    """
+
+    def match(self, name: str) -> Rule | None:
+        lora = parse_lora_name(name)
+        if lora is None:
+            return super().match(name)
+        base_rule = super().match(f"{lora.layer}.weight" if lora.role != BASE else lora.base)
+        if base_rule is None:
+            return None
+
+        def partition(config: ModelConfig | None) -> Partition:
+            return lora_partition(base_rule.resolve(config), lora)
+
+        label = "base" if lora.role == BASE else f"LoRA {lora.role}" + ("" if lora.index is None else f".{lora.index}")
+        return Rule(f"{base_rule.pattern}(?#{label})", partition)
+
+
+def with_lora(plan: Plan) -> LoraPlan:
+    """``plan`` with LoRA tensors derived from their base layers."""
+    return LoraPlan(plan.name, plan.rules)

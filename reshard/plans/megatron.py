@@ -1,0 +1,73 @@
+"""Megatron-LM GPT models, under both the mcore names and the legacy ``language_model.*`` names.
+
+* Vocab-parallel (dim 0, padded): ``word_embeddings`` and the untied ``output_layer``.
+* Fused QKV (``linear_qkv`` / ``query_key_value``): rows interleaved per query group,
+  ``[q heads of group g | k_g | v_g]`` for g in order. Ranks hold contiguous row chunks, so a tp change
+  is a plain concatenate / re-chunk, allowed while every rank holds whole groups or every group is
+  spread evenly over ``tp / groups`` ranks (:class:`~reshard.partition.Grouped`).
+* ``linear_fc1`` / ``dense_h_to_4h`` with SwiGLU: each rank holds ``[gate_r; up_r]``, so it is
+  ``Packed(0, (F, F))`` (re-pairs the halves; plain concatenation would mix gate and up rows).
+* Row-parallel (dim 1): ``linear_proj`` / ``dense`` (in whole heads), ``linear_fc2`` / ``dense_4h_to_h``.
+* Replicated: norms (``*.layer_norm_weight`` fused by Transformer Engine included), row-parallel biases,
+  position embeddings, tensor-valued ``_extra_state``.
+"""
+
+from __future__ import annotations
+
+from reshard.config import ModelConfig
+from reshard.errors import AmbiguousPartitionError
+from reshard.partition import Grouped, Packed, Partition, Replicate, Shard, Vocab
+from reshard.plans.base import Plan, Rule
+
+MODEL_TYPES = ("megatron",)
+SIGNATURE = r"(^|\.)(decoder|encoder|transformer)\.layers\.\d+\.self_attention\.(linear_qkv|query_key_value)\.weight$"
+
+_QKV = r"\.(linear_qkv|query_key_value)\.(weight|bias)$"
+_PROJ = r"(\.linear_proj|self_attention\.dense)"
+_FC1 = r"\.(linear_fc1|dense_h_to_4h)\.(weight|bias)$"
+_FC2 = r"\.(linear_fc2|dense_4h_to_h)"
+
+
+def _need(config: ModelConfig | None, key: str, what: str) -> int:
+    value = config.get(key) if config is not None else None
+    if not isinstance(value, int) or value <= 0:
+        raise AmbiguousPartitionError(f"{what} needs {key} from the Megatron args (or --config)")
+    return value
+
+
+def qkv_partition(config: ModelConfig | None) -> Partition:
+    """Contiguous dim-0 chunks over ``num_query_groups`` interleaved groups."""
+    return Grouped(0, _need(config, "num_key_value_heads", "the fused QKV (num_query_groups)"))
+
+
+def proj_partition(config: ModelConfig | None) -> Partition:
+    """Dim 1 in whole heads of ``kv_channels``: Megatron needs num_attention_heads to divide by tp."""
+    return Shard(1, unit=_need(config, "head_dim", "linear_proj (kv_channels)"))
+
+
+def fc1_partition(config: ModelConfig | None) -> Partition:
+    """``[gate; up]`` split part by part under SwiGLU, a plain dim-0 shard otherwise."""
+    if config is not None and config.get("swiglu"):
+        ffn = _need(config, "intermediate_size", "the SwiGLU linear_fc1 (ffn_hidden_size)")
+        return Packed(0, (ffn, ffn))
+    return Shard(0)
+
+
+MEGATRON_PLAN = Plan(
+    "megatron",
+    (
+        Rule(r"(^|\.)word_embeddings(_for_head)?\.weight$", Vocab(0)),
+        Rule(r"(^|\.)output_layer\.weight$", Vocab(0)),
+        Rule(r"(^|\.)position_embeddings\.weight$", Replicate()),
+        Rule(r"layer_?norm_(weight|bias)$", Replicate()),
+        Rule(r"(norm|layernorm)\.(weight|bias)$", Replicate()),
+        Rule(_QKV, qkv_partition),
+        Rule(_PROJ + r"\.weight$", proj_partition),
+        Rule(_PROJ + r"\.bias$", Replicate()),
+        Rule(_FC1, fc1_partition),
+        Rule(_FC2 + r"\.weight$", Shard(1)),
+        Rule(_FC2 + r"\.bias$", Replicate()),
+        Rule(r"(^|\.)_extra_state$", Replicate()),
+        Rule(r"rotary_pos_emb\.inv_freq$", Replicate()),
+    ),
+)

@@ -1,0 +1,183 @@
+"""``--plan transformers``: the installed transformers' own TP plan as reshard rules.
+
+transformers keys its plan by module (or parameter) path with ``*`` for layer indices
+(``model.layers.*.self_attn.q_proj``) and looks a parameter up by its own path first, then by its
+parent module; a parameter the plan does not name is replicated. The styles map to partitions as
+transformers' loader slices them (``nn.Linear`` weights are ``[out, in]``): ``colwise*`` -> dim -2 (bias
+dim -1), ``rowwise*`` -> dim -1 (bias replicated), ``packed_colwise`` / ``packed_rowwise`` -> gate and up
+halves split on their own, ``embedding_rowwise`` (and ``lm_head``) -> the vocab on dim 0, the
+replicating styles -> replicate. transformers splits sizes that do not divide as ``torch.chunk`` does:
+convert with ``--uneven`` to get the same per-rank tensors.
+
+A plan is matched by suffix (from ``layers.``), since saved checkpoints and the model in memory name
+the language model differently (``model.layers.`` vs ``model.language_model.layers.``). A missing plan
+(``_tp_plan`` None, as Qwen2.5-Omni had) is an empty plan, never an error.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from reshard.config import ModelConfig
+from reshard.errors import AmbiguousPartitionError, ReshardError
+from reshard.partition import Packed, Partition, Replicate, Shard, Vocab
+from reshard.plans.base import Plan, Rule
+
+NAME = "transformers"
+COLWISE = {"colwise", "colwise_rep", "colwise_gather_output", "local_colwise"}
+ROWWISE = {"rowwise", "rowwise_rep", "rowwise_split_input", "local_rowwise"}
+REPLICATED = {
+    "replicate",
+    "replicated_with_grad_allreduce",
+    "sequence_parallel",
+    "gather",
+    "ep_router",
+    "megamoe_router",
+    "moe_tp_experts",
+    "moe_identity_expert",
+    "all_reduce",
+    "all_reduce_output",
+}
+GATHERED = {"colwise_rep", "colwise_gather_output"}
+# Prefixes of the model in memory that saved checkpoints may lack (or spell otherwise).
+_PREFIX = re.compile(r"^(model\.)?(language_model\.)?")
+
+
+@dataclass(frozen=True)
+class ModelSkeleton:
+    """The model transformers would build for a config: its TP plan and parameter shapes (no data)."""
+
+    tp_plan: dict[str, str]
+    shapes: dict[str, tuple[int, ...]]
+    model_class: str
+
+
+def build_skeleton(config: ModelConfig | None) -> ModelSkeleton:
+    """Instantiate the config's model on the ``meta`` device (no memory, no data) for its plan and shapes.
+
+    Raises:
+        ReshardError: transformers is missing, or does not know the model type.
+    """
+    if config is None or not config.model_type:
+        raise ReshardError("the transformers plan needs a config.json with a model_type", hint="pass --config FILE")
+    try:
+        import torch
+        import transformers
+        from transformers import CONFIG_MAPPING
+    except ImportError as err:  # pragma: no cover - transformers is a test dependency
+        raise ReshardError(f"the transformers plan needs transformers installed ({err})") from err
+    if config.model_type not in CONFIG_MAPPING:
+        raise ReshardError(
+            f"transformers {transformers.__version__} does not know model_type {config.model_type!r}", path=config.path
+        )
+    try:
+        hf_config = CONFIG_MAPPING[config.model_type].from_dict(dict(config.raw))
+        model_class = _model_class(transformers, hf_config, config.architectures)
+        with torch.device("meta"):
+            model = model_class(hf_config)
+    except Exception as err:  # transformers raises many types for a config it cannot build
+        raise ReshardError(
+            f"transformers cannot build {config.model_type!r} from it: {err}", path=config.path
+        ) from err
+    plan = getattr(model, "_tp_plan", None) or {}  # None means no plan: an empty one
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    return ModelSkeleton(dict(plan), shapes, model_class.__name__)
+
+
+def _model_class(transformers: Any, hf_config: Any, architectures: list[str]) -> type:
+    for name in architectures:
+        cls = getattr(transformers, name, None)
+        if isinstance(cls, type):
+            return cls
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    for auto in (AutoModelForCausalLM, AutoModel):
+        mapping = auto._model_mapping
+        if type(hf_config) in mapping:
+            return mapping[type(hf_config)]
+    raise ReshardError(f"transformers has no model class for {type(hf_config).__name__}")
+
+
+def transformers_plan(config: ModelConfig | None) -> Plan:
+    """The installed transformers' TP plan for ``config``'s model as a :class:`Plan`."""
+    return plan_from_tp_plan(build_skeleton(config).tp_plan, config)
+
+
+def plan_from_tp_plan(tp_plan: dict[str, str] | None, config: ModelConfig | None) -> Plan:
+    """Rules for a transformers ``tp_plan`` mapping; the last rule replicates what the plan does not name.
+
+    Keys are tried deepest first, as transformers tries a parameter's own path before its module's.
+
+    Example:
+        >>> plan = plan_from_tp_plan({"model.layers.*.mlp.down_proj": "rowwise"}, None)
+        >>> plan.match("model.layers.3.mlp.down_proj.weight").resolve(None)
+        Shard(dim=-1, unit=1)
+    """
+    if not tp_plan:
+        return Plan(NAME, ())
+    rules: list[Rule] = []
+    for key, style in sorted(tp_plan.items(), key=lambda kv: -kv[0].count(".")):
+        weight, bias = _style_partitions(style, key, config)
+        if weight is None:  # a style reshard cannot express: an error for what it covers, never a guess
+            weight = bias = _unsupported(style)
+        path = re.escape(_PREFIX.sub("", key)).replace(r"\*", r"\d+")
+        gathered = style in GATHERED
+        rules.append(Rule(rf"(^|\.){path}\.bias$", bias, gathered=gathered))
+        rules.append(Rule(rf"(^|\.){path}(\.[^.]+)?$", weight, gathered=gathered))
+        rules += _per_expert_rules(path, style)
+    rules.append(Rule("", Replicate(), implicit=True))
+    return Plan(NAME, tuple(rules))
+
+
+def _unsupported(style: str):
+    def partition(config: ModelConfig | None) -> Partition:
+        raise AmbiguousPartitionError(
+            f"transformers' TP style {style!r} has no reshard partition", hint="add a rule for it with --plan FILE"
+        )
+
+    return partition
+
+
+def _per_expert_rules(path: str, style: str) -> list[Rule]:
+    """Saved checkpoints hold one tensor per expert where transformers fuses them in memory.
+
+    The loader slices each expert's ``gate_proj`` / ``up_proj`` ``[I, H]`` on dim 0 and ``down_proj``
+    ``[H, I]`` on dim 1 before stacking them into ``experts.gate_up_proj`` / ``experts.down_proj``.
+    """
+    experts = r"experts\.gate_up_proj", r"experts\.down_proj"
+    if path.endswith(experts[0]) and style == "packed_colwise":
+        return [Rule(rf"(^|\.){path[: -len(experts[0])]}experts\.\d+\.(gate|up)_proj\.weight$", Shard(0))]
+    if path.endswith(experts[1]) and style in ROWWISE:
+        return [Rule(rf"(^|\.){path[: -len(experts[1])]}experts\.\d+\.down_proj\.weight$", Shard(1))]
+    return []
+
+
+def _style_partitions(style: str, key: str, config: ModelConfig | None) -> tuple[Partition | None, Partition | None]:
+    """``(weight, bias)`` partitions of a style; ``(None, None)`` for a style reshard does not know."""
+    vocab = key.endswith(("lm_head", "embed_tokens"))
+    if style in COLWISE:
+        return (Vocab(0) if vocab else Shard(-2)), Shard(-1)
+    if style in ROWWISE:
+        return Shard(-1), Replicate()
+    if style == "embedding_rowwise":
+        return Vocab(0), Replicate()
+    if style == "embedding_colwise":
+        return Shard(1), Replicate()
+    if style in ("packed_colwise", "packed_rowwise"):
+        size = _intermediate(config, key)
+        dim = -2 if style == "packed_colwise" else -1
+        weight = Packed(dim, (size, size)) if size else Shard(dim)
+        return weight, (Packed(-1, (size, size)) if size and style == "packed_colwise" else Replicate())
+    if style in REPLICATED:
+        return Replicate(), Replicate()
+    return None, None
+
+
+def _intermediate(config: ModelConfig | None, key: str) -> int:
+    """The size of one half of a packed gate/up: the expert or the dense intermediate size."""
+    if config is None:
+        return 0
+    value = config.get("moe_intermediate_size") if "expert" in key else None
+    return int(value or config.get("intermediate_size") or 0)

@@ -1,0 +1,324 @@
+"""``verify``: check a checkpoint against its manifest, compare two checkpoints, or prove a round trip.
+
+Every check streams one canonical tensor at a time (per side) through the same gather the converter
+uses, so a checkpoint is judged exactly as reshard would read it. A difference is a result (exit 1);
+a file that cannot be read at all is a :class:`~reshard.errors.ReshardError` (exit 2).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from reshard._output import table
+from reshard._verify_checks import Difference, check_files, value_difference
+from reshard.convert import convert, open_source
+from reshard.dtypes import dtype_name
+from reshard.errors import DivergentReplicaError, PlanError, ReshardError, ShapeMismatchError
+from reshard.manifest import Manifest, find_manifest, written_uneven
+from reshard.options import ConvertOptions
+from reshard.pipeline import SourceTensor, all_finite, gather_tensor, plan_sources, resolve_vocab, sha256_of
+from reshard.plans import EMPTY_PLAN, Plan, Rule, select_plan
+
+__all__ = ["Difference", "VerifyOptions", "VerifyReport", "VerifyResult", "verify"]
+
+
+@dataclass(frozen=True)
+class VerifyOptions:
+    """What to check and how to read the checkpoints.
+
+    Attributes:
+        roundtrip: tp sizes to convert to and back from (empty: no round trip).
+        atol: absolute tolerance when comparing two checkpoints (0 with ``rtol`` 0: bit-exact).
+        rtol: relative tolerance, as in ``torch.isclose``.
+        config: an explicit ``config.json`` for CKPT (else found in or above it).
+        plan: a user plan file whose rules come before the built-in plan (used on every side).
+        trust_pickle: fully unpickle torch files (only files the user trusts).
+        progress: tqdm progress bars on stderr.
+    """
+
+    roundtrip: tuple[int, ...] = ()
+    atol: float = 0.0
+    rtol: float = 0.0
+    config: Path | None = None
+    plan: Path | None = None
+    trust_pickle: bool = False
+    progress: bool = False
+
+    @property
+    def exact(self) -> bool:
+        return self.atol == 0 and self.rtol == 0
+
+    def read_options(self, **changes: Any) -> ConvertOptions:
+        base = ConvertOptions(
+            config=self.config, plan=self.plan, trust_pickle=self.trust_pickle, progress=self.progress
+        )
+        return replace(base, **changes)
+
+
+@dataclass
+class VerifyReport:
+    """One check: ``manifest`` (CKPT against reshard.json), ``compare`` (CKPT against OTHER) or ``roundtrip``."""
+
+    check: str
+    checkpoint: str
+    against: str
+    tensors: int = 0
+    differences: list[Difference] = field(default_factory=list)
+    tp: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.differences
+
+    @property
+    def title(self) -> str:
+        if self.check == "roundtrip":
+            return f"round trip through tp={self.tp}"
+        return f"{self.check} against {self.against}"
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {k: v for k, v in self.__dict__.items() if k != "differences"}
+        return data | {"ok": self.ok, "differences": [d.to_dict() for d in self.differences]}
+
+
+@dataclass
+class VerifyResult:
+    """Every check ``verify`` ran; ``ok`` only when none found a difference."""
+
+    checkpoint: str
+    reports: list[VerifyReport] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.reports)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"checkpoint": self.checkpoint, "ok": self.ok, "checks": [r.to_dict() for r in self.reports]}
+
+    def render(self) -> str:
+        """The text the CLI prints and ``reshard.testing`` raises: one line per check, a table of differences."""
+        lines = []
+        for report in self.reports:
+            status = "ok" if report.ok else f"{len(report.differences)} difference(s)"
+            lines.append(f"{report.title}: {status} ({report.tensors} tensors checked)")
+        rows = [
+            [r.title, d.tensor or "-", d.kind, d.detail, d.file or "-"] for r in self.reports for d in r.differences
+        ]
+        if rows:
+            lines += ["", table(rows, ["check", "tensor", "kind", "detail", "file"])]
+        lines.append(f"{self.checkpoint}: {'OK' if self.ok else 'DIFFERENCES FOUND'}")
+        return "\n".join(lines)
+
+
+def verify(ckpt: Path, other: Path | None = None, options: VerifyOptions | None = None) -> VerifyResult:
+    """Check ``ckpt``: against ``other`` when given, else against its ``reshard.json``; plus round trips.
+
+    Without ``other``, the manifest check runs when there is a manifest or no round trip was asked for
+    (so ``verify(ckpt, options=VerifyOptions(roundtrip=(2,)))`` works on any checkpoint).
+
+    Raises:
+        ReshardError: a checkpoint cannot be read (truncated file, no manifest to check against, ...).
+
+    Example:
+        >>> verify(Path("ckpt-tp4"), options=VerifyOptions(roundtrip=(2, 8))).ok  # doctest: +SKIP
+        True
+    """
+    ckpt, options = Path(ckpt), options or VerifyOptions()
+    result = VerifyResult(str(ckpt))
+    if other is not None:
+        result.reports.append(compare_checkpoints(ckpt, Path(other), options))
+    elif not options.roundtrip or find_manifest(ckpt) is not None:
+        result.reports.append(check_manifest(ckpt, options))
+    missing = [d for r in result.reports for d in r.differences if d.kind == "missing-file"]
+    for tp in options.roundtrip:
+        if missing:  # the checkpoint cannot be read: say so per round trip instead of failing to read it
+            cause = Difference("not-run", None, "files of the checkpoint are missing (see above)", missing[0].file)
+            result.reports.append(VerifyReport("roundtrip", str(ckpt), f"tp={tp} and back", 0, [cause], tp))
+        else:
+            result.reports.append(roundtrip(ckpt, tp, options))
+    return result
+
+
+@dataclass
+class _Canonical:
+    """A checkpoint planned for gathering: every tensor's source, the true vocab size, the split convention."""
+
+    tensors: dict[str, SourceTensor]
+    vocab: int | None
+    uneven: bool
+
+
+@dataclass(frozen=True)
+class RecordedPlan(Plan):
+    """The partitions a ``reshard.json`` recorded, by exact tensor name; ``fallback`` for names it lacks.
+
+    A checkpoint reshard wrote is read the way it was written, even if that took a ``--plan`` file the
+    verifying user does not pass again.
+    """
+
+    recorded: dict[str, Rule] = field(default_factory=dict)
+    fallback: Plan = EMPTY_PLAN
+
+    @classmethod
+    def of(cls, manifest: Manifest, *, fallback: Plan) -> RecordedPlan:
+        rules = {name: Rule(f"^{re.escape(name)}$", entry.partition) for name, entry in manifest.tensors.items()}
+        return cls(f"reshard.json+{fallback.name}", tuple(rules.values()), rules, fallback)
+
+    def match(self, name: str) -> Rule | None:
+        return self.recorded.get(name) or self.fallback.match(name)
+
+
+def _open(path: Path, options: ConvertOptions, manifest: Manifest | None) -> _Canonical:
+    source = open_source(path, options)
+    vocab = resolve_vocab(None, source, manifest.vocab.original if manifest else None)
+    plan = select_plan(source.config, source.names(), plan_file=options.plan)
+    if manifest is not None and options.plan is None:
+        plan = RecordedPlan.of(manifest, fallback=plan)
+    uneven = written_uneven(manifest)
+    tensors = plan_sources(source, plan, vocab=vocab, target_tp=1, uneven=uneven)
+    return _Canonical({t.name: t for t in tensors}, vocab.original, uneven)
+
+
+def _files(tensor: SourceTensor) -> str:
+    return ", ".join(dict.fromkeys(str(ref.file) for ref in tensor.refs))
+
+
+def _gathered(
+    canon: _Canonical, names: list[str], progress: bool, diffs: list[Difference]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, canonical tensor)`` one at a time; tensors that cannot be gathered become differences."""
+    with torch.inference_mode():
+        for name in tqdm(names, desc="verify", unit="tensor", disable=not progress, file=sys.stderr, leave=False):
+            tensor = canon.tensors[name]
+            if tensor.problem is not None:
+                diffs.append(Difference("inconsistent", name, tensor.problem.detail, _files(tensor)))
+                continue
+            try:
+                yield name, gather_tensor(tensor, vocab_size=canon.vocab, uneven=canon.uneven)
+            except (DivergentReplicaError, ShapeMismatchError) as err:
+                diffs.append(Difference("inconsistent", name, err.detail, _files(tensor)))
+
+
+def check_manifest(ckpt: Path, options: VerifyOptions) -> VerifyReport:
+    """Recompute every canonical tensor's sha256, shape, dtype and NaN/Inf, and compare with ``reshard.json``."""
+    manifest = find_manifest(ckpt)
+    if manifest is None:
+        raise ReshardError(
+            "no reshard.json beside it to verify against",
+            path=ckpt,
+            hint="compare with another checkpoint (verify CKPT OTHER) or use --roundtrip",
+        )
+    report = VerifyReport("manifest", str(ckpt), "reshard.json")
+    report.differences = check_files(ckpt, manifest)
+    if report.differences:  # tensors cannot be gathered while files are missing
+        return report
+    canon = _open(ckpt, options.read_options(), manifest)
+    diffs = report.differences
+    expected = manifest.tensors
+    diffs += [
+        Difference("missing", n, "in reshard.json, not in the checkpoint") for n in expected if n not in canon.tensors
+    ]
+    diffs += [
+        Difference("extra", n, "not in reshard.json", _files(canon.tensors[n]))
+        for n in canon.tensors
+        if n not in expected
+    ]
+    to_hash = []
+    for name in (n for n in expected if n in canon.tensors):
+        tensor, entry = canon.tensors[name], expected[name]
+        if tensor.problem is None and (dtype_name(tensor.dtype) != entry.dtype):
+            diffs.append(
+                Difference(
+                    "dtype", name, f"{dtype_name(tensor.dtype)}, reshard.json says {entry.dtype}", _files(tensor)
+                )
+            )
+        elif tensor.problem is None and tensor.shape != entry.shape:
+            diffs.append(
+                Difference(
+                    "shape", name, f"{list(tensor.shape)}, reshard.json says {list(entry.shape)}", _files(tensor)
+                )
+            )
+        else:
+            to_hash.append(name)
+    for name, full in _gathered(canon, to_hash, options.progress, diffs):
+        entry, files = expected[name], _files(canon.tensors[name])
+        report.tensors += 1
+        if sha256_of(full) != entry.sha256:
+            diffs.append(Difference("sha256", name, "bytes differ from the sha256 in reshard.json", files))
+        if entry.finite and not all_finite(full):
+            diffs.append(Difference("non-finite", name, "NaN/Inf present; reshard.json says it had none", files))
+    return report
+
+
+def compare_checkpoints(ckpt: Path, other: Path, options: VerifyOptions) -> VerifyReport:
+    """Compare two checkpoints of any layouts and tp sizes tensor by tensor, after gathering each.
+
+    Bit-exact unless ``options.atol`` / ``options.rtol`` are set; with a tolerance, tensors of different
+    dtypes are compared by value (in float64) instead of being reported as a dtype difference.
+    """
+    report = VerifyReport("compare", str(ckpt), str(other))
+    a = _open(ckpt, options.read_options(), find_manifest(ckpt))
+    b = _open(other, options.read_options(config=None), find_manifest(other))
+    diffs = report.differences
+    diffs += [
+        Difference("missing", n, f"not in {other}", _files(a.tensors[n])) for n in a.tensors if n not in b.tensors
+    ]
+    diffs += [Difference("extra", n, f"not in {ckpt}", _files(b.tensors[n])) for n in b.tensors if n not in a.tensors]
+    common = []
+    for name in (n for n in a.tensors if n in b.tensors):
+        ta, tb = a.tensors[name], b.tensors[name]
+        if ta.problem or tb.problem:
+            common.append(name)  # reported as inconsistent by _gathered
+        elif ta.shape != tb.shape:
+            diffs.append(Difference("reshaped", name, f"{list(ta.shape)} vs {list(tb.shape)}", _files(tb)))
+        elif ta.dtype != tb.dtype and options.exact:
+            diffs.append(Difference("dtype", name, f"{dtype_name(ta.dtype)} vs {dtype_name(tb.dtype)}", _files(tb)))
+        else:
+            common.append(name)
+    for name, left in _gathered(a, common, options.progress, diffs):
+        right = dict(_gathered(b, [name], False, diffs))  # one tensor of each side at a time
+        if name not in right:
+            continue
+        report.tensors += 1
+        difference = value_difference(left, right.pop(name), atol=options.atol, rtol=options.rtol)
+        if difference is not None:
+            what = "bytes differ" if options.exact else f"outside atol={options.atol}, rtol={options.rtol}"
+            diffs.append(
+                Difference(
+                    "values", name, f"{what}: max abs difference {difference:.6g}", _files(b.tensors[name]), difference
+                )
+            )
+    return report
+
+
+def roundtrip(ckpt: Path, tp: int, options: VerifyOptions) -> VerifyReport:
+    """Convert ``ckpt`` to ``tp`` ranks in a temporary folder, back to its own tp, and compare bit-exactly.
+
+    The temporary folder (under ``$TMPDIR``) is removed however this ends, Ctrl-C included. A tp the
+    model cannot be split into is reported as a difference of this round trip, not raised.
+    """
+    source, uneven = open_source(ckpt, options.read_options()), written_uneven(find_manifest(ckpt))
+    report = VerifyReport("roundtrip", str(ckpt), f"tp={tp} and back", tp=tp)
+    with tempfile.TemporaryDirectory(prefix=f"reshard-verify-tp{tp}-") as tmp:
+        there, back = Path(tmp) / f"tp{tp}", Path(tmp) / f"back-tp{source.tp}"
+        try:
+            convert(ckpt, there, options.read_options(tp=tp, uneven=uneven))
+            convert(there, back, options.read_options(tp=source.tp, config=None, uneven=uneven))
+        except PlanError as err:  # this tp cannot hold the model: a finding about this round trip
+            report.differences = [Difference("plan", p.tensor, p.detail, p.path) for p in err.problems]
+            return report
+        except (DivergentReplicaError, ShapeMismatchError) as err:  # the ranks of CKPT do not gather
+            report.differences = [Difference("inconsistent", err.tensor, err.detail, err.path)]
+            return report
+        compared = compare_checkpoints(ckpt, back, replace(options, atol=0.0, rtol=0.0))
+    report.tensors, report.differences = compared.tensors, compared.differences
+    return report

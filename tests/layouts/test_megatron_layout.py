@@ -1,0 +1,338 @@
+"""Megatron-LM checkpoints at TP=8 (mcore names, GQA 8 heads / 2 groups, SwiGLU, padded vocab, args
+Namespace, ``_extra_state``) converted to TP=4/2/1 and back, checked tensor by tensor against slices
+computed independently in ``megatron_fixtures``."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from megatron_fixtures import (
+    ITERATION,
+    LEGACY,
+    MCORE,
+    PAD_FILL,
+    FullModel,
+    ModelType,
+    NotAllowed,
+    V,
+    extra_states,
+    fake_megatron_enums,
+    make_args,
+    padded_vocab,
+    qkv_rank,
+    rank_state,
+    write_megatron,
+)
+from safetensors.torch import load_file
+
+from reshard.layouts.megatron import MegatronFile
+
+
+@pytest.fixture(scope="module")
+def full() -> FullModel:
+    return FullModel.build()
+
+
+@pytest.fixture(scope="module")
+def tp8(tmp_path_factory: pytest.TempPathFactory, full: FullModel) -> Path:
+    return write_megatron(tmp_path_factory.mktemp("megatron") / "tp8", full, 8)
+
+
+@contextlib.contextmanager
+def megatron_importable():
+    """Make ``megatron.core.enums.ModelType`` importable, as it is where Megatron loads checkpoints."""
+    mods = fake_megatron_enums()
+    sys.modules.update(mods)
+    try:
+        yield
+    finally:
+        for name in mods:
+            sys.modules.pop(name, None)
+
+
+def load_rank(root: Path, rank: int) -> dict:
+    """Load a rank file the way Megatron does (full unpickling, Megatron importable)."""
+    with megatron_importable():
+        path = root / f"iter_{ITERATION:07d}" / f"mp_rank_{rank:02d}" / "model_optim_rng.pt"
+        return torch.load(path, weights_only=False)
+
+
+def flat_model(obj: dict) -> dict:
+    out = {}
+
+    def walk(tree: dict, prefix: str) -> None:
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{key}.")
+            else:
+                out[prefix + key] = value
+
+    walk(obj["model"], "")
+    return out
+
+
+def check_ranks(root: Path, full: FullModel, tp: int, *, via: int | None = None, fill: float = 0.0) -> None:
+    """Every rank file at ``tp``: tensors, extra state, args, version, iteration.
+
+    ``_extra_state`` of target rank r comes from the source rank whose rows it starts with
+    (``r * source_tp // tp``); ``via`` is the tp of an intermediate conversion from the TP=8 fixture.
+    """
+    assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERATION)
+    folders = sorted(p.name for p in (root / f"iter_{ITERATION:07d}").iterdir())
+    assert folders == [f"mp_rank_{r:02d}" for r in range(tp)]
+    for r in range(tp):
+        obj = load_rank(root, r)
+        assert sorted(obj) == ["args", "checkpoint_version", "iteration", "model"]
+        assert obj["checkpoint_version"] == 3.0 and obj["iteration"] == ITERATION
+        args = obj["args"]
+        assert args.tensor_model_parallel_size == tp
+        assert args.padded_vocab_size == padded_vocab(tp)
+        assert args.model_type is ModelType.encoder_or_decoder
+        assert args.num_query_groups == 2 and args.swiglu is True
+        model = flat_model(obj)
+        expected = rank_state(full, tp, r, MCORE, fill=fill)
+        tensors = {k: v for k, v in model.items() if not k.endswith("_extra_state")}
+        assert list(tensors) == list(expected), "names and their order are kept"
+        for name, want in expected.items():
+            assert tensors[name].dtype == want.dtype and torch.equal(tensors[name], want), (tp, r, name)
+        extras = {k: v for k, v in model.items() if k.endswith("_extra_state")}
+        origin = r * 8 // tp if via is None else (r * via // tp) * 8 // via
+        source_extras = extra_states(8, origin)
+        assert list(extras) == list(source_extras)
+        for name, want in source_extras.items():
+            got = extras[name]
+            if isinstance(want, torch.Tensor):
+                assert torch.equal(got, want), name
+            else:
+                assert (got is None and want is None) or got.getvalue() == want.getvalue(), name
+
+
+@pytest.mark.parametrize("tp", [4, 2, 1])
+def test_tp8_to_smaller_tp_and_back(cli, tp8: Path, full: FullModel, tmp_path: Path, tp: int) -> None:
+    down = tmp_path / f"tp{tp}"
+    result = cli("convert", tp8, "-o", down, "--tp", tp, "--vocab", V)
+    assert result.exit_code == 0, result.output
+    check_ranks(down, full, tp)
+    manifest = json.loads((down / "reshard.json").read_text())
+    assert manifest["vocab"]["original"] == V and manifest["vocab"]["padded"] == padded_vocab(tp)
+    assert manifest["tensors"]["decoder.layers.0.self_attention.linear_qkv.weight"]["partition"] == {
+        "kind": "grouped",
+        "dim": 0,
+        "groups": 2,
+    }
+
+    back = tmp_path / "back"
+    result = cli("convert", down, "-o", back, "--tp", 8)  # the true vocab comes from the manifest now
+    assert result.exit_code == 0, result.output
+    check_ranks(back, full, 8, via=tp)
+    source = [flat_model(load_rank(tp8, r)) for r in range(8)]
+    for r in range(8):
+        got = flat_model(load_rank(back, r))
+        for name, original in source[r].items():
+            if name.endswith("_extra_state"):
+                continue
+            if name in (MCORE["emb"], MCORE["out"]):  # pad rows are not data: zero after the trip
+                data = max(0, min(original.shape[0], V - r * original.shape[0]))
+                assert torch.equal(got[name][:data], original[:data])
+                assert not got[name][data:].any()
+            else:
+                assert torch.equal(got[name], original), (r, name)
+
+
+def test_without_true_vocab_the_padded_table_is_kept(cli, tp8: Path, full: FullModel, tmp_path: Path) -> None:
+    out = tmp_path / "tp4"
+    result = cli("convert", tp8, "-o", out, "--tp", 4)
+    assert result.exit_code == 0, result.output
+    assert "padded vocab table is kept as is" in result.output
+    # 64 padded rows at tp 8 are a multiple of 4 * 4: kept, pad rows (trained values) included
+    assert padded_vocab(8) == padded_vocab(4) == 64
+    check_ranks(out, full, 4, fill=PAD_FILL)
+
+
+def test_iteration_folder_and_inspect(cli, tp8: Path) -> None:
+    result = cli("inspect", tp8 / f"iter_{ITERATION:07d}", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["layout"] == "megatron" and report["tp"] == 8 and report["plan"] == "megatron"
+    parts = {t["name"]: t["partition"]["kind"] for t in report["tensors"]}
+    assert parts[MCORE["emb"]] == "vocab"
+    assert parts["decoder.layers.1.mlp.linear_fc1.weight"] == "packed"
+    assert parts["decoder.layers.1.self_attention.linear_qkv.weight"] == "grouped"
+    assert parts["decoder.layers.1.self_attention.linear_proj.weight"] == "shard"
+    assert parts["decoder.layers.1.self_attention.linear_qkv.layer_norm_weight"] == "replicate"
+    assert not report["problems"]
+    assert any("optimizer, rng_state" in n for n in report["notes"])
+
+
+def test_to_hf_at_tp1_and_hf_ranks(cli, tp8: Path, full: FullModel, tmp_path: Path) -> None:
+    hf = tmp_path / "hf"
+    result = cli("convert", tp8, "-o", hf, "--tp", 1, "--layout", "hf", "--vocab", V)
+    assert result.exit_code == 0, result.output
+    tensors = load_file(hf / "model.safetensors")
+    t = full.t
+    assert torch.equal(tensors[MCORE["emb"]], t["emb"])  # unpadded to the true vocab
+    qkv = qkv_rank(t["0.q"], t["0.k"], t["0.v"], 1, 0)  # groups interleaved: [q_g0; k_0; v_0; q_g1; k_1; v_1]
+    assert torch.equal(tensors["decoder.layers.0.self_attention.linear_qkv.weight"], qkv)
+    assert torch.equal(tensors["decoder.layers.1.mlp.linear_fc1.weight"], torch.cat([t["1.gate"], t["1.up"]]))
+    config = json.loads((hf / "config.json").read_text())
+    assert config["model_type"] == "megatron" and config["vocab_size"] == V and config["num_key_value_heads"] == 2
+
+    ranks = tmp_path / "ranks"
+    result = cli("convert", hf, "-o", ranks, "--tp", 2, "--layout", "hf-ranks")
+    assert result.exit_code == 0, result.output
+    for r in range(2):
+        got = load_file(ranks / f"rank_{r:02d}" / "model.safetensors")
+        for name, want in rank_state(full, 2, r, MCORE, fill=0.0).items():
+            if name in (MCORE["emb"], MCORE["out"]):  # hf-ranks pads to a multiple of tp only: 50 = 2 x 25
+                want = (t["emb"] if name == MCORE["emb"] else t["out"]).chunk(2)[r]
+            assert torch.equal(got[name], want), name
+
+    refused = tmp_path / "refused"
+    result = cli("convert", hf, "-o", refused, "--tp", 2, "--layout", "megatron")
+    assert result.exit_code == 2
+    assert "megatron layout is written from a Megatron source" in result.output and not refused.exists()
+
+
+def test_legacy_names_and_nesting(cli, full: FullModel, tmp_path: Path) -> None:
+    src = write_megatron(tmp_path / "legacy", full, 2, legacy=True)
+    one, back = tmp_path / "one", tmp_path / "back"
+    assert cli("convert", src, "-o", one, "--tp", 1, "--vocab", V).exit_code == 0
+    result = cli("convert", one, "-o", back, "--tp", 2)
+    assert result.exit_code == 0, result.output
+    model = load_rank(one, 0)["model"]
+    encoder = model["language_model"]["encoder"]
+    t = full.t
+    assert torch.equal(encoder["layers.0.mlp.dense_h_to_4h.weight"], torch.cat([t["0.gate"], t["0.up"]]))
+    table = model["language_model"]["embedding"]["word_embeddings"]["weight"]
+    assert table.shape[0] == padded_vocab(1) == 52
+    assert torch.equal(table[:V], t["emb"]) and not table[V:].any()
+    for r in range(2):
+        original, got = load_rank(src, r)["model"], load_rank(back, r)["model"]
+        assert original.keys() == got.keys() and original["language_model"].keys() == got["language_model"].keys()
+        expected = rank_state(full, 2, r, LEGACY, fill=0.0)
+        flat = flat_model({"model": got})
+        assert list(flat) == list(expected)
+        for name, want in expected.items():
+            assert torch.equal(flat[name], want), name
+
+
+def test_pickled_object_outside_allow_list(cli, full: FullModel, tmp_path: Path) -> None:
+    src = write_megatron(tmp_path / "unsafe", full, 2, args=make_args(2, custom=NotAllowed()))
+    out = tmp_path / "out"
+    result = cli("convert", src, "-o", out, "--tp", 1)
+    assert result.exit_code == 2
+    assert "megatron_fixtures.NotAllowed" in result.output and "--trust-pickle" in result.output
+    assert "mp_rank_0" in result.output and "model_optim_rng.pt" in result.output
+    assert "Traceback" not in result.output and not out.exists()
+    result = cli("convert", src, "-o", out, "--tp", 1, "--trust-pickle", "--vocab", V)
+    assert result.exit_code == 0, result.output
+    args = load_rank(out, 0)["args"]
+    assert isinstance(args.custom, NotAllowed) and args.custom.value == 3
+    assert args.model_type is ModelType.encoder_or_decoder  # read without Megatron, written back as its global
+
+
+def test_safe_loading_reads_args_without_megatron(tp8: Path) -> None:
+    reader = MegatronFile(tp8 / f"iter_{ITERATION:07d}" / "mp_rank_03" / "model_optim_rng.pt")
+    args = reader.top_level["args"]
+    assert args.num_query_groups == 2 and args.params_dtype is torch.float32
+    assert args.model_type.path == "megatron.core.enums.ModelType" and args.model_type.value == 1
+    assert "megatron" not in sys.modules
+
+
+def test_pipeline_stages_are_reported_and_refused(cli, full: FullModel, tmp_path: Path) -> None:
+    src = write_megatron(tmp_path / "pp", full, 2, stages=2)
+    result = cli("inspect", src, "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    names = [t["name"] for t in report["tensors"]]
+    assert report["tp"] == 2 and "stage0.embedding.word_embeddings.weight" in names
+    assert "stage1.decoder.layers.0.mlp.linear_fc1.weight" in names and "stage1.output_layer.weight" in names
+    assert any("2 pipeline stages" in n for n in report["notes"])
+    out = tmp_path / "out"
+    result = cli("convert", src, "-o", out, "--tp", 1)
+    assert result.exit_code == 2 and "merging stages is not supported" in result.output and not out.exists()
+
+
+def test_missing_rank_and_infeasible_tp(cli, tp8: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(tp8, broken)
+    shutil.rmtree(broken / f"iter_{ITERATION:07d}" / "mp_rank_05")
+    result = cli("convert", broken, "-o", tmp_path / "o1", "--tp", 4)
+    assert result.exit_code == 2 and "mp_rank_05/model_optim_rng.pt" in result.output
+    shutil.rmtree(broken / f"iter_{ITERATION:07d}" / "mp_rank_07")  # the last rank: only the args tell
+    shutil.copytree(tp8 / f"iter_{ITERATION:07d}" / "mp_rank_05", broken / f"iter_{ITERATION:07d}" / "mp_rank_05")
+    result = cli("inspect", broken)
+    assert result.exit_code == 2 and "tensor_model_parallel_size=8, but only 7 are here" in result.output
+    result = cli("convert", tp8, "-o", tmp_path / "o2", "--tp", 3, "--vocab", V)
+    assert result.exit_code == 2 and not (tmp_path / "o2").exists()
+    assert "linear_qkv.weight" in result.output and "holds 2 groups: tp=3" in result.output
+
+
+def test_sample_checkpoint_is_what_its_generator_writes(cli, tmp_path: Path) -> None:
+    sample = Path(__file__).resolve().parents[2] / "sample_ckpts"
+    spec = importlib.util.spec_from_file_location("make_megatron_sample", sample / "make_megatron_sample.py")
+    generator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generator)
+    generator.main(tmp_path / "regenerated")
+    committed = sorted(p.relative_to(sample / "tiny-megatron-tp8") for p in (sample / "tiny-megatron-tp8").rglob("*"))
+    assert committed == sorted(p.relative_to(tmp_path / "regenerated") for p in (tmp_path / "regenerated").rglob("*"))
+    for rel in committed:
+        if (sample / "tiny-megatron-tp8" / rel).is_file():
+            assert (sample / "tiny-megatron-tp8" / rel).read_bytes() == (tmp_path / "regenerated" / rel).read_bytes()
+    out = tmp_path / "tp4"
+    result = cli("convert", sample / "tiny-megatron-tp8", "--tp", 4, "-o", out, "--vocab", 500)
+    assert result.exit_code == 0, result.output
+    model, r = generator.full_model(), 1
+    rank_file = out / "iter_0000100" / f"mp_rank_{r:02d}" / "model_optim_rng.pt"
+    fc1 = torch.load(rank_file, weights_only=False)["model"]["decoder.layers.0.mlp.linear_fc1.weight"]
+    assert torch.equal(fc1, torch.cat([model["0.gate"].chunk(4)[r], model["0.up"].chunk(4)[r]]))
+
+
+def test_release_folder_and_bad_tracker(cli, full: FullModel, tmp_path: Path) -> None:
+    src = write_megatron(tmp_path / "rel", full, 2, model_type=False)
+    (src / f"iter_{ITERATION:07d}").rename(src / "release")
+    (src / "latest_checkpointed_iteration.txt").write_text("release\n")
+    out = tmp_path / "out"
+    assert cli("convert", src, "-o", out, "--tp", 1, "--vocab", V).exit_code == 0
+    assert (out / "latest_checkpointed_iteration.txt").read_text() == "release\n"
+    assert (out / "release" / "mp_rank_00" / "model_optim_rng.pt").is_file()
+    (src / "latest_checkpointed_iteration.txt").write_text("latest?\n")
+    result = cli("inspect", src)
+    assert (
+        result.exit_code == 2 and "latest_checkpointed_iteration.txt" in result.output and "'latest?'" in result.output
+    )
+
+
+def test_virtual_pipeline_chunks_are_reported_and_refused(cli, full: FullModel, tmp_path: Path) -> None:
+    root = tmp_path / "vpp"
+    for r in range(2):
+        state = rank_state(full, 2, r, MCORE)
+        chunks = {f"model{i}": {k: v for k, v in state.items() if (".layers.1." in k) == bool(i)} for i in range(2)}
+        folder = root / f"iter_{ITERATION:07d}" / f"mp_rank_{r:02d}"
+        folder.mkdir(parents=True)
+        torch.save(
+            {"args": make_args(2), "checkpoint_version": 3.0, "iteration": ITERATION, **chunks},
+            folder / "model_optim_rng.pt",
+        )
+    (root / "latest_checkpointed_iteration.txt").write_text(f"{ITERATION}\n")
+    report = json.loads(cli("inspect", root, "--json").output)
+    names = [t["name"] for t in report["tensors"]]
+    assert (
+        "model0.embedding.word_embeddings.weight" in names and "model1.decoder.layers.1.mlp.linear_fc1.weight" in names
+    )
+    assert any("2 virtual pipeline chunks" in n for n in report["notes"])
+    result = cli("convert", root, "-o", tmp_path / "out", "--tp", 1)
+    assert result.exit_code == 2 and "virtual pipeline chunks" in result.output and not (tmp_path / "out").exists()
+
+
+def test_uneven_is_refused_for_the_megatron_layout(cli, tp8: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = cli("convert", tp8, "-o", out, "--tp", 4, "--vocab", V - 1, "--uneven")
+    assert result.exit_code == 2 and "equal shapes" in result.output and not out.exists()

@@ -1,0 +1,166 @@
+"""Bad input: exit code 2, one line on stderr naming the file and the tensor, and nothing written."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from helpers import tiny_llama
+from safetensors.torch import load_file, save_file
+
+
+@pytest.fixture(scope="module")
+def tp4(tmp_path_factory):
+    """A tiny Llama split four ways by reshard itself (hf-ranks, with its manifest)."""
+    from click.testing import CliRunner
+
+    from reshard.cli import main
+
+    root = tmp_path_factory.mktemp("bad")
+    tiny_llama(root / "orig", vocab=1001)
+    result = CliRunner().invoke(main, ["convert", str(root / "orig"), "--tp", "4", "-o", str(root / "tp4"), "-q"])
+    assert result.exit_code == 0, result.output
+    return root
+
+
+@pytest.fixture
+def broken(tp4, tmp_path):
+    """A private copy of the tp=4 checkpoint to damage."""
+    copy = tmp_path / "ckpt"
+    shutil.copytree(tp4 / "tp4", copy)
+    return copy
+
+
+def assert_refused(result, out, *fragments):
+    assert result.exit_code == 2, result.output
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    assert not out.exists()
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")], "temporary output left"
+
+
+def test_missing_rank_folder(broken, tmp_path, cli):
+    shutil.rmtree(broken / "rank_02")
+    out = tmp_path / "out"
+    assert_refused(cli("convert", broken, "--tp", 1, "-o", out), out, str(broken), "rank_02", "missing")
+
+
+def test_missing_last_rank_folder_is_caught_by_the_manifest(broken, tmp_path, cli):
+    shutil.rmtree(broken / "rank_03")
+    out = tmp_path / "out"
+    assert_refused(cli("convert", broken, "--tp", 1, "-o", out), out, "rank_03", "missing (found 3 of 4)")
+
+
+def test_rank_with_a_wrong_shape(broken, tmp_path, cli):
+    rank_file = broken / "rank_01" / "model.safetensors"
+    state = load_file(rank_file)
+    state["model.layers.1.mlp.up_proj.weight"] = state["model.layers.1.mlp.up_proj.weight"][:-1].clone()
+    save_file(state, rank_file, metadata={"format": "pt"})
+    out = tmp_path / "out"
+    result = cli("convert", broken, "--tp", 2, "-o", out)
+    assert_refused(
+        result,
+        out,
+        "model.layers.1.mlp.up_proj.weight",
+        "rank sizes [32, 31, 32, 32] along dim 0",
+        str(broken / "rank_00" / "model.safetensors"),
+    )
+
+
+def test_truncated_safetensors_file(broken, tmp_path, cli):
+    rank_file = broken / "rank_03" / "model.safetensors"
+    rank_file.write_bytes(rank_file.read_bytes()[:-100])
+    out = tmp_path / "out"
+    assert_refused(
+        cli("convert", broken, "--tp", 1, "-o", out), out, str(rank_file), "model.norm.weight", "truncated file?"
+    )
+
+
+@pytest.mark.parametrize(
+    ("index_text", "fragments"),
+    [
+        ("{not json", ["corrupt index"]),
+        ('{"weight_map": {"lm_head.weight": "../../etc/passwd.safetensors"}}', ["unsafe file", "lm_head.weight"]),
+        ('{"weight_map": {"lm_head.weight": "model-00009-of-00009.safetensors"}}', ["does not exist", "lm_head"]),
+    ],
+    ids=["not-json", "path-traversal", "missing-shard"],
+)
+def test_corrupt_index(tp4, tmp_path, cli, index_text, fragments):
+    folder = tmp_path / "sharded"
+    shutil.copytree(tp4 / "orig", folder)
+    (folder / "model.safetensors.index.json").write_text(index_text)
+    out = tmp_path / "out"
+    assert_refused(cli("convert", folder, "--tp", 2, "-o", out), out, "model.safetensors.index.json", *fragments)
+
+
+def test_unknown_tensor_with_no_rule_and_no_config_hint(broken, tmp_path, cli):
+    for rank in range(4):
+        rank_file = broken / f"rank_{rank:02d}" / "model.safetensors"
+        state = load_file(rank_file)
+        state["model.mystery.weight"] = torch.arange(15.0).reshape(3, 5) + rank
+        save_file(state, rank_file, metadata={"format": "pt"})
+    out = tmp_path / "out"
+    assert_refused(
+        cli("convert", broken, "--tp", 1, "-o", out),
+        out,
+        "model.mystery.weight",
+        "no plan rule",
+        "add a rule for it with --plan FILE",
+    )
+    plan = tmp_path / "plan.toml"
+    plan.write_text('[[rules]]\npattern = "mystery"\nkind = "shard"\ndim = 0\n')
+    assert cli("convert", broken, "--tp", 1, "-o", out, "--plan", plan, "-q").exit_code == 0
+    assert torch.equal(
+        load_file(out / "model.safetensors")["model.mystery.weight"],
+        torch.cat([torch.arange(15.0).reshape(3, 5) + r for r in range(4)]),
+    )
+
+
+def test_non_empty_output_is_refused_and_left_alone(tp4, tmp_path, cli):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    result = cli("convert", tp4 / "tp4", "--tp", 1, "-o", out)
+    assert result.exit_code == 2
+    assert result.stderr.strip() == f"Error: {out}: output exists and is not empty (pass --overwrite to replace it)"
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert cli("convert", tp4 / "tp4", "--tp", 1, "-o", out, "--overwrite", "-q").exit_code == 0
+    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+
+
+def test_output_inside_the_input_is_refused(broken, cli):
+    before = sorted(p.relative_to(broken) for p in broken.rglob("*"))
+    result = cli("convert", broken, "--tp", 1, "-o", broken / "sub", "--overwrite")
+    assert result.exit_code == 2 and "overlaps the input" in result.stderr
+    assert sorted(p.relative_to(broken) for p in broken.rglob("*")) == before
+
+
+def test_inspect_json_reports_every_tensor(tp4, cli):
+    result = cli("inspect", tp4 / "tp4", "--json")
+    assert result.exit_code == 0
+    report = json.loads(result.stdout)
+    assert (report["layout"], report["tp"], report["plan"]) == ("hf-ranks", 4, "llama")
+    assert report["vocab"] == {"original": 1001, "origin": "reshard.json", "padded_in_source": 1004, "padding_rows": 3}
+    embed = next(t for t in report["tensors"] if t["name"] == "model.embed_tokens.weight")
+    assert embed["rank_shapes"] == [[251, 64]] * 4 and embed["partition"] == {"kind": "vocab", "dim": 0}
+    assert embed["shape"] == [1001, 64] and embed["reason"].startswith("rule ")
+    assert report["problems"] == []
+
+
+def test_fewer_kv_heads_than_ranks_is_reported_not_cut(tmp_path, cli):
+    from helpers import tiny_qwen3
+
+    tiny_qwen3(tmp_path / "orig", num_key_value_heads=2)
+    out = tmp_path / "out"
+    result = cli("convert", tmp_path / "orig", "--tp", 4, "-o", out)
+    assert result.exit_code == 2 and not out.exists()
+    assert "4 problems:" in result.stderr
+    assert (
+        "model.layers.0.self_attn.k_proj.weight: shard(dim=0, unit=8) of [16, 64] cannot be split 4 ways: "
+        "dim 0 has 2 blocks of 8, which do not divide by tp=4 (choose a tp that divides it)" in result.stderr
+    )

@@ -1,0 +1,100 @@
+"""The streaming writer writes exactly what safetensors.torch.save_file writes."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from reshard.layouts.files import TensorHeader
+from reshard.safetensors_stream import SafetensorsFileWriter, ShardedSafetensorsWriter, ordered
+
+
+def headers_of(tensors: dict[str, torch.Tensor]) -> dict[str, TensorHeader]:
+    return {name: TensorHeader(tuple(t.shape), t.dtype) for name, t in tensors.items()}
+
+
+def stream(path, tensors, metadata=None):
+    writer = SafetensorsFileWriter(path, headers_of(tensors), metadata=metadata)
+    for name in ordered(writer.headers):
+        writer.write(name, tensors[name])
+    writer.close()
+
+
+def test_golden_bytes_of_a_2x2_file(tmp_path):
+    stream(tmp_path / "a.safetensors", {"w": torch.tensor([[1.0, 2.0], [3.0, 4.0]])}, metadata={"format": "pt"})
+    header = b'{"__metadata__":{"format":"pt"},"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}}'
+    header += b" " * (-len(header) % 8)
+    data = struct.pack("<4f", 1.0, 2.0, 3.0, 4.0)
+    assert (tmp_path / "a.safetensors").read_bytes() == struct.pack("<Q", len(header)) + header + data
+
+
+@pytest.mark.parametrize("metadata", [None, {"format": "pt"}], ids=["no-metadata", "format-pt"])
+def test_byte_for_byte_equal_to_save_file(tmp_path, metadata):
+    gen = torch.Generator().manual_seed(0)
+    tensors = {
+        "f32": torch.randn(3, 5, generator=gen),
+        "bf16": torch.randn(7, generator=gen).to(torch.bfloat16),
+        "f16": torch.randn(2, 2, 2, generator=gen).to(torch.float16),
+        "i64": torch.arange(5),
+        "i8": torch.arange(-3, 3, dtype=torch.int8),
+        "u8": torch.arange(4, dtype=torch.uint8),
+        "bool": torch.tensor([True, False, True]),
+        "fp8": torch.arange(4, dtype=torch.float32).to(torch.float8_e4m3fn),
+        "c64": torch.complex(torch.ones(2), torch.zeros(2)),
+        "empty": torch.zeros(0, 3),
+        "scalar": torch.tensor(3.5),
+        "a.sorted.name": torch.arange(3, dtype=torch.float32),
+    }
+    save_file(tensors, tmp_path / "ref.safetensors", metadata=metadata)
+    stream(tmp_path / "ours.safetensors", tensors, metadata=metadata)
+    assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+
+
+def test_non_contiguous_slices_are_written_in_c_order(tmp_path):
+    full = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    piece = full[:, 3:]  # a column slice: not contiguous
+    stream(tmp_path / "p.safetensors", {"p": piece})
+    assert torch.equal(load_file(tmp_path / "p.safetensors")["p"], piece)
+
+
+def test_wrong_order_or_shape_is_refused(tmp_path):
+    tensors = {"a": torch.zeros(2), "b": torch.zeros(3)}
+    writer = SafetensorsFileWriter(tmp_path / "x.safetensors", headers_of(tensors))
+    with pytest.raises(ValueError, match="expected tensor 'a' next, got 'b'"):
+        writer.write("b", tensors["b"])
+    with pytest.raises(ValueError, match=r"announced \(2,\)"):
+        writer.write("a", torch.zeros(3))
+
+
+def test_sharded_folder_matches_hub_planner_and_loads(tmp_path):
+    tensors = {f"layer.{i}.weight": torch.full((64,), float(i)) for i in range(6)}  # 256 bytes each
+    writer = ShardedSafetensorsWriter(tmp_path, headers_of(tensors), max_shard_size=600)
+    for name in ordered(writer.headers):
+        writer.write(name, tensors[name])
+    writer.close()
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == 6 * 256
+    files = sorted(set(index["weight_map"].values()))
+    assert files == [
+        "model-00001-of-00003.safetensors",
+        "model-00002-of-00003.safetensors",
+        "model-00003-of-00003.safetensors",
+    ]
+    for name, filename in index["weight_map"].items():
+        with safe_open(tmp_path / filename, framework="pt") as handle:
+            assert torch.equal(handle.get_tensor(name), tensors[name])
+            assert handle.metadata() == {"format": "pt"}
+
+
+def test_small_state_dict_is_one_file_without_index(tmp_path):
+    tensors = {"w": torch.arange(4.0)}
+    writer = ShardedSafetensorsWriter(tmp_path, headers_of(tensors))
+    writer.write("w", tensors["w"])
+    writer.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+    assert writer.filenames == ["model.safetensors"]

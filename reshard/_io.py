@@ -1,4 +1,5 @@
-"""Whole reads and writes of many buffers at once (``preadv`` / ``writev``), and the rows of strided tensors.
+"""Whole reads and writes of many buffers at once (``preadv`` / ``writev``), the rows of strided tensors,
+and dropping the pages of memory-mapped files once read.
 
 Writing a column block of a row-parallel weight, or reading a rank slice into its column block of the
 gathered tensor, moves rows that are contiguous on their own but not together. Handing the kernel
@@ -7,9 +8,13 @@ the list of rows moves them without first copying the block into a contiguous te
 
 from __future__ import annotations
 
+import ctypes
 import math
+import mmap
 import os
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -76,3 +81,51 @@ def _advance(views: list[memoryview], index: int, count: int) -> int:
             views[index] = views[index][count:]
             count = 0
     return index
+
+
+def file_mappings(path: Path) -> list[tuple[int, int]]:
+    """Address ranges where this process maps ``path`` (from ``/proc/self/maps``; empty where there is none)."""
+    target = str(path.resolve())
+    ranges = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].rstrip("\n") == target:
+                    low, high = (int(x, 16) for x in fields[0].split("-"))
+                    ranges.append((low, high))
+    except OSError:
+        return []
+    return ranges
+
+
+def release_mapped(tensor: torch.Tensor, mappings: Sequence[tuple[int, int]]) -> None:
+    """Drop the pages of a tensor memory-mapped from a file out of this process (``MADV_DONTNEED``).
+
+    Pages of a file mapping count as resident memory for as long as they stay mapped; dropping them
+    after the bytes were read keeps a conversion from torch files from growing with the file sizes.
+    The page cache keeps them, and a later access reads them in again. Only done when the tensor's
+    storage lies inside one of ``mappings`` (so anonymous memory, whose pages would be zeroed, never is).
+    """
+    if _LIBC is None:
+        return
+    storage = tensor.untyped_storage()
+    low, high = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+    if not any(start <= low and high <= end for start, end in mappings):
+        return
+    first, last = -(-low // mmap.PAGESIZE) * mmap.PAGESIZE, high // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first:
+        _LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_DONTNEED)
+
+
+def _libc() -> ctypes.CDLL | None:
+    if sys.platform != "linux":
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+MADV_DONTNEED = 4
+_LIBC = _libc()

@@ -257,3 +257,34 @@ def test_a_column_block_is_written_as_save_file_writes_it(tmp_path: Path, column
     assert writer.done
     save_file({"w": block.contiguous()}, tmp_path / "theirs.safetensors", metadata={"format": "pt"})
     assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "theirs.safetensors").read_bytes()
+
+
+def _mapped_rss_kb(path: Path) -> int:
+    """Resident kB of this process's mappings of ``path`` (from /proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:  # a mapping's header line
+            inside = len(fields) == 6 and fields[5] == str(path.resolve())
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc")
+def test_reading_a_torch_file_lets_go_of_its_mapped_pages(tmp_path: Path) -> None:
+    from reshard._io import release_mapped
+
+    path = tmp_path / "big.pt"
+    torch.save({"w": _full((1024, 2048))}, path)  # 8 MB
+    reader = TorchReader(path)
+    out = torch.empty(1024, 2048)
+    out.copy_(reader.get("w"))  # a plain read leaves the pages mapped and resident
+    assert _mapped_rss_kb(path) > 4000
+    reader.read_into("w", out)
+    assert torch.equal(out, _full((1024, 2048)))
+    assert _mapped_rss_kb(path) < 100
+    assert torch.equal(reader.get("w"), _full((1024, 2048)))  # read again from the page cache
+    anonymous = _full((1024, 2048))
+    release_mapped(anonymous, [(0, 4096)])  # memory outside the file's mappings is never dropped
+    assert torch.equal(anonymous, _full((1024, 2048)))

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from reshard._io import read_all, row_views
+from reshard._io import file_mappings, read_all, release_mapped, row_views
 from reshard.dtypes import dtype_from_code
 from reshard.errors import CorruptFileError, UnsafePickleError
 
@@ -72,12 +72,17 @@ class FileReader:
         if out.numel() == 0:
             return
         source = self.get(key)
+        end = start + out.numel() * out.element_size()
         if out.is_contiguous():
-            _flat_bytes(out).copy_(_flat_bytes(source)[start : start + out.numel() * out.element_size()])
+            _flat_bytes(out).copy_(_flat_bytes(source)[start:end])
         elif start == 0 and out.shape == source.shape:
             out.copy_(source)
         else:
             raise ValueError(f"{self.path.name}: {key}: cannot read part of a tensor into a strided buffer")
+        if end == source.numel() * source.element_size():  # read to its end: let go of mapped file pages
+            if getattr(self, "_mapped", None) is None:
+                self._mapped = file_mappings(self.path)
+            release_mapped(source, self._mapped)
 
     def prefetch(self, key: str) -> None:
         """Ask the OS to start reading tensor ``key`` in the background (a hint; may do nothing)."""

@@ -36,10 +36,17 @@ def row_views(tensor: torch.Tensor, *, min_row: int = MIN_ROW_BYTES) -> list[mem
     first = tensor.dim() - 1  # the run is the trailing dims that are contiguous together
     while first > 0 and tensor.stride(first - 1) == tensor.stride(first) * tensor.shape[first]:
         first -= 1
-    if math.prod(tensor.shape[first:]) * tensor.element_size() < min_row:
+    itemsize = tensor.element_size()
+    run = math.prod(tensor.shape[first:]) * itemsize
+    if run < min_row:
         return None
-    rows = tensor.flatten(first).view(torch.uint8).numpy()
-    return [memoryview(rows[index]) for index in np.ndindex(rows.shape[:-1])]
+    offsets = np.zeros((), dtype=np.int64)
+    for size, stride in zip(tensor.shape[:first], tensor.stride()[:first], strict=True):
+        offsets = offsets[..., None] + np.arange(size, dtype=np.int64) * stride
+    whole = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
+    base = memoryview(whole.numpy())
+    start = tensor.storage_offset() * itemsize
+    return [base[start + o : start + o + run] for o in (offsets.reshape(-1) * itemsize).tolist()]
 
 
 def _bytes_of(flat: torch.Tensor) -> memoryview:
@@ -47,8 +54,9 @@ def _bytes_of(flat: torch.Tensor) -> memoryview:
 
 
 def write_all(fd: int, views: Sequence[memoryview]) -> None:
-    """Write every buffer, in order, at the file position (``writev`` in batches, resuming short writes)."""
-    views = [v.cast("B") for v in views if v.nbytes]
+    """Write every buffer (1-d byte views), in order, at the file position (``writev`` in batches,
+    resuming short writes)."""
+    views = [view for view in views if len(view)]
     index = 0
     while index < len(views):
         count = os.writev(fd, views[index : index + IOV_MAX])
@@ -58,8 +66,9 @@ def write_all(fd: int, views: Sequence[memoryview]) -> None:
 
 
 def read_all(fd: int, views: Sequence[memoryview], position: int) -> bool:
-    """Fill every buffer, in order, from ``position`` on (``preadv``); False if the file ends first."""
-    views = [v.cast("B") for v in views if v.nbytes]
+    """Fill every buffer (1-d byte views), in order, from ``position`` on (``preadv``); False if the file
+    ends first."""
+    views = [view for view in views if len(view)]
     index = 0
     while index < len(views):
         count = os.preadv(fd, views[index : index + IOV_MAX], position)

@@ -114,7 +114,7 @@ def mem_available() -> int:
     return 0
 
 
-def cases(src: Path, layout: str) -> list[tuple[str, list[str] | None, str | None]]:
+def cases(src: Path, layout: str, naive_max_gb: float) -> list[tuple[str, list[str] | None, str | None]]:
     """(name, command, reason it is skipped)."""
     naive = [python(), str(HERE / "naive.py"), str(src)]
     out = OUT / "run-output"
@@ -127,7 +127,9 @@ def cases(src: Path, layout: str) -> list[tuple[str, list[str] | None, str | Non
     for tp in (4, 1):
         need = int(2.3 * size) + 2 * 10**9  # the model, one target rank, the bytes objects save_file makes
         reason = None
-        if need > mem_available():
+        if size > naive_max_gb * 1e9:
+            reason = f"above --naive-max-gb {naive_max_gb:g} (it needs ~{need / 1e9:.0f} GB of memory)"
+        elif need > mem_available():
             reason = f"needs ~{need / 1e9:.0f} GB free, {mem_available() / 1e9:.0f} GB available"
         rows.append((f"naive 8->{tp}", [*naive, str(out), "--tp", str(tp), "--layout", layout], reason))
     return rows
@@ -140,7 +142,7 @@ def clear_output() -> None:
     time.sleep(2)
 
 
-def run_size(size_gb: float, layout: str, cold: bool, repeat: int) -> list[dict]:
+def run_size(size_gb: float, layout: str, cold: bool, repeat: int, naive_max_gb: float) -> list[dict]:
     """Every case ``repeat`` times, round-robin (so each sees the same conditions); the fastest run of each."""
     src = OUT / f"{layout}-{size_gb:g}g-tp8"
     if not src.exists():
@@ -150,7 +152,7 @@ def run_size(size_gb: float, layout: str, cold: bool, repeat: int) -> list[dict]
         )
     size = folder_bytes(src)
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    todo = cases(src, layout)
+    todo = cases(src, layout, naive_max_gb)
     runs: dict[str, list[dict]] = {name: [] for name, _, _ in todo}
     for _ in range(repeat):
         for name, command, reason in todo:
@@ -255,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layouts", default="hf-ranks,megatron", help="hf-ranks and/or megatron")
     parser.add_argument("--warm", action="store_true", help="do not drop the page cache between runs")
     parser.add_argument("--keep", action="store_true", help="keep the synthetic checkpoints in bench/out")
+    parser.add_argument(
+        "--naive-max-gb", type=float, default=4.5, help="skip the naive baseline above this size (default 4.5)"
+    )
     parser.add_argument("--repeat", type=int, default=2, help="runs per case; the fastest is reported (default 2)")
     args = parser.parse_args(argv)
     OUT.mkdir(exist_ok=True)
@@ -268,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = json.loads(RESULTS_JSON.read_text()) if RESULTS_JSON.exists() else []
     for size in (float(s) for s in args.sizes.split(",")):
         for layout in args.layouts.split(","):
-            new = run_size(size, layout, cold, args.repeat)
+            new = run_size(size, layout, cold, args.repeat, args.naive_max_gb)
             keys = {(r["layout"], r["size_gb"], r["case"]) for r in new}
             rows = [r for r in rows if (r["layout"], r["size_gb"], r["case"]) not in keys] + new
             RESULTS_JSON.write_text(json.dumps(rows, indent=1))

@@ -138,3 +138,19 @@ def _libc() -> ctypes.CDLL | None:
 
 MADV_DONTNEED = 4
 _LIBC = _libc()
+
+
+def return_large_frees_to_os(threshold: int = 1 << 20) -> None:
+    """Make glibc serve allocations of ``threshold`` bytes or more with their own mappings.
+
+    glibc raises its mmap threshold as large blocks are freed, after which blocks of up to 32 MB come
+    from per-thread heaps that hold on to freed memory; with several threads converting tensors of
+    many sizes the resident memory then creeps up by hundreds of MB over a long run. A fixed
+    threshold hands every large block back to the OS when freed. A no-op without glibc.
+    """
+    mallopt = getattr(_LIBC, "mallopt", None)
+    if mallopt is not None:
+        mallopt(M_MMAP_THRESHOLD, threshold)
+
+
+M_MMAP_THRESHOLD = -3

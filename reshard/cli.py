@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from reshard import __version__
+from reshard._io import return_large_frees_to_os
 from reshard._output import emit_json, human_bytes, note, shape_list, table
 from reshard.check import CheckOptions, CheckReport, check
 from reshard.convert import ConvertReport, convert
@@ -101,6 +102,7 @@ def main(verbose: bool) -> None:
       reshard verify ckpt-tp4/ --roundtrip 2,8
     """
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    return_large_frees_to_os()
 
 
 @main.command("inspect")

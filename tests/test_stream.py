@@ -288,3 +288,18 @@ def test_reading_a_torch_file_lets_go_of_its_mapped_pages(tmp_path: Path) -> Non
     anonymous = _full((1024, 2048))
     release_mapped(anonymous, [(0, 4096)])  # memory outside the file's mappings is never dropped
     assert torch.equal(anonymous, _full((1024, 2048)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.int32])
+@pytest.mark.parametrize(
+    "bad", [None, float("nan"), float("inf"), float("-inf")], ids=["finite", "nan", "inf", "-inf"]
+)
+def test_finite_check_in_one_pass_agrees_with_isfinite(dtype: torch.dtype, bad: float | None) -> None:
+    from reshard.pipeline import all_finite_in_blocks
+
+    tensor = (torch.arange(3000.0).reshape(100, 30) / 7).to(dtype)
+    if bad is not None and dtype.is_floating_point:
+        tensor[77, 11] = bad
+    expected = bool(torch.isfinite(tensor.float()).all()) if dtype.is_floating_point else True
+    assert all_finite_in_blocks(tensor) is expected
+    assert all_finite_in_blocks(tensor[:, 8:14]) is expected  # a strided view holding the bad value

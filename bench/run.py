@@ -165,6 +165,7 @@ def run_size(size_gb: float, layout: str, cold: bool, repeat: int, naive_max_gb:
     cp_wall = None
     for name, _, reason in todo:
         row = {"layout": layout, "size_gb": size_gb, "bytes": size, "case": name, "when": when, "cold": cold}
+        row["command"] = "python bench/run.py " + " ".join(sys.argv[1:])
         failed = [r for r in runs[name] if r["rc"]]
         if reason:
             row["skipped"] = reason
@@ -219,6 +220,10 @@ def render(rows: list[dict], info: dict, notes: list[str]) -> str:
         "",
         *[f"- {k}: {v}" for k, v in info.items()],
         *[f"- {n}" for n in notes],
+        "",
+        "## Commands",
+        "",
+        *[f"    {c}" for c in dict.fromkeys(r.get("command", "python bench/run.py") for r in rows)],
         "",
         "## Results",
         "",
@@ -280,6 +285,10 @@ def main(argv: list[str] | None = None) -> int:
             if not args.keep:
                 shutil.rmtree(OUT / f"{layout}-{size:g}g-tp8")
     notes.append("cache: cold = page cache dropped before each run; warm = source possibly in the page cache")
+    notes.append(
+        "the machine may be shared: the load average at the start of each fastest run is in the table; "
+        "walls of the same command varied by up to 2.5x between runs minutes apart (see `walls` in results.json)"
+    )
     RESULTS_MD.write_text(render(rows, machine(), notes))
     print(f"wrote {RESULTS_MD}")
     return 0

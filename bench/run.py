@@ -227,8 +227,9 @@ def render(rows: list[dict], info: dict, notes: list[str]) -> str:
         "",
         "## Results",
         "",
-        f"Peak RSS bound for reshard writing safetensors (hf-ranks rows; a megatron output is written with `torch.save`, "
-        "which holds one target rank's state dict): 2 x largest tensor ({LARGEST_TENSOR / 1e6:.0f} MB) + 600 MB = "
+        "Peak RSS bound for reshard writing safetensors (hf-ranks rows; a megatron output is written with "
+        "`torch.save`, which holds one target rank's state dict): "
+        f"2 x largest tensor ({LARGEST_TENSOR / 1e6:.0f} MB) + 600 MB = "
         f"{BOUND / 1e6:.0f} MB. Throughput = source bytes / wall time (wall includes a final `sync`); "
         "each case is run `--repeat` times and the fastest run is reported (all walls in `bench/out/results.json`); "
         "peak RSS is the highest of those runs.",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -13,9 +14,12 @@ def emit_json(report: Any) -> None:
     click.echo(json.dumps(report.to_dict(), indent=2, default=str))
 
 
-def note(message: str) -> None:
-    """A message for people, on stderr, so it never pollutes parsed stdout."""
-    click.echo(message, err=True)
+def emit(report: Any, render: Callable[[Any], str], *, as_json: bool, quiet: bool = False) -> None:
+    """A command's report: JSON for machines, text for people, nothing under ``--quiet``."""
+    if as_json:
+        emit_json(report)
+    elif not quiet:
+        click.echo(render(report))
 
 
 def shape_list(shapes: list[list[int]]) -> str:

@@ -13,16 +13,17 @@ import click
 
 from reshard import __version__
 from reshard._io import return_large_frees_to_os
-from reshard._output import emit_json, human_bytes, note, shape_list, table
-from reshard.check import CheckOptions, CheckReport, check
-from reshard.convert import ConvertReport, convert
+from reshard._output import emit
+from reshard._render import render_check, render_convert, render_fix, render_inspect
+from reshard.check import CheckOptions, check
+from reshard.convert import convert
 from reshard.errors import ReshardError
-from reshard.fix import FixReport, fix
-from reshard.inspect import InspectReport, inspect_checkpoint
+from reshard.fix import fix
+from reshard.inspect import inspect_checkpoint
 from reshard.layouts import WRITABLE_LAYOUTS
 from reshard.options import ConvertOptions, default_jobs
 from reshard.plans import TRANSFORMERS
-from reshard.verify import VerifyOptions, verify
+from reshard.verify import VerifyOptions, VerifyResult, verify
 
 PATH = click.Path(path_type=Path)
 EXISTING = click.Path(exists=True, path_type=Path)
@@ -122,46 +123,7 @@ def inspect_command(
       reshard inspect ckpt/ --json | jq '.tensors[0]'
     """
     report = inspect_checkpoint(ckpt, ConvertOptions(config=config, plan=plan, trust_pickle=trust_pickle, vocab=vocab))
-    emit_json(report) if as_json else click.echo(render_inspect(report))
-
-
-def render_inspect(report: InspectReport) -> str:
-    vocab = report.vocab
-    lines = [
-        f"checkpoint  {report.path}",
-        f"layout      {report.layout}, tp={report.tp}, {len(report.files)} file(s)",
-        f"config      {report.config or 'none found'}"
-        + (f" (model_type {report.model_type})" if report.model_type else ""),
-        f"plan        {report.plan}",
-        f"vocab       {vocab['original'] or 'unknown'} (from {vocab['origin']})"
-        + (
-            f", {vocab['padded_in_source']} rows in the source ({vocab['padding_rows']} padding)"
-            if vocab["padded_in_source"] is not None and vocab["padding_rows"]
-            else ""
-        ),
-        "",
-    ]
-    rows = [
-        [
-            t.name,
-            shape_list(t.rank_shapes),
-            t.dtype,
-            human_bytes(t.bytes),
-            (t.partition or {}).get("kind", "-") + _partition_args(t.partition),
-            t.problem or t.reason,
-        ]
-        for t in report.tensors
-    ]
-    lines.append(table(rows, ["tensor", "rank shapes", "dtype", "bytes", "partition", "why"]))
-    lines += [f"note: {n}" for n in report.notes] + [f"not a tensor: {e}" for e in report.extras]
-    if report.problems:
-        lines.append(f"{len(report.problems)} tensor(s) cannot be gathered as they are")
-    return "\n".join(lines)
-
-
-def _partition_args(partition: dict[str, Any] | None) -> str:
-    args = {k: v for k, v in (partition or {}).items() if k != "kind"}
-    return "(" + ", ".join(f"{k}={v}" for k, v in args.items()) + ")" if args else ""
+    emit(report, render_inspect, as_json=as_json)
 
 
 @main.command("convert")
@@ -206,27 +168,7 @@ def convert_command(ckpt: Path, out: Path, as_json: bool, quiet: bool, **options
         raise click.UsageError("--lora-alpha only applies with --merge-lora")
     options["lora_alpha"] = 1.0 if options["lora_alpha"] is None else options["lora_alpha"]
     report = convert(ckpt, out, ConvertOptions(progress=not (quiet or as_json), **options))
-    if as_json:
-        emit_json(report)
-    elif not quiet:
-        click.echo(render_convert(report))
-
-
-def render_convert(report: ConvertReport) -> str:
-    vocab = report.vocab
-    lines = [
-        f"{report.source} ({report.source_layout}, tp={report.source_tp}) -> {report.output} "
-        f"({report.layout}, tp={report.tp})",
-        f"{report.tensors} tensors, {human_bytes(report.bytes)} canonical",
-        f"vocab {vocab['original']} (from {vocab['origin']}): {vocab['source_padded']} rows in the source, "
-        f"{vocab['target_padded']} per the target"
-        if vocab["source_padded"] is not None
-        else "no vocab tensors",
-    ]
-    lines += [f"  {c['tensor']}: {c['old']} -> {c['new']}" for c in report.changed]
-    lines += [f"note: {n}" for n in report.notes]
-    lines.append(f"manifest {report.manifest}")
-    return "\n".join(lines)
+    emit(report, render_convert, as_json=as_json, quiet=quiet)
 
 
 @main.command("fix")
@@ -249,36 +191,7 @@ def fix_command(ckpt: Path, out: Path | None, as_json: bool, quiet: bool, **opti
       reshard fix ckpt/ --vocab 65535 --tp 4 -o ckpt-tp4/
     """
     report = fix(ckpt, out, ConvertOptions(progress=not (quiet or as_json), **options))
-    if as_json:
-        emit_json(report)
-    elif not quiet:
-        click.echo(render_fix(report))
-
-
-def render_fix(report: FixReport) -> str:
-    vocab = report.vocab
-    lines = [
-        f"{report.source} ({report.source_layout}, tp={report.source_tp}) -> {report.output} "
-        f"({report.layout}, tp={report.tp})",
-        f"vocab {vocab['original']} (from {vocab['origin']}): {vocab['source_padded']} rows in the source, "
-        f"{vocab['target_padded']} written"
-        if vocab["source_padded"] is not None
-        else "no vocab tensors",
-    ]
-    others = [c for c in report.changed if not c["vocab"]]
-    lines += [
-        f"  {c['tensor']}: {shape_list(c['old'])} -> {shape_list(c['new'])}" for c in report.changed if c["vocab"]
-    ]
-    if others:
-        verb = "gathered" if report.tp == 1 else "re-sliced"
-        lines.append(f"  {len(others)} other tensor(s) {verb} from tp={report.source_tp} to tp={report.tp}")
-    if not report.changed:
-        lines.append("  no tensor changed shape")
-    if report.config_vocab:
-        lines.append(f"config.json vocab_size {report.config_vocab[0]} -> {report.config_vocab[1]}")
-    lines += [f"note: {n}" for n in report.notes]
-    lines.append(f"manifest {report.manifest}")
-    return "\n".join(lines)
+    emit(report, render_fix, as_json=as_json, quiet=quiet)
 
 
 @main.command("check")
@@ -300,35 +213,9 @@ def check_command(target: Path, as_json: bool, **options: Any) -> None:
       reshard check config.json --tp 4 --plan transformers --json
     """
     report = check(target, CheckOptions(**options))
-    emit_json(report) if as_json else click.echo(render_check(report))
+    emit(report, render_check, as_json=as_json)
     if not report.ok:
         raise SystemExit(1)
-
-
-def render_check(report: CheckReport) -> str:
-    lines = [
-        f"{report.input}  {report.source}" + (f" (model_type {report.model_type})" if report.model_type else ""),
-        f"plan        {report.plan}, tp={report.tp}" + (", uneven" if report.uneven else ""),
-        "",
-    ]
-    rows = [
-        [
-            t.name,
-            str(t.shape),
-            t.rule if t.rule is not None else "-",
-            (t.partition or {}).get("kind", "-") + _partition_args(t.partition),
-            str(t.rank_shape) if t.rank_shape is not None else "-",
-            "; ".join(t.problems),
-        ]
-        for t in report.tensors
-    ]
-    lines.append(table(rows, ["tensor", "shape", "rule", "partition", "per rank", "problem"]))
-    for problem in report.problems:
-        names = problem.tensors
-        where = f" ({names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "") + ")" if names else ""
-        lines.append(f"{problem.severity}: {problem.message}{where}")
-    lines.append(f"splits {report.tp} ways" if report.ok else f"cannot be split {report.tp} ways")
-    return "\n".join(lines)
 
 
 def parse_tps(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...]:
@@ -364,11 +251,8 @@ def verify_command(ckpt: Path, other: Path | None, quiet: bool, as_json: bool, *
       reshard verify sample_ckpts/tiny-llama-tp2 tiny-full --json
     """
     result = verify(ckpt, other, VerifyOptions(progress=not (quiet or as_json), **options))
-    if as_json:
-        emit_json(result)
-    elif not quiet:
-        click.echo(result.render())
+    emit(result, VerifyResult.render, as_json=as_json, quiet=quiet)
     click.get_current_context().exit(0 if result.ok else 1)
 
 
-__all__ = ["main", "note"]
+__all__ = ["main"]

@@ -3,15 +3,19 @@
 Why it is shaped like this:
 
 * **One buffer per tensor.** The rank slices are read straight into their place in one buffer of
-  the gathered (padded) tensor: a dim-0 piece is one ``pread`` into the buffer, other pieces go
-  through one slice-sized temporary. The canonical tensor, and every target piece of a
-  ``shard``/``vocab``/``replicate`` tensor, is then a view of that buffer: nothing is copied again.
-  Pad rows for a bigger target vocab are zeroed in the buffer, not concatenated.
-* **Overlap, bounded by bytes.** ``jobs`` threads prepare tensors (read, gather, sha256: all release
-  the GIL) while the calling thread writes the previous ones in plan order. A tensor is only started
-  when the bytes of every prepared-but-unwritten tensor plus its own fit in the budget
-  (``2 x`` the largest tensor), or when nothing else is in flight; so memory stays near
-  ``2 x`` the largest tensor whatever the size of the checkpoint.
+  the gathered (padded) tensor: a dim-0 piece is one ``pread`` into the buffer, a column block is
+  one ``preadv`` of its rows; only packed parts off dim 0 and rows under 1 KB go through a temporary.
+  The canonical tensor, and every target piece of a ``shard``/``grouped``/``vocab``/``replicate``
+  tensor, is then a view of that buffer, written with ``writev`` of its rows: nothing is copied again.
+  Pad rows for a bigger target vocab are zeroed in the buffer, not concatenated. Buffers are reused
+  for the next tensor of the same size (:class:`BufferPool`): fresh memory costs a page fault and
+  zeroing per page.
+* **Overlap, bounded by bytes.** ``jobs`` threads prepare tensors (read, gather, sha256, finite check:
+  all release the GIL) while the calling thread writes the previous ones in plan order, and a
+  :class:`ReadAhead` thread asks the OS for the coming slices. A tensor is only started when the bytes
+  of every prepared-but-unwritten tensor plus its own fit in the budget (``2 x`` the largest tensor),
+  or when nothing else is in flight; the buffers kept for reuse count in the same budget. So memory
+  stays near ``2 x`` the largest tensor whatever the size of the checkpoint.
 * **Same bytes as the one-at-a-time path.** The gather here is :func:`reshard.partition.gather`
   done in place; ``tests/test_stream.py`` checks both agree on every partition kind.
 """

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from reshard._output import table
+from reshard._output import quiet_unless, table
 from reshard._verify_checks import Difference, check_files, value_difference
 from reshard.convert import convert, open_source
 from reshard.dtypes import dtype_name
@@ -197,7 +197,7 @@ def _gathered(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, canonical tensor)`` one at a time; tensors that cannot be gathered become differences."""
     with torch.inference_mode():
-        for name in tqdm(names, desc="verify", unit="tensor", disable=not progress, file=sys.stderr, leave=False):
+        for name in tqdm(names, desc="verify", unit="tensor", file=sys.stderr, leave=False, **quiet_unless(progress)):
             tensor = canon.tensors[name]
             if tensor.problem is not None:
                 diffs.append(Difference("inconsistent", name, tensor.problem.detail, _files(tensor)))

@@ -128,10 +128,12 @@ def convert(ckpt: Path, out: Path, options: ConvertOptions) -> ConvertReport:
     with staged_output(out) as staging:
         writer = writer_class(layout)(staging, spec)
         finite: dict[str, bool] = {}
+        divergent: set[str] = set()
         hashes = execute(
             conversion,
             writer,
             allow_divergent=options.allow_divergent_replicas,
+            divergent=divergent,
             progress=options.progress,
             finite=finite,
             jobs=options.jobs,
@@ -152,7 +154,12 @@ def convert(ckpt: Path, out: Path, options: ConvertOptions) -> ConvertReport:
             ),
             tensors={
                 t.name: TensorEntry(
-                    t.source.shape, dtype_name(t.source.dtype), t.source.partition, hashes[t.name], finite[t.name]
+                    t.source.shape,
+                    dtype_name(t.source.dtype),
+                    t.source.partition,
+                    hashes[t.name],
+                    finite[t.name],
+                    divergent=t.name in divergent,
                 )
                 for t in sorted(conversion.tensors, key=lambda t: t.name)
             },
@@ -176,7 +183,12 @@ def convert(ckpt: Path, out: Path, options: ConvertOptions) -> ConvertReport:
         manifest=str(out / "reshard.json"),
         files=sorted(files),
         changed=_changed_shapes(conversion),
-        notes=list(source.notes),
+        notes=list(source.notes)
+        + (
+            [f"replicated but different between ranks, rank 0's copy taken: {', '.join(sorted(divergent))}"]
+            if divergent
+            else []
+        ),
     )
 
 

@@ -26,6 +26,8 @@ class TensorEntry:
 
     ``finite`` says whether every value was finite (no NaN/Inf) when it was written, so ``verify`` can
     tell a NaN that appeared later from one that was always there; None in manifests older than it.
+    ``divergent`` marks a replicated tensor whose ranks differed, of which rank 0's copy was taken
+    (``--allow-divergent-replicas``).
     """
 
     shape: tuple[int, ...]
@@ -33,6 +35,7 @@ class TensorEntry:
     partition: Partition
     sha256: str
     finite: bool | None = None
+    divergent: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -43,6 +46,8 @@ class TensorEntry:
         }
         if self.finite is not None:
             data["finite"] = self.finite
+        if self.divergent:
+            data["divergent"] = True
         return data
 
     @classmethod
@@ -54,6 +59,7 @@ class TensorEntry:
             partition_from_dict(data["partition"]),
             data["sha256"],
             None if finite is None else bool(finite),
+            bool(data.get("divergent", False)),
         )
 
 

@@ -302,6 +302,7 @@ def execute(
     writer: CheckpointWriter,
     *,
     allow_divergent: bool = False,
+    divergent: set[str] | None = None,
     progress: bool = True,
     finite: dict[str, bool] | None = None,
     jobs: int = 1,
@@ -309,6 +310,8 @@ def execute(
     """Stream every tensor through gather -> hash -> split -> writer. Returns ``{name: sha256}``.
 
     When ``finite`` is given it is filled with ``{name: no NaN/Inf in the canonical tensor}``, for the manifest.
+    With ``allow_divergent``, replicated tensors that differ between ranks are taken from rank 0 and, when
+    ``divergent`` is given, named in it (the manifest records them).
 
     ``jobs`` threads read, gather and hash tensors while this thread writes them in plan order; the
     bytes held at once stay under about twice the largest tensor (see :mod:`reshard.stream`).
@@ -321,5 +324,6 @@ def execute(
         finite_of=None if finite is None else all_finite_in_blocks,
         finite=finite,
         allow_divergent=allow_divergent,
+        divergent=divergent,
         progress=progress,
     )

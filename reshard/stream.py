@@ -34,9 +34,20 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm.auto import tqdm
 
+from reshard._output import quiet_unless
 from reshard.errors import ReshardError, ShapeMismatchError
 from reshard.layouts.base import CheckpointWriter, TensorRef
-from reshard.partition import Grouped, Packed, Replicate, Shard, Vocab, check_replica, split, split_sizes
+from reshard.partition import (
+    Grouped,
+    Packed,
+    Replicate,
+    Shard,
+    Vocab,
+    bitwise_equal,
+    check_replica,
+    split,
+    split_sizes,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -116,19 +127,33 @@ def plan_work(tensor: TensorPlan, *, target_tp: int) -> Work:
 
 
 def _gather_into(
-    work: Work, buffer: torch.Tensor, *, vocab_size: int | None, uneven: bool, allow_divergent: bool
+    work: Work,
+    buffer: torch.Tensor,
+    *,
+    vocab_size: int | None,
+    uneven: bool,
+    allow_divergent: bool,
+    divergent: set[str] | None = None,
 ) -> torch.Tensor:
-    """Read every rank slice into ``buffer``; returns it (the canonical tensor is a view of it)."""
+    """Read every rank slice into ``buffer``; returns it (the canonical tensor is a view of it).
+
+    A replicated tensor that differs between ranks raises, unless ``allow_divergent``: then rank 0's
+    copy is taken and, when ``divergent`` is given, the tensor's name is added to it.
+    """
     source = work.tensor.source
     refs: tuple[TensorRef, ...] = source.refs
     partition = source.partition
     if isinstance(partition, Replicate):
         refs[0].read_into(buffer)
-        if not allow_divergent and len(refs) > 1:
+        if len(refs) > 1 and not (allow_divergent and divergent is None):
             other = torch.empty_like(buffer)
             for rank, ref in enumerate(refs[1:], start=1):
                 ref.read_into(other)
-                check_replica(buffer, other, rank)
+                if not allow_divergent:
+                    check_replica(buffer, other, rank)
+                elif not bitwise_equal(buffer, other):
+                    divergent.add(source.name)
+                    break
         return buffer
     dim = partition.dim % buffer.dim()
     copies, _ = copy_plan(partition, [ref.shape for ref in refs], uneven=uneven)
@@ -160,6 +185,7 @@ def prepare(
     vocab_size: int | None,
     uneven: bool,
     allow_divergent: bool,
+    divergent: set[str] | None = None,
     buffer: torch.Tensor | None = None,
 ) -> tuple[str, torch.Tensor, list[torch.Tensor]]:
     """Gather one tensor (into ``buffer`` of ``work.buffer_shape``, or a new one); return its name, the
@@ -170,7 +196,14 @@ def prepare(
         buffer = torch.empty(work.buffer_shape, dtype=source.dtype)
     try:
         with torch.inference_mode():
-            buffer = _gather_into(work, buffer, vocab_size=vocab_size, uneven=uneven, allow_divergent=allow_divergent)
+            buffer = _gather_into(
+                work,
+                buffer,
+                vocab_size=vocab_size,
+                uneven=uneven,
+                allow_divergent=allow_divergent,
+                divergent=divergent,
+            )
             partition = source.partition
             if isinstance(partition, Replicate):
                 return tensor.name, buffer, [buffer] * target_tp
@@ -310,12 +343,14 @@ def run(
     finite_of: Callable[[torch.Tensor], bool] | None = None,
     finite: dict[str, bool] | None = None,
     allow_divergent: bool = False,
+    divergent: set[str] | None = None,
     progress: bool = True,
     budget: Budget | None = None,
 ) -> dict[str, str]:
     """Prepare tensors on ``jobs`` threads, write them in plan order here; returns ``{name: sha256}``.
 
-    With ``finite_of``, ``finite`` is filled with ``{name: finite_of(canonical tensor)}``.
+    With ``finite_of``, ``finite`` is filled with ``{name: finite_of(canonical tensor)}``; with
+    ``allow_divergent``, ``divergent`` (if given) gets the replicated tensors whose ranks differed.
     """
     works = [plan_work(t, target_tp=conversion.target_tp) for t in conversion.tensors]
     budget = budget or Budget(budget_for(works))
@@ -324,6 +359,7 @@ def run(
         "vocab_size": conversion.vocab.original,
         "uneven": conversion.uneven,
         "allow_divergent": allow_divergent,
+        "divergent": divergent,
     }
 
     buffers = BufferPool(budget.limit)
@@ -339,7 +375,13 @@ def run(
     with (
         ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="reshard-read") as pool,
         tqdm(
-            total=total, unit="B", unit_scale=True, desc="tensors", disable=not progress, file=sys.stderr, leave=False
+            total=total,
+            unit="B",
+            unit_scale=True,
+            desc="tensors",
+            file=sys.stderr,
+            leave=False,
+            **quiet_unless(progress),
         ) as bar,
         torch.inference_mode(),
         ReadAhead(works, budget.limit) as read_ahead,

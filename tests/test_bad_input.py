@@ -164,3 +164,30 @@ def test_fewer_kv_heads_than_ranks_is_reported_not_cut(tmp_path, cli):
         "model.layers.0.self_attn.k_proj.weight: shard(dim=0, unit=8) of [16, 64] cannot be split 4 ways: "
         "dim 0 has 2 blocks of 8, which do not divide by tp=4 (choose a tp that divides it)" in result.stderr
     )
+
+
+def test_divergent_replicas_are_refused_or_taken_from_rank_0_and_recorded(broken, tmp_path, cli):
+    name = "model.layers.0.input_layernorm.weight"
+    rank_file = broken / "rank_02" / "model.safetensors"
+    state = load_file(rank_file)
+    rank0 = load_file(broken / "rank_00" / "model.safetensors")[name]
+    state[name] = rank0 + 1
+    save_file(state, rank_file, metadata={"format": "pt"})
+    out = tmp_path / "out"
+    assert_refused(
+        cli("convert", broken, "--tp", 1, "-o", out, "-q"),
+        out,
+        name,
+        "differs between rank 0 and rank 2 (max abs diff 1)",
+        "--allow-divergent-replicas",
+    )
+    result = cli("convert", broken, "--tp", 1, "-o", out, "--allow-divergent-replicas", "--json")
+    assert result.exit_code == 0, result.output
+    assert (
+        json.loads(result.stdout)["notes"][-1]
+        == f"replicated but different between ranks, rank 0's copy taken: {name}"
+    )
+    assert torch.equal(load_file(out / "model.safetensors")[name], rank0)
+    entries = json.loads((out / "reshard.json").read_text())["tensors"]
+    assert entries[name]["divergent"] is True
+    assert "divergent" not in entries["model.norm.weight"]

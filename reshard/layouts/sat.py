@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from reshard.config import ModelConfig
+from reshard.config import ModelConfig, load_config
 from reshard.errors import CorruptFileError, MissingRankError, ReshardError
 from reshard.layouts.base import ReadOptions, SourceCheckpoint, TargetSpec, refs_from_readers
 from reshard.layouts.files import SAFE_GLOBALS, TorchReader
@@ -105,15 +105,8 @@ def _locate(path: Path) -> tuple[Path, str]:
 
 
 def read_model_config(path: Path) -> dict[str, Any] | None:
-    if not path.is_file():
-        return None
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CorruptFileError(f"cannot read the model config: {err}", path=path) from err
-    if not isinstance(raw, dict):
-        raise CorruptFileError("the model config is not a JSON object", path=path)
-    return raw
+    """SAT's ``model_config.json`` (read like any config), or None when there is none."""
+    return load_config(path).raw if path.is_file() else None
 
 
 def _ranks(folder: Path, declared: Any, config_path: Path) -> list[Path]:

@@ -7,16 +7,17 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from reshard.check import CheckOptions, CheckReport, check  # noqa: E402
-from reshard.convert import ConvertReport, convert  # noqa: E402
-from reshard.errors import ReshardError  # noqa: E402
-from reshard.fix import FixReport, fix  # noqa: E402
-from reshard.inspect import InspectReport, inspect_checkpoint  # noqa: E402
-from reshard.manifest import Manifest, read_manifest  # noqa: E402
-from reshard.options import ConvertOptions  # noqa: E402
-from reshard.partition import Grouped, Packed, Partition, Replicate, Shard, Vocab, gather, split  # noqa: E402
-from reshard.plans import Plan, Rule  # noqa: E402
-from reshard.verify import VerifyOptions, VerifyResult, verify  # noqa: E402
+from reshard.check import CheckOptions, CheckReport, check
+from reshard.convert import ConvertReport, convert
+from reshard.errors import ReshardError
+from reshard.fix import FixReport, fix
+from reshard.inspect import InspectReport, inspect_checkpoint
+from reshard.manifest import Manifest, read_manifest
+from reshard.options import ConvertOptions
+from reshard.partition import Grouped, Packed, Partition, Replicate, Shard, Vocab
+from reshard.plans import Plan, Rule
+from reshard.slicing import gather, split
+from reshard.verify import VerifyOptions, VerifyResult, verify
 
 __all__ = [
     "CheckOptions",

@@ -19,7 +19,7 @@ from reshard.layouts.files import read_safetensors_header
 from reshard.layouts.hf import BIN_INDEX_FILE, weight_files
 from reshard.layouts.hf_ranks import rank_dir, rank_folders
 from reshard.manifest import Manifest
-from reshard.partition import bitwise_equal
+from reshard.slicing import bitwise_equal
 
 # Layouts whose folders reshard can check file by file; others are checked by reading them.
 _FOLDER_LAYOUTS = ("hf", "hf-ranks")

@@ -24,8 +24,9 @@ import torch
 from reshard.errors import DivergentReplicaError, PlanError, ReshardError, ShapeMismatchError
 from reshard.layouts.base import SourceCheckpoint, TensorRef
 from reshard.layouts.files import FileReader, TensorHeader
-from reshard.partition import Replicate, bitwise_equal
+from reshard.partition import Replicate
 from reshard.plans.lora import BASE, A, B, parse_lora_name
+from reshard.slicing import bitwise_equal
 
 if TYPE_CHECKING:
     from reshard.pipeline import TensorPlan

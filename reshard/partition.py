@@ -1,4 +1,4 @@
-"""How one tensor is cut across tensor-parallel ranks, and the pure functions that move between views.
+"""How one tensor is cut across tensor-parallel ranks: the partition types and their shape arithmetic.
 
 A :data:`Partition` says how the full (canonical) tensor ``T`` relates to the ``tp`` rank slices:
 
@@ -11,21 +11,19 @@ A :data:`Partition` says how the full (canonical) tensor ``T`` relates to the ``
 * :class:`Packed` - ``T`` is the concatenation along ``dim`` of parts (q, k, v; gate, up); each part is
   split on its own and a rank holds the concatenation of its piece of every part.
 
-Everything here is pure: shapes in, shapes out; tensors in, tensors out. No file is opened. Functions
+Everything here is pure shape arithmetic (no torch: ``check`` plans from headers with it); the tensor
+functions that move between views are in :mod:`reshard.slicing`. No file is opened. Functions
 that validate shapes raise :class:`~reshard.errors.ShapeMismatchError` with a message that says what
 does not add up; callers add the file and tensor name.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from reshard.errors import DivergentReplicaError, ShapeMismatchError
+from reshard.errors import ShapeMismatchError
 
 Shape = tuple[int, ...]
 
@@ -166,13 +164,13 @@ def split_sizes(total: int, tp: int, *, uneven: bool = False) -> list[int]:
     return [total // tp] * tp
 
 
-def _norm_dim(dim: int, ndim: int) -> int:
+def norm_dim(dim: int, ndim: int) -> int:
     if not -ndim <= dim < ndim:
         raise ShapeMismatchError(f"dim {dim} is out of range for a {ndim}-d tensor")
     return dim % ndim
 
 
-def _with(shape: Sequence[int], dim: int, size: int) -> Shape:
+def with_size(shape: Sequence[int], dim: int, size: int) -> Shape:
     out = list(shape)
     out[dim] = size
     return tuple(out)
@@ -215,30 +213,30 @@ def rank_shapes(
         case Replicate():
             return [full_shape] * tp
         case Shard(dim, unit):
-            dim = _norm_dim(dim, len(full_shape))
+            dim = norm_dim(dim, len(full_shape))
             if not uneven and unit != 1:
                 _check_divisible_units(full_shape[dim], unit, tp, f"dim {dim}")
-            return [_with(full_shape, dim, s) for s in split_sizes(full_shape[dim], tp, uneven=uneven)]
+            return [with_size(full_shape, dim, s) for s in split_sizes(full_shape[dim], tp, uneven=uneven)]
         case Grouped(dim, groups):
-            dim = _norm_dim(dim, len(full_shape))
+            dim = norm_dim(dim, len(full_shape))
             _check_groups(full_shape[dim], groups, tp, f"dim {dim}")
-            return [_with(full_shape, dim, s) for s in split_sizes(full_shape[dim], tp)]
+            return [with_size(full_shape, dim, s) for s in split_sizes(full_shape[dim], tp)]
         case Vocab(dim):
-            dim = _norm_dim(dim, len(full_shape))
+            dim = norm_dim(dim, len(full_shape))
             size = full_shape[dim] if padded is None else padded
             if size < full_shape[dim]:
                 raise ShapeMismatchError(f"padded size {size} is smaller than the vocab {full_shape[dim]}")
-            return [_with(full_shape, dim, s) for s in split_sizes(size, tp, uneven=uneven)]
+            return [with_size(full_shape, dim, s) for s in split_sizes(size, tp, uneven=uneven)]
         case Packed(dim, parts, _):
-            dim = _norm_dim(dim, len(full_shape))
+            dim = norm_dim(dim, len(full_shape))
             if sum(parts) != full_shape[dim]:
                 raise ShapeMismatchError(f"packed parts {list(parts)} add up to {sum(parts)}, not {full_shape[dim]}")
-            per_part = _packed_piece_sizes(partition, tp, uneven=uneven)
-            return [_with(full_shape, dim, sum(p[r] for p in per_part)) for r in range(tp)]
+            per_part = packed_piece_sizes(partition, tp, uneven=uneven)
+            return [with_size(full_shape, dim, sum(p[r] for p in per_part)) for r in range(tp)]
     raise TypeError(f"not a partition: {partition!r}")
 
 
-def _packed_piece_sizes(partition: Packed, tp: int, *, uneven: bool) -> list[list[int]]:
+def packed_piece_sizes(partition: Packed, tp: int, *, uneven: bool) -> list[list[int]]:
     """For each part, the sizes of its ``tp`` pieces."""
     out = []
     for i, (part, unit) in enumerate(zip(partition.parts, partition.part_units(), strict=True)):
@@ -274,15 +272,15 @@ def canonical_shape(
         if any(s != first for s in shapes):
             raise ShapeMismatchError(f"a replicated tensor has different shapes on different ranks: {shapes}")
         return first
-    dim = _norm_dim(partition.dim, len(first))
-    others = {_with(s, dim, 0) for s in shapes}
+    dim = norm_dim(partition.dim, len(first))
+    others = {with_size(s, dim, 0) for s in shapes}
     if len(others) != 1:
         raise ShapeMismatchError(f"rank shapes {shapes} differ outside dim {dim}")
     total = sum(s[dim] for s in shapes)
-    full = _with(first, dim, total)
+    full = with_size(first, dim, total)
     padded = None
     if isinstance(partition, Vocab):
-        full = _with(first, dim, total if vocab_size is None else vocab_size)
+        full = with_size(first, dim, total if vocab_size is None else vocab_size)
         if vocab_size is not None and total < vocab_size:
             raise ShapeMismatchError(f"ranks hold {total} rows along dim {dim}, fewer than the vocab {vocab_size}")
         padded = total
@@ -295,129 +293,3 @@ def canonical_shape(
     if expected != shapes:
         raise ShapeMismatchError(f"{what} (expected {[e[dim] for e in expected]})")
     return full
-
-
-# ---------------------------------------------------------------- tensors
-
-
-def pad(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    """Append zero rows along ``dim`` up to ``size`` (no copy when nothing is added)."""
-    dim = _norm_dim(dim, tensor.dim())
-    missing = size - tensor.shape[dim]
-    if missing < 0:
-        raise ShapeMismatchError(f"cannot pad dim {dim} of size {tensor.shape[dim]} down to {size}")
-    if missing == 0:
-        return tensor
-    zeros = tensor.new_zeros(_with(tensor.shape, dim, missing))
-    return torch.cat([tensor, zeros], dim=dim)
-
-
-def unpad(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    """A view of the first ``size`` entries along ``dim``: the pad rows are not data."""
-    dim = _norm_dim(dim, tensor.dim())
-    if size > tensor.shape[dim]:
-        raise ShapeMismatchError(f"cannot unpad dim {dim} of size {tensor.shape[dim]} up to {size}")
-    return tensor.narrow(dim, 0, size)
-
-
-def split(
-    full: torch.Tensor, partition: Partition, tp: int, *, padded: int | None = None, uneven: bool = False
-) -> list[torch.Tensor]:
-    """Cut a canonical tensor into ``tp`` rank slices (views where the layout allows).
-
-    Example:
-        >>> [t.tolist() for t in split(torch.arange(4), Packed(0, (2, 2)), 2)]
-        [[0, 2], [1, 3]]
-    """
-    match partition:
-        case Replicate():
-            return [full] * tp
-        case Shard(dim, _) | Grouped(dim, _):
-            sizes = [s[dim] for s in rank_shapes(partition, full.shape, tp, uneven=uneven)]
-            return list(torch.split(full, sizes, dim=dim))
-        case Vocab(dim):
-            sizes = [s[dim] for s in rank_shapes(partition, full.shape, tp, padded=padded, uneven=uneven)]
-            return list(torch.split(pad(full, dim, sum(sizes)), sizes, dim=dim))
-        case Packed(dim, parts, _):
-            rank_shapes(partition, full.shape, tp, uneven=uneven)  # validates
-            pieces = [
-                torch.split(part, sizes, dim=dim)
-                for part, sizes in zip(
-                    torch.split(full, list(parts), dim=dim),
-                    _packed_piece_sizes(partition, tp, uneven=uneven),
-                    strict=True,
-                )
-            ]
-            return [torch.cat([p[r] for p in pieces], dim=dim) for r in range(tp)]
-    raise TypeError(f"not a partition: {partition!r}")
-
-
-def gather(
-    slices: Sequence[torch.Tensor],
-    partition: Partition,
-    *,
-    vocab_size: int | None = None,
-    uneven: bool = False,
-    allow_divergent: bool = False,
-) -> torch.Tensor:
-    """Join rank slices into the canonical tensor: the inverse of :func:`split`.
-
-    Args:
-        slices: one tensor per rank, in rank order.
-        partition: how they were split.
-        vocab_size: for :class:`Vocab`, the true size to cut the padded dim back to.
-        uneven: accept ``torch.chunk``-style uneven pieces.
-        allow_divergent: for :class:`Replicate`, take rank 0 even when ranks differ.
-
-    Raises:
-        ShapeMismatchError: the slices do not fit the partition.
-        DivergentReplicaError: a replicated tensor differs between ranks (the message gives the max
-            absolute difference and the first differing rank).
-
-    Example:
-        >>> gather([torch.tensor([0, 2]), torch.tensor([1, 3])], Packed(0, (2, 2))).tolist()
-        [0, 1, 2, 3]
-    """
-    full_shape = canonical_shape(partition, [s.shape for s in slices], vocab_size=vocab_size, uneven=uneven)
-    match partition:
-        case Replicate():
-            if not allow_divergent:
-                check_replicas(slices)
-            return slices[0]
-        case Shard(dim, _) | Grouped(dim, _):
-            return slices[0] if len(slices) == 1 else torch.cat(list(slices), dim=dim)
-        case Vocab(dim):
-            joined = slices[0] if len(slices) == 1 else torch.cat(list(slices), dim=dim)
-            return unpad(joined, dim, full_shape[dim])
-        case Packed(dim, _, _):
-            per_part = _packed_piece_sizes(partition, len(slices), uneven=uneven)
-            rank_pieces = [torch.split(s, [sizes[r] for sizes in per_part], dim=dim) for r, s in enumerate(slices)]
-            return torch.cat(
-                [torch.cat([pieces[i] for pieces in rank_pieces], dim=dim) for i in range(len(per_part))], dim=dim
-            )
-    raise TypeError(f"not a partition: {partition!r}")
-
-
-def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Same shape, dtype and bytes (NaNs with equal bits compare equal, unlike ``torch.equal``)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.numel() == 0:
-        return True
-    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
-
-
-def check_replicas(slices: Sequence[torch.Tensor]) -> None:
-    """Raise :class:`DivergentReplicaError` unless every slice equals the first, bit for bit."""
-    for rank, other in enumerate(slices[1:], start=1):
-        check_replica(slices[0], other, rank)
-
-
-def check_replica(first: torch.Tensor, other: torch.Tensor, rank: int) -> None:
-    """Raise :class:`DivergentReplicaError` unless rank ``rank``'s copy ``other`` equals rank 0's ``first``."""
-    if not bitwise_equal(first, other):
-        diff = (first.double() - other.double()).abs().max().item() if first.is_floating_point() else math.nan
-        raise DivergentReplicaError(
-            f"replicated tensor differs between rank 0 and rank {rank} (max abs diff {diff:.3g})",
-            hint="pass --allow-divergent-replicas to take rank 0",
-        )

@@ -19,18 +19,10 @@ from reshard.dtypes import safetensors_order
 from reshard.errors import AmbiguousPartitionError, PlanError, ReshardError, ShapeMismatchError
 from reshard.layouts.base import CheckpointWriter, SourceCheckpoint, TensorRef
 from reshard.layouts.files import TensorHeader
-from reshard.partition import (
-    Packed,
-    Partition,
-    Vocab,
-    bitwise_equal,
-    canonical_shape,
-    gather,
-    rank_shapes,
-    round_up,
-)
+from reshard.partition import Packed, Partition, Vocab, canonical_shape, rank_shapes, round_up
 from reshard.plans import Plan, infer_partition
 from reshard.safetensors_stream import CHUNK_BYTES, byte_chunks
+from reshard.slicing import bitwise_equal, gather
 
 Shape = tuple[int, ...]
 

@@ -37,17 +37,8 @@ from tqdm.auto import tqdm
 from reshard._output import quiet_unless
 from reshard.errors import ReshardError, ShapeMismatchError
 from reshard.layouts.base import CheckpointWriter, TensorRef
-from reshard.partition import (
-    Grouped,
-    Packed,
-    Replicate,
-    Shard,
-    Vocab,
-    bitwise_equal,
-    check_replica,
-    split,
-    split_sizes,
-)
+from reshard.partition import Grouped, Packed, Replicate, Shard, Vocab, split_sizes
+from reshard.slicing import bitwise_equal, check_replica, split
 
 if TYPE_CHECKING:
     from collections.abc import Callable

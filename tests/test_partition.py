@@ -13,17 +13,13 @@ from reshard.partition import (
     Replicate,
     Shard,
     Vocab,
-    bitwise_equal,
     canonical_shape,
-    gather,
-    pad,
     partition_from_dict,
     partition_to_dict,
     rank_shapes,
-    split,
     split_sizes,
-    unpad,
 )
+from reshard.slicing import bitwise_equal, gather, pad, split, unpad
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool]
 TPS = [1, 2, 4, 8]

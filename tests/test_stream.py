@@ -14,9 +14,10 @@ from reshard import stream
 from reshard.errors import CorruptFileError, DivergentReplicaError
 from reshard.layouts.base import TensorRef
 from reshard.layouts.files import SafetensorsReader, TorchReader
-from reshard.partition import Packed, Replicate, Shard, Vocab, gather, rank_shapes, split
+from reshard.partition import Packed, Replicate, Shard, Vocab, rank_shapes
 from reshard.pipeline import SourceTensor, TensorPlan, sha256_of
 from reshard.safetensors_stream import byte_chunks, tensor_bytes
+from reshard.slicing import gather, split
 
 SAMPLE = Path(__file__).resolve().parents[1] / "sample_ckpts" / "tiny-llama-tp2"
 

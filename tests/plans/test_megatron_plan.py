@@ -18,14 +18,13 @@ from reshard.partition import (
     Replicate,
     Shard,
     Vocab,
-    gather,
     partition_from_dict,
     partition_to_dict,
     rank_shapes,
-    split,
 )
 from reshard.plans import detect_family
 from reshard.plans.megatron import MEGATRON_PLAN
+from reshard.slicing import gather, split
 
 ARGS = argparse.Namespace(
     hidden_size=32,

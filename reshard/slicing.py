@@ -1,0 +1,150 @@
+"""The pure tensor functions of the partitions: split a canonical tensor into rank slices, gather rank
+slices back (unpadding the vocab), pad and unpad, and the bitwise replica check.
+
+Tensors in, tensors out; no file is opened. Shapes are validated by :mod:`reshard.partition` first.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from reshard.errors import DivergentReplicaError, ShapeMismatchError
+from reshard.partition import (
+    Grouped,
+    Packed,
+    Partition,
+    Replicate,
+    Shard,
+    Vocab,
+    canonical_shape,
+    norm_dim,
+    packed_piece_sizes,
+    rank_shapes,
+    with_size,
+)
+
+
+def pad(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """Append zero rows along ``dim`` up to ``size`` (no copy when nothing is added)."""
+    dim = norm_dim(dim, tensor.dim())
+    missing = size - tensor.shape[dim]
+    if missing < 0:
+        raise ShapeMismatchError(f"cannot pad dim {dim} of size {tensor.shape[dim]} down to {size}")
+    if missing == 0:
+        return tensor
+    zeros = tensor.new_zeros(with_size(tensor.shape, dim, missing))
+    return torch.cat([tensor, zeros], dim=dim)
+
+
+def unpad(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """A view of the first ``size`` entries along ``dim``: the pad rows are not data."""
+    dim = norm_dim(dim, tensor.dim())
+    if size > tensor.shape[dim]:
+        raise ShapeMismatchError(f"cannot unpad dim {dim} of size {tensor.shape[dim]} up to {size}")
+    return tensor.narrow(dim, 0, size)
+
+
+def split(
+    full: torch.Tensor, partition: Partition, tp: int, *, padded: int | None = None, uneven: bool = False
+) -> list[torch.Tensor]:
+    """Cut a canonical tensor into ``tp`` rank slices (views where the layout allows).
+
+    Example:
+        >>> [t.tolist() for t in split(torch.arange(4), Packed(0, (2, 2)), 2)]
+        [[0, 2], [1, 3]]
+    """
+    match partition:
+        case Replicate():
+            return [full] * tp
+        case Shard(dim, _) | Grouped(dim, _):
+            sizes = [s[dim] for s in rank_shapes(partition, full.shape, tp, uneven=uneven)]
+            return list(torch.split(full, sizes, dim=dim))
+        case Vocab(dim):
+            sizes = [s[dim] for s in rank_shapes(partition, full.shape, tp, padded=padded, uneven=uneven)]
+            return list(torch.split(pad(full, dim, sum(sizes)), sizes, dim=dim))
+        case Packed(dim, parts, _):
+            rank_shapes(partition, full.shape, tp, uneven=uneven)  # validates
+            pieces = [
+                torch.split(part, sizes, dim=dim)
+                for part, sizes in zip(
+                    torch.split(full, list(parts), dim=dim),
+                    packed_piece_sizes(partition, tp, uneven=uneven),
+                    strict=True,
+                )
+            ]
+            return [torch.cat([p[r] for p in pieces], dim=dim) for r in range(tp)]
+    raise TypeError(f"not a partition: {partition!r}")
+
+
+def gather(
+    slices: Sequence[torch.Tensor],
+    partition: Partition,
+    *,
+    vocab_size: int | None = None,
+    uneven: bool = False,
+    allow_divergent: bool = False,
+) -> torch.Tensor:
+    """Join rank slices into the canonical tensor: the inverse of :func:`split`.
+
+    Args:
+        slices: one tensor per rank, in rank order.
+        partition: how they were split.
+        vocab_size: for :class:`Vocab`, the true size to cut the padded dim back to.
+        uneven: accept ``torch.chunk``-style uneven pieces.
+        allow_divergent: for :class:`Replicate`, take rank 0 even when ranks differ.
+
+    Raises:
+        ShapeMismatchError: the slices do not fit the partition.
+        DivergentReplicaError: a replicated tensor differs between ranks (the message gives the max
+            absolute difference and the first differing rank).
+
+    Example:
+        >>> gather([torch.tensor([0, 2]), torch.tensor([1, 3])], Packed(0, (2, 2))).tolist()
+        [0, 1, 2, 3]
+    """
+    full_shape = canonical_shape(partition, [s.shape for s in slices], vocab_size=vocab_size, uneven=uneven)
+    match partition:
+        case Replicate():
+            if not allow_divergent:
+                check_replicas(slices)
+            return slices[0]
+        case Shard(dim, _) | Grouped(dim, _):
+            return slices[0] if len(slices) == 1 else torch.cat(list(slices), dim=dim)
+        case Vocab(dim):
+            joined = slices[0] if len(slices) == 1 else torch.cat(list(slices), dim=dim)
+            return unpad(joined, dim, full_shape[dim])
+        case Packed(dim, _, _):
+            per_part = packed_piece_sizes(partition, len(slices), uneven=uneven)
+            rank_pieces = [torch.split(s, [sizes[r] for sizes in per_part], dim=dim) for r, s in enumerate(slices)]
+            return torch.cat(
+                [torch.cat([pieces[i] for pieces in rank_pieces], dim=dim) for i in range(len(per_part))], dim=dim
+            )
+    raise TypeError(f"not a partition: {partition!r}")
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, dtype and bytes (NaNs with equal bits compare equal, unlike ``torch.equal``)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.numel() == 0:
+        return True
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def check_replicas(slices: Sequence[torch.Tensor]) -> None:
+    """Raise :class:`DivergentReplicaError` unless every slice equals the first, bit for bit."""
+    for rank, other in enumerate(slices[1:], start=1):
+        check_replica(slices[0], other, rank)
+
+
+def check_replica(first: torch.Tensor, other: torch.Tensor, rank: int) -> None:
+    """Raise :class:`DivergentReplicaError` unless rank ``rank``'s copy ``other`` equals rank 0's ``first``."""
+    if not bitwise_equal(first, other):
+        diff = (first.double() - other.double()).abs().max().item() if first.is_floating_point() else math.nan
+        raise DivergentReplicaError(
+            f"replicated tensor differs between rank 0 and rank {rank} (max abs diff {diff:.3g})",
+            hint="pass --allow-divergent-replicas to take rank 0",
+        )

@@ -65,6 +65,19 @@ def write_all(fd: int, views: Sequence[memoryview]) -> None:
         index = _advance(views, index, count)
 
 
+def pwrite_all(fd: int, views: Sequence[memoryview], position: int) -> None:
+    """Write every buffer (1-d byte views), in order, from ``position`` on (``pwritev`` in batches,
+    resuming short writes); leaves the file position alone, so threads may write one file at once."""
+    views = [view for view in views if len(view)]
+    index = 0
+    while index < len(views):
+        count = os.pwritev(fd, views[index : index + IOV_MAX], position)
+        if count == 0:
+            raise OSError("write returned 0 bytes")
+        position += count
+        index = _advance(views, index, count)
+
+
 def read_all(fd: int, views: Sequence[memoryview], position: int) -> bool:
     """Fill every buffer (1-d byte views), in order, from ``position`` on (``preadv``); False if the file
     ends first."""

@@ -22,6 +22,7 @@ Why it is shaped like this:
 
 from __future__ import annotations
 
+import gc
 import math
 import sys
 import threading
@@ -331,10 +332,18 @@ def run(
     def job(work: Work) -> tuple[str, str, bool | None, list[torch.Tensor], torch.Tensor]:
         raw, buffer = buffers.get(work.buffer_shape, work.tensor.source.dtype)
         name, canonical, pieces = prepare(work, buffer=buffer, **options)
-        return name, hasher(canonical), finite_of(canonical) if finite_of else None, pieces, raw
+        digest, is_finite = hasher(canonical), finite_of(canonical) if finite_of else None
+        if writer.concurrent:  # write here: the copies into the page cache then run on every core
+            writer.write_unordered(name, _exact(pieces, work.tensor.target_shapes))
+            pieces = []
+        return name, digest, is_finite, pieces, raw
 
     hashes: dict[str, str] = {}
     total = sum(t.nbytes for t in conversion.tensors)
+    # The loop allocates many small tracked objects (a memoryview per row of a column block), which
+    # triggers collections that walk every object of torch and the interpreter: a few % of the CPU.
+    # Frozen objects are skipped by the collector; the new ones are still collected.
+    gc.freeze()
     pending: deque[tuple[Work, Future]] = deque()
     with (
         ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="reshard-read") as pool,
@@ -356,7 +365,8 @@ def run(
                 hashes[name] = digest
                 if finite is not None:
                     finite[name] = is_finite
-                writer.write(name, _exact(pieces, work.tensor.target_shapes))
+                if not writer.concurrent:
+                    writer.write(name, _exact(pieces, work.tensor.target_shapes))
                 del pieces, future
                 buffers.put(raw)
                 budget.give(work.cost)
@@ -365,6 +375,8 @@ def run(
             for _, future in pending:
                 future.cancel()
             raise
+        finally:
+            gc.unfreeze()
     return hashes
 
 

@@ -71,6 +71,10 @@ class TensorRef:
         """Let the OS start reading this slice from disk in the background."""
         self.reader.prefetch(self.key)
 
+    def evict(self) -> None:
+        """Let the OS drop this slice's pages from its cache (once read, a conversion needs them no more)."""
+        self.reader.evict(self.key)
+
 
 @dataclass
 class SourceCheckpoint:

@@ -8,17 +8,18 @@ but the writer never holds more than the tensor being written.
 from __future__ import annotations
 
 import json
+import os
 import struct
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
 
 import torch
 from huggingface_hub import split_state_dict_into_shards_factory
 from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_WEIGHTS_FILE_PATTERN
 
-from reshard._io import row_views, write_all
+from reshard._io import pwrite_all, row_views
 from reshard.dtypes import code_of, safetensors_order
 from reshard.layouts.files import TensorHeader
 
@@ -80,56 +81,86 @@ def byte_chunks(tensor: torch.Tensor, limit: int = CHUNK_BYTES) -> Iterator[memo
 class SafetensorsFileWriter:
     """Writes one safetensors file whose tensors are known in advance, one tensor at a time.
 
-    Tensors must arrive in :func:`ordered` order with the announced shapes and dtypes; the file is
-    complete when the last one is written (:attr:`done`).
+    Every tensor's place in the file follows from the headers, so each is written with ``pwritev`` at
+    its own offset. :meth:`write` takes tensors in :func:`ordered` order; :meth:`write_unordered` takes
+    them in any order and from several threads at once (so the copies into the page cache of different
+    tensors run on different cores). The file is complete when the last one is written (:attr:`done`).
     """
 
     path: Path
     headers: Mapping[str, TensorHeader]
     metadata: Mapping[str, str] | None = field(default_factory=lambda: dict(FORMAT_METADATA))
     _order: list[str] = field(init=False)
-    _next: int = field(init=False, default=0)
-    _handle: BinaryIO | None = field(init=False, default=None, repr=False)
+    _offsets: dict[str, int] = field(init=False)
+    _written: set[str] = field(init=False, default_factory=set)
+    _finished: int = field(init=False, default=0)
+    _fd: int | None = field(init=False, default=None, repr=False)
     _started: bool = field(init=False, default=False)
+    _lock: threading.Lock = field(init=False, default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
         self._order = ordered(self.headers)
+        self._header = header_bytes(self.headers, self.metadata)
+        self._offsets, offset = {}, len(self._header)
+        for name in self._order:
+            self._offsets[name] = offset
+            offset += self.headers[name].nbytes
 
     @property
     def done(self) -> bool:
-        return self._next == len(self._order)
+        return self._finished == len(self._order)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        expected = self._order[self._next] if not self.done else None
+        """Write the next tensor in :func:`ordered` order."""
+        with self._lock:
+            expected = self._order[len(self._written)] if len(self._written) < len(self._order) else None
         if name != expected:
             raise ValueError(f"{self.path.name}: expected tensor {expected!r} next, got {name!r}")
-        header = self.headers[name]
+        self.write_unordered(name, tensor)
+
+    def write_unordered(self, name: str, tensor: torch.Tensor) -> None:
+        """Write one announced tensor at its offset; safe to call from several threads at once."""
+        header = self.headers.get(name)
+        if header is None:
+            raise ValueError(f"{self.path.name}: tensor {name!r} was not announced")
         if tuple(tensor.shape) != header.shape or tensor.dtype != header.dtype:
             raise ValueError(
                 f"{self.path.name}: {name}: announced {header.shape} {header.dtype}, "
                 f"got {tuple(tensor.shape)} {tensor.dtype}"
             )
-        if not self._started:
-            self._start()
+        with self._lock:
+            if name in self._written:
+                raise ValueError(f"{self.path.name}: tensor {name!r} written twice")
+            self._written.add(name)
+            if not self._started:
+                self._start()
+            fd = self._fd
+        position = self._offsets[name]
         rows = row_views(tensor)
         for chunk in [rows] if rows is not None else ([c] for c in byte_chunks(tensor)):
-            write_all(self._handle.fileno(), chunk)
-        self._next += 1
-        if self.done:
-            self.close()
+            pwrite_all(fd, chunk, position)
+            position += sum(len(view) for view in chunk)
+        with self._lock:
+            self._finished += 1
+            if self.done:
+                self._close()
 
     def _start(self) -> None:
         self._started = True
-        self._handle = self.path.open("wb", buffering=0)
-        write_all(self._handle.fileno(), [memoryview(header_bytes(self.headers, self.metadata))])
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        pwrite_all(self._fd, [memoryview(self._header)], 0)
 
     def close(self) -> None:
         """Close the file; a file announced with no tensors is written (header only) here."""
-        if not self._started:
-            self._start()
-        if self._handle is not None:
-            self._handle.close()
-            self._handle = None
+        with self._lock:
+            if not self._started:
+                self._start()
+            self._close()
+
+    def _close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 @dataclass
@@ -174,6 +205,10 @@ class ShardedSafetensorsWriter:
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         self._files[self._file_of[name]].write(name, tensor)
+
+    def write_unordered(self, name: str, tensor: torch.Tensor) -> None:
+        """:meth:`SafetensorsFileWriter.write_unordered` into the shard that holds ``name``."""
+        self._files[self._file_of[name]].write_unordered(name, tensor)
 
     def close(self) -> None:
         """Finish every file (refusing if a tensor is missing) and write the index when sharded."""

@@ -62,6 +62,23 @@ def test_non_contiguous_slices_are_written_in_c_order(tmp_path):
     assert torch.equal(load_file(tmp_path / "p.safetensors")["p"], piece)
 
 
+def test_unordered_writes_from_threads_give_the_save_file_bytes(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    gen = torch.Generator().manual_seed(1)
+    tensors = {f"t{i}": torch.randn(300 + i, 70, generator=gen).to(torch.bfloat16) for i in range(12)}
+    tensors["col"] = torch.randn(64, 1024, generator=gen)[:, 256:768]  # strided rows
+    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp_path / "ref.safetensors", metadata={"format": "pt"})
+    writer = SafetensorsFileWriter(tmp_path / "ours.safetensors", headers_of(tensors))
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda name: writer.write_unordered(name, tensors[name]), reversed(ordered(writer.headers))))
+    assert writer.done
+    writer.close()
+    assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    with pytest.raises(ValueError, match="written twice"):
+        writer.write_unordered("t0", tensors["t0"])
+
+
 def test_wrong_order_or_shape_is_refused(tmp_path):
     tensors = {"a": torch.zeros(2), "b": torch.zeros(3)}
     writer = SafetensorsFileWriter(tmp_path / "x.safetensors", headers_of(tensors))

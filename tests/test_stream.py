@@ -216,12 +216,23 @@ def test_short_writes_and_reads_resume_where_they_stopped(tmp_path: Path, monkey
     from reshard import _io
 
     data = [memoryview(bytes(range(i, i + 7))) for i in range(0, 70, 7)]
-    real_writev, real_preadv = os.writev, os.preadv
-    monkeypatch.setattr(_io.os, "writev", lambda fd, views: real_writev(fd, [views[0][:3]]))  # 3 bytes a call
+    real_pwritev, real_preadv = os.pwritev, os.preadv
+    monkeypatch.setattr(_io.os, "pwritev", lambda fd, views, pos: real_pwritev(fd, [views[0][:3]], pos))  # 3 a call
     path = tmp_path / "f"
     with path.open("wb", buffering=0) as handle:
-        _io.write_all(handle.fileno(), data)
+        handle.write(b"head")
+        _io.pwrite_all(handle.fileno(), data, 4)
+    assert path.read_bytes() == b"head" + b"".join(bytes(d) for d in data)
+
+    calls: list[int] = []
+    monkeypatch.setattr(_io, "WRITE_BYTES", 10)  # views are split and batched to at most 10 bytes a call
+    monkeypatch.setattr(
+        _io.os, "pwritev", lambda fd, views, pos: calls.append(sum(map(len, views))) or real_pwritev(fd, views, pos)
+    )
+    with path.open("wb", buffering=0) as handle:
+        _io.pwrite_all(handle.fileno(), data, 0)
     assert path.read_bytes() == b"".join(bytes(d) for d in data)
+    assert max(calls) <= 10 and sum(calls) == 70
 
     monkeypatch.setattr(_io.os, "preadv", lambda fd, views, pos: real_preadv(fd, [views[0][:5]], pos))
     out = [memoryview(bytearray(7)) for _ in range(10)]

@@ -71,6 +71,10 @@ class TensorRef:
         """Let the OS start reading this slice from disk in the background."""
         self.reader.prefetch(self.key)
 
+    def evict(self) -> None:
+        """Let the OS drop this slice's pages from its cache (once read, a conversion needs them no more)."""
+        self.reader.evict(self.key)
+
 
 @dataclass
 class SourceCheckpoint:
@@ -167,7 +171,15 @@ class CheckpointWriter:
         """The multiple the vocab is padded to for ``tp`` ranks when the user does not say (None: tp)."""
         return None
 
+    # True when :meth:`write_unordered` may be called from several threads at once, in any order
+    # (the writer knows every tensor's place up front), so the callers' threads write in parallel.
+    concurrent: bool = False
+
     def write(self, name: str, slices: list[torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def write_unordered(self, name: str, slices: list[torch.Tensor]) -> None:
+        """Like :meth:`write`, in any order and from any thread; only when :attr:`concurrent`."""
         raise NotImplementedError
 
     def close(self) -> list[Path]:

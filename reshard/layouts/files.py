@@ -87,6 +87,9 @@ class FileReader:
     def prefetch(self, key: str) -> None:
         """Ask the OS to start reading tensor ``key`` in the background (a hint; may do nothing)."""
 
+    def evict(self, key: str) -> None:
+        """Tell the OS tensor ``key``'s bytes will not be read again (a hint; may do nothing)."""
+
 
 def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A 1-d uint8 view of a tensor's bytes (a contiguous copy first if it is not contiguous)."""
@@ -141,6 +144,15 @@ class SafetensorsReader(FileReader):
                 )
             except OSError as err:
                 logger.debug("%s: no read-ahead for %s: %s", self.path, key, err)
+
+    def evict(self, key: str) -> None:
+        if hasattr(os, "posix_fadvise") and self.headers[key].nbytes:
+            try:
+                os.posix_fadvise(
+                    self._descriptor(), self._offsets[key], self.headers[key].nbytes, os.POSIX_FADV_DONTNEED
+                )
+            except OSError as err:
+                logger.debug("%s: cannot drop cached pages of %s: %s", self.path, key, err)
 
     def _descriptor(self) -> int:
         with self._lock:

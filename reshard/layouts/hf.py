@@ -162,6 +162,11 @@ class HFWriter(CheckpointWriter):
     def write(self, name: str, slices: list[torch.Tensor]) -> None:
         self._writer.write(name, slices[0])
 
+    concurrent = True
+
+    def write_unordered(self, name: str, slices: list[torch.Tensor]) -> None:
+        self._writer.write_unordered(name, slices[0])
+
     def close(self) -> list[Path]:
         self._writer.close()
         written = [Path(f) for f in self._writer.filenames]

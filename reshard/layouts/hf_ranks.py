@@ -78,6 +78,12 @@ class HFRanksWriter(CheckpointWriter):
         for writer, piece in zip(self._writers, slices, strict=True):
             writer.write(name, piece)
 
+    concurrent = True
+
+    def write_unordered(self, name: str, slices: list[torch.Tensor]) -> None:
+        for writer, piece in zip(self._writers, slices, strict=True):
+            writer.write_unordered(name, piece)
+
     def close(self) -> list[Path]:
         written = []
         for rank, writer in enumerate(self._writers):

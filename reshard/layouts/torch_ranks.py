@@ -45,6 +45,12 @@ class TorchRanksWriter(CheckpointWriter):
         for writer, piece in zip(self._writers, slices, strict=True):
             writer.write(name, piece)
 
+    concurrent = True
+
+    def write_unordered(self, name: str, slices: list[torch.Tensor]) -> None:
+        for writer, piece in zip(self._writers, slices, strict=True):
+            writer.write_unordered(name, piece)
+
     def rank_file(self, rank: int, state_dict: dict[str, torch.Tensor]) -> tuple[Path, Any]:
         """The path (relative to the output folder) of rank ``rank``'s file and the object to save there."""
         raise NotImplementedError

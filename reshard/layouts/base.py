@@ -184,3 +184,25 @@ class CheckpointWriter:
 
     def close(self) -> list[Path]:
         raise NotImplementedError
+
+
+class RankFilesWriter(CheckpointWriter):
+    """A writer that keeps one file writer per target rank and hands each rank its slice.
+
+    ``rank_writers`` are anything with ``write(name, tensor)`` and ``write_unordered(name, tensor)``
+    (safetensors writers whose offsets are known up front), so callers may write from several threads.
+    """
+
+    concurrent = True
+
+    def __init__(self, out_dir: Path, spec: TargetSpec, rank_writers: list[Any]) -> None:
+        super().__init__(out_dir, spec)
+        self.rank_writers = rank_writers
+
+    def write(self, name: str, slices: list[torch.Tensor]) -> None:
+        for writer, piece in zip(self.rank_writers, slices, strict=True):
+            writer.write(name, piece)
+
+    def write_unordered(self, name: str, slices: list[torch.Tensor]) -> None:
+        for writer, piece in zip(self.rank_writers, slices, strict=True):
+            writer.write_unordered(name, piece)

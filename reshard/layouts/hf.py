@@ -6,13 +6,12 @@ import json
 import logging
 from pathlib import Path, PurePosixPath
 
-import torch
 from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE_FILE
 
 from reshard.config import CONFIG_NAME, find_config
 from reshard.errors import CorruptFileError, MissingRankError, ReshardError
 from reshard.layouts.base import (
-    CheckpointWriter,
+    RankFilesWriter,
     ReadOptions,
     SourceCheckpoint,
     TargetSpec,
@@ -151,25 +150,18 @@ def check_writable(tp: int) -> None:
         )
 
 
-class HFWriter(CheckpointWriter):
+class HFWriter(RankFilesWriter):
     """Writes a canonical HF folder: ``config.json`` and safetensors shards with their index."""
 
     def __init__(self, out_dir: Path, spec: TargetSpec) -> None:
         check_writable(spec.tp)
-        super().__init__(out_dir, spec)
-        self._writer = ShardedSafetensorsWriter(out_dir, spec.rank_headers[0], max_shard_size=spec.max_shard_size)
-
-    def write(self, name: str, slices: list[torch.Tensor]) -> None:
-        self._writer.write(name, slices[0])
-
-    concurrent = True
-
-    def write_unordered(self, name: str, slices: list[torch.Tensor]) -> None:
-        self._writer.write_unordered(name, slices[0])
+        writer = ShardedSafetensorsWriter(out_dir, spec.rank_headers[0], max_shard_size=spec.max_shard_size)
+        super().__init__(out_dir, spec, [writer])
 
     def close(self) -> list[Path]:
-        self._writer.close()
-        written = [Path(f) for f in self._writer.filenames]
+        (writer,) = self.rank_writers
+        writer.close()
+        written = [Path(f) for f in writer.filenames]
         if self.spec.config is not None:
             write_config(self.out_dir, self.spec.config)
             written.append(Path(CONFIG_NAME))

@@ -9,11 +9,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import torch
-
 from reshard.config import CONFIG_NAME, find_config
 from reshard.errors import MissingRankError
-from reshard.layouts.base import CheckpointWriter, ReadOptions, SourceCheckpoint, TargetSpec
+from reshard.layouts.base import RankFilesWriter, ReadOptions, SourceCheckpoint, TargetSpec
 from reshard.layouts.hf import collect_extras, read_folder, side_files, write_config
 from reshard.manifest import find_manifest
 from reshard.safetensors_stream import ShardedSafetensorsWriter
@@ -63,30 +61,20 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
     return source
 
 
-class HFRanksWriter(CheckpointWriter):
+class HFRanksWriter(RankFilesWriter):
     """Writes ``rank_NN/`` safetensors folders plus the top-level ``config.json``."""
 
     def __init__(self, out_dir: Path, spec: TargetSpec) -> None:
-        super().__init__(out_dir, spec)
-        self._writers = []
+        writers = []
         for rank, headers in enumerate(spec.rank_headers):
             folder = out_dir / rank_dir(rank)
             folder.mkdir(parents=True, exist_ok=True)
-            self._writers.append(ShardedSafetensorsWriter(folder, headers, max_shard_size=spec.max_shard_size))
-
-    def write(self, name: str, slices: list[torch.Tensor]) -> None:
-        for writer, piece in zip(self._writers, slices, strict=True):
-            writer.write(name, piece)
-
-    concurrent = True
-
-    def write_unordered(self, name: str, slices: list[torch.Tensor]) -> None:
-        for writer, piece in zip(self._writers, slices, strict=True):
-            writer.write_unordered(name, piece)
+            writers.append(ShardedSafetensorsWriter(folder, headers, max_shard_size=spec.max_shard_size))
+        super().__init__(out_dir, spec, writers)
 
     def close(self) -> list[Path]:
         written = []
-        for rank, writer in enumerate(self._writers):
+        for rank, writer in enumerate(self.rank_writers):
             writer.close()
             written.extend(Path(rank_dir(rank)) / f for f in writer.filenames)
         if self.spec.config is not None:

@@ -16,13 +16,13 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from reshard.layouts.base import CheckpointWriter, TargetSpec
+from reshard.layouts.base import RankFilesWriter, TargetSpec
 from reshard.safetensors_stream import SafetensorsFileWriter
 
 SPOOL_DIR = ".reshard-spool"
 
 
-class TorchRanksWriter(CheckpointWriter):
+class TorchRanksWriter(RankFilesWriter):
     """Spools per-rank slices, then ``torch.save``s what :meth:`rank_file` builds for each rank.
 
     Subclasses implement :meth:`rank_file` (where rank ``r`` goes and the object to pickle around its
@@ -33,23 +33,13 @@ class TorchRanksWriter(CheckpointWriter):
     pickle_module: Any = pickle
 
     def __init__(self, out_dir: Path, spec: TargetSpec) -> None:
-        super().__init__(out_dir, spec)
         self._spool = out_dir / SPOOL_DIR
         self._spool.mkdir(parents=True, exist_ok=True)
-        self._writers = [
+        writers = [
             SafetensorsFileWriter(self._spool / f"rank_{rank:05d}.safetensors", headers, metadata=None)
             for rank, headers in enumerate(spec.rank_headers)
         ]
-
-    def write(self, name: str, slices: list[torch.Tensor]) -> None:
-        for writer, piece in zip(self._writers, slices, strict=True):
-            writer.write(name, piece)
-
-    concurrent = True
-
-    def write_unordered(self, name: str, slices: list[torch.Tensor]) -> None:
-        for writer, piece in zip(self._writers, slices, strict=True):
-            writer.write_unordered(name, piece)
+        super().__init__(out_dir, spec, writers)
 
     def rank_file(self, rank: int, state_dict: dict[str, torch.Tensor]) -> tuple[Path, Any]:
         """The path (relative to the output folder) of rank ``rank``'s file and the object to save there."""
@@ -62,7 +52,7 @@ class TorchRanksWriter(CheckpointWriter):
     def close(self) -> list[Path]:
         order = {name: i for i, name in enumerate(self.spec.source.names())}
         written = []
-        for rank, writer in enumerate(self._writers):
+        for rank, writer in enumerate(self.rank_writers):
             writer.close()
             with safe_open(writer.path, framework="pt") as spooled:
                 names = sorted(spooled.keys(), key=lambda n: order.get(n, len(order)))

@@ -28,12 +28,13 @@ Why it is shaped like this:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import sys
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -332,6 +333,21 @@ def _source_bytes(work: Work) -> int:
     return sum(ref.header.nbytes for ref in work.tensor.source.refs)
 
 
+@contextlib.contextmanager
+def _frozen_gc() -> Iterator[None]:
+    """Keep the collector off the objects alive before the run, for the run only.
+
+    The loop allocates many small tracked objects (a memoryview per row of a column block), which
+    triggers collections that walk every object of torch and the interpreter: a few % of the CPU.
+    Frozen objects are skipped by the collector; the new ones are still collected.
+    """
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def run(
     conversion: ConversionPlan,
     writer: CheckpointWriter,
@@ -375,12 +391,9 @@ def run(
 
     hashes: dict[str, str] = {}
     total = sum(t.nbytes for t in conversion.tensors)
-    # The loop allocates many small tracked objects (a memoryview per row of a column block), which
-    # triggers collections that walk every object of torch and the interpreter: a few % of the CPU.
-    # Frozen objects are skipped by the collector; the new ones are still collected.
-    gc.freeze()
     pending: deque[tuple[Work, Future]] = deque()
     with (
+        _frozen_gc(),
         ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="reshard-read") as pool,
         tqdm(
             total=total,

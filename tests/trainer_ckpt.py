@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from helpers import tiny_llama
 from safetensors.torch import load_file, save_file
 
 COLUMN = re.compile(r"(q_proj|k_proj|v_proj|gate_proj|up_proj)\.weight$")
@@ -80,19 +81,12 @@ def write_ranks(
 
 def llama_65535(path: Path, *, vocab: int = 65535, seed: int = 0):
     """A random ``LlamaForCausalLM`` with a 65535 vocab, hidden 16, 8 heads (splits 8 ways), one layer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab,
+    return tiny_llama(
+        path,
+        vocab=vocab,
+        seed=seed,
         hidden_size=16,
         intermediate_size=32,
         num_hidden_layers=1,
-        num_attention_heads=8,
-        num_key_value_heads=8,
         max_position_embeddings=32,
-        tie_word_embeddings=False,
     )
-    model = LlamaForCausalLM(config).eval()
-    model.save_pretrained(path)
-    return model

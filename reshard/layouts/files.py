@@ -137,22 +137,18 @@ class SafetensorsReader(FileReader):
             raise CorruptFileError("file ends before the tensor's bytes", path=self.path, tensor=key)
 
     def prefetch(self, key: str) -> None:
-        if hasattr(os, "posix_fadvise") and self.headers[key].nbytes:
-            try:
-                os.posix_fadvise(
-                    self._descriptor(), self._offsets[key], self.headers[key].nbytes, os.POSIX_FADV_WILLNEED
-                )
-            except OSError as err:
-                logger.debug("%s: no read-ahead for %s: %s", self.path, key, err)
+        self._advise(key, "POSIX_FADV_WILLNEED", "no read-ahead")
 
     def evict(self, key: str) -> None:
+        self._advise(key, "POSIX_FADV_DONTNEED", "cannot drop cached pages")
+
+    def _advise(self, key: str, advice: str, failure: str) -> None:
+        """A ``posix_fadvise`` hint over one tensor's bytes; only a hint, so a failure is logged, not raised."""
         if hasattr(os, "posix_fadvise") and self.headers[key].nbytes:
             try:
-                os.posix_fadvise(
-                    self._descriptor(), self._offsets[key], self.headers[key].nbytes, os.POSIX_FADV_DONTNEED
-                )
+                os.posix_fadvise(self._descriptor(), self._offsets[key], self.headers[key].nbytes, getattr(os, advice))
             except OSError as err:
-                logger.debug("%s: cannot drop cached pages of %s: %s", self.path, key, err)
+                logger.debug("%s: %s for %s: %s", self.path, failure, key, err)
 
     def _descriptor(self) -> int:
         with self._lock:

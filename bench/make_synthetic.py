@@ -96,7 +96,7 @@ def layers_for_size(size_gb: float) -> int:
 
 
 def _nbytes(shape: tuple[int, ...]) -> int:
-    return TensorHeader(shape, DTYPE).nbytes
+    return TensorHeader.of(shape, DTYPE).nbytes
 
 
 class RandomBytes:
@@ -148,7 +148,7 @@ def llama_config(layers: int) -> dict:
 
 def write_hf_ranks(out: Path, layers: int, tp: int, seed: int) -> None:
     shapes = hf_rank_shapes(layers, tp)
-    headers = {name: TensorHeader(shape, DTYPE) for name, (shape, _) in shapes.items()}
+    headers = {name: TensorHeader.of(shape, DTYPE) for name, (shape, _) in shapes.items()}
     shared = RandomBytes(seed + 1000)
     replicated = {name: b"".join(shared.chunks(_nbytes(shape))) for name, (shape, rep) in shapes.items() if rep}
     for rank in range(tp):

@@ -15,9 +15,10 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # Rows shorter than this are not worth one iovec each: the caller copies the block instead.
 MIN_ROW_BYTES = 1024
@@ -45,6 +46,9 @@ def row_views(tensor: torch.Tensor, *, min_row: int = MIN_ROW_BYTES) -> list[mem
     run = math.prod(tensor.shape[first:]) * itemsize
     if run < min_row:
         return None
+    import numpy as np
+    import torch
+
     offsets = np.zeros((), dtype=np.int64)
     for size, stride in zip(tensor.shape[:first], tensor.stride()[:first], strict=True):
         offsets = offsets[..., None] + np.arange(size, dtype=np.int64) * stride
@@ -55,6 +59,8 @@ def row_views(tensor: torch.Tensor, *, min_row: int = MIN_ROW_BYTES) -> list[mem
 
 
 def _bytes_of(flat: torch.Tensor) -> memoryview:
+    import torch
+
     return memoryview(flat.view(torch.uint8).numpy())
 
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from reshard._output import human_bytes, shape_list, table
-from reshard.check import CheckReport
-from reshard.convert import ConvertReport
-from reshard.fix import FixReport
-from reshard.inspect import InspectReport
+
+if TYPE_CHECKING:
+    from reshard.check import CheckReport
+    from reshard.convert import ConvertReport
+    from reshard.fix import FixReport
+    from reshard.inspect import InspectReport
 
 
 def render_inspect(report: InspectReport) -> str:

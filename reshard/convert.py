@@ -116,7 +116,7 @@ def convert(ckpt: Path, out: Path, options: ConvertOptions) -> ConvertReport:
     spec = TargetSpec(
         tp=options.tp,
         rank_headers=[
-            {t.name: TensorHeader(t.target_shapes[r], t.source.dtype) for t in conversion.tensors}
+            {t.name: TensorHeader(t.target_shapes[r], t.source.code) for t in conversion.tensors}
             for r in range(options.tp)
         ],
         config=config,

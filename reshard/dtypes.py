@@ -1,42 +1,67 @@
-"""The one dtype table: safetensors code <-> torch dtype, and the order safetensors writes them in."""
+"""The one dtype table: safetensors code, manifest name and width, and the order safetensors writes them in.
+
+Headers carry the safetensors code (``"BF16"``), so reading a checkpoint's headers never imports torch
+(``reshard check`` answers before torch would have finished importing); the torch dtype is looked up
+only when a tensor is read or written.
+"""
 
 from __future__ import annotations
 
-import torch
+import functools
+from typing import TYPE_CHECKING
 
-# In safetensors' own order (its Rust ``Dtype`` enum): files list tensors by this rank, largest first.
-_SAFETENSORS_DTYPES: tuple[tuple[str, torch.dtype], ...] = (
-    ("BOOL", torch.bool),
-    ("U8", torch.uint8),
-    ("I8", torch.int8),
-    ("F8_E5M2", torch.float8_e5m2),
-    ("F8_E4M3", torch.float8_e4m3fn),
-    ("F8_E8M0", torch.float8_e8m0fnu),
-    ("I16", torch.int16),
-    ("U16", torch.uint16),
-    ("F16", torch.float16),
-    ("BF16", torch.bfloat16),
-    ("I32", torch.int32),
-    ("U32", torch.uint32),
-    ("F32", torch.float32),
-    ("C64", torch.complex64),
-    ("F64", torch.float64),
-    ("I64", torch.int64),
-    ("U64", torch.uint64),
+if TYPE_CHECKING:
+    import torch
+
+# (code, torch attribute name, bytes per element), in safetensors' own order (its Rust ``Dtype`` enum):
+# files list tensors by this rank, largest first.
+_SAFETENSORS_DTYPES: tuple[tuple[str, str, int], ...] = (
+    ("BOOL", "bool", 1),
+    ("U8", "uint8", 1),
+    ("I8", "int8", 1),
+    ("F8_E5M2", "float8_e5m2", 1),
+    ("F8_E4M3", "float8_e4m3fn", 1),
+    ("F8_E8M0", "float8_e8m0fnu", 1),
+    ("I16", "int16", 2),
+    ("U16", "uint16", 2),
+    ("F16", "float16", 2),
+    ("BF16", "bfloat16", 2),
+    ("I32", "int32", 4),
+    ("U32", "uint32", 4),
+    ("F32", "float32", 4),
+    ("C64", "complex64", 8),
+    ("F64", "float64", 8),
+    ("I64", "int64", 8),
+    ("U64", "uint64", 8),
 )
-_BY_CODE = dict(_SAFETENSORS_DTYPES)
-_BY_DTYPE = {dtype: code for code, dtype in _SAFETENSORS_DTYPES}
-_RANK = {dtype: rank for rank, (_, dtype) in enumerate(_SAFETENSORS_DTYPES)}
+_NAME = {code: name for code, name, _ in _SAFETENSORS_DTYPES}
+_ITEMSIZE = {code: size for code, _, size in _SAFETENSORS_DTYPES}
+_RANK = {code: rank for rank, (code, _, _) in enumerate(_SAFETENSORS_DTYPES)}
+
+
+def is_code(code: str) -> bool:
+    """Whether ``code`` is a dtype safetensors can store."""
+    return code in _NAME
+
+
+def itemsize_of(code: str) -> int:
+    """Bytes per element of a safetensors dtype code."""
+    return _ITEMSIZE[code]
+
+
+def name_of(code: str) -> str:
+    """``"BF16"`` -> ``"bfloat16"``, the spelling used in manifests and reports."""
+    return _NAME[code]
 
 
 def dtype_from_code(code: str) -> torch.dtype:
     """The torch dtype of a safetensors dtype code such as ``"BF16"``."""
-    return _BY_CODE[code]
+    return _torch_dtypes()[code]
 
 
 def code_of(dtype: torch.dtype) -> str:
     """The safetensors code of a torch dtype; ``KeyError`` for dtypes safetensors cannot store."""
-    return _BY_DTYPE[dtype]
+    return {dtype: code for code, dtype in _torch_dtypes().items()}[dtype]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -44,19 +69,13 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def dtype_from_name(name: str) -> torch.dtype:
-    """Inverse of :func:`dtype_name`."""
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dtype
-
-
-def itemsize(dtype: torch.dtype) -> int:
-    """Bytes per element."""
-    return dtype.itemsize
-
-
-def safetensors_order(name: str, dtype: torch.dtype) -> tuple[int, str]:
+def safetensors_order(name: str, code: str) -> tuple[int, str]:
     """Sort key that reproduces the tensor order of ``safetensors.torch.save_file``."""
-    return (-_RANK[dtype], name)
+    return (-_RANK[code], name)
+
+
+@functools.cache
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    import torch
+
+    return {code: getattr(torch, name) for code, name, _ in _SAFETENSORS_DTYPES}

@@ -7,9 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from reshard.convert import open_source
-from reshard.dtypes import dtype_name
+from reshard.dtypes import name_of
 from reshard.layouts import SourceCheckpoint
-from reshard.layouts.files import TensorHeader
 from reshard.manifest import find_manifest, written_uneven
 from reshard.options import ConvertOptions
 from reshard.partition import Vocab, partition_to_dict
@@ -118,8 +117,8 @@ def inspect_checkpoint(ckpt: Path, options: ConvertOptions | None = None) -> Ins
             TensorReport(
                 name=t.name,
                 rank_shapes=[list(r.shape) for r in t.refs],
-                dtype=dtype_name(t.dtype),
-                bytes=sum(TensorHeader(r.shape, r.dtype).nbytes for r in t.refs),
+                dtype=name_of(t.code),
+                bytes=sum(r.header.nbytes for r in t.refs),
                 partition=partition_to_dict(t.partition) if t.partition else None,
                 reason=t.reason,
                 shape=list(t.shape) if t.shape else None,

@@ -42,6 +42,11 @@ class SourceTensor:
     problem: ReshardError | None = None
 
     @property
+    def code(self) -> str:
+        """The safetensors dtype code, e.g. ``"BF16"``."""
+        return self.refs[0].code
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.refs[0].dtype
 
@@ -59,7 +64,7 @@ class TensorPlan:
 
     @property
     def nbytes(self) -> int:
-        return TensorHeader(self.source.shape, self.source.dtype).nbytes
+        return TensorHeader(self.source.shape, self.source.code).nbytes
 
 
 @dataclass(frozen=True)
@@ -231,7 +236,7 @@ def plan_conversion(
         planned.append(TensorPlan(tensor, tuple(shapes)))
     if problems:
         raise PlanError(problems)
-    planned.sort(key=lambda t: safetensors_order(t.name, t.source.dtype))
+    planned.sort(key=lambda t: safetensors_order(t.name, t.source.code))
     return ConversionPlan(source, target_tp, tuple(planned), vocab, uneven)
 
 

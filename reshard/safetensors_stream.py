@@ -14,14 +14,17 @@ import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from huggingface_hub import split_state_dict_into_shards_factory
 from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_WEIGHTS_FILE_PATTERN
 
 from reshard._io import pwrite_all, row_views
-from reshard.dtypes import code_of, safetensors_order
+from reshard.dtypes import safetensors_order
 from reshard.layouts.files import TensorHeader
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT_METADATA = {"format": "pt"}
 # A non-contiguous tensor (a column block of a row-parallel weight) is written through contiguous
@@ -31,7 +34,7 @@ CHUNK_BYTES = 16 << 20
 
 def ordered(headers: Mapping[str, TensorHeader]) -> list[str]:
     """Names in the order ``save_file`` lays them out (dtype, largest first; then name)."""
-    return sorted(headers, key=lambda name: safetensors_order(name, headers[name].dtype))
+    return sorted(headers, key=lambda name: safetensors_order(name, headers[name].code))
 
 
 def header_bytes(headers: Mapping[str, TensorHeader], metadata: Mapping[str, str] | None) -> bytes:
@@ -43,7 +46,7 @@ def header_bytes(headers: Mapping[str, TensorHeader], metadata: Mapping[str, str
     for name in ordered(headers):
         header = headers[name]
         entries[name] = {
-            "dtype": code_of(header.dtype),
+            "dtype": header.code,
             "shape": list(header.shape),
             "data_offsets": [offset, offset + header.nbytes],
         }
@@ -55,6 +58,8 @@ def header_bytes(headers: Mapping[str, TensorHeader], metadata: Mapping[str, str
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The tensor's bytes in C order, without a copy when it is already contiguous."""
+    import torch
+
     flat = tensor.detach().contiguous().reshape(-1)
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 

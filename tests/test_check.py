@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 from helpers import tiny_qwen3_5
@@ -184,3 +186,36 @@ def test_checkpoint_at_tp2_is_checked_on_its_full_shapes(cli, qwen35, tmp_path):
     )
     conv = next(t for t in from_ranks["tensors"] if t["name"].endswith("conv1d.weight"))
     assert conv["shape"] == [128, 1, 4] and conv["rank_shape"] == [32, 1, 4]
+
+
+def test_checking_safetensors_headers_never_imports_torch(cli, qwen35, tmp_path):
+    """``reshard check`` on safetensors answers without importing torch (its import alone takes ~1.5 s,
+    longer than the whole check of a 9B model's headers): the command runs in a fresh interpreter."""
+    assert cli("convert", qwen35, "--tp", 2, "-o", tmp_path / "tp2", "-q").exit_code == 0
+    probe = (
+        "import sys\n"
+        "from reshard.cli import main\n"
+        "try:\n"
+        f"    main(['check', {str(tmp_path / 'tp2')!r}, '--tp', '4', '--json'])\n"
+        "except SystemExit as done:\n"
+        "    assert done.code == 0, done.code\n"
+        "print('torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    report, imported_torch = done.stdout.rsplit("\n", 2)[:2]
+    assert json.loads(report)["ok"]
+    assert imported_torch == "False"
+
+
+def test_public_names_stay_the_functions_after_their_modules_are_imported():
+    """The package loads its public names lazily; importing ``reshard.convert`` (the module) must not
+    turn ``reshard.convert`` into that module."""
+    probe = (
+        "import reshard, reshard.check, reshard.convert, reshard.fix, reshard.verify\n"
+        "from reshard.inspect import inspect_checkpoint\n"
+        "from reshard import check, convert, fix, verify\n"
+        "assert all(callable(f) for f in (check, convert, fix, verify, reshard.check, reshard.convert))\n"
+        "print(sorted(type(getattr(reshard, name)).__name__ for name in reshard.__all__))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert "module" not in done.stdout and "function" in done.stdout

@@ -15,7 +15,7 @@ from reshard.safetensors_stream import SafetensorsFileWriter, ShardedSafetensors
 
 
 def headers_of(tensors: dict[str, torch.Tensor]) -> dict[str, TensorHeader]:
-    return {name: TensorHeader(tuple(t.shape), t.dtype) for name, t in tensors.items()}
+    return {name: TensorHeader.of(t.shape, t.dtype) for name, t in tensors.items()}
 
 
 def stream(path, tensors, metadata=None):

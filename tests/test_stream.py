@@ -264,7 +264,7 @@ def test_a_column_block_is_written_as_save_file_writes_it(tmp_path: Path, column
     from reshard.safetensors_stream import SafetensorsFileWriter
 
     block = _full((6, 1024))[:, columns[0] : columns[1]]
-    writer = SafetensorsFileWriter(tmp_path / "ours.safetensors", {"w": TensorHeader(tuple(block.shape), block.dtype)})
+    writer = SafetensorsFileWriter(tmp_path / "ours.safetensors", {"w": TensorHeader.of(block.shape, block.dtype)})
     writer.write("w", block)
     assert writer.done
     save_file({"w": block.contiguous()}, tmp_path / "theirs.safetensors", metadata={"format": "pt"})

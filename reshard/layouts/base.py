@@ -6,12 +6,13 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from reshard.config import ModelConfig
 from reshard.layouts.files import FileReader, TensorHeader
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Layout(str, enum.Enum):
@@ -54,6 +55,11 @@ class TensorRef:
     @property
     def shape(self) -> tuple[int, ...]:
         return self.header.shape
+
+    @property
+    def code(self) -> str:
+        """The safetensors dtype code, e.g. ``"BF16"``."""
+        return self.header.code
 
     @property
     def dtype(self) -> torch.dtype:

@@ -6,6 +6,7 @@ read only by :meth:`FileReader.get`, through ``safe_open`` or a memory-mapped ``
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import logging
@@ -18,14 +19,16 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import SafetensorError, safe_open
 
 from reshard._io import file_mappings, read_all, release_mapped, row_views
-from reshard.dtypes import dtype_from_code
+from reshard.dtypes import code_of, dtype_from_code, is_code, itemsize_of
 from reshard.errors import CorruptFileError, UnsafePickleError
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -33,23 +36,35 @@ Shape = tuple[int, ...]
 SAFETENSORS_MAX_HEADER = 100_000_000
 # Where frameworks nest the state dict inside a torch checkpoint, in the order we look.
 STATE_DICT_KEYS = ("state_dict", "module", "model")
-# Types that frameworks pickle next to the weights and that are safe to rebuild (extended by layouts).
-SAFE_GLOBALS: list[Any] = [io.BytesIO]
+# Types that frameworks pickle next to the weights and that are safe to rebuild (layouts add their own).
+SAFE_GLOBALS: tuple[Any, ...] = (io.BytesIO,)
 
 
 @dataclass(frozen=True)
 class TensorHeader:
-    """What a file says about one tensor before any of its bytes are read."""
+    """What a file says about one tensor before any of its bytes are read.
+
+    The dtype is kept as its safetensors code (``"BF16"``) so that headers are read without torch.
+    """
 
     shape: Shape
-    dtype: torch.dtype
+    code: str
+
+    @classmethod
+    def of(cls, shape: Sequence[int], dtype: torch.dtype) -> TensorHeader:
+        """The header of a tensor of ``shape`` and torch ``dtype``."""
+        return cls(tuple(shape), code_of(dtype))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return dtype_from_code(self.code)
 
     @property
     def nbytes(self) -> int:
         numel = 1
         for size in self.shape:
             numel *= size
-        return numel * self.dtype.itemsize
+        return numel * itemsize_of(self.code)
 
 
 class FileReader:
@@ -93,6 +108,8 @@ class FileReader:
 
 def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A 1-d uint8 view of a tensor's bytes (a contiguous copy first if it is not contiguous)."""
+    import torch
+
     return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
@@ -125,6 +142,8 @@ class SafetensorsReader(FileReader):
             raise ValueError(f"{self.path.name}: {key}: read_into past the end of the tensor")
         views = row_views(out)
         if views is None:  # short strided rows: read into a temporary, then copy
+            import torch
+
             whole = torch.empty(out.shape, dtype=out.dtype)
             self.read_into(key, whole, start=start)
             out.copy_(whole)
@@ -201,10 +220,12 @@ def _parse_safetensors_header(path: Path) -> tuple[dict[str, TensorHeader], dict
     offsets: dict[str, int] = {}
     for key, info in header.items():
         try:
-            entry = TensorHeader(tuple(int(s) for s in info["shape"]), dtype_from_code(info["dtype"]))
+            entry = TensorHeader(tuple(int(s) for s in info["shape"]), str(info["dtype"]))
             start, stop = (int(o) for o in info["data_offsets"])
         except (KeyError, TypeError, ValueError) as err:
             raise CorruptFileError(f"malformed header entry: {err!r}", path=path, tensor=key) from err
+        if not is_code(entry.code):
+            raise CorruptFileError(f"unknown dtype {entry.code!r}", path=path, tensor=key)
         if stop - start != entry.nbytes or stop > data_size:
             raise CorruptFileError(
                 f"tensor bytes [{start}, {stop}) do not fit (file holds {data_size} data bytes): truncated file?",
@@ -236,6 +257,8 @@ class TorchReader(FileReader):
     _tensors: dict[str, torch.Tensor] = field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self) -> None:
+        import torch
+
         obj = load_torch_file(self.path, trust_pickle=self.trust_pickle, notes=self.notes)
         state = obj
         if isinstance(obj, Mapping):
@@ -252,13 +275,25 @@ class TorchReader(FileReader):
                 self._tensors[name] = value
             else:
                 self.extras[name] = value
-        self.headers = {k: TensorHeader(tuple(t.shape), t.dtype) for k, t in self._tensors.items()}
+        self.headers = {k: torch_header(t, path=self.path, key=k) for k, t in self._tensors.items()}
 
     def get(self, key: str) -> torch.Tensor:
         return self._tensors[key]
 
 
+def torch_header(tensor: torch.Tensor, *, path: Path, key: str) -> TensorHeader:
+    """The header of a tensor loaded from a torch file; an error for dtypes safetensors cannot hold."""
+    try:
+        return TensorHeader.of(tensor.shape, tensor.dtype)
+    except KeyError:
+        raise CorruptFileError(
+            f"dtype {tensor.dtype} is not supported (safetensors has no code for it)", path=path, tensor=key
+        ) from None
+
+
 def _flatten(state: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    import torch
+
     for key, value in state.items():
         name = f"{prefix}{key}"
         if isinstance(value, Mapping) and not isinstance(value, torch.Tensor):
@@ -271,14 +306,17 @@ def load_torch_file(path: Path, *, trust_pickle: bool, notes: list[str], allowed
     """``torch.load`` as safely and lazily as the file allows.
 
     Zip-format files are memory-mapped with ``weights_only=True`` and the :data:`SAFE_GLOBALS`
-    allow-list (plus a layout's own ``allowed`` types); legacy (non-zip) files are read whole, with a
-    note that they cannot be streamed. With ``trust_pickle`` the file is unpickled fully; stand-ins
-    given in ``allowed`` as ``(callable, "module.Name")`` still serve when that module is not installed.
+    allow-list (plus numpy's RNG-state arrays and a layout's own ``allowed`` types); legacy (non-zip)
+    files are read whole, with a note that they cannot be streamed. With ``trust_pickle`` the file is
+    unpickled fully; stand-ins given in ``allowed`` as ``(callable, "module.Name")`` still serve when
+    that module is not installed.
 
     Raises:
         UnsafePickleError: the file pickles a type outside the allow-list and ``trust_pickle`` is off.
         CorruptFileError: the file is not a readable torch file.
     """
+    import torch
+
     streamable = zipfile.is_zipfile(path)
     if not streamable:
         notes.append(f"{path.name}: legacy (non-zip) torch file, read whole into memory: cannot be streamed")
@@ -287,7 +325,7 @@ def load_torch_file(path: Path, *, trust_pickle: bool, notes: list[str], allowed
             return torch.load(
                 path, map_location="cpu", mmap=streamable, weights_only=False, pickle_module=_trusting(allowed)
             )
-        with torch.serialization.safe_globals([*SAFE_GLOBALS, *allowed]):
+        with torch.serialization.safe_globals([*SAFE_GLOBALS, *_rng_state_globals(), *allowed]):
             return torch.load(path, map_location="cpu", mmap=streamable, weights_only=True)
     except pickle.UnpicklingError as err:
         message = str(err)
@@ -306,6 +344,23 @@ def load_torch_file(path: Path, *, trust_pickle: bool, notes: list[str], allowed
     except (OSError, RuntimeError, EOFError, ValueError) as err:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise CorruptFileError(f"not a readable torch file: {first}", path=path) from err
+
+
+@functools.cache
+def _rng_state_globals() -> tuple[Any, ...]:
+    """The numpy types in ``np.random.get_state()`` (a uint32 array), which DeepSpeed (SAT's trainer) pickles
+    as ``np_rng_state`` next to the weights: plain arrays, safe to rebuild under ``weights_only``."""
+    try:
+        import numpy as np
+
+        try:
+            from numpy._core.multiarray import _reconstruct
+        except ImportError:  # numpy < 2
+            from numpy.core.multiarray import _reconstruct
+    except ImportError:
+        return ()
+    uint32 = getattr(getattr(np, "dtypes", None), "UInt32DType", None)
+    return (np.ndarray, np.dtype, _reconstruct) + ((uint32,) if uint32 is not None else ())
 
 
 def _trusting(allowed: Sequence[Any]) -> ModuleType:

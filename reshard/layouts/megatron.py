@@ -17,13 +17,11 @@ import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from reshard.errors import CorruptFileError, MissingRankError, ReshardError
 from reshard.layouts.base import ReadOptions, SourceCheckpoint, TargetSpec, TensorRef
-from reshard.layouts.files import FileReader, TensorHeader, load_torch_file
+from reshard.layouts.files import FileReader, TensorHeader, load_torch_file, torch_header
 from reshard.layouts.megatron_args import (
     DEFAULT_VOCAB_MULTIPLE,
     PICKLE_MODULE,
@@ -33,6 +31,9 @@ from reshard.layouts.megatron_args import (
     retarget_args,
 )
 from reshard.layouts.torch_ranks import TorchRanksWriter
+
+if TYPE_CHECKING:
+    import torch
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FILE_NAME = "model_optim_rng.pt"
@@ -64,6 +65,8 @@ class MegatronFile(FileReader):
     _tensors: dict[str, torch.Tensor] = field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self) -> None:
+        import torch
+
         obj = load_torch_file(self.path, trust_pickle=self.trust_pickle, notes=self.notes, allowed=SAFE_GLOBALS)
         if not isinstance(obj, Mapping):
             raise CorruptFileError(f"holds a {type(obj).__name__}, not a Megatron checkpoint dict", path=self.path)
@@ -82,7 +85,7 @@ class MegatronFile(FileReader):
                 self.paths[name] = path
                 if isinstance(value, torch.Tensor) and not name.endswith("_extra_state"):
                     self._tensors[name] = value
-                    self.headers[name] = TensorHeader(tuple(value.shape), value.dtype)
+                    self.headers[name] = torch_header(value, path=self.path, key=name)
                 else:
                     self.extras[name] = value
 

@@ -15,16 +15,17 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from reshard.config import ModelConfig, load_config
 from reshard.errors import CorruptFileError, MissingRankError, ReshardError
 from reshard.layouts.base import ReadOptions, SourceCheckpoint, TargetSpec, refs_from_readers
-from reshard.layouts.files import SAFE_GLOBALS, TorchReader
+from reshard.layouts.files import TorchReader
 from reshard.layouts.loose import OPTIMIZER
 from reshard.layouts.torch_ranks import TorchRanksWriter
+
+if TYPE_CHECKING:
+    import torch
 
 LATEST = "latest"
 MODEL_CONFIG = "model_config.json"
@@ -32,25 +33,6 @@ RANK_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 # Top-level keys of a rank file that stay true at another tp; optimizer, scheduler and rng state do not.
 KEPT_TOP_LEVEL = ("iteration",)
 DEFAULT_ITERATION = "1"  # what CogVLM's merge_model.py saves under
-
-
-def _rng_state_globals() -> list[Any]:
-    """The numpy types in ``np.random.get_state()`` (a uint32 array), which SAT's DeepSpeed saves pickle
-    as ``np_rng_state`` next to the weights: plain arrays, safe to rebuild under ``weights_only``."""
-    try:
-        import numpy as np
-
-        try:
-            from numpy._core.multiarray import _reconstruct
-        except ImportError:  # numpy < 2
-            from numpy.core.multiarray import _reconstruct
-    except ImportError:
-        return []
-    uint32 = getattr(getattr(np, "dtypes", None), "UInt32DType", None)
-    return [np.ndarray, np.dtype, _reconstruct] + ([uint32] if uint32 is not None else [])
-
-
-SAFE_GLOBALS.extend(g for g in _rng_state_globals() if g not in SAFE_GLOBALS)
 
 
 def rank_file_name(rank: int) -> str:

@@ -11,13 +11,15 @@ from __future__ import annotations
 import pickle
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import safe_open
 
 from reshard.layouts.base import RankFilesWriter, TargetSpec
 from reshard.safetensors_stream import SafetensorsFileWriter
+
+if TYPE_CHECKING:
+    import torch
 
 SPOOL_DIR = ".reshard-spool"
 
@@ -52,6 +54,8 @@ class TorchRanksWriter(RankFilesWriter):
     def close(self) -> list[Path]:
         order = {name: i for i, name in enumerate(self.spec.source.names())}
         written = []
+        import torch
+
         for rank, writer in enumerate(self.rank_writers):
             writer.close()
             with safe_open(writer.path, framework="pt") as spooled:

@@ -8,7 +8,6 @@ but the writer never holds more than the tensor being written.
 from __future__ import annotations
 
 import json
-import os
 import struct
 import threading
 from collections.abc import Iterator, Mapping
@@ -19,7 +18,8 @@ from typing import TYPE_CHECKING
 from huggingface_hub import split_state_dict_into_shards_factory
 from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_WEIGHTS_FILE_PATTERN
 
-from reshard._io import pwrite_all, row_views
+from reshard._io import row_views
+from reshard.direct_file import DirectFile
 from reshard.dtypes import safetensors_order
 from reshard.layouts.files import TensorHeader
 
@@ -86,20 +86,23 @@ def byte_chunks(tensor: torch.Tensor, limit: int = CHUNK_BYTES) -> Iterator[memo
 class SafetensorsFileWriter:
     """Writes one safetensors file whose tensors are known in advance, one tensor at a time.
 
-    Every tensor's place in the file follows from the headers, so each is written with ``pwritev`` at
-    its own offset. :meth:`write` takes tensors in :func:`ordered` order; :meth:`write_unordered` takes
-    them in any order and from several threads at once (so the copies into the page cache of different
-    tensors run on different cores). The file is complete when the last one is written (:attr:`done`).
+    Every tensor's place in the file follows from the headers, so each is written at its own offset.
+    :meth:`write` takes tensors in :func:`ordered` order; :meth:`write_unordered` takes them in any
+    order and from several threads at once. The file is complete when the last one is written
+    (:attr:`done`). Bytes go to the disk with ``O_DIRECT`` where the file system allows
+    (:class:`~reshard.direct_file.DirectFile`), unless ``direct`` is False (a file read back soon).
     """
 
     path: Path
     headers: Mapping[str, TensorHeader]
     metadata: Mapping[str, str] | None = field(default_factory=lambda: dict(FORMAT_METADATA))
+    direct: bool = True
     _order: list[str] = field(init=False)
     _offsets: dict[str, int] = field(init=False)
+    _size: int = field(init=False)
     _written: set[str] = field(init=False, default_factory=set)
     _finished: int = field(init=False, default=0)
-    _fd: int | None = field(init=False, default=None, repr=False)
+    _file: DirectFile | None = field(init=False, default=None, repr=False)
     _started: bool = field(init=False, default=False)
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock, repr=False)
 
@@ -110,6 +113,7 @@ class SafetensorsFileWriter:
         for name in self._order:
             self._offsets[name] = offset
             offset += self.headers[name].nbytes
+        self._size = offset
 
     @property
     def done(self) -> bool:
@@ -139,11 +143,11 @@ class SafetensorsFileWriter:
             self._written.add(name)
             if not self._started:
                 self._start()
-            fd = self._fd
+            file = self._file
         position = self._offsets[name]
         rows = row_views(tensor)
         for chunk in [rows] if rows is not None else ([c] for c in byte_chunks(tensor)):
-            pwrite_all(fd, chunk, position)
+            file.write(chunk, position)
             position += sum(len(view) for view in chunk)
         with self._lock:
             self._finished += 1
@@ -152,8 +156,8 @@ class SafetensorsFileWriter:
 
     def _start(self) -> None:
         self._started = True
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-        pwrite_all(self._fd, [memoryview(self._header)], 0)
+        self._file = DirectFile(self.path, self._size, direct=self.direct)
+        self._file.write([memoryview(self._header)], 0)
 
     def close(self) -> None:
         """Close the file; a file announced with no tensors is written (header only) here."""
@@ -163,9 +167,9 @@ class SafetensorsFileWriter:
             self._close()
 
     def _close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 @dataclass

@@ -13,9 +13,9 @@ Why it is shaped like this:
 * **Overlap, bounded by bytes.** ``jobs`` threads prepare tensors (read, gather, sha256, finite check:
   all release the GIL) and, when the writer is :attr:`~reshard.layouts.base.CheckpointWriter.concurrent`
   (every safetensors-based writer: each tensor's offset is known from the header), write them too,
-  with ``pwritev`` at their offsets: the copy into the page cache, the biggest single cost, then runs
-  on every core instead of one writer thread. Other writers get the tensors in plan order from the
-  calling thread. A :class:`ReadAhead` thread asks the OS for the coming slices, and each slice's
+  at their offsets, with ``O_DIRECT`` where the file system allows (:mod:`reshard.direct_file`): a
+  thread waiting for the disk leaves the core to another one's hashing. Other writers get the tensors
+  in plan order from the calling thread. A :class:`ReadAhead` thread asks the OS for the coming slices, and each slice's
   pages are dropped from the page cache once read (``evict``): the output's pages then reuse memory
   just freed instead of taking fresh pages, which cost the most to write into (4 GB, tp 8 -> 4:
   sys time 10 s -> 6.6 s on the 2-core bench machine). A tensor is only started when the bytes

@@ -38,7 +38,8 @@ class TorchRanksWriter(RankFilesWriter):
         self._spool = out_dir / SPOOL_DIR
         self._spool.mkdir(parents=True, exist_ok=True)
         writers = [
-            SafetensorsFileWriter(self._spool / f"rank_{rank:05d}.safetensors", headers, metadata=None)
+            # read back by close() right away: through the page cache, not O_DIRECT
+            SafetensorsFileWriter(self._spool / f"rank_{rank:05d}.safetensors", headers, metadata=None, direct=False)
             for rank, headers in enumerate(spec.rank_headers)
         ]
         super().__init__(out_dir, spec, writers)

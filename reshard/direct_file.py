@@ -1,0 +1,162 @@
+"""An output file written with ``O_DIRECT`` wherever whole blocks allow, and through the page cache elsewhere.
+
+Why: copying bytes into the page cache is the dearest part of writing a checkpoint. On the 2-core
+bench VM, buffered writes of 2 GB cost 1.6-2.2 s of system time (plus 0.7 s of ``sync``), and
+``O_DIRECT`` writes of the same bytes 0.25 s at 1.65 GB/s: the disk's speed, with the cores left for
+reading and hashing. Nothing reads a converted checkpoint back soon, so caching it is wasted memory too.
+
+``O_DIRECT`` needs the file offset, the length and the memory address aligned to the device's block.
+The bytes of a range are therefore copied into an aligned staging buffer (one per thread, reused) and
+written from there. The range's first and last partial blocks, which it may share with the ranges
+of other threads, go through the page cache on an ordinary descriptor; every block is written one
+way only, so the two paths never touch the same page. Where the file system refuses ``O_DIRECT``
+(tmpfs before Linux 6.6, some network and FUSE file systems), everything goes through the page cache.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from reshard._io import pwrite_all
+
+logger = logging.getLogger(__name__)
+
+# Offsets, lengths and addresses of direct writes are multiples of this: the largest logical block
+# size of common devices, and the page size (so staging buffers from mmap are aligned already).
+ALIGN = 4096
+# Bytes per direct write: large enough for the disk's full speed (8 MB writes reached 1.65 GB/s on
+# the bench VM), small enough that one staging buffer per thread costs nothing.
+STAGING_BYTES = 8 << 20
+_REFUSED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
+_staging = threading.local()
+
+
+class DirectFile:
+    """A new file of known ``size``, filled by :meth:`write` of disjoint ranges, from several threads at once.
+
+    ``direct=False`` (or a file system that refuses ``O_DIRECT``) writes everything through the page cache.
+    """
+
+    def __init__(self, path: Path, size: int, *, direct: bool = True) -> None:
+        self.path = path
+        self.direct_bytes = 0
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        try:
+            # Writes inside the file's size never extend it, so they do not serialise on the inode lock.
+            os.ftruncate(self._fd, size)
+        except OSError:
+            os.close(self._fd)
+            raise
+        self._direct_fd = _open_direct(path) if direct else None
+        # Cleared when a direct write is refused; the descriptor stays open (another thread may be using it).
+        self._direct = self._direct_fd is not None
+
+    def write(self, views: Sequence[memoryview], position: int) -> None:
+        """Write the buffers (1-d byte views), in order, from ``position`` on."""
+        end = position + sum(len(view) for view in views)
+        first = min(-(-position // ALIGN) * ALIGN, end)
+        last = max(end // ALIGN * ALIGN, first)
+        if not self._direct or last == first:
+            pwrite_all(self._fd, views, position)
+            return
+        pieces = _Pieces(views)
+        pwrite_all(self._fd, pieces.take(first - position), position)
+        done = self._write_direct(pieces, first, last)
+        pwrite_all(self._fd, pieces.take(end - done), done)
+
+    def _write_direct(self, pieces: _Pieces, start: int, stop: int) -> int:
+        """Write ``[start, stop)`` (both aligned) with ``O_DIRECT``; returns where that stopped: ``stop``,
+        or earlier when the file system refused (the caller writes the rest through the page cache)."""
+        staging = _staging_buffer()
+        position = start
+        while position < stop and self._direct:
+            size = min(STAGING_BYTES, stop - position)
+            filled = 0
+            for piece in pieces.take(size):
+                staging[filled : filled + len(piece)] = piece
+                filled += len(piece)
+            written = 0
+            while written < size:
+                count = self._pwrite_direct(staging[written:size], position + written)
+                if count is None:  # refused: this block and the rest go through the page cache
+                    pwrite_all(self._fd, [staging[written:size]], position + written)
+                    self.direct_bytes += written
+                    return position + size
+                written += count
+            self.direct_bytes += size
+            position += size
+        return position
+
+    def _pwrite_direct(self, view: memoryview, position: int) -> int | None:
+        """One direct write; None (and no more direct writes to this file) if it was refused."""
+        try:
+            count = os.pwrite(self._direct_fd, view, position)
+        except OSError as err:
+            if err.errno not in _REFUSED:
+                raise
+            why = err.strerror
+        else:
+            if count > 0 and count % ALIGN == 0:
+                return count
+            why = f"wrote {count} of {len(view)} bytes"
+        if self._direct:
+            logger.info("%s: O_DIRECT refused (%s); writing through the page cache", self.path.name, why)
+        self._direct = False
+        return None
+
+    def close(self) -> None:
+        for fd in (self._fd, self._direct_fd):
+            if fd is not None:
+                os.close(fd)
+        self._fd = self._direct_fd = None
+
+
+def _open_direct(path: Path) -> int | None:
+    """A second descriptor of ``path`` opened with ``O_DIRECT``; None where the platform or file system
+    has none."""
+    flag = getattr(os, "O_DIRECT", None)
+    if flag is None:
+        return None
+    try:
+        return os.open(path, os.O_WRONLY | flag)
+    except OSError as err:
+        if err.errno not in _REFUSED:
+            raise
+        logger.info("%s: no O_DIRECT here (%s); writing through the page cache", path.name, err.strerror)
+        return None
+
+
+def _staging_buffer() -> memoryview:
+    """This thread's aligned staging buffer (anonymous mappings start on a page boundary)."""
+    buffer = getattr(_staging, "buffer", None)
+    if buffer is None:
+        buffer = _staging.buffer = memoryview(mmap.mmap(-1, STAGING_BYTES))
+    return buffer
+
+
+class _Pieces:
+    """A list of byte views consumed from the front, a given number of bytes at a time."""
+
+    def __init__(self, views: Sequence[memoryview]) -> None:
+        self._views = [view for view in views if len(view)]
+        self._index = 0
+        self._offset = 0
+
+    def take(self, nbytes: int) -> list[memoryview]:
+        return list(self._iter_take(nbytes))
+
+    def _iter_take(self, nbytes: int) -> Iterator[memoryview]:
+        while nbytes > 0:
+            view = self._views[self._index]
+            piece = view[self._offset : self._offset + nbytes]
+            nbytes -= len(piece)
+            self._offset += len(piece)
+            if self._offset == len(view):
+                self._index, self._offset = self._index + 1, 0
+            yield piece

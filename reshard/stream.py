@@ -429,8 +429,6 @@ def run(
             for _, future in pending:
                 future.cancel()
             raise
-        finally:
-            gc.unfreeze()
     return hashes
 
 

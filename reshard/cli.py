@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -264,4 +266,26 @@ def verify_command(ckpt: Path, other: Path | None, quiet: bool, as_json: bool, *
     click.get_current_context().exit(0 if result.ok else 1)
 
 
-__all__ = ["main"]
+def run() -> None:
+    """The ``reshard`` console script: :func:`main`, then end the process without tearing down the interpreter.
+
+    Freeing every object of torch and its modules at exit takes 0.4-0.6 s on the bench machine (as
+    long as ``reshard check`` takes for a 9B model). reshard closes its own files and joins its threads
+    before a command returns, so once stdout, stderr and the log handlers are flushed nothing is left
+    to do but ``os._exit``. A crash still unwinds normally, with its traceback.
+    """
+    try:
+        main()
+        code: object = 0
+    except SystemExit as done:
+        code = done.code
+    if isinstance(code, str):  # what the interpreter does with a message as exit code
+        print(code, file=sys.stderr)
+        code = 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code if isinstance(code, int) else 0)
+
+
+__all__ = ["main", "run"]

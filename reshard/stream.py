@@ -15,13 +15,14 @@ Why it is shaped like this:
   (every safetensors-based writer: each tensor's offset is known from the header), write them too,
   at their offsets, with ``O_DIRECT`` where the file system allows (:mod:`reshard.direct_file`): a
   thread waiting for the disk leaves the core to another one's hashing. Other writers get the tensors
-  in plan order from the calling thread. A :class:`ReadAhead` thread asks the OS for the coming slices, and each slice's
-  pages are dropped from the page cache once read (``evict``): the output's pages then reuse memory
-  just freed instead of taking fresh pages, which cost the most to write into (4 GB, tp 8 -> 4:
-  sys time 10 s -> 6.6 s on the 2-core bench machine). A tensor is only started when the bytes
-  of every prepared-but-unwritten tensor plus its own fit in the budget (``2 x`` the largest tensor),
-  or when nothing else is in flight; the buffers kept for reuse count in the same budget. So memory
-  stays near ``2 x`` the largest tensor whatever the size of the checkpoint.
+  in plan order from the calling thread. A :class:`ReadAhead` thread asks the OS for the coming
+  slices, and each slice's pages are dropped from the page cache once read (``evict``): a conversion
+  does not fill the page cache with a checkpoint it will not read again, and bytes written through
+  the page cache reuse pages just freed instead of fresh ones, which cost the most on a VM (4 GB,
+  tp 8 -> 4, before ``O_DIRECT``: sys time 10 s -> 6.6 s on the 2-core bench machine). A tensor is
+  only started when the bytes of every prepared-but-unwritten tensor plus its own fit in the budget
+  (``2 x`` the largest tensor), or when nothing else is in flight; the buffers kept for reuse count in
+  the same budget. So memory stays near ``2 x`` the largest tensor whatever the size of the checkpoint.
 * **Same bytes as the one-at-a-time path.** The gather here is :func:`reshard.partition.gather`
   done in place; ``tests/test_stream.py`` checks both agree on every partition kind.
 """

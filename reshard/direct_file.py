@@ -6,11 +6,12 @@ bench VM, buffered writes of 2 GB cost 1.6-2.2 s of system time (plus 0.7 s of `
 reading and hashing. Nothing reads a converted checkpoint back soon, so caching it is wasted memory too.
 
 ``O_DIRECT`` needs the file offset, the length and the memory address aligned to the device's block.
-The bytes of a range are therefore copied into an aligned staging buffer (one per thread, reused) and
-written from there. The range's first and last partial blocks, which it may share with the ranges
-of other threads, go through the page cache on an ordinary descriptor; every block is written one
-way only, so the two paths never touch the same page. Where the file system refuses ``O_DIRECT``
-(tmpfs before Linux 6.6, some network and FUSE file systems), everything goes through the page cache.
+The bytes of a range are therefore copied into aligned staging buffers (reused) and written from
+there, several blocks at once by a small pool of threads. The range's first and last partial blocks,
+which it may share with the ranges of other threads, go through the page cache on an ordinary
+descriptor; every block is written one way only, so the two paths never touch the same page. Where
+the file system refuses ``O_DIRECT`` (tmpfs before Linux 6.6, some network and FUSE file systems),
+everything goes through the page cache.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import logging
 import mmap
 import os
 import threading
+from collections import deque
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from reshard._io import pwrite_all
@@ -33,8 +36,15 @@ ALIGN = 4096
 # Bytes per direct write: large enough for the disk's full speed (8 MB writes reached 1.65 GB/s on
 # the bench VM), small enough that one staging buffer per thread costs nothing.
 STAGING_BYTES = 8 << 20
+# Direct writes in flight per call, and the threads that wait for them (shared by all files and callers).
+# One write at a time leaves the disk idle between writes: copying 4 GB from 8 rank files into one
+# file took 6.6-7.3 s with 2 writing threads and 5.0-5.9 s with 8 on the bench VM.
+IO_DEPTH = 4
+WRITER_THREADS = 8
 _REFUSED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
-_staging = threading.local()
+_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+_free: list[memoryview] = []
 
 
 class DirectFile:
@@ -56,6 +66,7 @@ class DirectFile:
         self._direct_fd = _open_direct(path) if direct else None
         # Cleared when a direct write is refused; the descriptor stays open (another thread may be using it).
         self._direct = self._direct_fd is not None
+        self._count_lock = threading.Lock()
 
     def write(self, views: Sequence[memoryview], position: int) -> None:
         """Write the buffers (1-d byte views), in order, from ``position`` on."""
@@ -67,31 +78,40 @@ class DirectFile:
             return
         pieces = _Pieces(views)
         pwrite_all(self._fd, pieces.take(first - position), position)
-        done = self._write_direct(pieces, first, last)
-        pwrite_all(self._fd, pieces.take(end - done), done)
+        self._write_blocks(pieces, first, last)
+        pwrite_all(self._fd, pieces.take(end - last), last)
 
-    def _write_direct(self, pieces: _Pieces, start: int, stop: int) -> int:
-        """Write ``[start, stop)`` (both aligned) with ``O_DIRECT``; returns where that stopped: ``stop``,
-        or earlier when the file system refused (the caller writes the rest through the page cache)."""
-        staging = _staging_buffer()
-        position = start
-        while position < stop and self._direct:
-            size = min(STAGING_BYTES, stop - position)
-            filled = 0
-            for piece in pieces.take(size):
-                staging[filled : filled + len(piece)] = piece
-                filled += len(piece)
-            written = 0
-            while written < size:
-                count = self._pwrite_direct(staging[written:size], position + written)
-                if count is None:  # refused: this block and the rest go through the page cache
-                    pwrite_all(self._fd, [staging[written:size]], position + written)
-                    self.direct_bytes += written
-                    return position + size
-                written += count
-            self.direct_bytes += size
-            position += size
-        return position
+    def _write_blocks(self, pieces: _Pieces, start: int, stop: int) -> None:
+        """Write ``[start, stop)`` (both aligned) in staging-buffer blocks, up to :data:`IO_DEPTH` of them
+        in flight at once: one synchronous direct write at a time leaves the disk idle in between."""
+        in_flight: deque[tuple[Future[None], memoryview]] = deque()
+        try:
+            for position in range(start, stop, STAGING_BYTES):
+                if len(in_flight) >= IO_DEPTH:
+                    _finish(*in_flight.popleft())
+                size = min(STAGING_BYTES, stop - position)
+                staging = _take_staging()
+                filled = 0
+                for piece in pieces.take(size):
+                    staging[filled : filled + len(piece)] = piece
+                    filled += len(piece)
+                in_flight.append((_writers().submit(self._write_block, staging[:size], position), staging))
+        finally:
+            errors = [error for error in (_finish(*entry, raise_error=False) for entry in in_flight) if error]
+        if errors:
+            raise errors[0]
+
+    def _write_block(self, view: memoryview, position: int) -> None:
+        """One aligned block: with ``O_DIRECT`` while the file system takes it, then through the page cache."""
+        written = 0
+        while written < len(view):
+            count = self._pwrite_direct(view[written:], position + written) if self._direct else None
+            if count is None:
+                pwrite_all(self._fd, [view[written:]], position + written)
+                break
+            written += count
+        with self._count_lock:
+            self.direct_bytes += written
 
     def _pwrite_direct(self, view: memoryview, position: int) -> int | None:
         """One direct write; None (and no more direct writes to this file) if it was refused."""
@@ -132,12 +152,33 @@ def _open_direct(path: Path) -> int | None:
         return None
 
 
-def _staging_buffer() -> memoryview:
-    """This thread's aligned staging buffer (anonymous mappings start on a page boundary)."""
-    buffer = getattr(_staging, "buffer", None)
-    if buffer is None:
-        buffer = _staging.buffer = memoryview(mmap.mmap(-1, STAGING_BYTES))
-    return buffer
+def _writers() -> ThreadPoolExecutor:
+    """The threads that wait for direct writes, shared by every file (created on first use)."""
+    global _pool
+    with _lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=WRITER_THREADS, thread_name_prefix="reshard-direct")
+        return _pool
+
+
+def _take_staging() -> memoryview:
+    """An aligned staging buffer (anonymous mappings start on a page boundary), reused once given back."""
+    with _lock:
+        while _free:
+            staging = _free.pop()
+            if len(staging) >= STAGING_BYTES:
+                return staging
+    return memoryview(mmap.mmap(-1, STAGING_BYTES))
+
+
+def _finish(future: Future[None], staging: memoryview, *, raise_error: bool = True) -> BaseException | None:
+    """Wait for one block's write and give its staging buffer back; its error is raised or returned."""
+    error = future.exception()
+    with _lock:
+        _free.append(staging)
+    if error is not None and raise_error:
+        raise error
+    return error
 
 
 class _Pieces:

@@ -61,7 +61,7 @@ def dtype_from_code(code: str) -> torch.dtype:
 
 def code_of(dtype: torch.dtype) -> str:
     """The safetensors code of a torch dtype; ``KeyError`` for dtypes safetensors cannot store."""
-    return {dtype: code for code, dtype in _torch_dtypes().items()}[dtype]
+    return _codes_by_dtype()[dtype]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -79,3 +79,8 @@ def _torch_dtypes() -> dict[str, torch.dtype]:
     import torch
 
     return {code: getattr(torch, name) for code, name, _ in _SAFETENSORS_DTYPES}
+
+
+@functools.cache
+def _codes_by_dtype() -> dict[torch.dtype, str]:
+    return {dtype: code for code, dtype in _torch_dtypes().items()}

@@ -21,10 +21,11 @@ from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_WEIGHT
 from reshard._io import row_views
 from reshard.direct_file import DirectFile
 from reshard.dtypes import safetensors_order
-from reshard.layouts.files import TensorHeader
 
 if TYPE_CHECKING:
     import torch
+
+    from reshard.layouts.files import TensorHeader
 
 FORMAT_METADATA = {"format": "pt"}
 # A non-contiguous tensor (a column block of a row-parallel weight) is written through contiguous

@@ -106,3 +106,22 @@ def test_direct_writes_refused_midway_fall_back_without_losing_bytes(
     file.close()
     assert (tmp_path / "out.bin").read_bytes() == data
     assert not file._direct and 0 < file.direct_bytes < size
+
+
+def test_a_failed_block_write_is_raised_not_lost(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks are written on other threads; a disk error there (here ENOSPC) must reach the caller."""
+    monkeypatch.setattr(direct_file, "STAGING_BYTES", 2 * ALIGN)
+    file = DirectFile(tmp_path / "out.bin", 64 * ALIGN)
+    if not file._direct:
+        pytest.skip("this file system has no O_DIRECT")
+    real_pwrite = os.pwrite
+
+    def disk_full(fd, view, position):
+        if fd == file._direct_fd:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, view, position)
+
+    monkeypatch.setattr(direct_file.os, "pwrite", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        file.write([memoryview(bytes(64 * ALIGN))], 0)
+    file.close()

@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 # size of common devices, and the page size (so staging buffers from mmap are aligned already).
 ALIGN = 4096
 # Bytes per direct write: large enough for the disk's full speed (8 MB writes reached 1.65 GB/s on
-# the bench VM), small enough that one staging buffer per thread costs nothing.
+# the bench VM), small enough that the staging buffers in flight (IO_DEPTH per writing thread) cost
+# little next to a tensor.
 STAGING_BYTES = 8 << 20
 # Direct writes in flight per call, and the threads that wait for them (shared by all files and callers).
 # One write at a time leaves the disk idle between writes: copying 4 GB from 8 rank files into one

@@ -88,8 +88,8 @@ class DirectFile:
         in_flight: deque[tuple[Future[None], memoryview]] = deque()
         try:
             for position in range(start, stop, STAGING_BYTES):
-                if len(in_flight) >= IO_DEPTH:
-                    _finish(*in_flight.popleft())
+                if len(in_flight) >= IO_DEPTH and (error := _finish(*in_flight.popleft())):
+                    raise error
                 size = min(STAGING_BYTES, stop - position)
                 staging = _take_staging()
                 filled = 0
@@ -98,7 +98,7 @@ class DirectFile:
                     filled += len(piece)
                 in_flight.append((_writers().submit(self._write_block, staging[:size], position), staging))
         finally:
-            errors = [error for error in (_finish(*entry, raise_error=False) for entry in in_flight) if error]
+            errors = [error for error in (_finish(*entry) for entry in in_flight) if error]
         if errors:
             raise errors[0]
 
@@ -172,13 +172,11 @@ def _take_staging() -> memoryview:
     return memoryview(mmap.mmap(-1, STAGING_BYTES))
 
 
-def _finish(future: Future[None], staging: memoryview, *, raise_error: bool = True) -> BaseException | None:
-    """Wait for one block's write and give its staging buffer back; its error is raised or returned."""
+def _finish(future: Future[None], staging: memoryview) -> BaseException | None:
+    """Wait for one block's write and give its staging buffer back; returns the error it met, if any."""
     error = future.exception()
     with _lock:
         _free.append(staging)
-    if error is not None and raise_error:
-        raise error
     return error
 
 

@@ -2,27 +2,29 @@
 
 Why it is shaped like this:
 
-* **One buffer per tensor.** The rank slices are read straight into their place in one buffer of
-  the gathered (padded) tensor: a dim-0 piece is one ``pread`` into the buffer, a column block is
-  one ``preadv`` of its rows; only packed parts off dim 0 and rows under 1 KB go through a temporary.
-  The canonical tensor, and every target piece of a ``shard``/``grouped``/``vocab``/``replicate``
-  tensor, is then a view of that buffer, written with ``pwritev`` of its rows: nothing is copied again.
-  Pad rows for a bigger target vocab are zeroed in the buffer, not concatenated. Buffers are reused
-  for the next tensor of the same size (:class:`BufferPool`): fresh memory costs a page fault and
-  zeroing per page.
+* **One buffer per tensor.** The rank slices are read into their place in one buffer of the
+  gathered (padded) tensor: a dim-0 piece is one read of its byte range, a column block one read
+  of the slice scattered over the block's rows; only packed parts off dim 0 and rows under 1 KB go
+  through a temporary. The canonical tensor, and every target piece of a ``shard``/``grouped``/
+  ``vocab``/``replicate`` tensor, is then a view of that buffer, written from its rows: nothing is
+  gathered twice. Pad rows for a bigger target vocab are zeroed in the buffer, not concatenated.
+  Buffers are reused for the next tensor of the same size (:class:`BufferPool`): fresh memory costs
+  a page fault and zeroing per page.
+* **The disk busy, the page cache left alone.** Reads and writes go through :mod:`reshard.direct_io`:
+  ``O_DIRECT`` in 8 MB blocks, every block of a tensor (all its rank slices, all its target pieces)
+  in flight at once. A conversion does not fill the page cache with a checkpoint it will not read
+  again, and does not pay for fresh page-cache pages, which cost the most on a VM (4 GB, tp 8 -> 4,
+  on the 2-core bench machine: sys time 10-13 s with buffered reads and writes, 2-3 s with neither).
+  Where a file system refuses ``O_DIRECT``, reads go through the page cache; then a :class:`ReadAhead`
+  thread asks the OS for the coming slices, and each slice's pages are dropped once read (``evict``).
 * **Overlap, bounded by bytes.** ``jobs`` threads prepare tensors (read, gather, sha256, finite check:
   all release the GIL) and, when the writer is :attr:`~reshard.layouts.base.CheckpointWriter.concurrent`
   (every safetensors-based writer: each tensor's offset is known from the header), write them too,
-  at their offsets, with ``O_DIRECT`` where the file system allows (:mod:`reshard.direct_file`): a
-  thread waiting for the disk leaves the core to another one's hashing. Other writers get the tensors
-  in plan order from the calling thread. A :class:`ReadAhead` thread asks the OS for the coming
-  slices, and each slice's pages are dropped from the page cache once read (``evict``): a conversion
-  does not fill the page cache with a checkpoint it will not read again, and bytes written through
-  the page cache reuse pages just freed instead of fresh ones, which cost the most on a VM (4 GB,
-  tp 8 -> 4, before ``O_DIRECT``: sys time 10 s -> 6.6 s on the 2-core bench machine). A tensor is
-  only started when the bytes of every prepared-but-unwritten tensor plus its own fit in the budget
-  (``2 x`` the largest tensor), or when nothing else is in flight; the buffers kept for reuse count in
-  the same budget. So memory stays near ``2 x`` the largest tensor whatever the size of the checkpoint.
+  at their offsets: a thread waiting for the disk leaves the core to another one's hashing. Other
+  writers get the tensors in plan order from the calling thread. A tensor is only started when the
+  bytes of every prepared-but-unwritten tensor plus its own fit in the budget (``2 x`` the largest
+  tensor), or when nothing else is in flight; the buffers kept for reuse count in the same budget.
+  So memory stays near ``2 x`` the largest tensor whatever the size of the checkpoint.
 * **Same bytes as the one-at-a-time path.** The gather here is :func:`reshard.partition.gather`
   done in place; ``tests/test_stream.py`` checks both agree on every partition kind.
 """
@@ -44,6 +46,7 @@ import torch
 from tqdm.auto import tqdm
 
 from reshard._output import quiet_unless
+from reshard.direct_io import Batch
 from reshard.errors import ReshardError, ShapeMismatchError
 from reshard.layouts.base import CheckpointWriter, TensorRef
 from reshard.partition import Grouped, Packed, Replicate, Shard, Vocab, split_sizes
@@ -144,11 +147,13 @@ def _gather_into(
     refs: tuple[TensorRef, ...] = source.refs
     partition = source.partition
     if isinstance(partition, Replicate):
-        refs[0].read_into(buffer)
+        with Batch():
+            refs[0].read_into(buffer)
         if len(refs) > 1 and not (allow_divergent and divergent is None):
             other = torch.empty_like(buffer)
             for rank, ref in enumerate(refs[1:], start=1):
-                ref.read_into(other)
+                with Batch():
+                    ref.read_into(other)
                 if not allow_divergent:
                     check_replica(buffer, other, rank)
                 elif not bitwise_equal(buffer, other):
@@ -157,24 +162,26 @@ def _gather_into(
         return buffer
     dim = partition.dim % buffer.dim()
     copies, _ = copy_plan(partition, [ref.shape for ref in refs], uneven=uneven)
-    direct = math.prod(buffer.shape[:dim]) == 1  # pieces along dim are contiguous in file and buffer
-    for rank, ref in enumerate(refs):
-        mine = [c for c in copies if c.rank == rank and c.length]
-        if direct:
-            row_bytes = math.prod(ref.shape[dim + 1 :]) * buffer.element_size()
+    contiguous = math.prod(buffer.shape[:dim]) == 1  # pieces along dim are contiguous in file and buffer
+    with Batch():  # every rank's blocks in flight at once
+        for rank, ref in enumerate(refs):
+            mine = [c for c in copies if c.rank == rank and c.length]
+            if contiguous:
+                row_bytes = math.prod(ref.shape[dim + 1 :]) * buffer.element_size()
+                for c in mine:
+                    ref.read_into(buffer.narrow(dim, c.dst, c.length), start=c.src * row_bytes)
+                continue
+            if not mine:
+                continue
+            if len(mine) == 1 and mine[0].length == ref.shape[dim]:  # the whole slice: read into its block
+                ref.read_into(buffer.narrow(dim, mine[0].dst, mine[0].length))
+                continue
+            whole = torch.empty(ref.shape, dtype=buffer.dtype)
+            with Batch():
+                ref.read_into(whole)
             for c in mine:
-                ref.read_into(buffer.narrow(dim, c.dst, c.length), start=c.src * row_bytes)
-            continue
-        if not mine:
-            continue
-        if len(mine) == 1 and mine[0].length == ref.shape[dim]:  # the whole slice: read into its block
-            ref.read_into(buffer.narrow(dim, mine[0].dst, mine[0].length))
-            continue
-        whole = torch.empty(ref.shape, dtype=buffer.dtype)
-        ref.read_into(whole)
-        for c in mine:
-            buffer.narrow(dim, c.dst, c.length).copy_(whole.narrow(dim, c.src, c.length))
-        del whole
+                buffer.narrow(dim, c.dst, c.length).copy_(whole.narrow(dim, c.src, c.length))
+            del whole
     return buffer
 
 
@@ -385,8 +392,9 @@ def run(
         for ref in work.tensor.source.refs:
             ref.evict()
         digest, is_finite = hasher(canonical), finite_of(canonical) if finite_of else None
-        if writer.concurrent:  # write here: the copies into the page cache then run on every core
-            writer.write_unordered(name, _exact(pieces, work.tensor.target_shapes))
+        if writer.concurrent:  # write here, every target rank's blocks in flight at once
+            with Batch():
+                writer.write_unordered(name, _exact(pieces, work.tensor.target_shapes))
             pieces = []
         return name, digest, is_finite, pieces, raw
 

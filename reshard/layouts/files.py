@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from safetensors import SafetensorError, safe_open
 
-from reshard._io import file_mappings, read_all, release_mapped, row_views
+from reshard._io import file_mappings, release_mapped, row_views
+from reshard.direct_io import Batch, DirectSource
 from reshard.dtypes import code_of, dtype_from_code, is_code, itemsize_of
 from reshard.errors import CorruptFileError, UnsafePickleError
 
@@ -117,9 +118,10 @@ def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
 class SafetensorsReader(FileReader):
     """A ``.safetensors`` file; the header is parsed and checked against the file size up front.
 
-    :meth:`read_into` reads with ``pread`` straight into the caller's buffer: one copy from the page
-    cache and no mapping, so the resident memory of a conversion does not grow with the file sizes
-    (pages of a memory-mapped file count as resident for as long as the mapping lives).
+    :meth:`read_into` reads into the caller's buffer with ``O_DIRECT`` through small staging blocks
+    (:class:`~reshard.direct_io.DirectSource`; ``preadv`` through the page cache where the file system
+    refuses it), and never maps the file: pages of a memory-mapped file count as resident for as long
+    as the mapping lives, so the memory of a conversion would grow with the file sizes.
     """
 
     path: Path
@@ -129,13 +131,14 @@ class SafetensorsReader(FileReader):
     notes: list[str] = field(init=False, default_factory=list)
     _handle: Any = field(init=False, default=None, repr=False)
     _offsets: dict[str, int] = field(init=False, repr=False)
-    _fd: int | None = field(init=False, default=None, repr=False)
+    _source: DirectSource | None = field(init=False, default=None, repr=False)
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
         self.headers, self.metadata, self._offsets = _parse_safetensors_header(self.path)
 
     def read_into(self, key: str, out: torch.Tensor, *, start: int = 0) -> None:
+        """Inside a :class:`reshard.direct_io.Batch`, the bytes may still be arriving when this returns."""
         if out.numel() == 0:
             return
         if start + out.numel() * out.element_size() > self.headers[key].nbytes:
@@ -145,15 +148,18 @@ class SafetensorsReader(FileReader):
             import torch
 
             whole = torch.empty(out.shape, dtype=out.dtype)
-            self.read_into(key, whole, start=start)
+            with Batch():
+                self.read_into(key, whole, start=start)
             out.copy_(whole)
             return
+
+        def error(why: str) -> CorruptFileError:
+            return CorruptFileError(f"cannot read tensor: {why}", path=self.path, tensor=key)
+
         try:
-            complete = read_all(self._descriptor(), views, self._offsets[key] + start)
+            self._file().read(views, self._offsets[key] + start, error=error)
         except OSError as err:
-            raise CorruptFileError(f"cannot read tensor: {err}", path=self.path, tensor=key) from err
-        if not complete:
-            raise CorruptFileError("file ends before the tensor's bytes", path=self.path, tensor=key)
+            raise error(str(err)) from err
 
     def prefetch(self, key: str) -> None:
         self._advise(key, "POSIX_FADV_WILLNEED", "no read-ahead")
@@ -162,20 +168,19 @@ class SafetensorsReader(FileReader):
         self._advise(key, "POSIX_FADV_DONTNEED", "cannot drop cached pages")
 
     def _advise(self, key: str, advice: str, failure: str) -> None:
-        """A ``posix_fadvise`` hint over one tensor's bytes; only a hint, so a failure is logged, not raised."""
-        if hasattr(os, "posix_fadvise") and self.headers[key].nbytes:
+        """A page-cache hint over one tensor's bytes (direct reads bypass the cache and skip it); only a
+        hint, so a failure is logged, not raised."""
+        if hasattr(os, "posix_fadvise"):
             try:
-                os.posix_fadvise(self._descriptor(), self._offsets[key], self.headers[key].nbytes, getattr(os, advice))
+                self._file().advise(self._offsets[key], self.headers[key].nbytes, getattr(os, advice))
             except OSError as err:
                 logger.debug("%s: %s for %s: %s", self.path, failure, key, err)
 
-    def _descriptor(self) -> int:
+    def _file(self) -> DirectSource:
         with self._lock:
-            if self._fd is None:
-                self._fd = os.open(self.path, os.O_RDONLY)
-                if hasattr(os, "posix_fadvise"):
-                    os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            return self._fd
+            if self._source is None:
+                self._source = DirectSource(self.path)
+            return self._source
 
     def get(self, key: str) -> torch.Tensor:
         try:

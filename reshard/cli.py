@@ -149,8 +149,8 @@ def inspect_command(
     "--jobs",
     type=click.IntRange(min=1),
     default=default_jobs,
-    show_default="the number of cores",
-    help="Threads reading and hashing tensors while others are written.",
+    show_default="twice the number of cores",
+    help="Tensors read, hashed and written at once (threads; memory stays bounded).",
 )
 @click.option("--allow-divergent-replicas", is_flag=True, help="Take rank 0 of replicated tensors that differ.")
 @click.option("--merge-lora", is_flag=True, help="Merge LoRA adapters into their base weights per rank, then reshard.")

@@ -310,8 +310,9 @@ def execute(
     With ``allow_divergent``, replicated tensors that differ between ranks are taken from rank 0 and, when
     ``divergent`` is given, named in it (the manifest records them).
 
-    ``jobs`` threads read, gather and hash tensors while this thread writes them in plan order; the
-    bytes held at once stay under about twice the largest tensor (see :mod:`reshard.stream`).
+    ``jobs`` threads read, gather, hash and (for safetensors outputs) write tensors, several at once;
+    other writers get them in plan order from this thread. The bytes held at once stay under about
+    twice the largest tensor (see :mod:`reshard.stream`).
     """
     return stream.run(
         conversion,

@@ -3,9 +3,9 @@
 Why: on the 2-core bench VM the page cache is the dearest part of moving a checkpoint, and the disk
 reaches its speed only with several requests in flight. Buffered writes of 2 GB cost 1.6-2.2 s of
 system time (plus 0.7 s of ``sync``), ``O_DIRECT`` writes of the same bytes 0.25 s at 1.65 GB/s.
-Copying 4 GB from 8 rank files into one file with 8 MB blocks on 2 threads took 6.0-7.2 s with
-buffered reads and 4.7-6.0 s with direct ones. Nothing reads a source slice twice or a converted
-checkpoint back soon, so caching either is wasted memory too.
+Copying 4 GB from 8 rank files into one file in 8 MB blocks, with direct writes, took 7.0-8.6 s
+with buffered reads on 2 threads and 4.9-5.5 s with direct reads on 8. Nothing reads a source slice
+twice or a converted checkpoint back soon, so caching either is wasted memory too.
 
 ``O_DIRECT`` needs the file offset, the length and the memory address aligned to the device's block,
 and tensors sit anywhere in a file and in a gathered buffer. So bytes go through aligned staging
@@ -13,9 +13,9 @@ buffers, one block of :data:`STAGING_BYTES` per request, each request carried ou
 pool of threads shared by every file, each thread with its own staging buffer (so the staging memory
 is :data:`IO_THREADS` blocks, and the copies in and out of it run on those threads, in parallel). A
 read takes the aligned blocks that cover its range and copies the wanted bytes out; a write copies
-into staging and writes whole blocks, and its range's first and last partial blocks,
-which it may share with ranges written by other threads, go through the page cache on an ordinary
-descriptor (every block is written one way only, so the two paths never touch the same page).
+into staging and writes whole blocks, and the first and last partial blocks of its range, which it
+may share with ranges written by other threads, go through the page cache on an ordinary descriptor
+(every block is written one way only, so the two paths never touch the same page).
 
 Callers group the requests of one tensor in a :class:`Batch`: every read and write started inside
 ``with Batch():`` runs at once, and leaving the block waits for all of them. A call outside a batch

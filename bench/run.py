@@ -39,6 +39,7 @@ HERE = Path(__file__).resolve().parent
 OUT = HERE / "out"
 RESULTS_JSON = OUT / "results.json"
 RESULTS_MD = HERE / "RESULTS.md"
+OBSERVATIONS = "## Observations"
 LARGEST_TENSOR = 32000 * 4096 * 2  # the bf16 embedding (and lm_head) of Llama-7B
 BOUND = 2 * LARGEST_TENSOR + 600 * 10**6
 TIME = Path("/usr/bin/time")
@@ -210,6 +211,13 @@ def machine() -> dict:
     }
 
 
+def kept_observations() -> str:
+    """The hand-written ``## Observations`` section of the current RESULTS.md, kept across rewrites."""
+    text = RESULTS_MD.read_text() if RESULTS_MD.exists() else ""
+    start = text.find(OBSERVATIONS)
+    return "\n" + text[start:] if start >= 0 else ""
+
+
 def render(rows: list[dict], info: dict, notes: list[str]) -> str:
     lines = [
         "# reshard benchmark results",
@@ -293,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         "the machine may be shared: the load average at the start of each fastest run is in the table; "
         "walls of the same command varied by up to 2.5x between runs minutes apart (see `walls` in results.json)"
     )
-    RESULTS_MD.write_text(render(rows, machine(), notes))
+    RESULTS_MD.write_text(render(rows, machine(), notes) + kept_observations())
     print(f"wrote {RESULTS_MD}")
     return 0
 

@@ -63,9 +63,9 @@ def test_ranges_from_threads_make_the_file(
         assert file.direct_bytes == 0
 
 
-def test_a_file_system_without_o_direct_is_written_through_the_page_cache(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def no_o_direct(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file system that refuses to open files with O_DIRECT (tmpfs before Linux 6.6, some FUSE)."""
     real_open = os.open
 
     def refuse_direct(path, flags, *args):
@@ -74,6 +74,10 @@ def test_a_file_system_without_o_direct_is_written_through_the_page_cache(
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(direct_io.os, "open", refuse_direct)
+
+
+@pytest.mark.usefixtures("no_o_direct")
+def test_a_file_system_without_o_direct_is_written_through_the_page_cache(tmp_path: Path) -> None:
     size = 50 * ALIGN + 3
     data = random.Random(2).randbytes(size)
     file = DirectFile(tmp_path / "out.bin", size)
@@ -168,15 +172,8 @@ def test_ranges_read_in_blocks_land_where_their_views_say(
     source.close()
 
 
-def test_reads_refused_at_open_go_through_the_page_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real_open = os.open
-
-    def refuse_direct(path, flags, *args):
-        if flags & getattr(os, "O_DIRECT", 0):
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, *args)
-
-    monkeypatch.setattr(direct_io.os, "open", refuse_direct)
+@pytest.mark.usefixtures("no_o_direct")
+def test_reads_refused_at_open_go_through_the_page_cache(tmp_path: Path) -> None:
     size = 50 * ALIGN + 3
     data = random.Random(5).randbytes(size)
     (tmp_path / "in.bin").write_bytes(data)

@@ -32,6 +32,7 @@ import logging
 import mmap
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -116,6 +117,7 @@ class DirectSource:
         self._direct_fd = _open_direct(path, os.O_RDONLY)
         # Cleared when a direct read is refused; the descriptor stays open (another thread may be using it).
         self.direct = self._direct_fd is not None
+        self._closer = weakref.finalize(self, _close_all, self._fd, self._direct_fd)
         if not self.direct and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger read-ahead window
 
@@ -180,9 +182,8 @@ class DirectSource:
             os.posix_fadvise(self._fd, position, length, advice)
 
     def close(self) -> None:
-        for fd in (self._fd, self._direct_fd):
-            if fd is not None:
-                os.close(fd)
+        """Close the descriptors now (else they close when this object is collected)."""
+        self._closer()
         self._fd = self._direct_fd = None
 
 
@@ -235,6 +236,8 @@ class DirectFile:
         self._direct_fd = _open_direct(path, os.O_WRONLY) if direct else None
         # Cleared when a direct write is refused; the descriptor stays open (another thread may be using it).
         self._direct = self._direct_fd is not None
+        # Closes the descriptors if the file is dropped unclosed (a conversion that failed midway).
+        self._closer = weakref.finalize(self, _close_all, self._fd, self._direct_fd)
         self._in_flight = 0
         self._settled = threading.Condition()
 
@@ -304,9 +307,7 @@ class DirectFile:
         """Close the file once the blocks still on their way to it have landed."""
         with self._settled:
             self._settled.wait_for(lambda: self._in_flight == 0)
-        for fd in (self._fd, self._direct_fd):
-            if fd is not None:
-                os.close(fd)
+        self._closer()
         self._fd = self._direct_fd = None
 
 
@@ -335,6 +336,12 @@ def copy_bytes(destination: memoryview, source: memoryview) -> None:
         destination[:] = source
         return
     ctypes.memmove(target, origin, len(source))
+
+
+def _close_all(*fds: int | None) -> None:
+    for fd in fds:
+        if fd is not None:
+            os.close(fd)
 
 
 def _open_direct(path: Path, flags: int) -> int | None:

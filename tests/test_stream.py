@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import weakref
 from pathlib import Path
@@ -315,3 +316,34 @@ def test_finite_check_in_one_pass_agrees_with_isfinite(dtype: torch.dtype, bad: 
     expected = bool(torch.isfinite(tensor.float()).all()) if dtype.is_floating_point else True
     assert all_finite_in_blocks(tensor) is expected
     assert all_finite_in_blocks(tensor[:, 8:14]) is expected  # a strided view holding the bad value
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts descriptors in /proc/self/fd")
+def test_conversions_leave_no_descriptor_open(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Library use (many conversions in one process, one failing midway) must not leak the descriptors
+    of the rank files read (two each: direct and buffered) or of the outputs being written."""
+    from reshard import convert, pipeline
+    from reshard.errors import ReshardError
+    from reshard.options import ConvertOptions
+
+    def open_descriptors() -> int:
+        gc.collect()  # an exception's traceback keeps its frames (and their files) in a cycle
+        return len(list(Path("/proc/self/fd").iterdir()))
+
+    before = open_descriptors()
+    for tp in (1, 2):
+        convert(SAMPLE, tmp_path / f"tp{tp}", ConvertOptions(tp=tp, progress=False))
+    assert open_descriptors() == before
+    hashed = []
+
+    def fail_midway(tensor: torch.Tensor) -> str:
+        hashed.append(tensor.shape)
+        if len(hashed) > 3:
+            raise ReshardError("disk on fire")
+        return sha256_of(tensor)
+
+    monkeypatch.setattr(pipeline, "sha256_of", fail_midway)
+    with pytest.raises(ReshardError, match="disk on fire"):
+        convert(SAMPLE, tmp_path / "failed", ConvertOptions(tp=2, progress=False))
+    assert len(hashed) > 3 and not (tmp_path / "failed").exists()
+    assert open_descriptors() == before

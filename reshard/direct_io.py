@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import logging
 import mmap
 import os
@@ -137,9 +138,8 @@ class DirectSource:
             for block in range(position // ALIGN * ALIGN, end, STAGING_BYTES):
                 block_end = min(block + STAGING_BYTES, -(-end // ALIGN) * ALIGN)
                 first, last = max(block, position), min(block_end, end)
-                batch.start(
-                    _ReadBlock(self, block, block_end - block, first - block, destinations.take(last - first), error)
-                )
+                block_views = destinations.take(last - first)
+                batch.start(functools.partial(self._fill, block, block_end - block, first - block, block_views, error))
 
     def _read_buffered(self, views: list[memoryview], position: int, error: Callable[[str], Exception]) -> None:
         try:
@@ -148,6 +148,22 @@ class DirectSource:
             raise error(str(err)) from err
         if not complete:
             raise error("file ends before the tensor's bytes")
+
+    def _fill(
+        self, position: int, size: int, offset: int, views: list[memoryview], error: Callable[[str], Exception]
+    ) -> None:
+        """One request: read the aligned block ``[position, position + size)``, copy its bytes from
+        ``offset`` on into ``views``."""
+        staging = _staging(size)
+        try:
+            count = self.read_block(staging, position)
+        except OSError as err:
+            raise error(str(err)) from err
+        if count < offset + sum(len(view) for view in views):
+            raise error("file ends before the tensor's bytes")
+        for view in views:
+            copy_bytes(view, staging[offset : offset + len(view)])
+            offset += len(view)
 
     def read_block(self, staging: memoryview, position: int) -> int:
         """Read up to ``len(staging)`` bytes at ``position`` (aligned); the count read (short at the file's end)."""
@@ -185,36 +201,6 @@ class DirectSource:
         """Close the descriptors now (else they close when this object is collected)."""
         self._closer()
         self._fd = self._direct_fd = None
-
-
-class _ReadBlock:
-    """One request: read the aligned block ``[position, position + size)``, copy its bytes from
-    ``offset`` on into ``views``."""
-
-    def __init__(
-        self,
-        source: DirectSource,
-        position: int,
-        size: int,
-        offset: int,
-        views: list[memoryview],
-        error: Callable[[str], Exception],
-    ) -> None:
-        self.source, self.position, self.size = source, position, size
-        self.offset, self.views, self.error = offset, views, error
-
-    def __call__(self) -> None:
-        staging = _staging(self.size)
-        try:
-            count = self.source.read_block(staging, self.position)
-        except OSError as err:
-            raise self.error(str(err)) from err
-        offset = self.offset
-        if count < offset + sum(len(view) for view in self.views):
-            raise self.error("file ends before the tensor's bytes")
-        for view in self.views:
-            copy_bytes(view, staging[offset : offset + len(view)])
-            offset += len(view)
 
 
 class DirectFile:
@@ -256,18 +242,24 @@ class DirectFile:
         pwrite_all(self._fd, pieces.take(first - position), position)
         with _current_batch() as batch:
             for block in range(first, last, STAGING_BYTES):
-                request = _WriteBlock(self, block, pieces.take(min(STAGING_BYTES, last - block)))
+                block_views = pieces.take(min(STAGING_BYTES, last - block))
                 self._settle(+1)
                 try:
-                    batch.start(request)
+                    batch.start(functools.partial(self._write_block, block_views, block))
                 except BaseException:
                     self._settle(-1)
                     raise
         pwrite_all(self._fd, pieces.take(end - last), last)
 
-    def write_block(self, view: memoryview, position: int) -> None:
-        """One aligned block: with ``O_DIRECT`` while the file system takes it, then through the page cache."""
+    def _write_block(self, views: list[memoryview], position: int) -> None:
+        """One request: copy ``views`` into staging and write them as one aligned block at ``position``, with
+        ``O_DIRECT`` while the file system takes it, then through the page cache."""
         try:
+            view = _staging(sum(len(piece) for piece in views))
+            filled = 0
+            for piece in views:
+                copy_bytes(view[filled : filled + len(piece)], piece)
+                filled += len(piece)
             written = 0
             while written < len(view):
                 count = self._pwrite_direct(view[written:], position + written) if self._direct else None
@@ -309,21 +301,6 @@ class DirectFile:
             self._settled.wait_for(lambda: self._in_flight == 0)
         self._closer()
         self._fd = self._direct_fd = None
-
-
-class _WriteBlock:
-    """One request: copy ``views`` into staging and write them as one aligned block at ``position``."""
-
-    def __init__(self, file: DirectFile, position: int, views: list[memoryview]) -> None:
-        self.file, self.position, self.views = file, position, views
-
-    def __call__(self) -> None:
-        staging = _staging(sum(len(view) for view in self.views))
-        filled = 0
-        for view in self.views:
-            copy_bytes(staging[filled : filled + len(view)], view)
-            filled += len(view)
-        self.file.write_block(staging, self.position)
 
 
 def copy_bytes(destination: memoryview, source: memoryview) -> None:

@@ -297,9 +297,11 @@ def main(argv: list[str] | None = None) -> int:
             if not args.keep:
                 shutil.rmtree(OUT / f"{layout}-{size:g}g-tp8")
     notes.append("cache: cold = page cache dropped before each run; warm = source possibly in the page cache")
+    spread = max((max(r["walls"]) / min(r["walls"]) for r in rows if r.get("walls")), default=1.0)
     notes.append(
         "the machine may be shared: the load average at the start of each fastest run is in the table; "
-        "walls of the same command varied by up to 2.5x between runs minutes apart (see `walls` in results.json)"
+        f"walls of the same command varied by up to {spread:.1f}x between runs minutes apart "
+        "(see `walls` in results.json)"
     )
     RESULTS_MD.write_text(render(rows, machine(), notes) + kept_observations())
     print(f"wrote {RESULTS_MD}")

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.config import find_config
-from reshard.dtypes import dtype_name
+from reshard.dtypes import name_of
 from reshard.layouts import ReadOptions, SourceCheckpoint, TargetSpec, discover, writer_class
 from reshard.layouts.files import TensorHeader
 from reshard.lora import check_lora_replicas, merge_lora_source
@@ -155,7 +155,7 @@ def convert(ckpt: Path, out: Path, options: ConvertOptions) -> ConvertReport:
             tensors={
                 t.name: TensorEntry(
                     t.source.shape,
-                    dtype_name(t.source.dtype),
+                    name_of(t.source.code),
                     t.source.partition,
                     hashes[t.name],
                     finite[t.name],

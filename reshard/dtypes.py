@@ -64,11 +64,6 @@ def code_of(dtype: torch.dtype) -> str:
     return _codes_by_dtype()[dtype]
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``, the spelling used in manifests and reports."""
-    return str(dtype).removeprefix("torch.")
-
-
 def safetensors_order(name: str, code: str) -> tuple[int, str]:
     """Sort key that reproduces the tensor order of ``safetensors.torch.save_file``."""
     return (-_RANK[code], name)

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from reshard._output import quiet_unless, table
 from reshard._verify_checks import Difference, check_files, value_difference
 from reshard.convert import convert, open_source
-from reshard.dtypes import dtype_name
+from reshard.dtypes import name_of
 from reshard.errors import DivergentReplicaError, PlanError, ReshardError, ShapeMismatchError
 from reshard.manifest import Manifest, find_manifest, written_uneven
 from reshard.options import ConvertOptions
@@ -235,11 +235,9 @@ def check_manifest(ckpt: Path, options: VerifyOptions) -> VerifyReport:
     to_hash = []
     for name in (n for n in expected if n in canon.tensors):
         tensor, entry = canon.tensors[name], expected[name]
-        if tensor.problem is None and (dtype_name(tensor.dtype) != entry.dtype):
+        if tensor.problem is None and (name_of(tensor.code) != entry.dtype):
             diffs.append(
-                Difference(
-                    "dtype", name, f"{dtype_name(tensor.dtype)}, reshard.json says {entry.dtype}", _files(tensor)
-                )
+                Difference("dtype", name, f"{name_of(tensor.code)}, reshard.json says {entry.dtype}", _files(tensor))
             )
         elif tensor.problem is None and tensor.shape != entry.shape:
             diffs.append(
@@ -280,8 +278,8 @@ def compare_checkpoints(ckpt: Path, other: Path, options: VerifyOptions) -> Veri
             common.append(name)  # reported as inconsistent by _gathered
         elif ta.shape != tb.shape:
             diffs.append(Difference("reshaped", name, f"{list(ta.shape)} vs {list(tb.shape)}", _files(tb)))
-        elif ta.dtype != tb.dtype and options.exact:
-            diffs.append(Difference("dtype", name, f"{dtype_name(ta.dtype)} vs {dtype_name(tb.dtype)}", _files(tb)))
+        elif ta.code != tb.code and options.exact:
+            diffs.append(Difference("dtype", name, f"{name_of(ta.code)} vs {name_of(tb.code)}", _files(tb)))
         else:
             common.append(name)
     for name, left in _gathered(a, common, options.progress, diffs):

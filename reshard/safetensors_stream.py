@@ -19,7 +19,7 @@ from huggingface_hub import split_state_dict_into_shards_factory
 from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_WEIGHTS_FILE_PATTERN
 
 from reshard._io import row_views
-from reshard.direct_io import DirectFile
+from reshard.direct_io import Batch, DirectFile
 from reshard.dtypes import safetensors_order
 
 if TYPE_CHECKING:
@@ -147,9 +147,13 @@ class SafetensorsFileWriter:
             file = self._file
         position = self._offsets[name]
         rows = row_views(tensor)
-        for chunk in [rows] if rows is not None else ([c] for c in byte_chunks(tensor)):
-            file.write(chunk, position)
-            position += sum(len(view) for view in chunk)
+        if rows is not None:
+            file.write(rows, position)
+        else:
+            for chunk in byte_chunks(tensor):  # contiguous copies of blocks with short rows
+                with Batch():  # each copy is let go once written, not held until the caller's batch ends
+                    file.write([chunk], position)
+                position += len(chunk)
         with self._lock:
             self._finished += 1
             if self.done:

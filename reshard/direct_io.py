@@ -192,10 +192,11 @@ class DirectSource:
             self.direct = False
             return None
 
-    def advise(self, position: int, length: int, advice: int) -> None:
-        """A ``posix_fadvise`` hint for the page cache, which only buffered reads use."""
+    def advise(self, position: int, length: int, advice: str) -> None:
+        """A ``posix_fadvise`` hint (``advice`` names it, e.g. ``"POSIX_FADV_WILLNEED"``) for the page
+        cache, which only buffered reads use; nothing where the platform has no ``posix_fadvise``."""
         if not self.direct and hasattr(os, "posix_fadvise") and length:
-            os.posix_fadvise(self._fd, position, length, advice)
+            os.posix_fadvise(self._fd, position, length, getattr(os, advice))
 
     def close(self) -> None:
         """Close the descriptors now (else they close when this object is collected)."""

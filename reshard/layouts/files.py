@@ -10,7 +10,6 @@ import functools
 import io
 import json
 import logging
-import os
 import pickle
 import struct
 import threading
@@ -170,11 +169,10 @@ class SafetensorsReader(FileReader):
     def _advise(self, key: str, advice: str, failure: str) -> None:
         """A page-cache hint over one tensor's bytes (direct reads bypass the cache and skip it); only a
         hint, so a failure is logged, not raised."""
-        if hasattr(os, "posix_fadvise"):
-            try:
-                self._file().advise(self._offsets[key], self.headers[key].nbytes, getattr(os, advice))
-            except OSError as err:
-                logger.debug("%s: %s for %s: %s", self.path, failure, key, err)
+        try:
+            self._file().advise(self._offsets[key], self.headers[key].nbytes, advice)
+        except OSError as err:
+            logger.debug("%s: %s for %s: %s", self.path, failure, key, err)
 
     def _file(self) -> DirectSource:
         with self._lock:

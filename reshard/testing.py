@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from reshard.convert import convert, open_source
+from reshard.commands.convert import convert, open_source
+from reshard.commands.verify import VerifyOptions, VerifyResult, verify
 from reshard.options import ConvertOptions
-from reshard.verify import VerifyOptions, VerifyResult, verify
 
 __all__ = ["assert_roundtrip", "assert_same_checkpoint", "assert_same_logits"]
 

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from click.testing import CliRunner, Result
 
 from reshard.cli import main
+
+# tqdm reads TQDM_DISABLE when it is imported (at collection, before any fixture runs).
+os.environ.setdefault("TQDM_DISABLE", "1")
 
 
 @pytest.fixture(autouse=True)

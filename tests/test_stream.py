@@ -1,4 +1,4 @@
-"""The threaded, in-place byte mover (reshard.stream) against the plain gather / split of reshard.partition."""
+"""The threaded, in-place byte mover (reshard.engine.execute) against the plain gather / split of reshard.partition."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from reshard import stream
+from reshard.engine import execute as stream
+from reshard.engine.planner import SourceTensor, TensorPlan, sha256_of
 from reshard.errors import CorruptFileError, DivergentReplicaError
+from reshard.io.safetensors_writer import byte_chunks, tensor_bytes
 from reshard.layouts.base import TensorRef
-from reshard.layouts.files import SafetensorsReader, TorchReader
+from reshard.layouts.readers import SafetensorsReader, TorchReader
 from reshard.partition import Packed, Replicate, Shard, Vocab, rank_shapes
-from reshard.pipeline import SourceTensor, TensorPlan, sha256_of
-from reshard.safetensors_stream import byte_chunks, tensor_bytes
 from reshard.slicing import gather, split
 
 SAMPLE = Path(__file__).resolve().parents[1] / "sample_ckpts" / "tiny-llama-tp2"
@@ -157,7 +157,7 @@ def test_threaded_convert_writes_the_same_bytes_as_one_job(cli, tmp_path: Path, 
 def test_bytes_in_flight_stay_within_the_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The tensor memory alive at once (storages behind prepared, unwritten slices, and gather buffers kept
     for reuse) stays under the budget."""
-    from reshard.convert import convert
+    from reshard.commands.convert import convert
     from reshard.options import ConvertOptions
 
     budgets: list[stream.Budget] = []
@@ -214,7 +214,7 @@ def test_bytes_in_flight_stay_within_the_budget(tmp_path: Path, monkeypatch: pyt
 def test_short_writes_and_reads_resume_where_they_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
-    from reshard import _io
+    from reshard.io import vectored as _io
 
     data = [memoryview(bytes(range(i, i + 7))) for i in range(0, 70, 7)]
     real_pwritev, real_preadv = os.pwritev, os.preadv
@@ -254,15 +254,15 @@ def test_row_views_are_the_strided_rows_without_a_copy() -> None:
 
 
 def _io_rows(tensor: torch.Tensor):
-    from reshard._io import row_views
+    from reshard.io.vectored import row_views
 
     return row_views(tensor)
 
 
 @pytest.mark.parametrize("columns", [(256, 768), (1, 9)], ids=["long-rows", "short-rows"])
 def test_a_column_block_is_written_as_save_file_writes_it(tmp_path: Path, columns: tuple[int, int]) -> None:
-    from reshard.layouts.files import TensorHeader
-    from reshard.safetensors_stream import SafetensorsFileWriter
+    from reshard.io.safetensors_writer import SafetensorsFileWriter
+    from reshard.layouts.readers import TensorHeader
 
     block = _full((6, 1024))[:, columns[0] : columns[1]]
     writer = SafetensorsFileWriter(tmp_path / "ours.safetensors", {"w": TensorHeader.of(block.shape, block.dtype)})
@@ -286,7 +286,7 @@ def _mapped_rss_kb(path: Path) -> int:
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc")
 def test_reading_a_torch_file_lets_go_of_its_mapped_pages(tmp_path: Path) -> None:
-    from reshard._io import release_mapped
+    from reshard.io.vectored import release_mapped
 
     path = tmp_path / "big.pt"
     torch.save({"w": _full((1024, 2048))}, path)  # 8 MB
@@ -308,7 +308,7 @@ def test_reading_a_torch_file_lets_go_of_its_mapped_pages(tmp_path: Path) -> Non
     "bad", [None, float("nan"), float("inf"), float("-inf")], ids=["finite", "nan", "inf", "-inf"]
 )
 def test_finite_check_in_one_pass_agrees_with_isfinite(dtype: torch.dtype, bad: float | None) -> None:
-    from reshard.pipeline import all_finite_in_blocks
+    from reshard.engine.planner import all_finite_in_blocks
 
     tensor = (torch.arange(3000.0).reshape(100, 30) / 7).to(dtype)
     if bad is not None and dtype.is_floating_point:
@@ -322,7 +322,8 @@ def test_finite_check_in_one_pass_agrees_with_isfinite(dtype: torch.dtype, bad: 
 def test_conversions_leave_no_descriptor_open(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Library use (many conversions in one process, one failing midway) must not leak the descriptors
     of the rank files read (two each: direct and buffered) or of the outputs being written."""
-    from reshard import convert, pipeline
+    from reshard import convert
+    from reshard.engine import planner as pipeline
     from reshard.errors import ReshardError
     from reshard.options import ConvertOptions
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from reshard.config import ModelConfig
-from reshard.layouts.files import FileReader, TensorHeader
+from reshard.layouts.readers import FileReader, TensorHeader
 
 if TYPE_CHECKING:
     import torch

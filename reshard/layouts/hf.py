@@ -10,6 +10,7 @@ from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE
 
 from reshard.config import CONFIG_NAME, find_config
 from reshard.errors import CorruptFileError, MissingRankError, ReshardError
+from reshard.io.safetensors_writer import ShardedSafetensorsWriter
 from reshard.layouts.base import (
     RankFilesWriter,
     ReadOptions,
@@ -18,8 +19,7 @@ from reshard.layouts.base import (
     TensorRef,
     refs_from_readers,
 )
-from reshard.layouts.files import FileReader, open_tensor_file
-from reshard.safetensors_stream import ShardedSafetensorsWriter
+from reshard.layouts.readers import FileReader, open_tensor_file
 
 logger = logging.getLogger(__name__)
 

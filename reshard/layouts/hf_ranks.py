@@ -11,10 +11,10 @@ from pathlib import Path
 
 from reshard.config import CONFIG_NAME, find_config
 from reshard.errors import MissingRankError
+from reshard.io.safetensors_writer import ShardedSafetensorsWriter
 from reshard.layouts.base import RankFilesWriter, ReadOptions, SourceCheckpoint, TargetSpec
 from reshard.layouts.hf import collect_extras, read_folder, side_files, write_config
 from reshard.manifest import find_manifest
-from reshard.safetensors_stream import ShardedSafetensorsWriter
 
 RANK_DIR = re.compile(r"^rank_(\d+)$")
 

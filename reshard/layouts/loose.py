@@ -18,7 +18,6 @@ from pathlib import Path
 from reshard.config import find_config
 from reshard.errors import CorruptFileError, MissingRankError, ReshardError
 from reshard.layouts.base import ReadOptions, SourceCheckpoint, refs_from_readers
-from reshard.layouts.files import open_tensor_file
 from reshard.layouts.hf import (
     TENSOR_SUFFIXES,
     check_unique,
@@ -28,6 +27,7 @@ from reshard.layouts.hf import (
     read_index,
     side_files,
 )
+from reshard.layouts.readers import open_tensor_file
 
 # A rank token: an optional two-letter parallel kind before "rank" (tp_rank, mp_rank, pp_rank), or "tp".
 RANK_TOKEN = re.compile(r"(?<![a-z0-9])(?P<kind>(?:[a-z]{2}[_-]?)?rank|tp)[_-]?(?P<num>\d+)(?![0-9])", re.I)

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 from reshard.errors import CorruptFileError, MissingRankError, ReshardError
 from reshard.layouts.base import ReadOptions, SourceCheckpoint, TargetSpec, TensorRef
-from reshard.layouts.files import FileReader, TensorHeader, load_torch_file, torch_header
 from reshard.layouts.megatron_args import (
     DEFAULT_VOCAB_MULTIPLE,
     PICKLE_MODULE,
@@ -30,6 +29,7 @@ from reshard.layouts.megatron_args import (
     config_from_args,
     retarget_args,
 )
+from reshard.layouts.readers import FileReader, TensorHeader, load_torch_file, torch_header
 from reshard.layouts.torch_ranks import TorchRanksWriter
 
 if TYPE_CHECKING:

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 from reshard.config import ModelConfig, load_config
 from reshard.errors import CorruptFileError, MissingRankError, ReshardError
 from reshard.layouts.base import ReadOptions, SourceCheckpoint, TargetSpec, refs_from_readers
-from reshard.layouts.files import TorchReader
 from reshard.layouts.loose import OPTIMIZER
+from reshard.layouts.readers import TorchReader
 from reshard.layouts.torch_ranks import TorchRanksWriter
 
 if TYPE_CHECKING:

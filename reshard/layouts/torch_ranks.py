@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from safetensors import safe_open
 
+from reshard.io.safetensors_writer import SafetensorsFileWriter
 from reshard.layouts.base import RankFilesWriter, TargetSpec
-from reshard.safetensors_stream import SafetensorsFileWriter
 
 if TYPE_CHECKING:
     import torch

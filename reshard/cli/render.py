@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from reshard._output import human_bytes, shape_list, table
+from reshard.cli.output import human_bytes, shape_list, table
 
 if TYPE_CHECKING:
-    from reshard.check import CheckReport
-    from reshard.convert import ConvertReport
-    from reshard.fix import FixReport
-    from reshard.inspect import InspectReport
+    from reshard.commands.check import CheckReport
+    from reshard.commands.convert import ConvertReport
+    from reshard.commands.fix import FixReport
+    from reshard.commands.inspect import InspectReport
 
 
 def render_inspect(report: InspectReport) -> str:

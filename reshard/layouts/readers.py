@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 from safetensors import SafetensorError, safe_open
 
-from reshard._io import file_mappings, release_mapped, row_views
-from reshard.direct_io import Batch, DirectSource
 from reshard.dtypes import code_of, dtype_from_code, is_code, itemsize_of
 from reshard.errors import CorruptFileError, UnsafePickleError
+from reshard.io.direct import Batch, DirectSource
+from reshard.io.vectored import file_mappings, release_mapped, row_views
 
 if TYPE_CHECKING:
     import torch
@@ -118,7 +118,7 @@ class SafetensorsReader(FileReader):
     """A ``.safetensors`` file; the header is parsed and checked against the file size up front.
 
     :meth:`read_into` reads into the caller's buffer with ``O_DIRECT`` through small staging blocks
-    (:class:`~reshard.direct_io.DirectSource`; ``preadv`` through the page cache where the file system
+    (:class:`~reshard.io.direct.DirectSource`; ``preadv`` through the page cache where the file system
     refuses it), and never maps the file: pages of a memory-mapped file count as resident for as long
     as the mapping lives, so the memory of a conversion would grow with the file sizes.
     """
@@ -137,7 +137,7 @@ class SafetensorsReader(FileReader):
         self.headers, self.metadata, self._offsets = _parse_safetensors_header(self.path)
 
     def read_into(self, key: str, out: torch.Tensor, *, start: int = 0) -> None:
-        """Inside a :class:`reshard.direct_io.Batch`, the bytes may still be arriving when this returns."""
+        """Inside a :class:`reshard.io.direct.Batch`, the bytes may still be arriving when this returns."""
         if out.numel() == 0:
             return
         if start + out.numel() * out.element_size() > self.headers[key].nbytes:

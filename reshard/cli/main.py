@@ -18,10 +18,10 @@ from typing import Any
 import click
 
 from reshard import __version__
-from reshard._io import return_large_frees_to_os
-from reshard._output import emit
-from reshard._render import render_check, render_convert, render_fix, render_inspect
+from reshard.cli.output import emit
+from reshard.cli.render import render_check, render_convert, render_fix, render_inspect
 from reshard.errors import ReshardError
+from reshard.io.vectored import return_large_frees_to_os
 from reshard.layouts import WRITABLE_LAYOUTS
 from reshard.options import ConvertOptions, default_jobs
 from reshard.plans import TRANSFORMERS
@@ -123,7 +123,7 @@ def inspect_command(
       reshard inspect sample_ckpts/tiny-llama-tp2
       reshard inspect ckpt/ --json | jq '.tensors[0]'
     """
-    from reshard.inspect import inspect_checkpoint
+    from reshard.commands.inspect import inspect_checkpoint
 
     report = inspect_checkpoint(ckpt, ConvertOptions(config=config, plan=plan, trust_pickle=trust_pickle, vocab=vocab))
     emit(report, render_inspect, as_json=as_json)
@@ -167,7 +167,7 @@ def convert_command(ckpt: Path, out: Path, as_json: bool, quiet: bool, **options
       reshard convert sample_ckpts/tiny-llama-tp2 --tp 1 -o tiny-full
       reshard convert tiny-full --tp 4 --layout hf-ranks -o tiny-tp4
     """
-    from reshard.convert import convert
+    from reshard.commands.convert import convert
 
     if options["lora_alpha"] is not None and not options["merge_lora"]:
         raise click.UsageError("--lora-alpha only applies with --merge-lora")
@@ -195,7 +195,7 @@ def fix_command(ckpt: Path, out: Path | None, as_json: bool, quiet: bool, **opti
       reshard fix sample_ckpts/tiny-llama-65535-tp2 --vocab 65535 -o tiny-fixed
       reshard fix ckpt/ --vocab 65535 --tp 4 -o ckpt-tp4/
     """
-    from reshard.fix import fix
+    from reshard.commands.fix import fix
 
     report = fix(ckpt, out, ConvertOptions(progress=not (quiet or as_json), **options))
     emit(report, render_fix, as_json=as_json, quiet=quiet)
@@ -219,7 +219,7 @@ def check_command(target: Path, as_json: bool, **options: Any) -> None:
       reshard check sample_ckpts/tiny-llama-tp2 --tp 4
       reshard check config.json --tp 4 --plan transformers --json
     """
-    from reshard.check import CheckOptions, check
+    from reshard.commands.check import CheckOptions, check
 
     report = check(target, CheckOptions(**options))
     emit(report, render_check, as_json=as_json)
@@ -259,7 +259,7 @@ def verify_command(ckpt: Path, other: Path | None, quiet: bool, as_json: bool, *
       reshard verify sample_ckpts/tiny-llama-tp2
       reshard verify sample_ckpts/tiny-llama-tp2 tiny-full --json
     """
-    from reshard.verify import VerifyOptions, VerifyResult, verify
+    from reshard.commands.verify import VerifyOptions, VerifyResult, verify
 
     result = verify(ckpt, other, VerifyOptions(progress=not (quiet or as_json), **options))
     emit(result, VerifyResult.render, as_json=as_json, quiet=quiet)

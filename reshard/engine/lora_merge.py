@@ -23,13 +23,13 @@ import torch
 
 from reshard.errors import DivergentReplicaError, PlanError, ReshardError, ShapeMismatchError
 from reshard.layouts.base import SourceCheckpoint, TensorRef
-from reshard.layouts.files import FileReader, TensorHeader
+from reshard.layouts.readers import FileReader, TensorHeader
 from reshard.partition import Replicate
 from reshard.plans.lora import BASE, A, B, parse_lora_name
 from reshard.slicing import bitwise_equal
 
 if TYPE_CHECKING:
-    from reshard.pipeline import TensorPlan
+    from reshard.engine.planner import TensorPlan
 
 
 @dataclass

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from huggingface_hub.constants import SAFETENSORS_INDEX_FILE
 
-from reshard.layouts.files import read_safetensors_header
 from reshard.layouts.hf import BIN_INDEX_FILE, weight_files
 from reshard.layouts.hf_ranks import rank_dir, rank_folders
+from reshard.layouts.readers import read_safetensors_header
 from reshard.manifest import Manifest
 from reshard.slicing import bitwise_equal
 

@@ -18,14 +18,14 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from reshard._output import quiet_unless, table
-from reshard._verify_checks import Difference, check_files, value_difference
-from reshard.convert import convert, open_source
+from reshard.cli.output import quiet_unless, table
+from reshard.commands.convert import convert, open_source
+from reshard.commands.verify_checks import Difference, check_files, value_difference
 from reshard.dtypes import name_of
+from reshard.engine.planner import SourceTensor, all_finite, gather_tensor, plan_sources, resolve_vocab, sha256_of
 from reshard.errors import DivergentReplicaError, PlanError, ReshardError, ShapeMismatchError
 from reshard.manifest import Manifest, find_manifest, written_uneven
 from reshard.options import ConvertOptions
-from reshard.pipeline import SourceTensor, all_finite, gather_tensor, plan_sources, resolve_vocab, sha256_of
 from reshard.plans import EMPTY_PLAN, Plan, Rule, select_plan
 
 __all__ = ["Difference", "VerifyOptions", "VerifyReport", "VerifyResult", "verify"]

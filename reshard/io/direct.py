@@ -39,7 +39,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 
-from reshard._io import pwrite_all, read_all
+from reshard.io.vectored import pwrite_all, read_all
 
 logger = logging.getLogger(__name__)
 

@@ -13,15 +13,15 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from reshard import stream
 from reshard.config import ModelConfig
 from reshard.dtypes import safetensors_order
+from reshard.engine import execute as stream
 from reshard.errors import AmbiguousPartitionError, PlanError, ReshardError, ShapeMismatchError
+from reshard.io.safetensors_writer import CHUNK_BYTES, byte_chunks
 from reshard.layouts.base import CheckpointWriter, SourceCheckpoint, TensorRef
-from reshard.layouts.files import TensorHeader
+from reshard.layouts.readers import TensorHeader
 from reshard.partition import Packed, Partition, Vocab, canonical_shape, rank_shapes, round_up
 from reshard.plans import Plan, infer_partition
-from reshard.safetensors_stream import CHUNK_BYTES, byte_chunks
 from reshard.slicing import bitwise_equal, gather
 
 Shape = tuple[int, ...]
@@ -312,7 +312,7 @@ def execute(
 
     ``jobs`` threads read, gather, hash and (for safetensors outputs) write tensors, several at once;
     other writers get them in plan order from this thread. The bytes held at once stay under about
-    twice the largest tensor (see :mod:`reshard.stream`).
+    twice the largest tensor (see :mod:`reshard.engine.execute`).
     """
     return stream.run(
         conversion,

@@ -6,13 +6,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reshard.convert import open_source
+from reshard.commands.convert import open_source
 from reshard.dtypes import name_of
+from reshard.engine.planner import plan_sources, resolve_vocab
 from reshard.layouts import SourceCheckpoint
 from reshard.manifest import find_manifest, written_uneven
 from reshard.options import ConvertOptions
 from reshard.partition import Vocab, partition_to_dict
-from reshard.pipeline import plan_sources, resolve_vocab
 from reshard.plans import select_plan
 
 

@@ -13,9 +13,9 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from reshard.engine.planner import SourceTensor
 from reshard.errors import MissingRankError, ShapeMismatchError
 from reshard.partition import Vocab, round_up
-from reshard.pipeline import SourceTensor
 from reshard.plans.infer import MAX_VOCAB_PAD_PER_RANK
 
 # Names of vocab tensors across families, for tensors no plan rule covers (GPT-2 wte, Megatron, Meta, NeoX).

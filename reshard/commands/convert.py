@@ -10,13 +10,13 @@ from typing import Any
 
 from reshard.config import find_config
 from reshard.dtypes import name_of
+from reshard.engine.lora_merge import check_lora_replicas, merge_lora_source
+from reshard.engine.planner import ConversionPlan, execute, plan_conversion, resolve_vocab
+from reshard.io.staging import check_output, staged_output
 from reshard.layouts import ReadOptions, SourceCheckpoint, TargetSpec, discover, writer_class
-from reshard.layouts.files import TensorHeader
-from reshard.lora import check_lora_replicas, merge_lora_source
+from reshard.layouts.readers import TensorHeader
 from reshard.manifest import Manifest, TensorEntry, VocabRecord, find_manifest, write_manifest, written_uneven
 from reshard.options import ConvertOptions
-from reshard.output import check_output, staged_output
-from reshard.pipeline import ConversionPlan, execute, plan_conversion, resolve_vocab
 from reshard.plans import select_plan
 
 logger = logging.getLogger(__name__)

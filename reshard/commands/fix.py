@@ -15,17 +15,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from reshard.convert import convert, open_source
+from reshard.commands.convert import convert, open_source
+from reshard.engine.planner import SourceTensor, VocabPlan, plan_sources
 from reshard.errors import ReshardError
+from reshard.io.staging import check_output
 from reshard.layouts import SourceCheckpoint
 from reshard.layouts.loose import rank_template
 from reshard.manifest import Manifest, find_manifest, written_uneven
 from reshard.options import ConvertOptions
-from reshard.output import check_output
 from reshard.partition import Vocab, rank_shapes
-from reshard.pipeline import SourceTensor, VocabPlan, plan_sources
 from reshard.plans import select_plan
-from reshard.vocab_slices import check_vocab_rows
+from reshard.vocab import check_vocab_rows
 
 logger = logging.getLogger(__name__)
 SUFFIX = ".fixed"
@@ -100,7 +100,7 @@ def fix(ckpt: Path, out: Path | None = None, options: ConvertOptions | None = No
 
     Raises:
         MissingRankError: vocab tensors hold only some rank slices (the message names the missing files).
-        ReshardError: the vocab size is unknown, or anything :func:`reshard.convert` refuses.
+        ReshardError: the vocab size is unknown, or anything :func:`reshard.commands.convert` refuses.
 
     Example:
         >>> fix(Path("ckpt-tp2"), options=ConvertOptions(vocab=65535))  # doctest: +SKIP

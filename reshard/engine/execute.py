@@ -10,7 +10,7 @@ Why it is shaped like this:
   gathered twice. Pad rows for a bigger target vocab are zeroed in the buffer, not concatenated.
   Buffers are reused for the next tensor of the same size (:class:`BufferPool`): fresh memory costs
   a page fault and zeroing per page.
-* **The disk busy, the page cache left alone.** Reads and writes go through :mod:`reshard.direct_io`:
+* **The disk busy, the page cache left alone.** Reads and writes go through :mod:`reshard.io.direct`:
   ``O_DIRECT`` in 8 MB blocks, every block of a tensor (all its rank slices, all its target pieces)
   in flight at once. A conversion does not fill the page cache with a checkpoint it will not read
   again, and does not pay for fresh page-cache pages, which cost the most on a VM (4 GB, tp 8 -> 4,
@@ -45,9 +45,9 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm.auto import tqdm
 
-from reshard._output import quiet_unless
-from reshard.direct_io import Batch
+from reshard.cli.output import quiet_unless
 from reshard.errors import ReshardError, ShapeMismatchError
+from reshard.io.direct import Batch
 from reshard.layouts.base import CheckpointWriter, TensorRef
 from reshard.partition import Grouped, Packed, Replicate, Shard, Vocab, split_sizes
 from reshard.slicing import bitwise_equal, check_replica, split
@@ -55,7 +55,7 @@ from reshard.slicing import bitwise_equal, check_replica, split
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from reshard.pipeline import ConversionPlan, TensorPlan
+    from reshard.engine.planner import ConversionPlan, TensorPlan
 
 MIN_BUDGET = 64 << 20
 MAX_PENDING = 256

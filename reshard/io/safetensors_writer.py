@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING
 from huggingface_hub import split_state_dict_into_shards_factory
 from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_WEIGHTS_FILE_PATTERN
 
-from reshard._io import row_views
-from reshard.direct_io import Batch, DirectFile
 from reshard.dtypes import safetensors_order
+from reshard.io.direct import Batch, DirectFile
+from reshard.io.vectored import row_views
 
 if TYPE_CHECKING:
     import torch
 
-    from reshard.layouts.files import TensorHeader
+    from reshard.layouts.readers import TensorHeader
 
 FORMAT_METADATA = {"format": "pt"}
 # A non-contiguous tensor (a column block of a row-parallel weight) is written through contiguous
@@ -91,7 +91,7 @@ class SafetensorsFileWriter:
     :meth:`write` takes tensors in :func:`ordered` order; :meth:`write_unordered` takes them in any
     order and from several threads at once. The file is complete when the last one is written
     (:attr:`done`). Bytes go to the disk with ``O_DIRECT`` where the file system allows
-    (:class:`~reshard.direct_io.DirectFile`), unless ``direct`` is False (a file read back soon).
+    (:class:`~reshard.io.direct.DirectFile`), unless ``direct`` is False (a file read back soon).
     """
 
     path: Path

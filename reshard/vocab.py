@@ -1,10 +1,21 @@
-"""Vocab tensors holding too few rows (only some rank slices) or too many (a vocab size that is too small).
+"""The vocab: its true size and where that came from, padded sizes, pad rows, and vocab tensors that do not add up.
 
-The field case (ColossalAI#6108, #6167): a trainer pads the vocab to a multiple of ``m * tp`` and one
-rank's slice is saved as if it were the whole tensor, e.g. 32768 rows for a vocab of 65535 at tp 2,
-or 16064 rows for 128256 at tp 8 with ``m = 64``. The missing rows exist only in the other ranks'
-files: reshard explains the shape and names those files, and never pads with invented rows.
-Everything here is pure: source tensors and sizes in, a :class:`MissingRankError` (or nothing) out.
+Everything vocab-specific is here, so that "where is the vocab unpadded" has one answer:
+
+* **The true size** (:func:`resolve_vocab`): ``--vocab``, else the ``reshard.json`` beside the checkpoint,
+  else the config. Never guessed from padded rows: frameworks pad the embedding and output tables at
+  the tail (Megatron to ``make_vocab_size_divisible_by * tp``, ColossalAI to ``64 * tp``, reshard to tp).
+* **Padded sizes** (:func:`padded_size`, :func:`megatron_pad_multiple`): the rows a target tp needs.
+* **Pad rows** (:func:`cut_pad_rows`): the one place rows past the true size are dropped when a vocab
+  tensor is gathered; whatever they hold is not data.
+* **The pad limit** (:func:`is_padded_vocab`): how many rows past the vocab can still be padding.
+* **The short-slice diagnosis** (:func:`check_vocab_rows`), the field case of ColossalAI#6108 / #6167: a
+  trainer pads the vocab to a multiple of ``m * tp`` and one rank's slice is saved as if it were the
+  whole tensor, e.g. 32768 rows for a vocab of 65535 at tp 2, or 16064 rows for 128256 at tp 8 with
+  ``m = 64``. The missing rows exist only in the other ranks' files: reshard explains the shape and
+  names those files, and never pads with invented rows.
+
+Pure: sizes, headers and planned tensors in; sizes, records and errors out. No torch import.
 """
 
 from __future__ import annotations
@@ -12,11 +23,15 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from reshard.engine.planner import SourceTensor
-from reshard.errors import MissingRankError, ShapeMismatchError
-from reshard.partition import Vocab, round_up
-from reshard.plans.infer import MAX_VOCAB_PAD_PER_RANK
+from reshard.errors import MissingRankError, ReshardError, ShapeMismatchError
+from reshard.partition import Vocab
+
+if TYPE_CHECKING:
+    from reshard.config import ModelConfig
+    from reshard.engine.planner import SourceTensor
+    from reshard.manifest import Manifest
 
 # Names of vocab tensors across families, for tensors no plan rule covers (GPT-2 wte, Megatron, Meta, NeoX).
 VOCAB_NAME = re.compile(
@@ -24,7 +39,85 @@ VOCAB_NAME = re.compile(
 )
 # Per-rank pad multiples frameworks use (ColossalAI make_vocab_size_divisible_by 64, Megatron 128).
 PAD_MULTIPLES = (1, 2, 4, 8, 16, 32, 64, 128)
+# Frameworks pad the vocab to multiples of at most this many rows per rank (Megatron: 128).
+MAX_VOCAB_PAD_PER_RANK = 1024
 MAX_TP = 64
+DEFAULT_MEGATRON_MULTIPLE = 128  # Megatron's --make-vocab-size-divisible-by default
+
+Rows = TypeVar("Rows")
+
+
+@dataclass(frozen=True)
+class VocabPlan:
+    """The true vocab size and where it came from; the padded sizes found in the source and planned for the
+    target, and the multiple the target is padded to (None when split unevenly or when there is no vocab)."""
+
+    original: int | None
+    origin: str
+    source_padded: int | None = None
+    target_padded: int | None = None
+    pad_multiple: int | None = None
+
+
+def resolve_vocab(explicit: int | None, manifest: Manifest | None, config: ModelConfig | None) -> VocabPlan:
+    """The true vocab size: ``explicit`` (``--vocab``), else the manifest's original size, else the config's."""
+    if explicit is not None:
+        return VocabPlan(explicit, "--vocab")
+    if manifest is not None and manifest.vocab.original is not None:
+        return VocabPlan(manifest.vocab.original, "reshard.json")
+    if config is not None and config.vocab_size:
+        return VocabPlan(config.vocab_size, config.path.name if config.path else "config")
+    return VocabPlan(None, "unknown")
+
+
+def require_vocab(vocab: VocabPlan, *, path: Any, config: ModelConfig | None) -> int:
+    """The true vocab size, or an error saying that nothing tells it (for ``fix``, which must cut pad rows)."""
+    if vocab.original is not None:
+        return vocab.original
+    where = f"{config.path} has no vocab_size" if config else "there is no config.json"
+    raise ReshardError(
+        f"the original vocab size is unknown: there is no reshard.json beside the checkpoint and {where}",
+        path=path,
+        hint="pass --vocab N, the tokenizer's vocab size",
+    )
+
+
+def round_up(size: int, multiple: int) -> int:
+    """Smallest multiple of ``multiple`` that is >= ``size``."""
+    return -(-size // multiple) * multiple
+
+
+def padded_size(size: int, multiple: int, *, uneven: bool = False) -> int:
+    """Rows a vocab of ``size`` is padded to: a multiple of ``multiple``, or none at all when split ``uneven``."""
+    return size if uneven else round_up(size, multiple)
+
+
+def megatron_pad_multiple(divisible_by: int | None, tp: int) -> int:
+    """Megatron pads the vocab to ``make_vocab_size_divisible_by * tp`` rows (128 * tp by default)."""
+    return int(divisible_by or DEFAULT_MEGATRON_MULTIPLE) * tp
+
+
+def is_padded_vocab(size: int, vocab_size: int | None, tp: int) -> bool:
+    """``size`` is the vocab, or the vocab padded the way TP frameworks pad it."""
+    return vocab_size is not None and vocab_size <= size < vocab_size + MAX_VOCAB_PAD_PER_RANK * max(tp, 1)
+
+
+def cut_pad_rows(tensor: Rows, dim: int, vocab_size: int) -> Rows:
+    """The first ``vocab_size`` entries of a gathered vocab tensor along ``dim`` (a view): the pad rows go.
+
+    Works on any tensor-like with ``narrow`` and ``shape`` (torch tensors), so this module needs no torch.
+    """
+    if vocab_size > tensor.shape[dim]:
+        raise ShapeMismatchError(f"cannot unpad dim {dim} of size {tensor.shape[dim]} up to {vocab_size}")
+    return tensor.narrow(dim, 0, vocab_size)
+
+
+def source_padded_rows(tensors: Sequence[SourceTensor]) -> int | None:
+    """Rows the source's vocab tensors hold along their vocab dim (all rank slices together), if it has any."""
+    for tensor in tensors:
+        if isinstance(tensor.partition, Vocab) and not tensor.problem:
+            return sum(ref.shape[tensor.partition.dim] for ref in tensor.refs)
+    return None
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from reshard.engine import buffers
 from reshard.engine import execute as stream
-from reshard.engine.planner import SourceTensor, TensorPlan, sha256_of
+from reshard.engine import gather as engine_gather
+from reshard.engine.digest import sha256_of
+from reshard.engine.planner import SourceTensor, TensorPlan
 from reshard.errors import CorruptFileError, DivergentReplicaError
 from reshard.io.safetensors_writer import byte_chunks, tensor_bytes
 from reshard.layouts.base import TensorRef
@@ -82,9 +85,9 @@ def test_prepare_matches_gather_then_split(tmp_path: Path, case: str, fmt: str) 
     targets = tuple(rank_shapes(partition, full.shape, target_tp, padded=target_padded, uneven=uneven))
     plan = TensorPlan(SourceTensor("w", refs, partition, "test", tuple(full.shape)), targets)
 
-    work = stream.plan_work(plan, target_tp=target_tp)
-    name, canonical, pieces = stream.prepare(
-        work, target_tp=target_tp, vocab_size=vocab, uneven=uneven, allow_divergent=False
+    work = engine_gather.plan_work(plan, target_tp=target_tp)
+    name, canonical, pieces = engine_gather.gather_and_split(
+        work, target_tp=target_tp, uneven=uneven, allow_divergent=False
     )
 
     expected_full = gather([s.contiguous() for s in slices], partition, vocab_size=vocab, uneven=uneven)
@@ -103,10 +106,10 @@ def test_divergent_replica_names_the_rank_and_file(tmp_path: Path) -> None:
     other[1, 2] += 0.5
     refs = _refs(tmp_path, [same, same, other], "safetensors")
     plan = TensorPlan(SourceTensor("w", refs, Replicate(), "test", (4, 3)), ((4, 3),))
-    work = stream.plan_work(plan, target_tp=1)
+    work = engine_gather.plan_work(plan, target_tp=1)
     with pytest.raises(DivergentReplicaError, match=r"rank0\.safetensors.*w.*between rank 0 and rank 2.*0\.5"):
-        stream.prepare(work, target_tp=1, vocab_size=None, uneven=False, allow_divergent=False)
-    _, canonical, _ = stream.prepare(work, target_tp=1, vocab_size=None, uneven=False, allow_divergent=True)
+        engine_gather.gather_and_split(work, target_tp=1, uneven=False, allow_divergent=False)
+    _, canonical, _ = engine_gather.gather_and_split(work, target_tp=1, uneven=False, allow_divergent=True)
     assert torch.equal(canonical, same)
 
 
@@ -160,16 +163,16 @@ def test_bytes_in_flight_stay_within_the_budget(tmp_path: Path, monkeypatch: pyt
     from reshard.commands.convert import convert
     from reshard.options import ConvertOptions
 
-    budgets: list[stream.Budget] = []
-    pools: list[stream.BufferPool] = []
+    budgets: list[buffers.Budget] = []
+    pools: list[buffers.BufferPool] = []
     live, peak, lock = [0], [0], threading.Lock()
 
-    class RecordingPool(stream.BufferPool):
+    class RecordingPool(buffers.BufferPool):
         def __init__(self, limit: int) -> None:
             super().__init__(limit)
             pools.append(self)
 
-    class Recording(stream.Budget):
+    class Recording(buffers.Budget):
         def __init__(self, limit: int) -> None:
             super().__init__(limit)
             budgets.append(self)
@@ -178,7 +181,7 @@ def test_bytes_in_flight_stay_within_the_budget(tmp_path: Path, monkeypatch: pyt
         with lock:
             live[0] -= nbytes
 
-    def tracking(work: stream.Work, **options: object):
+    def tracking(work: engine_gather.Work, **options: object):
         name, canonical, pieces = prepare(work, **options)
         storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in pieces}
         with lock:
@@ -195,11 +198,11 @@ def test_bytes_in_flight_stay_within_the_budget(tmp_path: Path, monkeypatch: pyt
             weakref.finalize(piece, one_gone)
         return name, canonical, pieces
 
-    prepare = stream.prepare
+    prepare = engine_gather.gather_and_split
     monkeypatch.setattr(stream, "Budget", Recording)
     monkeypatch.setattr(stream, "BufferPool", RecordingPool)
-    monkeypatch.setattr(stream, "prepare", tracking)
-    monkeypatch.setattr(stream, "MIN_BUDGET", 0)  # the tiny model's own 2 x largest tensor
+    monkeypatch.setattr(stream, "gather_and_split", tracking)
+    monkeypatch.setattr(buffers, "MIN_BUDGET", 0)  # the tiny model's own 2 x largest tensor
     convert(SAMPLE, tmp_path / "out", ConvertOptions(tp=2, jobs=4, progress=False))
     (budget,) = budgets
     largest = 1001 * 64 * 4  # the float32 embedding / lm_head
@@ -308,7 +311,7 @@ def test_reading_a_torch_file_lets_go_of_its_mapped_pages(tmp_path: Path) -> Non
     "bad", [None, float("nan"), float("inf"), float("-inf")], ids=["finite", "nan", "inf", "-inf"]
 )
 def test_finite_check_in_one_pass_agrees_with_isfinite(dtype: torch.dtype, bad: float | None) -> None:
-    from reshard.engine.planner import all_finite_in_blocks
+    from reshard.engine.digest import all_finite_in_blocks
 
     tensor = (torch.arange(3000.0).reshape(100, 30) / 7).to(dtype)
     if bad is not None and dtype.is_floating_point:
@@ -323,7 +326,6 @@ def test_conversions_leave_no_descriptor_open(tmp_path: Path, monkeypatch: pytes
     """Library use (many conversions in one process, one failing midway) must not leak the descriptors
     of the rank files read (two each: direct and buffered) or of the outputs being written."""
     from reshard import convert
-    from reshard.engine import planner as pipeline
     from reshard.errors import ReshardError
     from reshard.options import ConvertOptions
 
@@ -343,7 +345,7 @@ def test_conversions_leave_no_descriptor_open(tmp_path: Path, monkeypatch: pytes
             raise ReshardError("disk on fire")
         return sha256_of(tensor)
 
-    monkeypatch.setattr(pipeline, "sha256_of", fail_midway)
+    monkeypatch.setattr(stream, "sha256_of", fail_midway)
     with pytest.raises(ReshardError, match="disk on fire"):
         convert(SAMPLE, tmp_path / "failed", ConvertOptions(tp=2, progress=False))
     assert len(hashed) > 3 and not (tmp_path / "failed").exists()

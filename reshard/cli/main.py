@@ -19,11 +19,10 @@ import click
 
 from reshard import __version__
 from reshard.cli.output import emit
-from reshard.cli.render import render_check, render_convert, render_fix, render_inspect
+from reshard.cli.render import render_check, render_convert, render_fix, render_inspect, render_verify
 from reshard.errors import ReshardError
 from reshard.io.vectored import return_large_frees_to_os
-from reshard.layouts import WRITABLE_LAYOUTS
-from reshard.options import ConvertOptions, default_jobs
+from reshard.options import WRITABLE_LAYOUTS, ConvertOptions, default_jobs
 from reshard.plans import TRANSFORMERS
 
 PATH = click.Path(path_type=Path)
@@ -72,22 +71,35 @@ def parse_size(ctx: click.Context, param: click.Parameter, value: str) -> int:
     return int(match.group(1)) * _UNITS[(match.group(2) or "B").upper()]
 
 
-def common_read_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """``--config``, ``--plan``, ``--trust-pickle``: how to read any checkpoint."""
-    for option in reversed(
-        [
-            click.option("--config", "config", type=EXISTING, help="config.json to use (default: in or above CKPT)."),
-            click.option(
-                "--plan",
-                "plan",
-                type=PLAN,
-                help="Plan file (TOML/JSON) whose rules come first, or 'transformers' for transformers' own TP plan.",
-            ),
-            click.option("--trust-pickle", is_flag=True, help="Fully unpickle torch files (only files you trust)."),
-        ]
-    ):
-        command = option(command)
-    return command
+def option_group(*options: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[..., Any]:
+    """Several ``click.option`` decorators as one, applied in the order given (as they read above a command)."""
+
+    def apply(command: Callable[..., Any]) -> Callable[..., Any]:
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return apply
+
+
+# How to read any checkpoint.
+common_read_options = option_group(
+    click.option("--config", "config", type=EXISTING, help="config.json to use (default: in or above CKPT)."),
+    click.option(
+        "--plan",
+        "plan",
+        type=PLAN,
+        help="Plan file (TOML/JSON) whose rules come first, or 'transformers' for transformers' own TP plan.",
+    ),
+    click.option("--trust-pickle", is_flag=True, help="Fully unpickle torch files (only files you trust)."),
+)
+# What every command that writes a checkpoint (convert, fix) takes about its output and report.
+writing_options = option_group(
+    click.option("--overwrite", is_flag=True, help="Replace a non-empty output folder."),
+    click.option("--allow-divergent-replicas", is_flag=True, help="Take rank 0 of replicated tensors that differ."),
+    click.option("-q", "--quiet", is_flag=True, help="No progress bars and no report."),
+    click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON document."),
+)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -136,7 +148,11 @@ def inspect_command(
 @click.option("--vocab", type=click.IntRange(min=1), help="True vocab size (default: reshard.json, then config).")
 @click.option("--pad-multiple", type=click.IntRange(min=1), help="Pad the vocab to a multiple of K (default: tp).")
 @click.option("--uneven", is_flag=True, help="Split sizes that do not divide as torch.chunk does, without padding.")
-@click.option("--layout", type=click.Choice(WRITABLE_LAYOUTS), help="Target layout (default: from the source).")
+@click.option(
+    "--layout",
+    type=click.Choice([layout.value for layout in WRITABLE_LAYOUTS]),
+    help="Target layout (default: from the source).",
+)
 @click.option(
     "--max-shard-size",
     default="5GB",
@@ -144,7 +160,6 @@ def inspect_command(
     callback=parse_size,
     help="Largest safetensors file before a new shard.",
 )
-@click.option("--overwrite", is_flag=True, help="Replace a non-empty output folder.")
 @click.option(
     "--jobs",
     type=click.IntRange(min=1),
@@ -152,11 +167,9 @@ def inspect_command(
     show_default="twice the number of cores",
     help="Tensors read, hashed and written at once (threads; memory stays bounded).",
 )
-@click.option("--allow-divergent-replicas", is_flag=True, help="Take rank 0 of replicated tensors that differ.")
 @click.option("--merge-lora", is_flag=True, help="Merge LoRA adapters into their base weights per rank, then reshard.")
 @click.option("--lora-alpha", type=float, help="LoRA alpha for --merge-lora (scaling = alpha / rank; default 1).")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bars and no report.")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON document.")
+@writing_options
 @common_read_options
 @reports_errors
 def convert_command(ckpt: Path, out: Path, as_json: bool, quiet: bool, **options: Any) -> None:
@@ -181,10 +194,7 @@ def convert_command(ckpt: Path, out: Path, as_json: bool, quiet: bool, **options
 @click.option("--vocab", type=click.IntRange(min=1), help="True vocab size (default: reshard.json, then config).")
 @click.option("-o", "--output", "out", type=PATH, help="Output folder (default: CKPT.fixed beside the input).")
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="Ranks to write (1: full).")
-@click.option("--overwrite", is_flag=True, help="Replace a non-empty output folder.")
-@click.option("--allow-divergent-replicas", is_flag=True, help="Take rank 0 of replicated tensors that differ.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bars and no report.")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON document.")
+@writing_options
 @common_read_options
 @reports_errors
 def fix_command(ckpt: Path, out: Path | None, as_json: bool, quiet: bool, **options: Any) -> None:
@@ -259,10 +269,10 @@ def verify_command(ckpt: Path, other: Path | None, quiet: bool, as_json: bool, *
       reshard verify sample_ckpts/tiny-llama-tp2
       reshard verify sample_ckpts/tiny-llama-tp2 tiny-full --json
     """
-    from reshard.commands.verify import VerifyOptions, VerifyResult, verify
+    from reshard.commands.verify import VerifyOptions, verify
 
     result = verify(ckpt, other, VerifyOptions(progress=not (quiet or as_json), **options))
-    emit(result, VerifyResult.render, as_json=as_json, quiet=quiet)
+    emit(result, render_verify, as_json=as_json, quiet=quiet)
     click.get_current_context().exit(0 if result.ok else 1)
 
 

@@ -42,9 +42,3 @@ def human_bytes(size: int) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1000
     raise AssertionError("unreachable")
-
-
-def quiet_unless(progress: bool) -> dict[str, bool]:
-    """tqdm keyword arguments: off when ``progress`` is False, else tqdm's defaults, so that the
-    ``TQDM_DISABLE`` environment variable (which tqdm only applies to arguments not passed) still works."""
-    return {} if progress else {"disable": True}

@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from reshard.commands.convert import ConvertReport
     from reshard.commands.fix import FixReport
     from reshard.commands.inspect import InspectReport
+    from reshard.commands.verify import VerifyResult
 
 
 def render_inspect(report: InspectReport) -> str:
@@ -118,4 +119,17 @@ def render_check(report: CheckReport) -> str:
         where = f" ({names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "") + ")" if names else ""
         lines.append(f"{problem.severity}: {problem.message}{where}")
     lines.append(f"splits {report.tp} ways" if report.ok else f"cannot be split {report.tp} ways")
+    return "\n".join(lines)
+
+
+def render_verify(result: VerifyResult) -> str:
+    """The text the CLI prints and ``reshard.testing`` raises: one line per check, a table of differences."""
+    lines = []
+    for report in result.reports:
+        status = "ok" if report.ok else f"{len(report.differences)} difference(s)"
+        lines.append(f"{report.title}: {status} ({report.tensors} tensors checked)")
+    rows = [[r.title, d.tensor or "-", d.kind, d.detail, d.file or "-"] for r in result.reports for d in r.differences]
+    if rows:
+        lines += ["", table(rows, ["check", "tensor", "kind", "detail", "file"])]
+    lines.append(f"{result.checkpoint}: {'OK' if result.ok else 'DIFFERENCES FOUND'}")
     return "\n".join(lines)

@@ -15,12 +15,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reshard.config import ModelConfig, find_config, load_config
+from reshard.config import ModelConfig, load_config
+from reshard.engine.open import OpenedCheckpoint, open_checkpoint
 from reshard.errors import AmbiguousPartitionError, ReshardError, ShapeMismatchError
-from reshard.layouts import ReadOptions, SourceCheckpoint, discover
-from reshard.partition import Partition, Replicate, Vocab, canonical_shape, partition_to_dict, rank_shapes, round_up
+from reshard.options import ReadOptions
+from reshard.partition import Partition, Replicate, Vocab, partition_to_dict, rank_shapes
 from reshard.plans import Plan, Rule, select_plan
 from reshard.plans.transformers_plan import build_skeleton
+from reshard.vocab import padded_size
 
 Shape = tuple[int, ...]
 ERROR, WARNING = "error", "warning"
@@ -81,6 +83,7 @@ def check_model(
     plan: Plan,
     tp: int,
     *,
+    vocab_size: int | None = None,
     uneven: bool = False,
     pad_multiple: int | None = None,
     source: str = "",
@@ -97,7 +100,7 @@ def check_model(
     if not plan.rules:
         what = config.model_type if config and config.model_type else "this model"
         problems.append(Problem(ERROR, f"no TP plan for {what}: nothing says how to split it (pass --plan FILE)"))
-    vocab = config.vocab_size if config and config.vocab_size else None
+    vocab = vocab_size if vocab_size is not None else config.vocab_size if config else None
     multiple = pad_multiple or tp
     tensors, heads, partitions = [], {}, {}
     for name, shape in shapes.items():
@@ -137,8 +140,7 @@ def _padded_vocab(partition: Partition, shape: Shape, vocab: int | None, multipl
     """The vocab rows after padding (a tensor already longer than the config's vocab keeps its rows)."""
     if not isinstance(partition, Vocab):
         return None
-    size = max(vocab or 0, shape[partition.dim])
-    return size if uneven else round_up(size, multiple)
+    return padded_size(max(vocab or 0, shape[partition.dim]), multiple, uneven=uneven)
 
 
 def _head_keys(name: str) -> tuple[str, ...]:
@@ -235,7 +237,7 @@ def _vocab_problems(
         if size % tp:
             return [Problem(WARNING, f"vocab {size} splits unevenly over tp={tp} (torch.chunk)", names)]
         return []
-    padded = round_up(size, multiple)
+    padded = padded_size(size, multiple)
     if padded == size:
         return []
     return [
@@ -260,23 +262,25 @@ def check(path: Path, options: CheckOptions) -> CheckReport:
     """Check a checkpoint (its headers) or a bare ``config.json`` (its model built on ``meta``).
 
     Raises:
-        ReshardError: unreadable input, or a config transformers cannot build.
+        ReshardError: unreadable input, rank shapes that do not join, or a config transformers cannot build.
     """
     path = Path(path)
     if path.is_file() and path.suffix == ".json":
         kind, config = "config", load_config(options.config or path)
         shapes = build_skeleton(config).shapes
         plan = select_plan(config, shapes, plan_file=options.plan)
+        vocab = config.vocab_size
     else:
-        source = discover(path, ReadOptions(trust_pickle=options.trust_pickle))
-        kind, config = "checkpoint", find_config(path, options.config) if options.config else source.config
-        plan = select_plan(config, source.names(), plan_file=options.plan)
-        shapes = _full_shapes(source, plan, config)
+        read = ReadOptions(config=options.config, plan=options.plan, trust_pickle=options.trust_pickle)
+        opened = open_checkpoint(path, read, target_tp=options.tp, read_bytes=False)
+        kind, config, plan, vocab = "checkpoint", opened.source.config, opened.plan, opened.vocab.original
+        shapes = _full_shapes(opened)
     return check_model(
         shapes,
         config,
         plan,
         options.tp,
+        vocab_size=vocab,
         uneven=options.uneven,
         pad_multiple=options.pad_multiple,
         source=str(path),
@@ -284,22 +288,16 @@ def check(path: Path, options: CheckOptions) -> CheckReport:
     )
 
 
-def _full_shapes(source: SourceCheckpoint, plan: Plan, config: ModelConfig | None) -> dict[str, Shape]:
-    """Full shapes from the rank headers: rank 0's at tp 1, else gathered by the plan's partition."""
+def _full_shapes(opened: OpenedCheckpoint) -> dict[str, Shape]:
+    """Every tensor's canonical shape as a conversion would gather it; a tensor no rule covers whose ranks hold
+    one shape keeps it (``check_model`` reports the missing rule)."""
     shapes = {}
-    for name in source.names():
-        rank = [r.get(name).shape for r in source.ranks if r.get(name) is not None]
-        if len(rank) != source.tp:
-            raise ReshardError(f"on {len(rank)} of {source.tp} ranks", tensor=name, hint="every rank must hold it")
-        if source.tp == 1 or all(s == rank[0] for s in rank) and plan.match(name) is None:
-            shapes[name] = rank[0]
-            continue
-        rule = plan.match(name)
-        try:
-            if rule is None:
-                raise ShapeMismatchError("no rule says how its ranks join")
-            partition = rule.resolve(config)
-            shapes[name] = canonical_shape(partition, rank, vocab_size=config.vocab_size if config else None)
-        except (ShapeMismatchError, AmbiguousPartitionError) as err:
-            raise ReshardError(f"rank shapes {rank} do not join: {err.detail}", tensor=name) from err
+    for tensor in opened.tensors:
+        rank = [ref.shape for ref in tensor.refs]
+        if tensor.shape is not None:
+            shapes[tensor.name] = tensor.shape
+        elif len(rank) == opened.source.tp and len(set(rank)) == 1 and opened.plan.match(tensor.name) is None:
+            shapes[tensor.name] = rank[0]
+        else:
+            raise ReshardError(f"rank shapes {rank} do not join: {tensor.problem.detail}", tensor=tensor.name)
     return shapes

@@ -8,23 +8,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reshard.config import find_config
 from reshard.dtypes import name_of
-from reshard.engine.lora_merge import check_lora_replicas, merge_lora_source
-from reshard.engine.planner import ConversionPlan, execute, plan_conversion, resolve_vocab
+from reshard.engine.execute import execute
+from reshard.engine.lora_merge import check_lora_replicas
+from reshard.engine.open import OpenedCheckpoint, open_checkpoint
+from reshard.engine.planner import ConversionPlan, plan_conversion
 from reshard.io.staging import check_output, staged_output
-from reshard.layouts import ReadOptions, SourceCheckpoint, TargetSpec, discover, writer_class
+from reshard.layouts import SourceCheckpoint, TargetSpec, writer_class
 from reshard.layouts.readers import TensorHeader
-from reshard.manifest import Manifest, TensorEntry, VocabRecord, find_manifest, write_manifest, written_uneven
-from reshard.options import ConvertOptions
-from reshard.plans import select_plan
+from reshard.manifest import Manifest, TensorEntry, VocabRecord, write_manifest
+from reshard.options import ConvertOptions, Layout
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class ConvertReport:
-    """What a conversion did: where from, where to, the vocab handling, and what changed shape."""
+class Route:
+    """Where a conversion went: the source, its layout and tp, and the output, its layout and tp."""
 
     source: str
     source_layout: str
@@ -32,62 +32,53 @@ class ConvertReport:
     output: str
     layout: str
     tp: int
-    tensors: int
-    bytes: int
-    vocab: dict[str, Any]
-    manifest: str
-    files: list[str] = field(default_factory=list)
-    changed: list[dict[str, Any]] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
 
+@dataclass
+class ConvertReport(Route):
+    """What a conversion did: where from, where to, the vocab handling, and what changed shape."""
+
+    tensors: int = 0
+    bytes: int = 0
+    vocab: dict[str, Any] = field(default_factory=dict)
+    manifest: str = ""
+    files: list[str] = field(default_factory=list)
+    changed: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
 def default_layout(source: SourceCheckpoint, tp: int) -> str:
     """The source's own layout family: ``megatron``/``sat`` stay so; HF-named checkpoints become ``hf`` at
     tp 1 and ``hf-ranks`` above."""
-    if source.layout in ("megatron", "sat"):
+    if source.layout in (Layout.MEGATRON, Layout.SAT):
         return source.layout
-    return "hf" if tp == 1 else "hf-ranks"
+    return Layout.HF if tp == 1 else Layout.HF_RANKS
 
 
-def open_source(ckpt: Path, options: ConvertOptions) -> SourceCheckpoint:
-    """Discover the checkpoint, preferring an explicit ``--config``."""
-    source = discover(ckpt, ReadOptions(trust_pickle=options.trust_pickle))
-    if options.config is not None:
-        source.config = find_config(ckpt, options.config)
-    return source
+def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> tuple[ConversionPlan, Layout]:
+    """The target layout and every tensor's target slices (raises every planning problem at once).
 
-
-def prepare(ckpt: Path, options: ConvertOptions) -> tuple[SourceCheckpoint, ConversionPlan, str]:
-    """Discover and plan, without writing anything (raises every planning problem at once).
-
-    With ``merge_lora`` the LoRA adapters are merged into their base weights per source rank first;
-    without it, LoRA tensors that should be replicated but differ between ranks are refused.
+    Without ``merge_lora`` (which merged the adapters when the checkpoint was opened), LoRA tensors that
+    should be replicated but differ between ranks are refused.
     """
-    source = open_source(ckpt, options)
+    source = opened.source
     if source.meta.get("cannot_convert"):  # a layout read it for inspect, but cannot convert it
         raise source.meta["cannot_convert"]
-    if options.merge_lora:
-        source = merge_lora_source(source, alpha=options.lora_alpha)
     layout = options.layout or default_layout(source, options.tp)
-    writer = writer_class(layout)
-    manifest = find_manifest(ckpt)
-    vocab = resolve_vocab(options.vocab, source, manifest.vocab.original if manifest else None)
-    plan = select_plan(source.config, source.names(), plan_file=options.plan)
-    pad_multiple = options.pad_multiple or writer.pad_multiple(options.tp, source)
     conversion = plan_conversion(
         source,
-        plan,
+        opened.tensors,
+        vocab=opened.vocab,
         target_tp=options.tp,
-        vocab=vocab,
-        pad_multiple=pad_multiple,
-        uneven=options.uneven or written_uneven(manifest),
+        pad_multiple=options.pad_multiple or writer_class(layout).pad_multiple(options.tp, source),
+        uneven=opened.uneven,
     )
     if not (options.merge_lora or options.allow_divergent_replicas):
         check_lora_replicas(conversion.tensors)
-    return source, conversion, layout
+    return conversion, layout
 
 
 def convert(ckpt: Path, out: Path, options: ConvertOptions) -> ConvertReport:
@@ -106,7 +97,13 @@ def convert(ckpt: Path, out: Path, options: ConvertOptions) -> ConvertReport:
     """
     ckpt, out = Path(ckpt), Path(out)
     check_output(out, source=ckpt, overwrite=options.overwrite)
-    source, conversion, layout = prepare(ckpt, options)
+    return convert_opened(open_checkpoint(ckpt, options.read, target_tp=options.tp), out, options)
+
+
+def convert_opened(opened: OpenedCheckpoint, out: Path, options: ConvertOptions) -> ConvertReport:
+    """:func:`convert` of a checkpoint already opened (``fix`` opens it first to diagnose it)."""
+    ckpt, source = opened.path, opened.source
+    conversion, layout = plan_target(opened, options)
     vocab = conversion.vocab
     config = None
     if source.config is not None:

@@ -11,45 +11,35 @@ the true size (dropping pad rows, whatever they hold), and writes a canonical ``
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reshard.commands.convert import convert, open_source
-from reshard.engine.planner import SourceTensor, VocabPlan, plan_sources
-from reshard.errors import ReshardError
+from reshard.commands.convert import Route, convert_opened
+from reshard.engine.open import open_checkpoint
+from reshard.engine.planner import SourceTensor
 from reshard.io.staging import check_output
 from reshard.layouts import SourceCheckpoint
 from reshard.layouts.loose import rank_template
-from reshard.manifest import Manifest, find_manifest, written_uneven
-from reshard.options import ConvertOptions
+from reshard.options import ConvertOptions, Layout
 from reshard.partition import Vocab, rank_shapes
-from reshard.plans import select_plan
-from reshard.vocab import check_vocab_rows
+from reshard.vocab import check_vocab_rows, require_vocab
 
 logger = logging.getLogger(__name__)
 SUFFIX = ".fixed"
 
 
 @dataclass
-class FixReport:
+class FixReport(Route):
     """What ``fix`` changed: per tensor the source rank shapes and the written shapes, the config, the vocab."""
 
-    source: str
-    source_layout: str
-    source_tp: int
-    output: str
-    layout: str
-    tp: int
-    vocab: dict[str, Any]
-    manifest: str
+    vocab: dict[str, Any] = field(default_factory=dict)
+    manifest: str = ""
     changed: list[dict[str, Any]] = field(default_factory=list)
     config_vocab: list[int | None] | None = None
     files: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
 
 
 def default_output(ckpt: Path) -> Path:
@@ -59,26 +49,6 @@ def default_output(ckpt: Path) -> Path:
     """
     base = ckpt if ckpt.name not in ("", ".", "..") else ckpt.resolve()
     return base.with_name(base.name + SUFFIX)
-
-
-def fix_vocab(explicit: int | None, source: SourceCheckpoint, manifest: Manifest | None) -> VocabPlan:
-    """The true vocab size: ``--vocab``, else ``reshard.json`` beside the input, else ``config.json``.
-
-    Raises:
-        ReshardError: none of them tells it.
-    """
-    if explicit is not None:
-        return VocabPlan(explicit, "--vocab", None)
-    if manifest is not None and manifest.vocab.original:
-        return VocabPlan(manifest.vocab.original, "reshard.json", None)
-    if source.config is not None and source.config.vocab_size:
-        return VocabPlan(source.config.vocab_size, "config.json", None)
-    where = f"{source.config.path} has no vocab_size" if source.config else "there is no config.json"
-    raise ReshardError(
-        f"the original vocab size is unknown: there is no reshard.json beside the checkpoint and {where}",
-        path=source.path,
-        hint="pass --vocab N, the tokenizer's vocab size",
-    )
 
 
 def fix(ckpt: Path, out: Path | None = None, options: ConvertOptions | None = None) -> FixReport:
@@ -109,30 +79,26 @@ def fix(ckpt: Path, out: Path | None = None, options: ConvertOptions | None = No
     ckpt = Path(ckpt)
     out = Path(out) if out is not None else default_output(ckpt)
     check_output(out, source=ckpt, overwrite=options.overwrite)
-    source = open_source(ckpt, options)
-    manifest = find_manifest(ckpt)
-    vocab = fix_vocab(options.vocab, source, manifest)
-    plan = select_plan(source.config, source.names(), plan_file=options.plan)
-    options = replace(options, uneven=options.uneven or written_uneven(manifest))
-    tensors = plan_sources(source, plan, vocab=vocab, target_tp=options.tp, uneven=options.uneven)
+    opened = open_checkpoint(ckpt, options.read, target_tp=options.tp)
+    source, vocab = opened.source, opened.vocab
+    require_vocab(vocab, path=source.path, config=source.config)
     check_vocab_rows(
-        tensors, vocab.original, source_tp=source.tp, missing_files=lambda tp: missing_rank_files(source, tp)
+        opened.tensors,
+        vocab.original,
+        source_tp=source.tp,
+        missing_files=lambda tp: missing_rank_files(source, tp),
     )
-    report = convert(ckpt, out, replace(options, vocab=vocab.original))
+    report = convert_opened(opened, out, options)
     config_before = source.config.vocab_size if source.config else None
     notes = list(report.notes)
-    if vocab.origin == "config.json":
-        notes.append(f"vocab size {vocab.original} taken from config.json: if that is a padded size, pass --vocab")
+    if vocab.origin not in ("--vocab", "reshard.json"):
+        notes.append(f"vocab size {vocab.original} taken from {vocab.origin}: if that is a padded size, pass --vocab")
+    route = {key: getattr(report, key) for key in Route.__dataclass_fields__}
     return FixReport(
-        source=report.source,
-        source_layout=report.source_layout,
-        source_tp=report.source_tp,
-        output=report.output,
-        layout=report.layout,
-        tp=report.tp,
-        vocab=report.vocab | {"origin": vocab.origin},
+        **route,
+        vocab=report.vocab,
         manifest=report.manifest,
-        changed=changed_tensors(tensors, options.tp, report.vocab["target_padded"], uneven=options.uneven),
+        changed=changed_tensors(opened.tensors, options.tp, report.vocab["target_padded"], uneven=opened.uneven),
         config_vocab=[config_before, vocab.original] if config_before != vocab.original else None,
         files=report.files,
         notes=notes,
@@ -140,7 +106,7 @@ def fix(ckpt: Path, out: Path | None = None, options: ConvertOptions | None = No
 
 
 def changed_tensors(
-    tensors: list[SourceTensor], tp: int, padded: int | None, *, uneven: bool = False
+    tensors: Sequence[SourceTensor], tp: int, padded: int | None, *, uneven: bool = False
 ) -> list[dict[str, Any]]:
     """Tensors whose slice shapes change (a replica kept whole is not a change): ``{tensor, old, new, vocab}``."""
     changed = []
@@ -155,7 +121,7 @@ def changed_tensors(
 def missing_rank_files(source: SourceCheckpoint, tp: int) -> list[str] | None:
     """Names of the files or folders ranks ``source.tp .. tp-1`` would have, when the names tell them."""
     ranks = range(source.tp, tp)
-    if source.layout == "hf-ranks":
+    if source.layout == Layout.HF_RANKS:
         return [f"rank_{r:02d}/" for r in ranks]
     templates = source.meta.get("rank_templates")
     if templates is None and source.path.is_file():

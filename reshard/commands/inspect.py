@@ -6,14 +6,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reshard.commands.convert import open_source
 from reshard.dtypes import name_of
-from reshard.engine.planner import plan_sources, resolve_vocab
+from reshard.engine.open import open_checkpoint
 from reshard.layouts import SourceCheckpoint
-from reshard.manifest import find_manifest, written_uneven
-from reshard.options import ConvertOptions
-from reshard.partition import Vocab, partition_to_dict
-from reshard.plans import select_plan
+from reshard.options import ConvertOptions, ReadOptions
+from reshard.partition import partition_to_dict
+from reshard.vocab import source_padded_rows
 
 
 @dataclass
@@ -72,37 +70,25 @@ def _not_tensors(source: SourceCheckpoint) -> list[str]:
     return [f"{key}, {_ranks_text(ranks, source.tp)}" for key, ranks in sorted(found.items())]
 
 
-def inspect_checkpoint(ckpt: Path, options: ConvertOptions | None = None) -> InspectReport:
+def inspect_checkpoint(ckpt: Path, options: ReadOptions | ConvertOptions | None = None) -> InspectReport:
     """Describe ``ckpt``: layout, tp, files, and for every tensor its rank shapes, partition and why.
 
     A tensor that cannot be gathered is reported with its problem rather than raised, so one bad
     tensor does not hide the rest.
     """
-    options = options or ConvertOptions()
-    ckpt = Path(ckpt)
-    source = open_source(ckpt, options)
-    manifest = find_manifest(ckpt)
-    vocab = resolve_vocab(options.vocab, source, manifest.vocab.original if manifest else None)
-    plan = select_plan(source.config, source.names(), plan_file=options.plan)
-    tensors = plan_sources(
-        source, plan, vocab=vocab, target_tp=source.tp, uneven=options.uneven or written_uneven(manifest)
-    )
-    padded = next(
-        (
-            sum(r.shape[t.partition.dim] for r in t.refs)
-            for t in tensors
-            if isinstance(t.partition, Vocab) and not t.problem
-        ),
-        None,
-    )
+    if isinstance(options, ConvertOptions):
+        options = options.read
+    opened = open_checkpoint(Path(ckpt), options or ReadOptions())
+    source, vocab, tensors = opened.source, opened.vocab, opened.tensors
+    padded = source_padded_rows(tensors)
     report = InspectReport(
-        path=str(ckpt),
+        path=str(opened.path),
         layout=source.layout,
         tp=source.tp,
         files=[str(f) for f in source.files],
         config=str(source.config.path) if source.config and source.config.path else None,
         model_type=source.config.model_type if source.config else None,
-        plan=plan.name,
+        plan=opened.plan.name,
         vocab={
             "original": vocab.original,
             "origin": vocab.origin,

@@ -7,7 +7,6 @@ a file that cannot be read at all is a :class:`~reshard.errors.ReshardError` (ex
 
 from __future__ import annotations
 
-import re
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -18,15 +17,17 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from reshard.cli.output import quiet_unless, table
-from reshard.commands.convert import convert, open_source
+from reshard.commands.convert import convert, convert_opened
 from reshard.commands.verify_checks import Difference, check_files, value_difference
 from reshard.dtypes import name_of
-from reshard.engine.planner import SourceTensor, all_finite, gather_tensor, plan_sources, resolve_vocab, sha256_of
+from reshard.engine.digest import all_finite, sha256_of
+from reshard.engine.gather import gather_canonical
+from reshard.engine.open import OpenedCheckpoint, open_checkpoint
+from reshard.engine.planner import SourceTensor
 from reshard.errors import DivergentReplicaError, PlanError, ReshardError, ShapeMismatchError
-from reshard.manifest import Manifest, find_manifest, written_uneven
-from reshard.options import ConvertOptions
-from reshard.plans import EMPTY_PLAN, Plan, Rule, select_plan
+from reshard.manifest import find_manifest
+from reshard.options import ConvertOptions, ReadOptions
+from reshard.progress import quiet_unless
 
 __all__ = ["Difference", "VerifyOptions", "VerifyReport", "VerifyResult", "verify"]
 
@@ -57,7 +58,11 @@ class VerifyOptions:
     def exact(self) -> bool:
         return self.atol == 0 and self.rtol == 0
 
-    def read_options(self, **changes: Any) -> ConvertOptions:
+    def read(self, *, own_config: bool = True) -> ReadOptions:
+        """How to open a checkpoint: ``config`` applies to CKPT only (``own_config``), not to OTHER."""
+        return ReadOptions(config=self.config if own_config else None, plan=self.plan, trust_pickle=self.trust_pickle)
+
+    def convert_options(self, **changes: Any) -> ConvertOptions:
         base = ConvertOptions(
             config=self.config, plan=self.plan, trust_pickle=self.trust_pickle, progress=self.progress
         )
@@ -104,20 +109,6 @@ class VerifyResult:
     def to_dict(self) -> dict[str, Any]:
         return {"checkpoint": self.checkpoint, "ok": self.ok, "checks": [r.to_dict() for r in self.reports]}
 
-    def render(self) -> str:
-        """The text the CLI prints and ``reshard.testing`` raises: one line per check, a table of differences."""
-        lines = []
-        for report in self.reports:
-            status = "ok" if report.ok else f"{len(report.differences)} difference(s)"
-            lines.append(f"{report.title}: {status} ({report.tensors} tensors checked)")
-        rows = [
-            [r.title, d.tensor or "-", d.kind, d.detail, d.file or "-"] for r in self.reports for d in r.differences
-        ]
-        if rows:
-            lines += ["", table(rows, ["check", "tensor", "kind", "detail", "file"])]
-        lines.append(f"{self.checkpoint}: {'OK' if self.ok else 'DIFFERENCES FOUND'}")
-        return "\n".join(lines)
-
 
 def verify(ckpt: Path, other: Path | None = None, options: VerifyOptions | None = None) -> VerifyResult:
     """Check ``ckpt``: against ``other`` when given, else against its ``reshard.json``; plus round trips.
@@ -148,44 +139,9 @@ def verify(ckpt: Path, other: Path | None = None, options: VerifyOptions | None 
     return result
 
 
-@dataclass
-class _Canonical:
-    """A checkpoint planned for gathering: every tensor's source, the true vocab size, the split convention."""
-
-    tensors: dict[str, SourceTensor]
-    vocab: int | None
-    uneven: bool
-
-
-@dataclass(frozen=True)
-class RecordedPlan(Plan):
-    """The partitions a ``reshard.json`` recorded, by exact tensor name; ``fallback`` for names it lacks.
-
-    A checkpoint reshard wrote is read the way it was written, even if that took a ``--plan`` file the
-    verifying user does not pass again.
-    """
-
-    recorded: dict[str, Rule] = field(default_factory=dict)
-    fallback: Plan = EMPTY_PLAN
-
-    @classmethod
-    def of(cls, manifest: Manifest, *, fallback: Plan) -> RecordedPlan:
-        rules = {name: Rule(f"^{re.escape(name)}$", entry.partition) for name, entry in manifest.tensors.items()}
-        return cls(f"reshard.json+{fallback.name}", tuple(rules.values()), rules, fallback)
-
-    def match(self, name: str) -> Rule | None:
-        return self.recorded.get(name) or self.fallback.match(name)
-
-
-def _open(path: Path, options: ConvertOptions, manifest: Manifest | None) -> _Canonical:
-    source = open_source(path, options)
-    vocab = resolve_vocab(None, source, manifest.vocab.original if manifest else None)
-    plan = select_plan(source.config, source.names(), plan_file=options.plan)
-    if manifest is not None and options.plan is None:
-        plan = RecordedPlan.of(manifest, fallback=plan)
-    uneven = written_uneven(manifest)
-    tensors = plan_sources(source, plan, vocab=vocab, target_tp=1, uneven=uneven)
-    return _Canonical({t.name: t for t in tensors}, vocab.original, uneven)
+def _open(path: Path, options: ReadOptions) -> OpenedCheckpoint:
+    """Open a checkpoint to gather it whole, the way its ``reshard.json`` recorded it (when it has one)."""
+    return open_checkpoint(path, options, target_tp=1, recorded_plan=True)
 
 
 def _files(tensor: SourceTensor) -> str:
@@ -193,17 +149,18 @@ def _files(tensor: SourceTensor) -> str:
 
 
 def _gathered(
-    canon: _Canonical, names: list[str], progress: bool, diffs: list[Difference]
+    opened: OpenedCheckpoint, names: list[str], progress: bool, diffs: list[Difference]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, canonical tensor)`` one at a time; tensors that cannot be gathered become differences."""
+    tensors = opened.by_name()
     with torch.inference_mode():
         for name in tqdm(names, desc="verify", unit="tensor", file=sys.stderr, leave=False, **quiet_unless(progress)):
-            tensor = canon.tensors[name]
+            tensor = tensors[name]
             if tensor.problem is not None:
                 diffs.append(Difference("inconsistent", name, tensor.problem.detail, _files(tensor)))
                 continue
             try:
-                yield name, gather_tensor(tensor, vocab_size=canon.vocab, uneven=canon.uneven)
+                yield name, gather_canonical(tensor, uneven=opened.uneven)
             except (DivergentReplicaError, ShapeMismatchError) as err:
                 diffs.append(Difference("inconsistent", name, err.detail, _files(tensor)))
 
@@ -221,20 +178,15 @@ def check_manifest(ckpt: Path, options: VerifyOptions) -> VerifyReport:
     report.differences = check_files(ckpt, manifest)
     if report.differences:  # tensors cannot be gathered while files are missing
         return report
-    canon = _open(ckpt, options.read_options(), manifest)
+    opened = _open(ckpt, options.read())
+    tensors = opened.by_name()
     diffs = report.differences
     expected = manifest.tensors
-    diffs += [
-        Difference("missing", n, "in reshard.json, not in the checkpoint") for n in expected if n not in canon.tensors
-    ]
-    diffs += [
-        Difference("extra", n, "not in reshard.json", _files(canon.tensors[n]))
-        for n in canon.tensors
-        if n not in expected
-    ]
+    diffs += [Difference("missing", n, "in reshard.json, not in the checkpoint") for n in expected if n not in tensors]
+    diffs += [Difference("extra", n, "not in reshard.json", _files(tensors[n])) for n in tensors if n not in expected]
     to_hash = []
-    for name in (n for n in expected if n in canon.tensors):
-        tensor, entry = canon.tensors[name], expected[name]
+    for name in (n for n in expected if n in tensors):
+        tensor, entry = tensors[name], expected[name]
         if tensor.problem is None and (name_of(tensor.code) != entry.dtype):
             diffs.append(
                 Difference("dtype", name, f"{name_of(tensor.code)}, reshard.json says {entry.dtype}", _files(tensor))
@@ -247,8 +199,8 @@ def check_manifest(ckpt: Path, options: VerifyOptions) -> VerifyReport:
             )
         else:
             to_hash.append(name)
-    for name, full in _gathered(canon, to_hash, options.progress, diffs):
-        entry, files = expected[name], _files(canon.tensors[name])
+    for name, full in _gathered(opened, to_hash, options.progress, diffs):
+        entry, files = expected[name], _files(tensors[name])
         report.tensors += 1
         if sha256_of(full) != entry.sha256:
             diffs.append(Difference("sha256", name, "bytes differ from the sha256 in reshard.json", files))
@@ -264,16 +216,14 @@ def compare_checkpoints(ckpt: Path, other: Path, options: VerifyOptions) -> Veri
     dtypes are compared by value (in float64) instead of being reported as a dtype difference.
     """
     report = VerifyReport("compare", str(ckpt), str(other))
-    a = _open(ckpt, options.read_options(), find_manifest(ckpt))
-    b = _open(other, options.read_options(config=None), find_manifest(other))
+    a, b = _open(ckpt, options.read()), _open(other, options.read(own_config=False))
+    ours, theirs = a.by_name(), b.by_name()
     diffs = report.differences
-    diffs += [
-        Difference("missing", n, f"not in {other}", _files(a.tensors[n])) for n in a.tensors if n not in b.tensors
-    ]
-    diffs += [Difference("extra", n, f"not in {ckpt}", _files(b.tensors[n])) for n in b.tensors if n not in a.tensors]
+    diffs += [Difference("missing", n, f"not in {other}", _files(t)) for n, t in ours.items() if n not in theirs]
+    diffs += [Difference("extra", n, f"not in {ckpt}", _files(t)) for n, t in theirs.items() if n not in ours]
     common = []
-    for name in (n for n in a.tensors if n in b.tensors):
-        ta, tb = a.tensors[name], b.tensors[name]
+    for name in (n for n in ours if n in theirs):
+        ta, tb = ours[name], theirs[name]
         if ta.problem or tb.problem:
             common.append(name)  # reported as inconsistent by _gathered
         elif ta.shape != tb.shape:
@@ -292,7 +242,11 @@ def compare_checkpoints(ckpt: Path, other: Path, options: VerifyOptions) -> Veri
             what = "bytes differ" if options.exact else f"outside atol={options.atol}, rtol={options.rtol}"
             diffs.append(
                 Difference(
-                    "values", name, f"{what}: max abs difference {difference:.6g}", _files(b.tensors[name]), difference
+                    "values",
+                    name,
+                    f"{what}: max abs difference {difference:.6g}",
+                    _files(theirs[name]),
+                    difference,
                 )
             )
     return report
@@ -304,13 +258,14 @@ def roundtrip(ckpt: Path, tp: int, options: VerifyOptions) -> VerifyReport:
     The temporary folder (under ``$TMPDIR``) is removed however this ends, Ctrl-C included. A tp the
     model cannot be split into is reported as a difference of this round trip, not raised.
     """
-    source, uneven = open_source(ckpt, options.read_options()), written_uneven(find_manifest(ckpt))
+    opened = open_checkpoint(ckpt, options.read(), target_tp=tp)
+    own_tp, uneven = opened.source.tp, opened.uneven
     report = VerifyReport("roundtrip", str(ckpt), f"tp={tp} and back", tp=tp)
     with tempfile.TemporaryDirectory(prefix=f"reshard-verify-tp{tp}-") as tmp:
-        there, back = Path(tmp) / f"tp{tp}", Path(tmp) / f"back-tp{source.tp}"
+        there, back = Path(tmp) / f"tp{tp}", Path(tmp) / f"back-tp{own_tp}"
         try:
-            convert(ckpt, there, options.read_options(tp=tp, uneven=uneven))
-            convert(there, back, options.read_options(tp=source.tp, config=None, uneven=uneven))
+            convert_opened(opened, there, options.convert_options(tp=tp, uneven=uneven))
+            convert(there, back, options.convert_options(tp=own_tp, config=None, uneven=uneven))
         except PlanError as err:  # this tp cannot hold the model: a finding about this round trip
             report.differences = [Difference("plan", p.tensor, p.detail, p.path) for p in err.problems]
             return report

@@ -19,10 +19,11 @@ from reshard.layouts.hf import BIN_INDEX_FILE, weight_files
 from reshard.layouts.hf_ranks import rank_dir, rank_folders
 from reshard.layouts.readers import read_safetensors_header
 from reshard.manifest import Manifest
+from reshard.options import Layout
 from reshard.slicing import bitwise_equal
 
 # Layouts whose folders reshard can check file by file; others are checked by reading them.
-_FOLDER_LAYOUTS = ("hf", "hf-ranks")
+_FOLDER_LAYOUTS = (Layout.HF, Layout.HF_RANKS)
 # Elements widened to float64 at a time when comparing values (128 MB per side).
 _BLOCK = 1 << 24
 
@@ -51,7 +52,7 @@ def check_files(ckpt: Path, manifest: Manifest) -> list[Difference]:
     layout, tp = manifest.target.get("layout"), manifest.target.get("tp")
     if not ckpt.is_dir() or layout not in _FOLDER_LAYOUTS:
         return []
-    if layout == "hf":
+    if layout == Layout.HF:
         return _check_folder(ckpt)
     found = rank_folders(ckpt)
     expected = max(int(tp or 0), max(found, default=-1) + 1)

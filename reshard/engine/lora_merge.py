@@ -19,16 +19,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from reshard.errors import DivergentReplicaError, PlanError, ReshardError, ShapeMismatchError
 from reshard.layouts.base import SourceCheckpoint, TensorRef
 from reshard.layouts.readers import FileReader, TensorHeader
 from reshard.partition import Replicate
 from reshard.plans.lora import BASE, A, B, parse_lora_name
-from reshard.slicing import bitwise_equal
 
 if TYPE_CHECKING:
+    import torch
+
     from reshard.engine.planner import TensorPlan
 
 
@@ -82,6 +81,8 @@ class MergedLoraReader(FileReader):
         self.headers = {self.name: self.weight.header}
 
     def get(self, key: str) -> torch.Tensor:
+        import torch
+
         weight = self.weight.read()
         scaling = self.alpha / self.a[0].shape[0]
         # SAT's merge_linear_lora: A_i^T B_i^T per part, concatenated on the output dim, transposed back.
@@ -167,6 +168,8 @@ def check_lora_replicas(tensors: Sequence[TensorPlan]) -> None:
     Raises:
         PlanError: one :class:`DivergentReplicaError` per such tensor, naming ``--merge-lora``.
     """
+    from reshard.slicing import bitwise_equal
+
     problems: list[ReshardError] = []
     for tensor in tensors:
         lora = parse_lora_name(tensor.name)

@@ -1,30 +1,33 @@
-"""Headers -> a per-tensor plan -> bytes streamed one tensor at a time.
+"""Headers -> every tensor's partition, canonical shape and target slices. Pure: no torch, no file opened.
 
-:func:`plan_sources` and :func:`plan_conversion` decide everything from headers (and, for tensors
-no rule covers, an equality check of the rank slices); they raise before any output exists.
-:func:`execute` is the only place tensor bytes move: read the rank slices of one tensor, gather,
-hash, split for the target, hand the slices to the writer, drop them, go on.
+:func:`plan_sources` decides, for every tensor of a source checkpoint, how its rank slices join (a plan
+rule, else inference from shapes and the config) and the canonical shape they join into; a tensor that
+cannot be planned carries its problem instead of raising, so ``inspect`` can show it beside the rest.
+:func:`plan_conversion` adds the per-rank shapes at the target tp and raises every problem at once
+(:class:`~reshard.errors.PlanError`) before any output exists. Bytes move in :mod:`reshard.engine.execute`.
 """
 
 from __future__ import annotations
 
-import hashlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-
-import torch
+from typing import TYPE_CHECKING
 
 from reshard.config import ModelConfig
 from reshard.dtypes import safetensors_order
-from reshard.engine import execute as stream
 from reshard.errors import AmbiguousPartitionError, PlanError, ReshardError, ShapeMismatchError
-from reshard.io.safetensors_writer import CHUNK_BYTES, byte_chunks
-from reshard.layouts.base import CheckpointWriter, SourceCheckpoint, TensorRef
+from reshard.layouts.base import SourceCheckpoint, TensorRef
 from reshard.layouts.readers import TensorHeader
-from reshard.partition import Packed, Partition, Vocab, canonical_shape, rank_shapes, round_up
+from reshard.partition import Packed, Partition, canonical_shape, rank_shapes
 from reshard.plans import Plan, infer_partition
-from reshard.slicing import bitwise_equal, gather
+from reshard.vocab import VocabPlan, padded_size, source_padded_rows
+
+if TYPE_CHECKING:
+    import torch
 
 Shape = tuple[int, ...]
+# Reads the rank slices of one tensor and says whether they are bitwise equal (None: headers only).
+ReplicaCheck = Callable[[Sequence[TensorRef]], bool]
 
 
 @dataclass(frozen=True)
@@ -68,17 +71,6 @@ class TensorPlan:
 
 
 @dataclass(frozen=True)
-class VocabPlan:
-    """The true vocab size, where it came from, the padded size found, and the padding at the target."""
-
-    original: int | None
-    origin: str
-    source_padded: int | None
-    target_padded: int | None = None
-    pad_multiple: int | None = None
-
-
-@dataclass(frozen=True)
 class ConversionPlan:
     source: SourceCheckpoint
     target_tp: int
@@ -88,25 +80,34 @@ class ConversionPlan:
 
 
 def plan_sources(
-    source: SourceCheckpoint, plan: Plan, *, vocab: VocabPlan, target_tp: int = 1, uneven: bool = False
+    source: SourceCheckpoint,
+    plan: Plan,
+    *,
+    vocab_size: int | None,
+    target_tp: int = 1,
+    uneven: bool = False,
+    replicas_equal: ReplicaCheck | None = None,
 ) -> list[SourceTensor]:
-    """Decide, for every tensor, its partition (plan rule, else inference) and canonical shape."""
-    config = source.config
+    """Decide, for every tensor, its partition (plan rule, else inference) and canonical shape.
+
+    ``replicas_equal`` reads bytes when shapes alone cannot tell a replicated tensor from a split one;
+    without it (``reshard check`` reads headers only) such a tensor gets a problem instead.
+    """
     out = []
     for name in source.names():
         refs = [rank.get(name) for rank in source.ranks]
         absent = [r for r, ref in enumerate(refs) if ref is None]
-        first = next(ref for ref in refs if ref is not None)
         if absent:
+            present = tuple(r for r in refs if r)
             problem = ShapeMismatchError(
                 f"missing on rank(s) {absent} of {source.tp}",
-                path=first.file,
+                path=present[0].file,
                 tensor=name,
                 hint="every rank file must hold every tensor",
             )
-            out.append(SourceTensor(name, tuple(r for r in refs if r), None, "", None, problem))
+            out.append(SourceTensor(name, present, None, "", None, problem))
             continue
-        out.append(_plan_one(name, tuple(refs), plan, config, vocab, target_tp, uneven))
+        out.append(_plan_one(name, tuple(refs), plan, source.config, vocab_size, target_tp, uneven, replicas_equal))
     return out
 
 
@@ -115,23 +116,17 @@ def _plan_one(
     refs: tuple[TensorRef, ...],
     plan: Plan,
     config: ModelConfig | None,
-    vocab: VocabPlan,
+    vocab_size: int | None,
     target_tp: int,
     uneven: bool,
+    replicas_equal: ReplicaCheck | None,
 ) -> SourceTensor:
     shapes = [ref.shape for ref in refs]
-    dtypes = {ref.dtype for ref in refs}
-    if len(dtypes) > 1:
-        return SourceTensor(
-            name,
-            refs,
-            None,
-            "",
-            None,
-            ShapeMismatchError(
-                f"ranks disagree on dtype: {[str(r.dtype) for r in refs]}", path=refs[0].file, tensor=name
-            ),
+    if len({ref.code for ref in refs}) > 1:
+        problem = ShapeMismatchError(
+            f"ranks disagree on dtype: {[str(r.dtype) for r in refs]}", path=refs[0].file, tensor=name
         )
+        return SourceTensor(name, refs, None, "", None, problem)
     rule = plan.match(name)
     try:
         if rule is not None:
@@ -140,11 +135,11 @@ def _plan_one(
             partition, reason = infer_partition(
                 shapes,
                 config,
-                vocab_size=vocab.original,
+                vocab_size=vocab_size,
                 target_tp=target_tp,
-                replicas_equal=lambda: all(bitwise_equal(refs[0].read(), r.read()) for r in refs[1:]),
+                replicas_equal=_bytes_check(refs, replicas_equal),
             )
-        shape = canonical_shape(partition, shapes, vocab_size=vocab.original, uneven=uneven)
+        shape = canonical_shape(partition, shapes, vocab_size=vocab_size, uneven=uneven)
     except AmbiguousPartitionError as err:
         problem = AmbiguousPartitionError(
             f"no plan rule, and {err.detail}"
@@ -165,44 +160,31 @@ def _plan_one(
     return SourceTensor(name, refs, partition, reason, shape)
 
 
-def resolve_vocab(explicit: int | None, source: SourceCheckpoint, manifest_vocab: int | None) -> VocabPlan:
-    """The true vocab size: ``--vocab``, else the manifest's original size, else ``config.json``."""
-    if explicit is not None:
-        return VocabPlan(explicit, "--vocab", None)
-    if manifest_vocab is not None:
-        return VocabPlan(manifest_vocab, "reshard.json", None)
-    if source.config is not None and source.config.vocab_size:
-        origin = source.config.path.name if source.config.path else "config"
-        return VocabPlan(source.config.vocab_size, origin, None)
-    return VocabPlan(None, "unknown", None)
+def _bytes_check(refs: tuple[TensorRef, ...], replicas_equal: ReplicaCheck | None) -> Callable[[], bool]:
+    def check() -> bool:
+        if replicas_equal is None:
+            raise AmbiguousPartitionError(f"rank shapes {[list(r.shape) for r in refs]} need its bytes to tell")
+        return replicas_equal(refs)
+
+    return check
 
 
 def plan_conversion(
     source: SourceCheckpoint,
-    plan: Plan,
+    tensors: Sequence[SourceTensor],
     *,
-    target_tp: int,
     vocab: VocabPlan,
+    target_tp: int,
     pad_multiple: int | None = None,
     uneven: bool = False,
 ) -> ConversionPlan:
     """Plan every tensor for ``target_tp`` ranks; all problems are raised together as a :class:`PlanError`."""
-    tensors = plan_sources(source, plan, vocab=vocab, target_tp=target_tp, uneven=uneven)
     problems = [t.problem for t in tensors if t.problem]
-    source_padded = next(
-        (
-            sum(r.shape[t.partition.dim] for r in t.refs)
-            for t in tensors
-            if isinstance(t.partition, Vocab) and not t.problem
-        ),
-        None,
-    )
-    original = vocab.original
+    source_padded = source_padded_rows(tensors)
     multiple = pad_multiple or target_tp
     target_padded = None
     if source_padded is not None:
-        size = original if original is not None else source_padded
-        target_padded = size if uneven else round_up(size, multiple)
+        target_padded = padded_size(vocab.original or source_padded, multiple, uneven=uneven)
         if target_padded % target_tp and not uneven:
             problems.append(
                 ReshardError(
@@ -244,84 +226,3 @@ def _whole_blocks(partition: Partition) -> bool:
     """True when the partition splits in blocks (heads) that ``--uneven`` must not cut either."""
     units = partition.part_units() if isinstance(partition, Packed) else (getattr(partition, "unit", 1),)
     return any(unit != 1 for unit in units)
-
-
-def sha256_of(tensor: torch.Tensor) -> str:
-    """sha256 of a tensor's bytes in C order (read in place when contiguous, else in bounded blocks)."""
-    digest = hashlib.sha256()
-    for chunk in byte_chunks(tensor):
-        digest.update(chunk)
-    return digest.hexdigest()
-
-
-def all_finite(tensor: torch.Tensor) -> bool:
-    """True when no value is NaN or Inf (always for integer and bool tensors)."""
-    if not (tensor.is_floating_point() or tensor.is_complex()):
-        return True
-    try:
-        return bool(torch.isfinite(tensor).all())
-    except (RuntimeError, NotImplementedError):  # float8 kinds without an isfinite kernel
-        return bool(torch.isfinite(tensor.float()).all())
-
-
-def all_finite_in_blocks(tensor: torch.Tensor) -> bool:
-    """:func:`all_finite` in one pass without a mask: ``aminmax`` propagates NaN, and a tensor is finite
-    when its min and max are (about 80x faster than ``isfinite(t).all()``, and no mask of the whole)."""
-    if tensor.numel() == 0 or not tensor.is_floating_point():
-        return all_finite(tensor)
-    try:
-        low, high = torch.aminmax(tensor)
-    except (RuntimeError, NotImplementedError):  # dtypes without an aminmax kernel (float8 kinds)
-        rows = max(1, CHUNK_BYTES // max(1, tensor[0].numel() * tensor.element_size())) if tensor.dim() else 1
-        if tensor.dim() == 0:
-            return all_finite(tensor)
-        return all(
-            all_finite(tensor.narrow(0, s, min(rows, tensor.shape[0] - s))) for s in range(0, len(tensor), rows)
-        )
-    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
-
-
-def gather_tensor(
-    tensor: SourceTensor, *, vocab_size: int | None, uneven: bool = False, allow_divergent: bool = False
-) -> torch.Tensor:
-    """Read one tensor's rank slices and join them into the canonical tensor."""
-    try:
-        slices = [ref.read() for ref in tensor.refs]
-        return gather(slices, tensor.partition, vocab_size=vocab_size, uneven=uneven, allow_divergent=allow_divergent)
-    except ReshardError as err:
-        if err.path:
-            raise
-        raise type(err)(err.detail, path=tensor.refs[0].file, tensor=tensor.name, hint=err.hint) from err
-
-
-def execute(
-    conversion: ConversionPlan,
-    writer: CheckpointWriter,
-    *,
-    allow_divergent: bool = False,
-    divergent: set[str] | None = None,
-    progress: bool = True,
-    finite: dict[str, bool] | None = None,
-    jobs: int = 1,
-) -> dict[str, str]:
-    """Stream every tensor through gather -> hash -> split -> writer. Returns ``{name: sha256}``.
-
-    When ``finite`` is given it is filled with ``{name: no NaN/Inf in the canonical tensor}``, for the manifest.
-    With ``allow_divergent``, replicated tensors that differ between ranks are taken from rank 0 and, when
-    ``divergent`` is given, named in it (the manifest records them).
-
-    ``jobs`` threads read, gather, hash and (for safetensors outputs) write tensors, several at once;
-    other writers get them in plan order from this thread. The bytes held at once stay under about
-    twice the largest tensor (see :mod:`reshard.engine.execute`).
-    """
-    return stream.run(
-        conversion,
-        writer,
-        jobs=jobs,
-        hasher=sha256_of,
-        finite_of=None if finite is None else all_finite_in_blocks,
-        finite=finite,
-        allow_divergent=allow_divergent,
-        divergent=divergent,
-        progress=progress,
-    )

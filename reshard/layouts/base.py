@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import enum
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,32 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 from reshard.config import ModelConfig
 from reshard.layouts.readers import FileReader, TensorHeader
+from reshard.options import Layout
 
 if TYPE_CHECKING:
     import torch
-
-
-class Layout(str, enum.Enum):
-    """On-disk layouts (DESIGN.md section 3). ``loose`` and ``file`` are read-only."""
-
-    HF = "hf"
-    HF_RANKS = "hf-ranks"
-    MEGATRON = "megatron"
-    SAT = "sat"
-    LOOSE = "loose"
-
-    def __str__(self) -> str:
-        return self.value
-
-
-WRITABLE_LAYOUTS = ("hf", "hf-ranks", "megatron", "sat")
-
-
-@dataclass(frozen=True)
-class ReadOptions:
-    """How to open source files."""
-
-    trust_pickle: bool = False
 
 
 @dataclass(frozen=True)
@@ -99,7 +77,7 @@ class SourceCheckpoint:
     """
 
     path: Path
-    layout: str
+    layout: Layout
     ranks: list[dict[str, TensorRef]]
     config: ModelConfig | None = None
     extras: list[dict[str, Any]] = field(default_factory=list)
@@ -127,6 +105,19 @@ class SourceCheckpoint:
             for name in rank:
                 seen.setdefault(name)
         return list(seen)
+
+
+def numbered_children(folder: Path, pattern: re.Pattern[str], *, want_dirs: bool) -> dict[int, Path]:
+    """``{number: path}`` for every folder (``want_dirs``) or file directly in ``folder`` whose name matches
+    ``pattern``; its first group is the number (a rank)."""
+    if not folder.is_dir():
+        return {}
+    found = {}
+    for child in folder.iterdir():
+        match = pattern.match(child.name)
+        if match and (child.is_dir() if want_dirs else child.is_file()):
+            found[int(match.group(1))] = child
+    return found
 
 
 def refs_from_readers(readers: Iterable[FileReader], rank: int) -> dict[str, TensorRef]:

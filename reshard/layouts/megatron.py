@@ -20,9 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from reshard.errors import CorruptFileError, MissingRankError, ReshardError
-from reshard.layouts.base import ReadOptions, SourceCheckpoint, TargetSpec, TensorRef
+from reshard.layouts.base import SourceCheckpoint, TargetSpec, TensorRef
 from reshard.layouts.megatron_args import (
-    DEFAULT_VOCAB_MULTIPLE,
     PICKLE_MODULE,
     SAFE_GLOBALS,
     arg,
@@ -31,6 +30,8 @@ from reshard.layouts.megatron_args import (
 )
 from reshard.layouts.readers import FileReader, TensorHeader, load_torch_file, torch_header
 from reshard.layouts.torch_ranks import TorchRanksWriter
+from reshard.options import Layout, ReadOptions
+from reshard.vocab import megatron_pad_multiple
 
 if TYPE_CHECKING:
     import torch
@@ -156,7 +157,7 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
             path=folder,
             hint="every rank file must be present to gather",
         )
-    source = SourceCheckpoint(path, "megatron", [])
+    source = SourceCheckpoint(path, Layout.MEGATRON, [])
     first: MegatronFile | None = None
     for rank in range(tp):
         refs: dict[str, TensorRef] = {}
@@ -261,7 +262,7 @@ class MegatronWriter(TorchRanksWriter):
     def pad_multiple(cls, tp: int, source: SourceCheckpoint) -> int | None:
         """Megatron pads the vocab to ``make_vocab_size_divisible_by * tp`` (128 * tp by default)."""
         _require_megatron_source(source)
-        return int(arg(source.meta.get("args"), "make_vocab_size_divisible_by", DEFAULT_VOCAB_MULTIPLE)) * tp
+        return megatron_pad_multiple(arg(source.meta.get("args"), "make_vocab_size_divisible_by"), tp)
 
     def rank_file(self, rank: int, state_dict: dict[str, torch.Tensor]) -> tuple[Path, Any]:
         source, meta = self.spec.source, self.spec.source.meta

@@ -1,0 +1,201 @@
+"""Gathering one tensor: its rank slices read into their place in one buffer, then split for the target.
+
+* **One buffer per tensor.** The rank slices are read into their place in one buffer of the gathered
+  (padded) tensor: a dim-0 piece is one read of its byte range, a column block one read of the slice
+  scattered over the block's rows; only packed parts off dim 0 and rows under 1 KB go through a
+  temporary. The canonical tensor, and every target piece of a ``shard``/``grouped``/``vocab``/
+  ``replicate`` tensor, is then a view of that buffer, written from its rows: nothing is gathered twice.
+  Pad rows for a bigger target vocab are zeroed in the buffer, not concatenated; pad rows of the source
+  are cut by :func:`reshard.vocab.cut_pad_rows`.
+* **Same bytes as the reference.** The gather here is :func:`reshard.slicing.gather` done in place;
+  ``tests/engine/test_gather.py`` checks both agree on every partition kind.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from reshard.engine.planner import SourceTensor, TensorPlan
+from reshard.errors import ReshardError
+from reshard.io.direct import Batch
+from reshard.layouts.base import TensorRef
+from reshard.partition import Grouped, Packed, Replicate, Shard, Vocab, split_sizes
+from reshard.slicing import bitwise_equal, check_replica, split
+from reshard.vocab import cut_pad_rows
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Copy:
+    """Rows ``[src, src + length)`` along the split dim of rank ``rank``'s slice go to ``[dst, dst + length)``."""
+
+    rank: int
+    src: int
+    dst: int
+    length: int
+
+
+def copy_plan(
+    partition: Shard | Grouped | Vocab | Packed, shapes: Sequence[Shape], *, uneven: bool
+) -> tuple[list[Copy], int]:
+    """Where every piece of every rank slice lands in the gathered buffer, and the buffer's size along dim.
+
+    Pure: the in-place equivalent of the ``cat`` in :func:`reshard.partition.gather`.
+    """
+    dim = partition.dim % len(shapes[0])
+    sizes = [shape[dim] for shape in shapes]
+    if isinstance(partition, Packed):
+        per_part = [split_sizes(part, len(shapes), uneven=uneven) for part in partition.parts]
+        copies, part_start = [], 0
+        src = [0] * len(shapes)
+        for part, pieces in zip(partition.parts, per_part, strict=True):
+            dst = part_start
+            for rank, length in enumerate(pieces):
+                copies.append(Copy(rank, src[rank], dst, length))
+                src[rank] += length
+                dst += length
+            part_start += part
+        return copies, part_start
+    offsets = [sum(sizes[:r]) for r in range(len(sizes))]
+    return [Copy(r, 0, offsets[r], sizes[r]) for r in range(len(sizes))], sum(sizes)
+
+
+@dataclass(frozen=True)
+class Work:
+    """One tensor to move: its plan, the gathered buffer's shape, and the bytes it may hold at once."""
+
+    tensor: TensorPlan
+    buffer_shape: Shape
+    cost: int
+
+
+def plan_work(tensor: TensorPlan, *, target_tp: int) -> Work:
+    """The buffer for one tensor and an upper bound of the bytes held while it is prepared and written."""
+    source = tensor.source
+    partition = source.partition
+    itemsize = source.dtype.itemsize
+    shape = tuple(source.shape)
+    slice_bytes = max(ref.header.nbytes for ref in source.refs)
+    if isinstance(partition, Replicate):
+        return Work(tensor, shape, 2 * tensor.nbytes if len(source.refs) > 1 else tensor.nbytes)
+    dim = partition.dim % len(shape)
+    gathered = sum(ref.shape[dim] for ref in source.refs)
+    rows = gathered
+    if isinstance(partition, Vocab):
+        rows = max(gathered, sum(s[dim] for s in tensor.target_shapes))
+    buffer_shape = shape[:dim] + (max(rows, shape[dim]),) + shape[dim + 1 :]
+    cost = math.prod(buffer_shape) * itemsize
+    if math.prod(shape[:dim]) != 1:
+        cost += slice_bytes  # packed parts, or short rows, go through one slice-sized temporary
+    if target_tp > 1 and isinstance(partition, Packed):
+        cost += tensor.nbytes  # split() concatenates each target rank's parts
+    return Work(tensor, buffer_shape, cost)
+
+
+def gather_into(
+    work: Work,
+    buffer: torch.Tensor,
+    *,
+    uneven: bool,
+    allow_divergent: bool,
+    divergent: set[str] | None = None,
+) -> torch.Tensor:
+    """Read every rank slice into ``buffer``; returns it (the canonical tensor is a view of it).
+
+    A replicated tensor that differs between ranks raises, unless ``allow_divergent``: then rank 0's
+    copy is taken and, when ``divergent`` is given, the tensor's name is added to it.
+    """
+    source = work.tensor.source
+    refs: tuple[TensorRef, ...] = source.refs
+    partition = source.partition
+    if isinstance(partition, Replicate):
+        with Batch():
+            refs[0].read_into(buffer)
+        if len(refs) > 1 and not (allow_divergent and divergent is None):
+            other = torch.empty_like(buffer)
+            for rank, ref in enumerate(refs[1:], start=1):
+                with Batch():
+                    ref.read_into(other)
+                if not allow_divergent:
+                    check_replica(buffer, other, rank)
+                elif not bitwise_equal(buffer, other):
+                    divergent.add(source.name)
+                    break
+        return buffer
+    dim = partition.dim % buffer.dim()
+    copies, _ = copy_plan(partition, [ref.shape for ref in refs], uneven=uneven)
+    contiguous = math.prod(buffer.shape[:dim]) == 1  # pieces along dim are contiguous in file and buffer
+    with Batch():  # every rank's blocks in flight at once
+        for rank, ref in enumerate(refs):
+            mine = [c for c in copies if c.rank == rank and c.length]
+            if contiguous:
+                row_bytes = math.prod(ref.shape[dim + 1 :]) * buffer.element_size()
+                for c in mine:
+                    ref.read_into(buffer.narrow(dim, c.dst, c.length), start=c.src * row_bytes)
+                continue
+            if not mine:
+                continue
+            if len(mine) == 1 and mine[0].length == ref.shape[dim]:  # the whole slice: read into its block
+                ref.read_into(buffer.narrow(dim, mine[0].dst, mine[0].length))
+                continue
+            whole = torch.empty(ref.shape, dtype=buffer.dtype)
+            with Batch():
+                ref.read_into(whole)
+            for c in mine:
+                buffer.narrow(dim, c.dst, c.length).copy_(whole.narrow(dim, c.src, c.length))
+            del whole
+    return buffer
+
+
+def gather_and_split(
+    work: Work,
+    *,
+    target_tp: int,
+    uneven: bool,
+    allow_divergent: bool,
+    divergent: set[str] | None = None,
+    buffer: torch.Tensor | None = None,
+) -> tuple[str, torch.Tensor, list[torch.Tensor]]:
+    """Gather one tensor (into ``buffer`` of ``work.buffer_shape``, or a new one); return its name, the
+    canonical tensor and the target rank slices (views of the buffer, but for ``packed``)."""
+    tensor = work.tensor
+    source = tensor.source
+    if buffer is None:
+        buffer = torch.empty(work.buffer_shape, dtype=source.dtype)
+    try:
+        with torch.inference_mode():
+            buffer = gather_into(
+                work,
+                buffer,
+                uneven=uneven,
+                allow_divergent=allow_divergent,
+                divergent=divergent,
+            )
+            partition = source.partition
+            if isinstance(partition, Replicate):
+                return tensor.name, buffer, [buffer] * target_tp
+            dim = partition.dim % buffer.dim()
+            if not isinstance(partition, Vocab):
+                return tensor.name, buffer, split(buffer, partition, target_tp, uneven=uneven)
+            canonical = cut_pad_rows(buffer, dim, source.shape[dim])
+            sizes = [s[dim] for s in tensor.target_shapes]
+            target = sum(sizes)
+            if target > source.shape[dim]:
+                buffer.narrow(dim, source.shape[dim], target - source.shape[dim]).zero_()
+            return tensor.name, canonical, list(torch.split(buffer.narrow(dim, 0, target), sizes, dim=dim))
+    except ReshardError as err:
+        if err.path:
+            raise
+        raise type(err)(err.detail, path=source.refs[0].file, tensor=source.name, hint=err.hint) from err
+
+
+def gather_canonical(tensor: SourceTensor, *, uneven: bool, allow_divergent: bool = False) -> torch.Tensor:
+    """Read one tensor's rank slices and join them into the canonical tensor, as a conversion does."""
+    work = plan_work(TensorPlan(tensor, (tensor.shape,)), target_tp=1)
+    _, canonical, _ = gather_and_split(work, target_tp=1, uneven=uneven, allow_divergent=allow_divergent)
+    return canonical

@@ -15,7 +15,7 @@ from reshard.engine import buffers
 from reshard.engine import execute as stream
 from reshard.engine import gather as engine_gather
 from reshard.engine.digest import sha256_of
-from reshard.engine.planner import SourceTensor, TensorPlan
+from reshard.engine.planner import SourceTensor, TargetTensor, TensorPlan
 from reshard.errors import CorruptFileError, DivergentReplicaError
 from reshard.io.safetensors_writer import byte_chunks, tensor_bytes
 from reshard.layouts.base import TensorRef
@@ -28,6 +28,12 @@ SAMPLE = Path(__file__).resolve().parents[1] / "sample_ckpts" / "tiny-llama-tp2"
 
 def _full(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.arange(torch.Size(shape).numel()).to(dtype).reshape(shape)
+
+
+def one_tensor(source: SourceTensor, rank_shapes: tuple) -> TensorPlan:
+    """The plan of one tensor kept under its name and partition, with the given target rank shapes."""
+    target = TargetTensor(source.name, source.shape, source.code, source.partition, tuple(rank_shapes))
+    return TensorPlan((source,), (target,))
 
 
 def _refs(tmp_path: Path, slices: list[torch.Tensor], fmt: str) -> tuple[TensorRef, ...]:
@@ -83,10 +89,10 @@ def test_prepare_matches_gather_then_split(tmp_path: Path, case: str, fmt: str) 
     refs = _refs(tmp_path, slices, fmt)
     target_padded = -(-vocab // target_tp) * target_tp if vocab else None
     targets = tuple(rank_shapes(partition, full.shape, target_tp, padded=target_padded, uneven=uneven))
-    plan = TensorPlan(SourceTensor("w", refs, partition, "test", tuple(full.shape)), targets)
+    plan = one_tensor(SourceTensor("w", refs, partition, "test", tuple(full.shape)), targets)
 
     work = engine_gather.plan_work(plan, target_tp=target_tp)
-    name, canonical, pieces = engine_gather.gather_and_split(
+    ((name, canonical, pieces),) = engine_gather.gather_and_split(
         work, target_tp=target_tp, uneven=uneven, allow_divergent=False
     )
 
@@ -105,11 +111,11 @@ def test_divergent_replica_names_the_rank_and_file(tmp_path: Path) -> None:
     other = same.clone()
     other[1, 2] += 0.5
     refs = _refs(tmp_path, [same, same, other], "safetensors")
-    plan = TensorPlan(SourceTensor("w", refs, Replicate(), "test", (4, 3)), ((4, 3),))
+    plan = one_tensor(SourceTensor("w", refs, Replicate(), "test", (4, 3)), ((4, 3),))
     work = engine_gather.plan_work(plan, target_tp=1)
     with pytest.raises(DivergentReplicaError, match=r"rank0\.safetensors.*w.*between rank 0 and rank 2.*0\.5"):
         engine_gather.gather_and_split(work, target_tp=1, uneven=False, allow_divergent=False)
-    _, canonical, _ = engine_gather.gather_and_split(work, target_tp=1, uneven=False, allow_divergent=True)
+    ((_, canonical, _),) = engine_gather.gather_and_split(work, target_tp=1, uneven=False, allow_divergent=True)
     assert torch.equal(canonical, same)
 
 
@@ -182,7 +188,8 @@ def test_bytes_in_flight_stay_within_the_budget(tmp_path: Path, monkeypatch: pyt
             live[0] -= nbytes
 
     def tracking(work: engine_gather.Work, **options: object):
-        name, canonical, pieces = prepare(work, **options)
+        results = prepare(work, **options)
+        pieces = [p for _, _, slices in results for p in slices]
         storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in pieces}
         with lock:
             live[0] += sum(storages.values())
@@ -196,7 +203,8 @@ def test_bytes_in_flight_stay_within_the_budget(tmp_path: Path, monkeypatch: pyt
 
         for piece in {id(p): p for p in pieces}.values():
             weakref.finalize(piece, one_gone)
-        return name, canonical, pieces
+        del pieces
+        return results
 
     prepare = engine_gather.gather_and_split
     monkeypatch.setattr(stream, "Budget", Recording)

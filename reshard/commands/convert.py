@@ -12,7 +12,7 @@ from reshard.dtypes import name_of
 from reshard.engine.execute import execute
 from reshard.engine.lora_merge import check_lora_replicas
 from reshard.engine.open import OpenedCheckpoint, open_checkpoint
-from reshard.engine.planner import ConversionPlan, plan_conversion
+from reshard.engine.planner import ConversionPlan, TargetTensor, TensorPlan, plan_conversion
 from reshard.io.staging import check_output, staged_output
 from reshard.layouts import SourceCheckpoint, TargetSpec, writer_class
 from reshard.layouts.readers import TensorHeader
@@ -77,7 +77,7 @@ def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> tuple[Conv
         uneven=opened.uneven,
     )
     if not (options.merge_lora or options.allow_divergent_replicas):
-        check_lora_replicas(conversion.tensors)
+        check_lora_replicas(opened.tensors)
     return conversion, layout
 
 
@@ -113,7 +113,7 @@ def convert_opened(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
     spec = TargetSpec(
         tp=options.tp,
         rank_headers=[
-            {t.name: TensorHeader(t.target_shapes[r], t.source.code) for t in conversion.tensors}
+            {t.name: TensorHeader(t.rank_shapes[r], t.code) for plan in conversion.tensors for t in plan.targets}
             for r in range(options.tp)
         ],
         config=config,
@@ -151,14 +151,14 @@ def convert_opened(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
             ),
             tensors={
                 t.name: TensorEntry(
-                    t.source.shape,
-                    name_of(t.source.code),
-                    t.source.partition,
+                    t.shape,
+                    name_of(t.code),
+                    t.partition,
                     hashes[t.name],
                     finite[t.name],
-                    divergent=t.name in divergent,
+                    divergent=any(s.name in divergent for s in plan.sources),
                 )
-                for t in sorted(conversion.tensors, key=lambda t: t.name)
+                for plan, t in sorted(_targets(conversion), key=lambda pair: pair[1].name)
             },
         )
         write_manifest(staging, manifest)
@@ -194,11 +194,17 @@ def _if_differs(size: int | None, original: int | None) -> int | None:
     return size if size != original else None
 
 
+def _targets(conversion: ConversionPlan) -> list[tuple[TensorPlan, TargetTensor]]:
+    return [(plan, target) for plan in conversion.tensors for target in plan.targets]
+
+
 def _changed_shapes(conversion: ConversionPlan) -> list[dict[str, Any]]:
-    """Tensors whose shape on disk changed, comparing source rank 0 with target rank 0."""
+    """Tensors kept under their name whose shape on disk changed, comparing source rank 0 with target rank 0."""
     changed = []
-    for t in sorted(conversion.tensors, key=lambda t: t.name):
-        before, after = t.source.refs[0].shape, t.target_shapes[0]
+    for plan in sorted(conversion.tensors, key=lambda t: t.name):
+        if plan.transform is not None:
+            continue
+        before, after = plan.sources[0].refs[0].shape, plan.targets[0].rank_shapes[0]
         if before != after:
-            changed.append({"tensor": t.name, "old": list(before), "new": list(after)})
+            changed.append({"tensor": plan.name, "old": list(before), "new": list(after)})
     return changed

@@ -25,6 +25,8 @@ from reshard.vocab import VocabPlan, padded_size, source_padded_rows
 if TYPE_CHECKING:
     import torch
 
+    from reshard.mappings.transforms import Transform
+
 Shape = tuple[int, ...]
 # Reads the rank slices of one tensor and says whether they are bitwise equal (None: headers only).
 ReplicaCheck = Callable[[Sequence[TensorRef]], bool]
@@ -55,19 +57,49 @@ class SourceTensor:
 
 
 @dataclass(frozen=True)
-class TensorPlan:
-    """A source tensor plus the per-rank shapes it will have at the target."""
+class TargetTensor:
+    """One tensor of the output: its name, canonical shape and dtype, its partition and per-rank shapes."""
 
-    source: SourceTensor
-    target_shapes: tuple[Shape, ...]
-
-    @property
-    def name(self) -> str:
-        return self.source.name
+    name: str
+    shape: Shape
+    code: str
+    partition: Partition
+    rank_shapes: tuple[Shape, ...] = ()
 
     @property
     def nbytes(self) -> int:
-        return TensorHeader(self.source.shape, self.source.code).nbytes
+        return TensorHeader(self.shape, self.code).nbytes
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One unit of work: source tensors gathered together, turned into target tensors, split for the target.
+
+    Without a ``transform`` it is one source tensor written as one target tensor of the same name (a
+    re-slice); with one (a mapping between namings), the gathered sources go through it first.
+    """
+
+    sources: tuple[SourceTensor, ...]
+    targets: tuple[TargetTensor, ...]
+    transform: Transform | None = None
+
+    @property
+    def name(self) -> str:
+        return self.targets[0].name
+
+    @property
+    def code(self) -> str:
+        return self.targets[0].code
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the canonical target tensors."""
+        return sum(t.nbytes for t in self.targets)
+
+
+def identity_plan(source: SourceTensor) -> TensorPlan:
+    """A source tensor kept under its name and partition (rank shapes are filled by :func:`plan_conversion`)."""
+    return TensorPlan((source,), (TargetTensor(source.name, source.shape, source.code, source.partition),))
 
 
 @dataclass(frozen=True)
@@ -177,9 +209,15 @@ def plan_conversion(
     target_tp: int,
     pad_multiple: int | None = None,
     uneven: bool = False,
+    groups: Sequence[TensorPlan] | None = None,
+    problems: Sequence[ReshardError] = (),
 ) -> ConversionPlan:
-    """Plan every tensor for ``target_tp`` ranks; all problems are raised together as a :class:`PlanError`."""
-    problems = [t.problem for t in tensors if t.problem]
+    """Plan every target tensor for ``target_tp`` ranks; all problems are raised together as a :class:`PlanError`.
+
+    ``groups`` are the units of work when a mapping renames or fuses tensors (default: every source
+    tensor kept as it is); ``problems`` found before (by the mapping) are raised with the rest.
+    """
+    problems = [*problems, *(t.problem for t in tensors if t.problem)]
     source_padded = source_padded_rows(tensors)
     multiple = pad_multiple or target_tp
     target_padded = None
@@ -198,27 +236,34 @@ def plan_conversion(
         target_padded=target_padded,
         pad_multiple=None if uneven or source_padded is None else multiple,
     )
+    if groups is None:
+        groups = [identity_plan(t) for t in tensors if not t.problem]
     planned = []
-    for tensor in tensors:
-        if tensor.problem:
+    for group in groups:
+        if any(s.problem for s in group.sources):
             continue
-        try:
-            shapes = rank_shapes(tensor.partition, tensor.shape, target_tp, padded=target_padded, uneven=uneven)
-        except ShapeMismatchError as err:
-            problems.append(
-                ShapeMismatchError(
-                    f"{tensor.partition.describe()} of {list(tensor.shape)} cannot be split {target_tp} ways: "
-                    f"{err.detail}",
-                    path=tensor.refs[0].file,
-                    tensor=tensor.name,
-                    hint="choose a tp that divides it" + ("" if _whole_blocks(tensor.partition) else ", or --uneven"),
+        targets = []
+        for target in group.targets:
+            try:
+                shapes = rank_shapes(target.partition, target.shape, target_tp, padded=target_padded, uneven=uneven)
+            except ShapeMismatchError as err:
+                problems.append(
+                    ShapeMismatchError(
+                        f"{target.partition.describe()} of {list(target.shape)} cannot be split {target_tp} ways: "
+                        f"{err.detail}",
+                        path=group.sources[0].refs[0].file,
+                        tensor=target.name,
+                        hint="choose a tp that divides it"
+                        + ("" if _whole_blocks(target.partition) else ", or --uneven"),
+                    )
                 )
-            )
-            continue
-        planned.append(TensorPlan(tensor, tuple(shapes)))
+                continue
+            targets.append(replace(target, rank_shapes=tuple(shapes)))
+        if len(targets) == len(group.targets):
+            planned.append(replace(group, targets=tuple(targets)))
     if problems:
         raise PlanError(problems)
-    planned.sort(key=lambda t: safetensors_order(t.name, t.source.code))
+    planned.sort(key=lambda t: safetensors_order(t.name, t.code))
     return ConversionPlan(source, target_tp, tuple(planned), vocab, uneven)
 
 

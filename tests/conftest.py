@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from click.testing import CliRunner, Result
+from hub.fixture import hub  # noqa: F401 - the local Hugging Face Hub server (tests/hub/)
 
 from reshard.cli import main
 

@@ -110,7 +110,7 @@ class LocalHub:
             patterns = lfs_patterns(repo.blob(files[".gitattributes"]).read_bytes())
             for path, data in sorted(items.items()):
                 size = len(data) if isinstance(data, bytes) else data.stat().st_size
-                sample = data[:512] if isinstance(data, bytes) else data.open("rb").read(512)
+                sample = data[:512] if isinstance(data, bytes) else _head(data)
                 if not needs_lfs(path, size, sample, patterns):
                     files[path] = self._store_regular(repo, data)
                     continue
@@ -171,6 +171,11 @@ def _source_items(source: Path | Mapping[str, bytes]) -> dict[str, bytes | Path]
     }
 
 
+def _head(path: Path) -> bytes:
+    with path.open("rb") as f:
+        return f.read(512)
+
+
 def _sha256(data: bytes | Path) -> str:
     if isinstance(data, bytes):
         return hashlib.sha256(data).hexdigest()
@@ -214,17 +219,22 @@ class _Handler(BaseHTTPRequestHandler):
             params = {k: unquote(v) for k, v in params.items()}
             reply = handler(Call(hub, self.command, url.path, query, self.headers, body, params))
         except HubError as err:
-            reply = json_reply({"error": err.message}, err.status, {"X-Error-Message": err.message, **err.headers})
+            reply = json_reply(
+                {"error": err.message, **err.extra}, err.status, {"X-Error-Message": err.message, **err.headers}
+            )
             if err.code:
                 reply.headers["X-Error-Code"] = err.code
         except Exception:  # a bug of the server: answer 500 and keep it for the fixture to report
             hub.errors.append(traceback.format_exc())
             reply = json_reply({"error": "Internal error of the local Hub"}, 500)
-        sent = self._send(reply, cut)
+        # Log before answering: once the client has its answer, the test reading the log must find it there.
+        length = reply.file[2] if reply.file else len(reply.body)
+        sent = 0 if self.command == "HEAD" else length if cut is None else min(cut, length)
         auth = "Authorization" in self.headers
         hub.requests.append(
             Request(self.command, host, self.path, self.headers.get("Range"), reply.status, sent, len(body), auth)
         )
+        self._send(reply, sent)
 
     def _read_body(self) -> bytes:
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
@@ -238,26 +248,22 @@ class _Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         return self.rfile.read(length) if length else b""
 
-    def _send(self, reply: Reply, cut: int | None = None) -> int:
+    def _send(self, reply: Reply, sent: int) -> None:
+        """Headers announcing the whole body, then ``sent`` bytes of it (fewer to simulate a network failure)."""
         length = reply.file[2] if reply.file else len(reply.body)
         self.send_response(reply.status)
         for name, value in {"X-Request-Id": secrets.token_hex(8), **reply.headers}.items():
             self.send_header(name, value)
         self.send_header("Content-Length", str(length))
         self.end_headers()
-        if self.command == "HEAD":
-            return 0
+        self.close_connection = self.close_connection or sent < length and self.command != "HEAD"
         if reply.file is None:
-            self.wfile.write(reply.body)
-            return length
-        path, offset, remaining = reply.file
-        if cut is not None:  # promise the whole body, send part of it, hang up
-            remaining, self.close_connection = min(cut, remaining), True
-        sent = 0
+            self.wfile.write(reply.body[:sent])
+            return
+        path, offset, _ = reply.file
         with path.open("rb") as f:
             f.seek(offset)
-            while sent < remaining:
-                chunk = f.read(min(remaining - sent, 1 << 20))
+            while sent:
+                chunk = f.read(min(sent, 1 << 20))
                 self.wfile.write(chunk)
-                sent += len(chunk)
-        return sent
+                sent -= len(chunk)

@@ -36,9 +36,23 @@ COMMIT_SHA = re.compile(r"[0-9a-f]{40}")
 class HubError(Exception):
     """An HTTP error answer: status, message, and the ``X-Error-Code`` huggingface_hub maps to a typed error."""
 
-    def __init__(self, status: int, message: str, *, code: str | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        headers: dict | None = None,
+        extra: dict | None = None,
+    ):
         super().__init__(message)
-        self.status, self.message, self.code, self.headers = status, message, code, headers or {}
+        self.status, self.message, self.code, self.headers, self.extra = (
+            status,
+            message,
+            code,
+            headers or {},
+            extra or {},
+        )
 
 
 @dataclass(frozen=True)

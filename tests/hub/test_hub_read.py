@@ -124,18 +124,20 @@ def test_model_info_and_listings_describe_the_commit(hub, tmp_path):
     assert len([r for r in hub.requests if "/tree/" in r.path]) > 3  # pages of 2 entries
 
 
-def test_revisions_branches_commit_shas_and_pull_requests(hub, tmp_path):
+def test_revisions_branches_tags_commit_shas_and_pull_requests(hub, tmp_path):
     first = hub.publish("acme/tiny", {"config.json": b'{"v": 1}'})
     second = hub.publish("acme/tiny", {"config.json": b'{"v": 2}'})
     hub.store.get("acme/tiny").meta["refs"]["heads"]["dev"] = first
     api = HfApi()
     pr = api.upload_file(path_or_fileobj=b'{"v": 3}', path_in_repo="config.json", repo_id="acme/tiny", create_pr=True)
+    api.create_tag("acme/tiny", tag="v1.0", revision=first)
 
     def read(revision: str | None) -> bytes:
         return Path(hf_hub_download("acme/tiny", "config.json", revision=revision)).read_bytes()
 
-    assert [read(None), read("dev"), read(first), read(pr.pr_revision)] == [
+    assert [read(None), read("dev"), read(first), read("v1.0"), read(pr.pr_revision)] == [
         b'{"v": 2}',
+        b'{"v": 1}',
         b'{"v": 1}',
         b'{"v": 1}',
         b'{"v": 3}',

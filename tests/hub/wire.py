@@ -33,7 +33,7 @@ class User:
 
 @dataclass(frozen=True)
 class Request:
-    """One logged request. ``sent``/``received`` count body bytes only (headers excluded)."""
+    """One logged request: ``path`` includes the query; ``sent``/``received`` count body bytes (not headers)."""
 
     method: str
     host: str

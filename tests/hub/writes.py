@@ -36,8 +36,13 @@ def create_repo(call: Call) -> Reply:
     if not (user.member(namespace) and user.write):
         raise HubError(403, f'You don\'t have the rights to create a model under the namespace "{namespace}"')
     private = body.get("visibility") == "private" or body.get("private") is True
-    repo = call.hub.store.create(f"{namespace}/{name}", private=private, gated=False, author=user.name)
-    return json_reply({"url": f"{call.hub.endpoint}/{repo.id}", "name": repo.id, "id": repo.resolve("main")[:24]})
+    url = f"{call.hub.endpoint}/{namespace}/{name}"
+    try:
+        repo = call.hub.store.create(f"{namespace}/{name}", private=private, gated=False, author=user.name)
+    except HubError as err:
+        err.extra["url"] = url  # huggingface_hub reads it from the 409 under exist_ok=True
+        raise
+    return json_reply({"url": url, "name": repo.id, "id": repo.resolve("main")[:24]})
 
 
 def _patterns(repo: Repo, files: dict[str, Entry]) -> list[str]:
@@ -218,17 +223,6 @@ def create_branch(call: Call) -> Reply:
         if branch in repo.meta["refs"]["heads"]:
             raise HubError(409, f"Reference already exists: refs/heads/{branch}")
         repo.meta["refs"]["heads"][branch] = repo.resolve(start)
-        repo.save()
-    return json_reply({})
-
-
-@route("DELETE", "/api/models/{repo}/branch/{branch}")
-def delete_branch(call: Call) -> Reply:
-    repo, _ = access(call, write=True)
-    with call.hub.store.lock:
-        if call.params["branch"] == "main" or call.params["branch"] not in repo.meta["refs"]["heads"]:
-            raise HubError(400 if call.params["branch"] == "main" else 404, f"Cannot delete {call.params['branch']}")
-        del repo.meta["refs"]["heads"][call.params["branch"]]
         repo.save()
     return json_reply({})
 

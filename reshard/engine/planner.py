@@ -18,13 +18,14 @@ from reshard.dtypes import safetensors_order
 from reshard.errors import AmbiguousPartitionError, PlanError, ReshardError, ShapeMismatchError
 from reshard.layouts.base import SourceCheckpoint, TensorRef
 from reshard.layouts.readers import TensorHeader
-from reshard.partition import Packed, Partition, canonical_shape, rank_shapes
+from reshard.partition import Packed, Partition, Replicate, canonical_shape, rank_shapes
 from reshard.plans import Plan, infer_partition
 from reshard.vocab import VocabPlan, padded_size, source_padded_rows
 
 if TYPE_CHECKING:
     import torch
 
+    from reshard.mappings.base import MappedGroup
     from reshard.mappings.transforms import Transform
 
 Shape = tuple[int, ...]
@@ -199,6 +200,43 @@ def _bytes_check(refs: tuple[TensorRef, ...], replicas_equal: ReplicaCheck | Non
         return replicas_equal(refs)
 
     return check
+
+
+def mapped_plans(
+    tensors: Sequence[SourceTensor],
+    groups: Sequence[MappedGroup],
+    target_plan: Plan,
+    target_config: ModelConfig | None,
+    *,
+    target_tp: int,
+) -> tuple[list[TensorPlan], list[ReshardError]]:
+    """The units of work of a mapping: each group's source tensors, transform, and target tensors with the
+    partitions the target's plan gives them (at tp 1 a tensor the target plan does not name stays whole)."""
+    by_name = {t.name: t for t in tensors}
+    plans, problems = [], []
+    for group in groups:
+        sources = tuple(by_name[name] for name in group.sources)
+        if len({s.code for s in sources}) > 1:
+            problems.append(
+                ShapeMismatchError(
+                    f"{', '.join(group.sources)} have different dtypes and cannot be fused", tensor=group.targets[0]
+                )
+            )
+            continue
+        targets = []
+        for name, shape in zip(group.targets, group.shapes, strict=True):
+            rule = target_plan.match(name)
+            try:
+                if rule is None and target_tp > 1:
+                    raise AmbiguousPartitionError(f"the {target_plan.name} plan has no rule for it")
+                partition = Replicate() if rule is None else rule.resolve(target_config)
+            except AmbiguousPartitionError as err:
+                problems.append(AmbiguousPartitionError(err.detail, tensor=name, hint="add a rule with --plan FILE"))
+                continue
+            targets.append(TargetTensor(name, shape, sources[0].code, partition))
+        if len(targets) == len(group.targets):
+            plans.append(TensorPlan(sources, tuple(targets), group.transform))
+    return plans, problems
 
 
 def plan_conversion(

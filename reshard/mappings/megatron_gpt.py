@@ -56,10 +56,9 @@ def split_qkv(config: ModelConfig | None) -> Transform:
 
 def _attention() -> tuple[Entry, ...]:
     hf = _HF + "self_attn."
-    qkv = tuple(hf + f"{p}_proj.{{kind}}" for p in "qkv")
     rows = []
     for kind in ("weight", "bias"):
-        targets = tuple(t.format(kind=kind) for t in qkv)
+        targets = tuple(f"{hf}{p}_proj.{kind}" for p in "qkv")
         rows += [
             Entry((_L + f"self_attention.linear_qkv.{kind}",), targets, split_qkv),
             Entry((_LEGACY + f"self_attention.query_key_value.{kind}",), targets, split_qkv, alternative=True),

@@ -253,9 +253,9 @@ class MegatronWriter(TorchRanksWriter):
                 f"Megatron needs every rank to hold equal shapes, but {uneven[0]} would differ between ranks",
                 hint="drop --uneven: the megatron layout pads the vocab the Megatron way",
             )
-        super().__init__(out_dir, spec)
         meta = spec.source.meta
         self._folder = "release" if meta.get("release") else f"iter_{int(meta.get('iteration') or 0):07d}"
+        super().__init__(out_dir, spec)  # lays out every rank file (rank_file needs the folder)
 
     @classmethod
     def pad_multiple(cls, tp: int, source: SourceCheckpoint) -> int | None:
@@ -263,7 +263,7 @@ class MegatronWriter(TorchRanksWriter):
         _require_megatron_source(source)
         return int(arg(source.meta.get("args"), "make_vocab_size_divisible_by", DEFAULT_VOCAB_MULTIPLE)) * tp
 
-    def rank_file(self, rank: int, state_dict: dict[str, torch.Tensor]) -> tuple[Path, Any]:
+    def rank_file(self, rank: int, state_dict: dict[str, Any]) -> tuple[Path, Any]:
         source, meta = self.spec.source, self.spec.source.meta
         extras = source.extras[rank * source.tp // self.spec.tp]
         model: dict[str, Any] = {}

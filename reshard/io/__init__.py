@@ -1,0 +1,1 @@
+"""Bytes between files and memory: streaming writers of checkpoint formats."""

@@ -1,0 +1,347 @@
+"""A streaming writer of ``torch.save``'s zip format: the pickle first, then tensors as they arrive.
+
+``torch.save`` needs the whole object in memory. But its file is fixed by the object's structure and
+its tensors' shapes and dtypes alone: the pickle refers to each storage by a key and a size, and every
+record's offset follows from the sizes before it (:mod:`reshard.io.zip_layout`). So
+:class:`TorchZipWriter` takes a *template*, the object with :class:`TensorSlot` placeholders where the
+tensors go, pickles it, lays the file out, and then writes each tensor at its final offset when it
+arrives: in any order, from several threads at once, with ``O_DIRECT`` where the file system allows.
+Nothing is spooled and no state dict is held. The file is byte for byte what
+``torch.save(obj, path, pickle_module=...)`` writes for the real object whose tensors are contiguous
+and have storages of their own (what a loader or a split hands over), so ``torch.load`` (with
+``weights_only`` and ``mmap`` too), Megatron-LM and SwissArmyTransformer read it as they read
+``torch.save`` files.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import sys
+import threading
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from reshard._io import row_views
+from reshard.direct_io import Batch, DirectFile
+from reshard.io import zip_layout
+from reshard.safetensors_stream import byte_chunks
+
+if TYPE_CHECKING:
+    import torch
+
+    from reshard.layouts.files import TensorHeader
+
+DEFAULT_PROTOCOL = 2  # torch.serialization.DEFAULT_PROTOCOL
+FILE_FORMAT_VERSION = b"3\n"  # caffe2::serialize::kProducedFileFormatVersion, what torch.save's "version" says
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Stands in a template for the tensor written later as ``key``: a contiguous tensor of ``header``'s
+    shape and dtype with a storage of its own."""
+
+    key: str
+    header: TensorHeader
+
+
+class _SlotStorage:
+    """The storage of a slot while the template is pickled (what ``persistent_id`` turns into a key)."""
+
+    def __init__(self, slot: TensorSlot, storage_type: type, numel: int) -> None:
+        self.slot, self.storage_type, self.numel = slot, storage_type, numel
+
+
+def pickle_template(
+    template: Any, *, pickle_module: ModuleType = pickle, protocol: int = DEFAULT_PROTOCOL
+) -> tuple[bytes, dict[str, TensorSlot | torch.UntypedStorage]]:
+    """The ``data.pkl`` that ``torch.save`` writes for the object the template stands for, and its storages
+    by key in the order they are written (a slot, or the storage of a real tensor of the template).
+
+    This mirrors ``torch.serialization._save``'s ``persistent_id`` and ``Tensor._reduce_ex_internal``
+    for CPU tensors (``_rebuild_tensor_v2`` over a typed storage, or ``_rebuild_tensor_v3`` over an
+    untyped one for the dtypes typed storages lack: float8, uint16/32/64).
+    """
+    import torch
+
+    storages: dict[str, TensorSlot | torch.UntypedStorage] = {}
+    id_map: dict[Any, str] = {}
+    dtypes: dict[int, torch.dtype] = {}
+    alive: list[_SlotStorage] = []  # held so that no two stubs share an id() while pickling
+    new_dtypes = torch.storage._new_dtypes()
+    storage_names = torch.storage._dtype_to_storage_type_map()
+
+    def persistent_id(obj: Any) -> tuple | None:
+        if isinstance(obj, _SlotStorage):
+            key = id_map.setdefault(("slot", id(obj)), str(len(id_map)))
+            storages[key] = obj.slot
+            return ("storage", obj.storage_type, key, "cpu", obj.numel)
+        if not (isinstance(obj, torch.storage.TypedStorage) or torch.is_storage(obj)):
+            return None
+        if isinstance(obj, torch.storage.TypedStorage):
+            storage, dtype = obj._untyped_storage, obj.dtype
+            storage_type, numel = getattr(torch, obj._pickle_storage_type()), obj._size()
+        else:
+            storage, dtype = obj, torch.uint8
+            storage_type, numel = torch.serialization.normalize_storage_type(type(obj)), obj.nbytes()
+        if str(storage.device) != "meta" and storage.data_ptr() != 0:
+            if dtypes.setdefault(storage.data_ptr(), dtype) != dtype:
+                raise RuntimeError(
+                    "Cannot save multiple tensors or storages that view the same data as different types"
+                )
+        key = id_map.setdefault(storage._cdata, str(len(id_map)))
+        storages[key] = storage
+        return ("storage", storage_type, key, torch.serialization.location_tag(storage), numel)
+
+    def reduce_slot(slot: TensorSlot) -> tuple:
+        dtype, shape = slot.header.dtype, slot.header.shape
+        numel, step, strides = 1, 1, []
+        for size in reversed(shape):  # contiguous strides as torch computes them (a 0 counts as 1)
+            strides.append(step)
+            numel, step = numel * size, step * max(size, 1)
+        # New tuples, as Tensor.size() and stride() give: the pickler memoizes tuples by identity.
+        size, stride = tuple(int(n) for n in shape), tuple(reversed(strides))
+        if dtype in new_dtypes:
+            stub = _SlotStorage(slot, torch.UntypedStorage, numel * dtype.itemsize)
+            alive.append(stub)
+            return (torch._utils._rebuild_tensor_v3, (stub, 0, size, stride, False, OrderedDict(), dtype))
+        stub = _SlotStorage(slot, getattr(torch, storage_names[dtype]), numel)
+        alive.append(stub)
+        return (torch._utils._rebuild_tensor_v2, (stub, 0, size, stride, False, OrderedDict()))
+
+    class Pickler(pickle_module.Pickler):  # type: ignore[name-defined]
+        def persistent_id(self, obj: Any) -> tuple | None:
+            return persistent_id(obj)
+
+        def reducer_override(self, obj: Any) -> Any:
+            return reduce_slot(obj) if type(obj) is TensorSlot else NotImplemented
+
+    buffer = io.BytesIO()
+    Pickler(buffer, protocol=protocol).dump(template)
+    return buffer.getvalue(), storages
+
+
+def archive_name(path: Path) -> str:
+    """The folder ``torch.save(obj, path)`` puts the records in: the file name up to its last dot, or
+    ``archive`` when the path is not ASCII (torch then writes through a Python file object)."""
+    text = str(path)
+    if not text.isascii():
+        return "archive"
+    base = text.replace("\\", "/").rsplit("/", 1)[-1]
+    stem = base.rsplit(".", 1)[0] if "." in base else base
+    if not stem:
+        raise ValueError(f"{path}: torch.save refuses this file name (nothing before its extension)")
+    return stem
+
+
+def _options() -> tuple[int, bool]:
+    """The storage alignment and whether CRCs are computed, as torch.save would in this process."""
+    from torch.utils.serialization import config
+
+    return int(config.save.storage_alignment), bool(config.save.compute_crc32)
+
+
+def _storage_bytes(storage: torch.UntypedStorage) -> memoryview:
+    """The bytes of a real tensor's storage (copied to the CPU first if it lives elsewhere)."""
+    import torch
+
+    if storage.device.type != "cpu":
+        storage = storage.cpu()
+    if not storage.nbytes():
+        return memoryview(b"")
+    return memoryview(torch.empty(0, dtype=torch.uint8).set_(storage).numpy())
+
+
+class TorchZipWriter:
+    """Writes the file ``torch.save`` would write for ``template`` with its slots filled, one tensor at a time.
+
+    Everything but the slots' bytes (the pickle, the record headers, the storages of real tensors in the
+    template) is written with the first tensor; each tensor then goes to its own offset with its CRC, from
+    any thread; the last one writes the serialization id and the central directory and closes the file.
+    :meth:`close` raises if a slot was never written, and removes the unfinished file.
+
+    Args:
+        path: the file to write (its name up to the last dot names the archive's folder, as in torch).
+        template: the object to save, with a :class:`TensorSlot` wherever a tensor will be written.
+        pickle_module: what ``torch.save`` would be given as ``pickle_module`` (its ``Pickler`` is used).
+        pickle_protocol: as ``torch.save``'s.
+        direct: write with ``O_DIRECT`` where the file system allows (:class:`~reshard.direct_io.DirectFile`).
+
+    Example:
+        >>> header = TensorHeader((2, 3), "F32")
+        >>> writer = TorchZipWriter(Path("model.pt"), {"w": TensorSlot("w", header), "step": 7})
+        >>> writer.write("w", torch.arange(6.0).view(2, 3))  # the file is complete here
+        >>> torch.load("model.pt", weights_only=True)["w"]
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        template: Any,
+        *,
+        pickle_module: ModuleType = pickle,
+        pickle_protocol: int = DEFAULT_PROTOCOL,
+        direct: bool = True,
+    ) -> None:
+        self.path = Path(path)
+        self.direct = direct
+        pickled, storages = pickle_template(template, pickle_module=pickle_module, protocol=pickle_protocol)
+        alignment, self._with_crc = _options()
+        self._prefix = archive_name(self.path).encode() + b"/"
+        known: dict[str, Any] = {
+            "data.pkl": pickled,
+            ".format_version": b"1",
+            ".storage_alignment": str(alignment).encode(),
+            "byteorder": sys.byteorder.encode(),
+        }
+        sizes = {name: len(data) for name, data in known.items()}
+        slots: dict[str, TensorSlot] = {}
+        seen: set[str] = set()
+        for key, storage in storages.items():
+            name = f"data/{key}"
+            if isinstance(storage, TensorSlot):
+                if storage.key in seen:
+                    raise ValueError(f"{self.path.name}: two slots of the template are written as {storage.key!r}")
+                slots[name], sizes[name] = storage, storage.header.nbytes
+                seen.add(storage.key)
+            else:
+                known[name] = _storage_bytes(storage)
+                sizes[name] = len(known[name])
+        known["version"], sizes["version"] = FILE_FORMAT_VERSION, len(FILE_FORMAT_VERSION)
+        self._records = zip_layout.layout(self._prefix, list(sizes.items()), alignment)
+        by_name = {record.name: record for record in self._records}
+        self._slots = {slot.key: (slot, by_name[name]) for name, slot in slots.items()}
+        self._id_record = zip_layout.local_record(
+            self._prefix, zip_layout.SERIALIZATION_ID, 40, self._records[-1].end, alignment
+        )
+        self.size = self._id_record.end + zip_layout.directory_size(self._prefix, [*self._records, self._id_record])
+        self._static = self._static_runs(known)
+        self._written: set[str] = set()
+        self._finished = 0
+        self._file: DirectFile | None = None
+        self._started = self._complete = self._aborted = False
+        self._lock = threading.Lock()
+
+    @property
+    def keys(self) -> list[str]:
+        """The keys of the slots, in the order their storages sit in the file."""
+        return list(self._slots)
+
+    @property
+    def done(self) -> bool:
+        """Whether the file is complete (and closed)."""
+        return self._complete
+
+    def _crc(self, data: Any, value: int = 0) -> int:
+        return zlib.crc32(data, value) if self._with_crc else 0
+
+    def _static_runs(self, known: dict[str, Any]) -> list[tuple[int, list[memoryview]]]:
+        """Every byte known before the tensors, as runs of adjacent buffers: ``(offset, buffers)``."""
+        runs: list[tuple[int, list[memoryview]]] = []
+        end = -1
+        for record in self._records:
+            pieces = [record.header]
+            if record.name in known:
+                record.crc = self._crc(known[record.name])
+                pieces += [known[record.name], record.descriptor()]
+            if record.header_offset != end:
+                runs.append((record.header_offset, []))
+            runs[-1][1].extend(memoryview(piece).cast("B") for piece in pieces if len(piece))
+            end = record.end if record.name in known else record.data_offset
+        return runs
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        """Write the tensor of slot ``key`` at its offset; safe to call from several threads at once."""
+        entry = self._slots.get(key)
+        if entry is None:
+            raise ValueError(f"{self.path.name}: tensor {key!r} is not a slot of the template")
+        slot, record = entry
+        if tuple(tensor.shape) != slot.header.shape or tensor.dtype != slot.header.dtype:
+            raise ValueError(
+                f"{self.path.name}: {key}: announced {slot.header.shape} {slot.header.dtype}, "
+                f"got {tuple(tensor.shape)} {tensor.dtype}"
+            )
+        with self._lock:
+            if key in self._written:
+                raise ValueError(f"{self.path.name}: tensor {key!r} written twice")
+            if self._complete or self._aborted:
+                raise ValueError(f"{self.path.name}: the file is already closed")
+            self._written.add(key)
+            if not self._started:
+                self._start()
+            file = self._file
+        record.crc = self._write_data(file, tensor, record.data_offset)
+        if record.size:
+            file.write([memoryview(record.descriptor())], record.data_offset + record.size)
+        with self._lock:
+            self._finished += 1
+            if self._finished == len(self._slots):
+                self._finish()
+
+    write_unordered = write  # any order is the only order: what RankFilesWriter calls from worker threads
+
+    def _write_data(self, file: DirectFile, tensor: torch.Tensor, position: int) -> int:
+        """Write the tensor's bytes in C order from ``position``; their CRC-32 (computed while they go out)."""
+        crc = 0
+        rows = row_views(tensor)
+        if rows is not None:
+            file.write(rows, position)
+            for row in rows:
+                crc = self._crc(row, crc)
+            return crc
+        for chunk in byte_chunks(tensor):  # contiguous copies of blocks with short rows
+            with Batch():  # each copy is let go once written
+                file.write([chunk], position)
+                crc = self._crc(chunk, crc)
+            position += len(chunk)
+        return crc
+
+    def _start(self) -> None:
+        self._started = True
+        self._file = DirectFile(self.path, self.size, direct=self.direct)
+        for offset, views in self._static:
+            self._file.write(views, offset)
+        self._static = []
+
+    def _finish(self) -> None:
+        """Write the serialization id and the central directory, and close the file."""
+        record = self._id_record
+        text = zip_layout.serialization_id(self._records).encode()
+        record.crc = self._crc(text)
+        directory = zip_layout.directory(self._prefix, [*self._records, record])
+        tail = record.header + text + record.descriptor() + directory
+        self._file.write([memoryview(tail)], record.header_offset)
+        self._file.close()
+        self._file = None
+        self._complete = True
+
+    def close(self) -> None:
+        """Finish the file; if a slot was never written, remove it and raise ``ValueError`` naming the missing."""
+        with self._lock:
+            if self._complete:
+                return
+            missing = [key for key in self._slots if key not in self._written]
+            if missing or self._finished < len(self._slots):
+                self._abort()
+                named = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+                raise ValueError(f"{self.path}: closed before every tensor was written (missing: {named or 'none'})")
+            if not self._started:
+                self._start()
+            self._finish()
+
+    def abort(self) -> None:
+        """Stop here and remove the file, if it was started."""
+        with self._lock:
+            self._abort()
+
+    def _abort(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._started and not self._complete:
+            self.path.unlink(missing_ok=True)
+        self._aborted = True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import io
 import os
 import random
@@ -18,7 +19,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reshard.io import zip_layout
+from reshard import direct_io
+from reshard.io import torch_zip, zip_layout
 from reshard.io.torch_zip import TensorSlot, TorchZipWriter, archive_name
 from reshard.layouts.files import TensorHeader
 from reshard.layouts.megatron_args import PICKLE_MODULE, SAFE_GLOBALS, PickledEnum
@@ -134,6 +136,37 @@ def test_nested_values_beside_tensors_and_real_tensors_in_the_template(tmp_path:
     assert_same_bytes(ref, ours)
     loaded = torch.load(ours, weights_only=False)
     assert torch.equal(loaded["views"][1], shared.view(3, 4)[1]) and loaded["extra"]["te"].tolist() == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("o_direct", ["accepted", "refused"])
+def test_large_tensors_in_many_direct_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, o_direct: str) -> None:
+    """Tensors spanning many aligned blocks (written with O_DIRECT where the file system allows) at offsets
+    that are multiples of 64, not of the block size; a file system refusing O_DIRECT gets the same bytes."""
+    monkeypatch.setattr(direct_io, "STAGING_BYTES", 4 * direct_io.ALIGN)
+    if o_direct == "refused":
+        real_open = os.open
+
+        def refuse_direct(path: Any, flags: int, *args: Any) -> int:
+            if flags & getattr(os, "O_DIRECT", 0):
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return real_open(path, flags, *args)
+
+        monkeypatch.setattr(direct_io.os, "open", refuse_direct)
+
+    def build(leaf: Leaf) -> dict:
+        return {f"w{i}": leaf(f"w{i}", filled((97 + i, 211), torch.bfloat16, seed=i)) for i in range(6)}
+
+    files: list[direct_io.DirectFile] = []
+
+    class Recorded(direct_io.DirectFile):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            files.append(self)
+
+    monkeypatch.setattr(torch_zip, "DirectFile", Recorded)
+    shuffle = lambda items: random.Random(5).sample(items, len(items))  # noqa: E731
+    assert_same_bytes(*save_both(tmp_path, build, order=shuffle, threads=4))
+    assert len(files) == 1 and (files[0].direct_bytes > 200_000) == (o_direct == "accepted")
 
 
 def test_megatron_pickle_module_writes_enums_back_as_megatron_globals(tmp_path: Path) -> None:

@@ -133,7 +133,7 @@ class TorchZipWriter:
         self.size = self._id_record.end + zip_layout.directory_size(self._prefix, [*self._records, self._id_record])
         self._static = self._static_runs(known)
         self._written: set[str] = set()
-        self._finished = 0
+        self._finished: set[str] = set()  # written in full, descriptor included
         self._file: DirectFile | None = None
         self._started = self._complete = self._aborted = False
         self._lock = threading.Lock()
@@ -190,8 +190,8 @@ class TorchZipWriter:
         if record.size:
             file.write([memoryview(record.descriptor())], record.data_offset + record.size)
         with self._lock:
-            self._finished += 1
-            if self._finished == len(self._slots):
+            self._finished.add(key)
+            if len(self._finished) == len(self._slots):
                 self._finish()
 
     write_unordered = write  # any order is the only order: what RankFilesWriter calls from worker threads
@@ -236,11 +236,11 @@ class TorchZipWriter:
         with self._lock:
             if self._complete:
                 return
-            missing = [key for key in self._slots if key not in self._written]
-            if missing or self._finished < len(self._slots):
+            missing = [key for key in self._slots if key not in self._finished]
+            if missing:
                 self._abort()
                 named = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-                raise ValueError(f"{self.path}: closed before every tensor was written (missing: {named or 'none'})")
+                raise ValueError(f"{self.path}: closed before every tensor was written (missing: {named})")
             if not self._started:
                 self._start()
             self._finish()

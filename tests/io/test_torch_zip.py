@@ -120,11 +120,12 @@ def test_every_dtype_scalars_and_empty_tensors(tmp_path: Path, direct: bool) -> 
 def test_nested_values_beside_tensors_and_real_tensors_in_the_template(tmp_path: Path) -> None:
     shared = torch.arange(12, dtype=torch.float32)
     blob = torch.arange(5, dtype=torch.uint8)
+    scale = filled((2, 3), torch.float8_e4m3fn)  # a real tensor of a dtype typed storages lack
 
     def build(leaf: Leaf) -> dict:
         return {
             "model": {"language_model": {"embedding": {"w": leaf("w", filled((6, 4), torch.bfloat16))}}},
-            "extra": {"_extra_state": io.BytesIO(b"\x00fp8 meta"), "te": blob, "none": None},
+            "extra": {"_extra_state": io.BytesIO(b"\x00fp8 meta"), "te": blob, "none": None, "fp8": scale},
             "views": [shared[2:5], shared.view(3, 4)[1]],  # two views of one storage: one record
             "args": argparse.Namespace(hidden_size=4, lr=1e-4, name="cpu", tags=("a", "b")),
             "checkpoint_version": 3.0,

@@ -84,10 +84,12 @@ class TorchZipWriter:
         direct: write with ``O_DIRECT`` where the file system allows (:class:`~reshard.direct_io.DirectFile`).
 
     Example:
+        >>> from reshard.layouts.files import TensorHeader
         >>> header = TensorHeader((2, 3), "F32")
         >>> writer = TorchZipWriter(Path("model.pt"), {"w": TensorSlot("w", header), "step": 7})
         >>> writer.write("w", torch.arange(6.0).view(2, 3))  # the file is complete here
-        >>> torch.load("model.pt", weights_only=True)["w"]
+        >>> torch.load("model.pt", weights_only=True)["w"].tolist()
+        [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
     """
 
     def __init__(

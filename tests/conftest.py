@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from click.testing import CliRunner, Result
 
 from reshard.cli import main
+
+# tqdm reads TQDM_* variables once, when it is imported, which may happen while a test module is collected
+# (safetensors.torch imports it), before the fixture below sets them: then bars would print in every test.
+os.environ.setdefault("TQDM_DISABLE", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reshard.dtypes import name_of
+from reshard.dtypes import TensorHeader, name_of
 from reshard.engine.execute import execute
 from reshard.engine.lora_merge import check_lora_replicas
 from reshard.engine.open import OpenedCheckpoint, open_checkpoint
@@ -16,7 +16,6 @@ from reshard.engine.planner import ConversionPlan, TargetTensor, TensorPlan
 from reshard.engine.target import TargetPlan, plan_target
 from reshard.io.staging import check_output, staged_output
 from reshard.layouts import TargetSpec, writer_class
-from reshard.layouts.readers import TensorHeader
 from reshard.manifest import Manifest, TensorEntry, VocabRecord, write_manifest
 from reshard.options import ConvertOptions
 

@@ -14,10 +14,9 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from reshard.config import ModelConfig
-from reshard.dtypes import safetensors_order
+from reshard.dtypes import TensorHeader, safetensors_order
 from reshard.errors import AmbiguousPartitionError, PlanError, ReshardError, ShapeMismatchError
 from reshard.layouts.base import SourceCheckpoint, TensorRef
-from reshard.layouts.readers import TensorHeader
 from reshard.partition import Packed, Partition, Replicate, canonical_shape, rank_shapes
 from reshard.plans import Plan, infer_partition
 from reshard.vocab import VocabPlan, padded_size, source_padded_rows

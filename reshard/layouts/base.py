@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from reshard.config import ModelConfig
-from reshard.layouts.readers import FileReader, TensorHeader
+from reshard.dtypes import TensorHeader
+from reshard.layouts.readers import FileReader
 from reshard.options import Layout
 
 if TYPE_CHECKING:

@@ -257,17 +257,17 @@ class MegatronWriter(TorchRanksWriter):
                 f"Megatron needs every rank to hold equal shapes, but {uneven[0]} would differ between ranks",
                 hint="drop --uneven: the megatron layout pads the vocab the Megatron way",
             )
-        super().__init__(out_dir, spec)
         meta = spec.source.meta
         self._release = meta.get("release") or not meta.get("megatron")
         self._folder = "release" if self._release else f"iter_{int(meta.get('iteration') or 0):07d}"
+        super().__init__(out_dir, spec)  # lays out every rank file (rank_file needs the folder)
 
     @classmethod
     def pad_multiple(cls, tp: int, source: SourceCheckpoint, meta: dict[str, Any]) -> int | None:
         """Megatron pads the vocab to ``make_vocab_size_divisible_by * tp`` (128 * tp by default)."""
         return megatron_pad_multiple(arg(megatron_args_of(source, meta), "make_vocab_size_divisible_by"), tp)
 
-    def rank_file(self, rank: int, state_dict: dict[str, torch.Tensor]) -> tuple[Path, Any]:
+    def rank_file(self, rank: int, state_dict: dict[str, Any]) -> tuple[Path, Any]:
         source, meta = self.spec.source, self.spec.source.meta
         extras = source.extras[rank * source.tp // self.spec.tp] if meta.get("megatron") else {}
         paths = meta.get("paths", {})

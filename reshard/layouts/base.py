@@ -16,13 +16,14 @@ if TYPE_CHECKING:
 
 
 class Layout(str, enum.Enum):
-    """On-disk layouts (DESIGN.md section 3). ``loose`` and ``file`` are read-only."""
+    """On-disk layouts (DESIGN.md section 3). ``loose``, ``dcp`` and ``file`` are read-only."""
 
     HF = "hf"
     HF_RANKS = "hf-ranks"
     MEGATRON = "megatron"
     SAT = "sat"
     LOOSE = "loose"
+    DCP = "dcp"
 
     def __str__(self) -> str:
         return self.value

@@ -115,7 +115,8 @@ def test_convert_to_one_hf_folder_gives_the_source_weights(dcp_root, variant, tm
 @pytest.mark.parametrize("tp", [2, 4])
 def test_convert_to_hf_ranks_and_back(dcp_root, tp, tmp_path, cli):
     ranks, back = tmp_path / f"tp{tp}", tmp_path / "back"
-    assert cli("convert", dcp_root / "fsdp_tp_bf16", "--tp", tp, "--layout", "hf-ranks", "-o", ranks, "-q").exit_code == 0
+    result = cli("convert", dcp_root / "fsdp_tp_bf16", "--tp", tp, "--layout", "hf-ranks", "-o", ranks, "-q")
+    assert result.exit_code == 0, result.output
     want = expected(dcp_root, "fsdp_tp_bf16")
     rank1 = load_file(ranks / "rank_01" / "model.safetensors")
     q = want["model.layers.1.self_attn.q_proj.weight"]

@@ -33,6 +33,7 @@ from reshard.layouts.dcp_metadata import (
     DcpIndex,
     StoredChunk,
     StoredTensor,
+    check_files,
     check_tensor,
     is_dcp_folder,
     read_index,
@@ -66,8 +67,9 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
     """
     index = read_index(path, trust_pickle=options.trust_pickle)
     model, skipped = _split(index)
-    sizes: dict[Path, int | None] = {}
-    problems = [problem for tensor in model.values() for problem in check_tensor(tensor, sizes)]
+    problems = [problem for tensor in model.values() if (problem := check_tensor(tensor))]
+    if not problems:
+        problems, sizes = check_files(list(model.values()))
     if not problems:
         model = _resolve_formats(model, sizes, problems)
     if problems:
@@ -122,7 +124,7 @@ def _names(index: DcpIndex, fqns: list[str]) -> tuple[dict[str, str], str | None
 
 
 def _resolve_formats(
-    model: dict[str, StoredTensor], sizes: dict[Path, int | None], problems: list[ReshardError]
+    model: dict[str, StoredTensor], sizes: dict[Path, int], problems: list[ReshardError]
 ) -> dict[str, StoredTensor]:
     """Tell torch.save chunks from safetensors ones (by the first bytes at each file's first chunk) and
     locate the safetensors chunks' bytes in their blob's header."""
@@ -134,7 +136,7 @@ def _resolve_formats(
     blobs: dict[Path, tuple[int, dict[str, Any]]] = {}
     for file, first in firsts.items():
         if not starts_as_zip(file, first):
-            blobs[file] = (first, safetensors_entries(file, first, sizes[file] or 0)[0])
+            blobs[file] = (first, safetensors_entries(file, first, sizes[file])[0])
     if not blobs:
         return model
     resolved = {}
@@ -189,7 +191,7 @@ def _plural(count: int, word: str) -> str:
     return f"{count} {word}" + ("" if count == 1 else "s")
 
 
-def _summary(index: DcpIndex, model: dict[str, StoredTensor], sizes: dict[Path, int | None]) -> str:
+def _summary(index: DcpIndex, model: dict[str, StoredTensor], sizes: dict[Path, int]) -> str:
     per_tensor = Counter(len(t.chunks) for t in model.values())
     spread = ", ".join(f"{n} ({_plural(count, 'tensor')})" for n, count in sorted(per_tensor.items()))
     stored = sum(t.stored_bytes for t in model.values())

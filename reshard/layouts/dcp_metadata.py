@@ -46,7 +46,8 @@ class StoredChunk:
 
 @dataclass(frozen=True)
 class StoredTensor:
-    """A global tensor as the checkpoint declares it (in ``declared_in``): shape, dtype name, chunks."""
+    """A global tensor as the checkpoint declares it: shape, dtype name, chunks; ``declared_in`` is the metadata
+    file (the folder, for the metadata-less form)."""
 
     name: str
     shape: Shape
@@ -264,59 +265,72 @@ def _read_hf_shards(folder: Path) -> DcpIndex:
         boxes = [chunk.box for chunk, _, _ in found]
         shape = tuple(max(ends) for ends in zip(*(box.ends for box in boxes), strict=True)) if boxes[0].sizes else ()
         dtype = name_of(codes.pop())
-        index.tensors[name] = StoredTensor(name, shape, dtype, tuple(c for c, _, _ in found), found[0][2])
+        index.tensors[name] = StoredTensor(name, shape, dtype, tuple(c for c, _, _ in found), folder)
     return index
 
 
-def check_tensor(tensor: StoredTensor, sizes: dict[Path, int | None]) -> list[ReshardError]:
-    """Everything wrong with one tensor's declaration, each problem naming the file and the tensor.
-
-    ``sizes`` caches file sizes (None: the file does not exist).
-    """
+def check_tensor(tensor: StoredTensor) -> ReshardError | None:
+    """What is wrong with one tensor's declaration (dtype, boxes, compression), naming the file and the tensor."""
     name, declared = tensor.name, tensor.declared_in
     if tensor.code is None:
-        return [
-            ReshardError(
-                f"dtype {tensor.dtype} is not supported (safetensors has no code for it)", path=declared, tensor=name
-            )
-        ]
+        return ReshardError(
+            f"dtype {tensor.dtype} is not supported (safetensors has no code for it)", path=declared, tensor=name
+        )
     outside = [chunk.box for chunk in tensor.chunks if not chunk.box.fits(tensor.shape)]
     if outside:
-        return [
-            CorruptFileError(
-                f"chunk box {outside[0]} lies outside the global shape {list(tensor.shape)}",
-                path=declared,
-                tensor=name,
-            )
-        ]
+        return CorruptFileError(
+            f"chunk box {outside[0]} lies outside the global shape {list(tensor.shape)}", path=declared, tensor=name
+        )
     tiling = tiling_problem(tensor.shape, [chunk.box for chunk in tensor.chunks])
     if tiling:
-        return [CorruptFileError(f"{tiling} of the global shape {list(tensor.shape)}", path=declared, tensor=name)]
+        return CorruptFileError(
+            f"{tiling} of the global shape {list(tensor.shape)}{_hint(tensor)}", path=declared, tensor=name
+        )
+    compressed = next((chunk for chunk in tensor.chunks if chunk.transforms), None)
+    if compressed is not None:
+        return ReshardError(
+            f"chunk {compressed.box} is stored compressed ({', '.join(compressed.transforms)}): not supported",
+            path=compressed.file,
+            tensor=name,
+            hint="load it with torch.distributed.checkpoint and save it again without the extension",
+        )
+    return None
+
+
+def _hint(tensor: StoredTensor) -> str:
+    return " (a shard file missing?)" if tensor.declared_in.is_dir() else ""
+
+
+def check_files(tensors: list[StoredTensor]) -> tuple[list[ReshardError], dict[Path, int]]:
+    """One problem per data file that is missing or ends before a chunk's bytes (naming the file and the
+    first tensor concerned), and the size of every file."""
+    by_file: dict[Path, list[tuple[StoredChunk, str]]] = {}
+    for tensor in tensors:
+        for chunk in tensor.chunks:
+            by_file.setdefault(chunk.file, []).append((chunk, tensor.name))
     problems: list[ReshardError] = []
-    for chunk in tensor.chunks:
-        if chunk.file not in sizes:
-            sizes[chunk.file] = chunk.file.stat().st_size if chunk.file.is_file() else None
-        size = sizes[chunk.file]
-        if size is None:
+    sizes: dict[Path, int] = {}
+    for file, chunks in by_file.items():
+        names = list(dict.fromkeys(name for _, name in chunks))
+        others = f" and chunks of {len(names) - 1} other tensors" if len(names) > 1 else ""
+        if not file.is_file():
             problems.append(
-                MissingRankError(f"data file missing (it holds the chunk {chunk.box})", path=chunk.file, tensor=name)
+                MissingRankError(
+                    f"data file missing (it holds a chunk of this tensor{others})", path=file, tensor=names[0]
+                )
             )
-        elif chunk.position + chunk.length > size:
+            continue
+        sizes[file] = size = file.stat().st_size
+        past = sorted((c.position, c, name) for c, name in chunks if c.position + c.length > size)
+        if past:
+            _, chunk, name = past[0]
+            more = f" (and {len(past) - 1} more chunks after it)" if len(past) > 1 else ""
             problems.append(
                 CorruptFileError(
-                    f"chunk {chunk.box} at bytes [{chunk.position}, {chunk.position + chunk.length}) lies past "
-                    f"the end of the file ({size} bytes): truncated?",
-                    path=chunk.file,
+                    f"the file ends at byte {size}, inside chunk {chunk.box} at bytes [{chunk.position}, "
+                    f"{chunk.position + chunk.length}){more}: truncated?",
+                    path=file,
                     tensor=name,
                 )
             )
-        elif chunk.transforms:
-            problems.append(
-                ReshardError(
-                    f"chunk {chunk.box} is stored compressed ({', '.join(chunk.transforms)}): not supported",
-                    path=chunk.file,
-                    tensor=name,
-                    hint="load it with torch.distributed.checkpoint and save it again without the extension",
-                )
-            )
-    return problems
+    return problems, sizes

@@ -52,7 +52,9 @@ def write_fixtures(root: Path) -> Path:
         raise RuntimeError(f"torchrun dcp_writer.py failed:\n{done_run.stderr[-4000:]}")
     for variant in LLAMA_VARIANTS:
         shutil.copy(staging / "hf_source" / "config.json", staging / variant / "config.json")
-    shutil.rmtree(root, ignore_errors=True)
+    for stale in root.parent.iterdir():  # fixtures of older writers or versions
+        if stale != staging:
+            shutil.rmtree(stale, ignore_errors=True)
     staging.rename(root)
     done.write_text("ok\n")
     return root

@@ -128,6 +128,12 @@ def test_convert_to_hf_ranks_and_back(dcp_root, tp, tmp_path, cli):
     assert all(torch.equal(written[name], want[name]) for name in want)
 
 
+def test_verify_round_trips_a_dcp_checkpoint(dcp_root, cli):
+    result = cli("verify", dcp_root / "tp2", "--roundtrip", "2,4", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["ok"]
+
+
 def test_converted_model_gives_the_source_logits(dcp_root, tmp_path, cli):
     from transformers import LlamaForCausalLM
 

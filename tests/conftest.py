@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from click.testing import CliRunner, Result
 
 from reshard.cli import main
+
+# tqdm reads TQDM_* once, when it is imported, and importing torch imports it: test modules that import torch
+# at collection would otherwise fix progress bars on for the whole session (the per-test setenv below is late).
+os.environ.setdefault("TQDM_DISABLE", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -11,10 +11,10 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
-import transformers
 
 HERE = Path(__file__).parent
 WRITER = HERE / "dcp_writer.py"
@@ -28,7 +28,7 @@ def fixture_key() -> str:
     digest = hashlib.sha256()
     for path in (WRITER, HERE / "helpers.py", Path(__file__)):
         digest.update(path.read_bytes())
-    digest.update(f"{torch.__version__} {transformers.__version__}".encode())
+    digest.update(f"{torch.__version__} {version('transformers')}".encode())
     return digest.hexdigest()[:16]
 
 

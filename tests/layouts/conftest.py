@@ -11,8 +11,14 @@ from dcp_fixtures import fixture_key, write_fixtures
 
 @pytest.fixture(scope="session")
 def dcp_root(pytestconfig: pytest.Config) -> Path:
-    """Every DCP variant of ``dcp_writer.py``, written once and kept in pytest's cache between sessions."""
-    return write_fixtures(pytestconfig.cache.mkdir("dcp-fixtures") / fixture_key())
+    """Every DCP variant of ``dcp_writer.py``, written once and kept in pytest's cache between sessions.
+
+    It runs before the per-test environment (``tests/conftest.py``) is set, so it sets the same quiet, offline one.
+    """
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("TQDM_DISABLE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+            patch.setenv(name, "1")
+        return write_fixtures(pytestconfig.cache.mkdir("dcp-fixtures") / fixture_key())
 
 
 @pytest.fixture

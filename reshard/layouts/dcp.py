@@ -15,7 +15,6 @@ tutorials nest it as ``model.*`` next to ``optim.*``, and then the ``model.`` pr
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from reshard.errors import CorruptFileError, PlanError, ReshardError
 from reshard.layouts.base import ReadOptions, SourceCheckpoint, TensorRef
 from reshard.layouts.boxed import BoxedReader, BoxView
 from reshard.layouts.chunk_files import safetensors_entries, starts_as_zip
+from reshard.layouts.dcp_checks import check_files, check_tensor
 from reshard.layouts.dcp_metadata import (
     HF_SHARD,
     METADATA,
@@ -33,13 +33,9 @@ from reshard.layouts.dcp_metadata import (
     DcpIndex,
     StoredChunk,
     StoredTensor,
-    check_files,
-    check_tensor,
     is_dcp_folder,
     read_index,
 )
-
-logger = logging.getLogger(__name__)
 
 # State-dict keys that hold training state, not the model (any container of an entry's key path).
 NOT_MODEL = frozenset(

@@ -179,3 +179,24 @@ def test_check_reads_dcp_headers_without_importing_torch(dcp_root):
     report, imported_torch = done.stdout.rsplit("\n", 2)[:2]
     assert json.loads(report)["ok"]
     assert imported_torch == "False"
+
+
+def test_metadata_carrying_save_plans_is_read(dcp_copy):
+    """Megatron-Core's ``.metadata`` also pickles DCP planner classes (SavePlan, WriteItem, TensorWriteData,
+    WriteItemType): they are on the allow-list, so such a file reads without --trust-pickle."""
+    from dcp_fixtures import rewrite_metadata
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    ckpt = dcp_copy("tp2")
+
+    def add_plan(md):
+        key = next(iter(md.storage_data))
+        entry = md.state_dict_metadata[key.fqn]
+        item = WriteItem(
+            key, WriteItemType.SHARD, tensor_data=TensorWriteData(entry.chunks[0], entry.properties, entry.size)
+        )
+        md.planner_data["plans"] = [SavePlan([item], planner_data={"note": "mcore"})]
+
+    rewrite_metadata(ckpt, add_plan)
+    source = discover(ckpt)
+    assert len(source.ranks[0]) == 21

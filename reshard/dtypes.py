@@ -41,6 +41,7 @@ _SAFETENSORS_DTYPES: tuple[tuple[str, str, int], ...] = (
 _NAME = {code: name for code, name, _ in _SAFETENSORS_DTYPES}
 _ITEMSIZE = {code: size for code, _, size in _SAFETENSORS_DTYPES}
 _RANK = {code: rank for rank, (code, _, _) in enumerate(_SAFETENSORS_DTYPES)}
+_CODE_OF_NAME = {name: code for code, name, _ in _SAFETENSORS_DTYPES}
 
 
 def is_code(code: str) -> bool:
@@ -56,6 +57,11 @@ def itemsize_of(code: str) -> int:
 def name_of(code: str) -> str:
     """``"BF16"`` -> ``"bfloat16"``, the spelling used in manifests and reports."""
     return _NAME[code]
+
+
+def code_from_name(name: str) -> str | None:
+    """``"bfloat16"`` -> ``"BF16"``: the code of a torch dtype's name, None for dtypes safetensors cannot hold."""
+    return _CODE_OF_NAME.get(name)
 
 
 def dtype_from_code(code: str) -> torch.dtype:

@@ -11,13 +11,14 @@ from reshard.errors import ReshardError
 
 
 class Layout(str, enum.Enum):
-    """How a checkpoint sits on disk (docs/layouts.md). ``loose`` is read only."""
+    """How a checkpoint sits on disk (docs/layouts.md). ``loose`` and ``dcp`` are read only."""
 
     HF = "hf"
     HF_RANKS = "hf-ranks"
     MEGATRON = "megatron"
     SAT = "sat"
     LOOSE = "loose"
+    DCP = "dcp"
 
     def __str__(self) -> str:
         return self.value

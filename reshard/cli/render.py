@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from reshard.cli.output import human_bytes, shape_list, table
+from reshard.cli.output import shape_list, table
+from reshard.sizes import human_bytes
 
 if TYPE_CHECKING:
     from reshard.commands.check import CheckReport

@@ -11,7 +11,6 @@ is located, so the caller can read the bytes it needs straight into its own buff
 from __future__ import annotations
 
 import io
-import json
 import os
 import pickle
 import struct
@@ -20,13 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from reshard.dtypes import code_from_name, is_code, itemsize_of
+from reshard.dtypes import code_from_name, itemsize_of
 from reshard.errors import CorruptFileError, UnsafePickleError
 from reshard.layouts.boxes import Shape
 from reshard.layouts.dcp_pickle import DTYPE_NAMES, Dtype
+from reshard.layouts.safetensors_header import read_header
 
 ZIP_MAGIC = b"PK\x03\x04"
-MAX_HEADER = 100_000_000  # safetensors' own limit on a header
 MAX_PICKLE = 1 << 20  # a tensor's data.pkl is a few hundred bytes
 # Legacy typed storages a torch.save archive names (newer dtypes use UntypedStorage + the dtype).
 _STORAGES = {
@@ -71,61 +70,13 @@ def starts_as_zip(path: Path, position: int) -> bool:
 
 def safetensors_entries(path: Path, position: int, end: int) -> tuple[dict[str, SafetensorsEntry], dict[str, str]]:
     """The tensors and ``__metadata__`` of a safetensors blob at ``[position, end)`` of ``path``, checked the way
-    the safetensors library checks them (known dtype, integer shapes, offsets inside the data and not overlapping).
+    the safetensors library checks them (:mod:`reshard.layouts.safetensors_header`).
 
     Raises:
         CorruptFileError: anything that safetensors itself would refuse.
     """
-    try:
-        with path.open("rb") as handle:
-            prefix = os.pread(handle.fileno(), 8, position)
-            if len(prefix) < 8:
-                raise CorruptFileError("truncated safetensors data (no header length)", path=path)
-            (length,) = struct.unpack("<Q", prefix)
-            if length > min(MAX_HEADER, end - position - 8):
-                raise CorruptFileError(
-                    f"truncated or corrupt safetensors header ({length} bytes announced)", path=path
-                )
-            header = json.loads(os.pread(handle.fileno(), length, position + 8))
-    except (OSError, UnicodeDecodeError, RecursionError, ValueError) as err:
-        raise CorruptFileError(f"cannot read the safetensors header: {err}", path=path) from err
-    if not isinstance(header, dict):
-        raise CorruptFileError("safetensors header is not a JSON object", path=path)
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise CorruptFileError("safetensors __metadata__ is not a map of strings", path=path)
-    start = position + 8 + length
-    entries: dict[str, SafetensorsEntry] = {}
-    spans = []
-    for name, info in header.items():
-        try:
-            code, shape, (first, stop) = info["dtype"], info["shape"], info["data_offsets"]
-        except (KeyError, TypeError, ValueError) as err:
-            raise CorruptFileError(f"malformed header entry: {err!r}", path=path, tensor=name) from err
-        if not isinstance(code, str) or not is_code(code):
-            raise CorruptFileError(f"unknown dtype {code!r}", path=path, tensor=name)
-        if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
-            raise CorruptFileError(f"shape {shape!r} is not a list of non-negative integers", path=path, tensor=name)
-        numel = 1
-        for size in shape:
-            numel *= size
-        if not (
-            type(first) is int
-            and type(stop) is int
-            and 0 <= first <= stop
-            and stop - first == numel * itemsize_of(code)
-            and start + stop <= end
-        ):
-            raise CorruptFileError(
-                f"tensor bytes [{first}, {stop}) do not fit its shape or the file: truncated?", path=path, tensor=name
-            )
-        entries[name] = SafetensorsEntry(code, tuple(shape), start + first, stop - first)
-        spans.append((first, stop, name))
-    spans.sort()
-    for (_, stop, name), (first, _, other) in zip(spans, spans[1:], strict=False):
-        if first < stop:
-            raise CorruptFileError(f"its bytes overlap those of {other}", path=path, tensor=name)
-    return entries, metadata
+    entries, metadata = read_header(path, position=position, end=end)
+    return {name: SafetensorsEntry(e.code, e.shape, e.start, e.nbytes) for name, e in entries.items()}, metadata
 
 
 class _Range(io.RawIOBase):

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import functools
 import io
-import json
 import logging
 import pickle
-import struct
 import threading
 import zipfile
 from collections.abc import Iterator, Mapping, Sequence
@@ -22,10 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 from safetensors import SafetensorError, safe_open
 
-from reshard.dtypes import TensorHeader, is_code
+from reshard.dtypes import TensorHeader
 from reshard.errors import CorruptFileError, UnsafePickleError
 from reshard.io.direct import Batch, DirectSource
 from reshard.io.vectored import file_mappings, release_mapped, row_views
+from reshard.layouts.safetensors_header import read_header
 
 if TYPE_CHECKING:
     import torch
@@ -33,7 +32,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Shape = tuple[int, ...]
-SAFETENSORS_MAX_HEADER = 100_000_000
 # Where frameworks nest the state dict inside a torch checkpoint, in the order we look.
 STATE_DICT_KEYS = ("state_dict", "module", "model")
 # Types that frameworks pickle next to the weights and that are safe to rebuild (layouts add their own).
@@ -163,7 +161,7 @@ class SafetensorsReader(FileReader):
 
 
 def read_safetensors_header(path: Path) -> tuple[dict[str, TensorHeader], dict[str, str]]:
-    """Parse a safetensors header and check that every tensor's bytes lie inside the file.
+    """Parse a safetensors header, checked as the safetensors library checks it (:mod:`.safetensors_header`).
 
     Raises:
         CorruptFileError: truncated file, unreadable header, or offsets that do not fit.
@@ -174,43 +172,9 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, TensorHeader], dict[s
 
 def _parse_safetensors_header(path: Path) -> tuple[dict[str, TensorHeader], dict[str, str], dict[str, int]]:
     """:func:`read_safetensors_header` plus, per tensor, the file offset where its bytes start."""
-    try:
-        size = path.stat().st_size
-        with path.open("rb") as handle:
-            prefix = handle.read(8)
-            if len(prefix) < 8:
-                raise CorruptFileError("truncated safetensors file (no header length)", path=path)
-            (length,) = struct.unpack("<Q", prefix)
-            if length > min(SAFETENSORS_MAX_HEADER, size - 8):
-                raise CorruptFileError(
-                    f"truncated or corrupt safetensors header ({length} bytes announced)", path=path
-                )
-            header = json.loads(handle.read(length))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CorruptFileError(f"cannot read safetensors header: {err}", path=path) from err
-    if not isinstance(header, dict):
-        raise CorruptFileError("safetensors header is not a JSON object", path=path)
-    metadata = header.pop("__metadata__", None) or {}
-    data_size = size - 8 - length
-    headers: dict[str, TensorHeader] = {}
-    offsets: dict[str, int] = {}
-    for key, info in header.items():
-        try:
-            entry = TensorHeader(tuple(int(s) for s in info["shape"]), str(info["dtype"]))
-            start, stop = (int(o) for o in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as err:
-            raise CorruptFileError(f"malformed header entry: {err!r}", path=path, tensor=key) from err
-        if not is_code(entry.code):
-            raise CorruptFileError(f"unknown dtype {entry.code!r}", path=path, tensor=key)
-        if stop - start != entry.nbytes or stop > data_size:
-            raise CorruptFileError(
-                f"tensor bytes [{start}, {stop}) do not fit (file holds {data_size} data bytes): truncated file?",
-                path=path,
-                tensor=key,
-            )
-        headers[key] = entry
-        offsets[key] = 8 + length + start
-    return headers, metadata, offsets
+    entries, metadata = read_header(path)
+    headers = {name: TensorHeader(entry.shape, entry.code) for name, entry in entries.items()}
+    return headers, metadata, {name: entry.start for name, entry in entries.items()}
 
 
 @dataclass

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.errors import CorruptFileError
+from reshard.schema import check_config_sizes
 
 CONFIG_NAME = "config.json"
 
@@ -103,10 +104,11 @@ def load_config(path: Path) -> ModelConfig:
     """Read a ``config.json``; a file that is not a JSON object is a :class:`CorruptFileError`."""
     try:
         raw = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CorruptFileError(f"cannot read the config: {err}", path=path) from err
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise CorruptFileError(f"cannot read the config: {str(err) or type(err).__name__}", path=path) from err
     if not isinstance(raw, dict):
         raise CorruptFileError("the config is not a JSON object", path=path)
+    check_config_sizes(raw, path=path)
     return ModelConfig(raw, path)
 
 

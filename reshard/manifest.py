@@ -14,6 +14,7 @@ from typing import Any
 
 from reshard.errors import CorruptFileError
 from reshard.partition import Partition, partition_from_dict, partition_to_dict
+from reshard.schema import check_manifest_data
 
 MANIFEST_NAME = "reshard.json"
 FORMAT = "reshard/1"
@@ -144,11 +145,12 @@ def read_manifest(path: Path) -> Manifest:
     """
     try:
         data = json.loads(path.read_text())
+        check_manifest_data(data, path)
         if data.get("format") != FORMAT:
             raise ValueError(f"format is {data.get('format')!r}, expected {FORMAT!r}")
         return Manifest.from_dict(data)
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
-        raise CorruptFileError(f"not a reshard manifest: {err}", path=path) from err
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
+        raise CorruptFileError(f"not a reshard manifest: {str(err) or type(err).__name__}", path=path) from err
 
 
 def find_manifest(ckpt: Path) -> Manifest | None:

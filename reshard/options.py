@@ -28,6 +28,16 @@ class Layout(str, enum.Enum):
 
 
 WRITABLE_LAYOUTS = (Layout.HF, Layout.HF_RANKS, Layout.MEGATRON, Layout.SAT)
+# The most ranks reshard reads or writes: far above any tensor-parallel size in use (8-64), and low enough
+# that a rank number or tp from a damaged file (rank_999999999, "tp": 10**12) is refused, not enumerated.
+MAX_RANKS = 4096
+
+
+def check_tp(tp: int, *, what: str = "--tp") -> int:
+    """``tp`` when it is a rank count reshard handles (1 .. :data:`MAX_RANKS`), else a one-line error."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or not 1 <= tp <= MAX_RANKS:
+        raise ReshardError(f"{what} {tp!r} is not a number of ranks from 1 to {MAX_RANKS}")
+    return tp
 
 
 def default_jobs() -> int:
@@ -108,6 +118,7 @@ class ConvertOptions:
     keep_names: bool = False
 
     def __post_init__(self) -> None:
+        check_tp(self.tp)
         if self.layout is not None:
             try:
                 object.__setattr__(self, "layout", Layout(self.layout))

@@ -26,6 +26,8 @@ from typing import Any
 from reshard.errors import ShapeMismatchError
 
 Shape = tuple[int, ...]
+# Frameworks pad the vocab to multiples of at most this many rows per rank (Megatron: 128).
+MAX_VOCAB_PAD_PER_RANK = 1024
 
 
 @dataclass(frozen=True)
@@ -278,6 +280,11 @@ def canonical_shape(
         full = with_size(first, dim, total if vocab_size is None else vocab_size)
         if vocab_size is not None and total < vocab_size:
             raise ShapeMismatchError(f"ranks hold {total} rows along dim {dim}, fewer than the vocab {vocab_size}")
+        if vocab_size is not None and total - vocab_size >= MAX_VOCAB_PAD_PER_RANK * tp:
+            raise ShapeMismatchError(  # more than any framework pads with: a wrong vocab size, or an extra rank
+                f"{total} rows for a vocab of {vocab_size}: dropping {total - vocab_size} rows is more than padding "
+                "(check --vocab)"
+            )
         padded = total
     sizes = [s[dim] for s in shapes]
     what = f"rank sizes {sizes} along dim {dim} are not a {partition.describe()} split of {total} over tp={tp}"

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from reshard.errors import MissingRankError, ReshardError, ShapeMismatchError
-from reshard.partition import Vocab
+from reshard.partition import MAX_VOCAB_PAD_PER_RANK, Vocab
 
 if TYPE_CHECKING:
     from reshard.config import ModelConfig
@@ -39,8 +39,6 @@ VOCAB_NAME = re.compile(
 )
 # Per-rank pad multiples frameworks use (ColossalAI make_vocab_size_divisible_by 64, Megatron 128).
 PAD_MULTIPLES = (1, 2, 4, 8, 16, 32, 64, 128)
-# Frameworks pad the vocab to multiples of at most this many rows per rank (Megatron: 128).
-MAX_VOCAB_PAD_PER_RANK = 1024
 MAX_TP = 64
 DEFAULT_MEGATRON_MULTIPLE = 128  # Megatron's --make-vocab-size-divisible-by default
 

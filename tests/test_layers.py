@@ -8,7 +8,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "reshard"
 # docs/ARCHITECTURE.md, "Layers", top to bottom.
 LAYERS = ["domain", "slicing", "io", "layouts", "plans", "mappings", "engine", "commands", "front"]
-DOMAIN = {"errors", "dtypes", "partition", "config", "manifest", "vocab", "options", "progress", "sizes"}
+DOMAIN = {"errors", "dtypes", "partition", "config", "manifest", "vocab", "options", "progress", "sizes", "schema"}
 PACKAGES = {"io": "io", "layouts": "layouts", "plans": "plans", "mappings": "mappings", "engine": "engine"}
 PACKAGES |= {"commands": "commands", "cli": "front", "testing": "front", "slicing": "slicing"}
 

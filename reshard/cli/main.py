@@ -21,6 +21,7 @@ from reshard import __version__
 from reshard.cli.output import emit
 from reshard.cli.render import render_check, render_convert, render_fix, render_inspect, render_verify
 from reshard.errors import ReshardError
+from reshard.io.interrupts import Interrupted, handled
 from reshard.io.vectored import return_large_frees_to_os
 from reshard.options import WRITABLE_LAYOUTS, ConvertOptions, default_jobs
 from reshard.plans import TRANSFORMERS
@@ -52,14 +53,24 @@ class InputError(click.ClickException):
 
 
 def reports_errors(command: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn a library :class:`ReshardError` into one line on stderr and exit code 2."""
+    """Turn a library :class:`ReshardError` (or an ``OSError`` of a file) into one line on stderr and exit code 2,
+    and SIGINT / SIGTERM into one line and exit code 128 + the signal, once the run has cleaned up after itself."""
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return command(*args, **kwargs)
+            with handled():
+                return command(*args, **kwargs)
         except ReshardError as err:
             raise InputError(err.one_line()) from err
+        except OSError as err:  # a file the library opened without a more precise error of its own
+            logging.getLogger(__name__).debug("OSError", exc_info=True)
+            where = f"{err.filename}: " if err.filename is not None else ""
+            raise InputError(f"{where}{err.strerror or err}") from err
+        except KeyboardInterrupt as err:
+            name = err.name if isinstance(err, Interrupted) else "SIGINT"
+            click.echo(f"Error: interrupted by {name}: no partial output or temporary files were left", err=True)
+            raise SystemExit(err.exit_code if isinstance(err, Interrupted) else 130) from None
 
     return wrapper
 

@@ -18,7 +18,7 @@ from typing import Any
 from reshard.config import ModelConfig, load_config
 from reshard.engine.open import OpenedCheckpoint, open_checkpoint
 from reshard.errors import AmbiguousPartitionError, ReshardError, ShapeMismatchError
-from reshard.options import ReadOptions
+from reshard.options import ReadOptions, check_tp
 from reshard.partition import Partition, Replicate, Vocab, partition_to_dict, rank_shapes
 from reshard.plans import Plan, Rule, select_plan
 from reshard.plans.transformers_plan import build_skeleton
@@ -256,6 +256,9 @@ class CheckOptions:
     uneven: bool = False
     pad_multiple: int | None = None
     trust_pickle: bool = False
+
+    def __post_init__(self) -> None:
+        check_tp(self.tp)
 
 
 def check(path: Path, options: CheckOptions) -> CheckReport:

@@ -91,7 +91,7 @@ def convert_opened(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
         source=source,
         meta=target.meta,
     )
-    with staged_output(out) as staging:
+    with staged_output(out, overwrite=options.overwrite) as staging:
         writer = writer_class(layout)(staging, spec)
         finite: dict[str, bool] = {}
         divergent: set[str] = set()

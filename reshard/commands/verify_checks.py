@@ -76,7 +76,7 @@ def _check_folder(folder: Path) -> list[Difference]:
         try:
             for tensor, filename in json.loads(index.read_text())["weight_map"].items():
                 named.setdefault(str(filename), tensor)
-        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
             continue  # a corrupt index is reported when the checkpoint is read
         for filename, tensor in named.items():
             plain = len(PurePosixPath(filename).parts) == 1 and filename not in (".", "..")

@@ -18,6 +18,7 @@ from reshard.engine.lora_merge import merge_lora_source
 from reshard.engine.planner import SourceTensor, plan_sources
 from reshard.errors import ReshardError
 from reshard.layouts import SourceCheckpoint, TensorRef, discover
+from reshard.layouts.rank_checks import check_manifest_tp
 from reshard.manifest import Manifest, find_manifest, written_uneven
 from reshard.options import ReadOptions
 from reshard.plans import Plan, select_plan
@@ -85,6 +86,7 @@ def open_checkpoint(
     if options.merge_lora:
         source = merge_lora_source(source, alpha=options.lora_alpha)
     manifest = find_manifest(ckpt)
+    check_manifest_tp(source, manifest)
     vocab = resolve_vocab(options.vocab, manifest, source.config)
     plan = select_plan(source.config, source.names(), plan_file=options.plan)
     if recorded_plan and manifest is not None and options.plan is None:

@@ -160,8 +160,8 @@ class SafetensorsFileWriter:
                 self._close()
 
     def _start(self) -> None:
-        self._started = True
         self._file = DirectFile(self.path, self._size, direct=self.direct)
+        self._started = True  # only once the file exists: a failed open is raised again by the next writer
         self._file.write([memoryview(self._header)], 0)
 
     def close(self) -> None:

@@ -1,8 +1,17 @@
-"""Output folders are written under a temporary sibling name and renamed into place only when complete."""
+"""Output folders are written under a temporary sibling name and renamed into place only when complete.
+
+Nothing is left behind however a run ends: on any error, on SIGINT / SIGTERM (see :mod:`.interrupts`),
+on a full disk or a read-only folder, the staged folder is removed and the output path is as it was. Two
+runs to one output cannot both publish: each holds a lock beside the output while it writes (a second run
+fails at once), and the output is published by a ``rename`` that fails on a non-empty folder, so a finished
+output is never replaced without ``--overwrite``, even by a run that took no lock.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import os
 import shutil
 import tempfile
@@ -10,6 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from reshard.errors import OutputExistsError, ReshardError
+from reshard.io.interrupts import deferred
+
+LOCK_SUFFIX = ".reshard-lock"
 
 
 def check_output(out: Path, *, source: Path, overwrite: bool) -> None:
@@ -31,22 +43,98 @@ def _umask() -> int:
     return mask
 
 
+def write_error(err: OSError, out: Path, staging: Path | None = None) -> ReshardError:
+    """An ``OSError`` met writing ``out``, as one line naming the output (a staged name shown as the final one)."""
+    name = str(err.filename) if err.filename is not None else str(out)
+    if staging is not None:
+        name = name.replace(str(staging), str(out))
+    why = err.strerror or str(err)
+    hint = {
+        errno.ENOSPC: "free some space or write elsewhere",
+        errno.EDQUOT: "free some space or write elsewhere",
+        errno.EROFS: "write to a writable folder",
+        errno.EACCES: "write to a folder you may write to",
+        errno.EPERM: "write to a folder you may write to",
+    }.get(err.errno)
+    return ReshardError(f"cannot write the output: {why}; nothing was left behind", path=name, hint=hint)
+
+
+def _is_output_error(err: OSError, staging: Path) -> bool:
+    """An error of writing the output (no file name, as ``pwrite`` gives, or a file in the staged folder)."""
+    return err.filename is None or str(err.filename).startswith(str(staging))
+
+
 @contextlib.contextmanager
-def staged_output(out: Path) -> Iterator[Path]:
-    """Yield a temporary folder beside ``out``; on success it replaces ``out``, on any error it is removed."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".reshard-tmp", dir=out.parent))
-    staging.chmod(0o777 & ~_umask())  # mkdtemp makes it private; the output is an ordinary folder
+def _locked(out: Path) -> Iterator[None]:
+    """Hold ``.OUT.reshard-lock`` beside ``out`` meanwhile (``flock``: the kernel frees it if the process dies)."""
+    lock = out.parent / f".{out.name}{LOCK_SUFFIX}"
     try:
-        yield staging
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    if out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:  # named as the output: the lock file is reshard's business, not the user's
+        raise write_error(OSError(err.errno, err.strerror), out) from err
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OutputExistsError(
+                "another reshard run is writing this output", path=out, hint="wait for it, or choose another -o"
+            ) from None
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(lock)  # while still holding the lock: a run that opens it later takes a new file
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def staged_output(out: Path, *, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary folder beside ``out``; on success it becomes ``out``, on any error it is removed.
+
+    Raises:
+        OutputExistsError: another run holds the output's lock, or finished it first (without ``overwrite``).
+        ReshardError: the output cannot be written (full disk, read-only or forbidden folder), in one line.
+    """
+    with _locked(out):
+        if out.exists() and not overwrite and (out.is_file() or any(out.iterdir())):
+            raise OutputExistsError("output exists and is not empty", path=out, hint="pass --overwrite to replace it")
+        with deferred():  # a signal now would leave the folder behind before the cleanup below owns it
+            try:
+                staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".reshard-tmp", dir=out.parent))
+                staging.chmod(0o777 & ~_umask())  # mkdtemp makes it private; the output is an ordinary folder
+            except OSError as err:
+                raise write_error(OSError(err.errno, err.strerror), out) from err
+        try:
+            yield staging
+            with deferred():
+                _publish(staging, out, overwrite=overwrite)
+        except OSError as err:
+            shutil.rmtree(staging, ignore_errors=True)
+            if _is_output_error(err, staging):
+                raise write_error(err, out, staging) from err
+            raise
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+
+def _publish(staging: Path, out: Path, *, overwrite: bool) -> None:
+    """Rename ``staging`` to ``out``: onto nothing or an empty folder, or (``overwrite``) in place of ``out``."""
+    if overwrite and out.exists():
         old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".reshard-old", dir=out.parent))
         old.rmdir()
         out.rename(old)
         staging.rename(out)
         shutil.rmtree(old) if old.is_dir() else old.unlink()
-    else:
-        staging.rename(out)
+        return
+    try:
+        os.rename(staging, out)  # replaces an empty folder; fails on a non-empty one (a run that finished first)
+    except OSError as err:
+        if err.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            raise
+        shutil.rmtree(staging, ignore_errors=True)
+        raise OutputExistsError(
+            "another run finished this output first; it was left as it is", path=out, hint="pass --overwrite"
+        ) from None

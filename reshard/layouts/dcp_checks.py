@@ -6,11 +6,15 @@ overlap), data files present and long enough for every chunk, dtypes reshard can
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
+from reshard.dtypes import itemsize_of
 from reshard.errors import CorruptFileError, MissingRankError, ReshardError
 from reshard.layouts.boxes import tiling_problem
 from reshard.layouts.dcp_metadata import StoredChunk, StoredTensor
+
+MAX_ELEMENTS = 1 << 48  # far beyond any tensor; a global shape past it is damage, and its boxes are not checked
 
 
 def check_tensor(tensor: StoredTensor) -> ReshardError | None:
@@ -19,6 +23,10 @@ def check_tensor(tensor: StoredTensor) -> ReshardError | None:
     if tensor.code is None:
         return ReshardError(
             f"dtype {tensor.dtype} is not supported (safetensors has no code for it)", path=declared, tensor=name
+        )
+    if any(size < 0 for size in tensor.shape) or math.prod(tensor.shape) > MAX_ELEMENTS:
+        return CorruptFileError(
+            f"global shape {list(tensor.shape)} is not a tensor's shape", path=declared, tensor=name
         )
     outside = [chunk.box for chunk in tensor.chunks if not chunk.box.fits(tensor.shape)]
     if outside:
@@ -37,6 +45,14 @@ def check_tensor(tensor: StoredTensor) -> ReshardError | None:
             path=compressed.file,
             tensor=name,
             hint="load it with torch.distributed.checkpoint and save it again without the extension",
+        )
+    short = next((c for c in tensor.chunks if c.length < c.box.numel * itemsize_of(tensor.code)), None)
+    if short is not None:
+        return CorruptFileError(
+            f"chunk {short.box} is stored in {short.length} bytes, fewer than its "
+            f"{short.box.numel * itemsize_of(tensor.code)} bytes of elements",
+            path=short.file,
+            tensor=name,
         )
     return None
 

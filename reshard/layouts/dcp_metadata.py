@@ -24,6 +24,7 @@ from reshard.errors import CorruptFileError, MissingRankError
 from reshard.layouts import dcp_pickle as pk
 from reshard.layouts.boxes import Box, Shape
 from reshard.layouts.chunk_files import safetensors_entries
+from reshard.layouts.rank_checks import rank_count
 
 METADATA = ".metadata"
 RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
@@ -108,10 +109,10 @@ def read_index(folder: Path, *, trust_pickle: bool = False) -> DcpIndex:
         return index
     ranks = {int(m.group(1)): p for p in folder.iterdir() if (m := RANK_METADATA.match(p.name))}
     if ranks:
-        absent = sorted(set(range(max(ranks) + 1)) - set(ranks))
+        tp, absent = rank_count(ranks, path=folder, name=lambda r: ranks[r].name)
         if absent:
             raise MissingRankError(
-                f"per-rank metadata __{absent[0]}.metadata is missing (found {len(ranks)} of {max(ranks) + 1})",
+                f"per-rank metadata __{absent[0]}.metadata is missing (found {len(ranks)} of {tp})",
                 path=folder,
             )
         index = DcpIndex(folder, f"dcp, per-rank metadata of {len(ranks)} ranks (use_collectives=False)")
@@ -245,8 +246,8 @@ def _read_hf_shards(folder: Path) -> DcpIndex:
             sharding = json.loads(metadata[SHARDING_INFO])
             if not isinstance(sharding, dict):
                 raise TypeError("not an object")
-        except (KeyError, TypeError, ValueError) as err:
-            raise CorruptFileError(f"no usable {SHARDING_INFO} in __metadata__ ({err})", path=file) from err
+        except (KeyError, TypeError, ValueError, RecursionError) as err:
+            raise CorruptFileError(f"no usable {SHARDING_INFO} in __metadata__ ({err!r})", path=file) from err
         for name, entry in entries.items():
             saved = sharding.get(name, {})
             offsets = _ints(

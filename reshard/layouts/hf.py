@@ -61,7 +61,7 @@ def read_index(index: Path) -> dict[str, str]:
         weight_map = json.loads(index.read_text())["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError("weight_map is not an object")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, RecursionError) as err:
         raise CorruptFileError(f"corrupt index: {err!r}", path=index) from err
     for tensor, filename in weight_map.items():
         pure = PurePosixPath(str(filename))

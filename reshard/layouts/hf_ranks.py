@@ -14,7 +14,8 @@ from reshard.errors import MissingRankError
 from reshard.io.safetensors_writer import ShardedSafetensorsWriter
 from reshard.layouts.base import RankFilesWriter, SourceCheckpoint, TargetSpec, numbered_children
 from reshard.layouts.hf import collect_extras, read_folder, side_files, write_config
-from reshard.manifest import find_manifest
+from reshard.layouts.rank_checks import listed, missing_count, rank_count
+from reshard.manifest import MANIFEST_NAME, find_manifest
 from reshard.options import Layout, ReadOptions
 
 RANK_DIR = re.compile(r"^rank_(\d+)$")
@@ -36,14 +37,17 @@ def detect(path: Path) -> bool:
 def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
     """Read every rank folder; a gap in the rank numbers is a :class:`MissingRankError`."""
     folders = rank_folders(path)
-    tp = max(folders) + 1
     manifest = find_manifest(path)
+    declared = None
     if manifest is not None and manifest.target.get("layout") == Layout.HF_RANKS:
-        tp = max(tp, int(manifest.target.get("tp", tp)))
-    missing = [rank_dir(r) for r in range(tp) if r not in folders]
+        declared = manifest.target.get("tp")
+    tp, missing = rank_count(
+        folders, path=path, name=lambda r: f"{folders[r].name}/", declared=declared, declared_by=MANIFEST_NAME
+    )
     if missing:
+        shown = listed([rank_dir(r) for r in missing], missing_count(folders, tp))
         raise MissingRankError(
-            f"rank folder(s) {', '.join(missing)} missing (found {len(folders)} of {tp})",
+            f"rank folder(s) {shown} missing (found {len(folders)} of {tp})",
             path=path,
             hint="every rank must be present to gather",
         )

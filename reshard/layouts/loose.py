@@ -12,6 +12,7 @@ pipeline- or data-parallel rank (``pp_rank_1``) are refused: only tensor-paralle
 from __future__ import annotations
 
 import re
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from reshard.layouts.hf import (
     read_index,
     side_files,
 )
+from reshard.layouts.rank_checks import SHOWN, listed, missing_count, rank_count
 from reshard.layouts.readers import open_tensor_file
 from reshard.options import Layout, ReadOptions
 
@@ -133,13 +135,15 @@ def group(folder: Path) -> tuple[dict[int, list[RankEntry]], list[str]]:
 def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
     """Read the rank files of ``path``; a gap in the rank numbers is a :class:`MissingRankError`."""
     ranks, notes = group(path)
-    tp = max(ranks) + 1
+    tp, missing = rank_count(ranks, path=path, name=lambda r: ranks[r][0].path.name)
     templates = sorted({e.template for e in ranks[min(ranks)]})
-    missing = [r for r in range(tp) if r not in ranks]
     if missing:
-        names = [t.format(rank=r) for r in missing for t in templates]
+        names = listed(
+            [t.format(rank=r) for r in missing for t in templates], missing_count(ranks, tp) * len(templates)
+        )
+        found = listed([str(r) for r in sorted(ranks)[:SHOWN]], len(ranks))
         raise MissingRankError(
-            f"rank files {', '.join(names)} are missing (found rank(s) {', '.join(map(str, sorted(ranks)))} of {tp})",
+            f"rank files {names} are missing (found rank(s) {found} of {tp})",
             path=path,
             hint="every rank must be present to gather; a single full file can be named directly",
         )
@@ -155,6 +159,8 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
             refs, readers = read_folder(entries[0].path, rank, options)
         else:
             files = _rank_files(path, rank, [e.path for e in entries], notes)
+            for file in files:
+                check_archive_rank(file, rank)
             readers = [open_tensor_file(f, trust_pickle=options.trust_pickle) for f in files]
             refs = refs_from_readers(readers, rank)
             check_unique(path, readers)
@@ -208,3 +214,25 @@ def _grouping_note(ranks: dict[int, list[RankEntry]], tp: int) -> str:
         f"loose rank files: grouped {count} file(s)/folder(s) into tp={tp} by the rank number in their names "
         f"({'; '.join(shown)})"
     )
+
+
+def check_archive_rank(path: Path, rank: int) -> None:
+    """Refuse a torch file whose zip archive is named for another rank than its file name.
+
+    ``torch.save(sd, "pytorch_model_rank1.bin")`` names the folder inside the archive ``pytorch_model_rank1/``:
+    a ``pytorch_model_rank2.bin`` whose archive says rank 1 is a copy of rank 1's file, not rank 2's slices.
+    """
+    if path.suffix == ".safetensors":
+        return
+    try:
+        with zipfile.ZipFile(path) as archive:
+            root = archive.namelist()[0].split("/", 1)[0] if archive.namelist() else ""
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return  # not an archive (legacy pickle) or unreadable: the reader says what is wrong
+    found = rank_template(root)
+    if found is not None and found[0] != rank:
+        raise CorruptFileError(
+            f"named for rank {rank}, but the archive inside is {root}/ (rank {found[0]}): a copy of another rank?",
+            path=path,
+            hint="restore the rank's own file",
+        )

@@ -28,6 +28,7 @@ from reshard.layouts.megatron_args import (
     config_from_args,
     retarget_args,
 )
+from reshard.layouts.rank_checks import SHOWN, listed
 from reshard.layouts.readers import FileReader, TensorHeader, load_torch_file, torch_header
 from reshard.layouts.torch_ranks import TorchRanksWriter
 from reshard.options import Layout, ReadOptions
@@ -154,7 +155,7 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
     missing = [_dir_name(r, p) for r, p in wanted if (r, p) not in dirs or not (dirs[(r, p)] / FILE_NAME).is_file()]
     if missing:
         raise MissingRankError(
-            f"missing {', '.join(f'{m}/{FILE_NAME}' for m in missing)} (tp={tp}, pp={pp})",
+            f"missing {listed([f'{m}/{FILE_NAME}' for m in missing[:SHOWN]], len(missing))} (tp={tp}, pp={pp})",
             path=folder,
             hint="every rank file must be present to gather",
         )
@@ -192,6 +193,13 @@ def _describe(source: SourceCheckpoint, first: MegatronFile, folder: Path, pp: i
                 f"the args say {key}={expected}, but only {found} are here",
                 path=folder,
                 hint="every rank file must be present to gather",
+            )
+        tp_arg = key == "tensor_model_parallel_size"  # a _YYY suffix may be an expert rank, not a stage
+        if tp_arg and isinstance(expected, int) and not isinstance(expected, bool) and 0 < expected < found:
+            raise ReshardError(
+                f"the args say {key}={expected}, but {found} are here: an extra rank, a copy or a leftover?",
+                path=folder,
+                hint="remove the extra mp_rank_* folders, or correct the args",
             )
     source.config = config_from_args(args, first.path) if args is not None else None
     version = top.get("checkpoint_version")

@@ -20,6 +20,7 @@ from types import ModuleType
 from typing import Any
 
 from reshard.config import ModelConfig
+from reshard.schema import check_ints
 from reshard.vocab import DEFAULT_MEGATRON_MULTIPLE
 
 # Enums Megatron puts into args (import paths as Megatron pickles them, old and new module layouts).
@@ -61,6 +62,20 @@ def _enum_factory(path: str) -> Any:
     rebuild.__qualname__ = rebuild.__name__ = f"rebuild_{path.rsplit('.', 1)[-1]}"
     return rebuild
 
+
+# Args that size the model: positive integers when set (checked before any arithmetic on them).
+ARGS_SIZES = (
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "ffn_hidden_size",
+    "num_layers",
+    "padded_vocab_size",
+    "make_vocab_size_divisible_by",
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+)
 
 # Allow-list for torch.load(weights_only=True): Namespace itself, and stand-ins for Megatron's enums.
 SAFE_GLOBALS: list[Any] = [argparse.Namespace] + [(_enum_factory(p), p) for p in ENUM_PATHS]
@@ -116,8 +131,9 @@ def config_from_args(args: Any, path: Path) -> ModelConfig | None:
     ``vocab_size`` is set only when the args hold the true vocab size; ``padded_vocab_size`` is Megatron's.
     """
     hidden, heads = arg(args, "hidden_size"), arg(args, "num_attention_heads")
-    if not isinstance(hidden, int) or not isinstance(heads, int):
+    if hidden is None or heads is None:
         return None
+    check_ints(((f"args.{key}", arg(args, key)) for key in ARGS_SIZES), path=path)
     groups = arg(args, "num_query_groups") if arg(args, "group_query_attention", False) else None
     raw: dict[str, Any] = {
         "model_type": "megatron",

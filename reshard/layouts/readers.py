@@ -10,8 +10,8 @@ import functools
 import io
 import logging
 import pickle
+import struct
 import threading
-import zipfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +25,7 @@ from reshard.errors import CorruptFileError, UnsafePickleError
 from reshard.io.direct import Batch, DirectSource
 from reshard.io.vectored import file_mappings, release_mapped, row_views
 from reshard.layouts.safetensors_header import read_header
+from reshard.layouts.torch_checks import check_torch_file
 
 if TYPE_CHECKING:
     import torch
@@ -257,7 +258,7 @@ def load_torch_file(path: Path, *, trust_pickle: bool, notes: list[str], allowed
     """
     import torch
 
-    streamable = zipfile.is_zipfile(path)
+    streamable = check_torch_file(path) is not None
     if not streamable:
         notes.append(f"{path.name}: legacy (non-zip) torch file, read whole into memory: cannot be streamed")
     try:
@@ -277,11 +278,13 @@ def load_torch_file(path: Path, *, trust_pickle: bool, notes: list[str], allowed
                 hint="pass --trust-pickle to unpickle it fully, only if you trust the file",
             ) from err
         raise CorruptFileError(f"not a readable torch file: {message.splitlines()[0]}", path=path) from err
+    except (RecursionError, MemoryError, OverflowError) as err:
+        raise CorruptFileError(f"not a readable torch file: {type(err).__name__}", path=path) from err
     except (ImportError, AttributeError) as err:  # --trust-pickle, and the pickled class is not importable here
         raise CorruptFileError(
             f"cannot unpickle: {err}", path=path, hint="install the package that defines it to load this file"
         ) from err
-    except (OSError, RuntimeError, EOFError, ValueError) as err:
+    except (OSError, RuntimeError, EOFError, ValueError, KeyError, IndexError, TypeError, struct.error) as err:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise CorruptFileError(f"not a readable torch file: {first}", path=path) from err
 

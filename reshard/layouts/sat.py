@@ -20,10 +20,11 @@ from typing import Any
 from reshard.config import ModelConfig, load_config
 from reshard.errors import CorruptFileError, MissingRankError, ReshardError
 from reshard.layouts.base import SourceCheckpoint, TargetSpec, numbered_children, refs_from_readers
-from reshard.layouts.loose import OPTIMIZER
+from reshard.layouts.loose import OPTIMIZER, check_archive_rank
+from reshard.layouts.rank_checks import listed, missing_count, rank_count
 from reshard.layouts.readers import TorchReader
 from reshard.layouts.torch_ranks import TorchRanksWriter
-from reshard.options import Layout, ReadOptions
+from reshard.options import MAX_RANKS, Layout, ReadOptions
 
 LATEST = "latest"
 MODEL_CONFIG = "model_config.json"
@@ -87,25 +88,31 @@ def _ranks(folder: Path, declared: Any, config_path: Path) -> list[Path]:
     files = _rank_files(folder)
     if not files:
         raise MissingRankError("no mp_rank_XX_model_states.pt files", path=folder)
-    if declared is not None and (not isinstance(declared, int) or declared < 1):
-        raise CorruptFileError(f"model_parallel_size is {declared!r}, not a positive integer", path=config_path)
+    if declared is not None and (type(declared) is not int or not 1 <= declared <= MAX_RANKS):
+        raise CorruptFileError(
+            f"model_parallel_size is {declared!r}, not a number of ranks from 1 to {MAX_RANKS}",
+            path=config_path,
+            tensor="model_parallel_size",
+        )
     found = max(files) + 1
     if declared is not None and found > declared:
         raise ReshardError(
-            f"model_parallel_size is {declared} but rank files up to {rank_file_name(found - 1)} "
+            f"model_parallel_size is {declared} but rank files up to {files[found - 1].name} "
             f"({len(files)} files) are in {folder}",
             path=config_path,
             hint="fix model_parallel_size or remove the stale rank files",
         )
-    tp = declared or found
-    missing = [rank_file_name(r) for r in range(tp) if r not in files]
+    tp, missing = rank_count(files, path=folder, name=lambda r: files[r].name, declared=declared)
     if missing:
         said = f"model_parallel_size is {declared}" if declared else f"ranks up to {found - 1} exist"
+        names = listed([rank_file_name(r) for r in missing], missing_count(files, tp))
         raise MissingRankError(
-            f"missing {', '.join(missing)} ({said}, {len(files)} rank files found)",
-            path=folder / missing[0],
+            f"missing {names} ({said}, {len(files)} rank files found)",
+            path=folder / rank_file_name(missing[0]),
             hint="every rank file must be present to gather",
         )
+    for rank in range(tp):
+        check_archive_rank(files[rank], rank)
     return [files[r] for r in range(tp)]
 
 

@@ -20,6 +20,7 @@ from typing import Any
 from reshard.errors import ReshardError
 from reshard.partition import partition_from_dict
 from reshard.plans.base import Plan, Rule
+from reshard.schema import check_partition
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -36,15 +37,17 @@ def load_plan_file(path: Path) -> tuple[Plan, str | None]:
     try:
         text = path.read_text()
         data: Any = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-    except (OSError, UnicodeDecodeError, ValueError) as err:
-        raise ReshardError(f"cannot read the plan file: {err}", path=path) from err
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise ReshardError(f"cannot read the plan file: {str(err) or type(err).__name__}", path=path) from err
     if not isinstance(data, dict):
         raise ReshardError("a plan file holds an object with a 'rules' list", path=path)
     rules = []
     for i, entry in enumerate(data.get("rules", data.get("rule", []))):
         try:
             fields = {k: v for k, v in entry.items() if k != "pattern"}
-            rules.append(Rule(entry["pattern"], partition_from_dict(fields)))
+            partition = partition_from_dict(fields)
+            check_partition(fields, path=path, key=f"rule {i + 1}")
+            rules.append(Rule(entry["pattern"], partition))
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise ReshardError(f"rule {i + 1} ({entry!r}) is invalid: {err}", path=path) from err
     extends = data.get("extends")

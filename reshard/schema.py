@@ -1,0 +1,184 @@
+"""The values reshard reads from JSON-like files, checked where they are read: ``reshard.json`` against its schema,
+and the sizes a model config (``config.json``, SAT's ``model_config.json``, Megatron's pickled args) gives.
+
+A wrong value (``"tp": "two"``, ``"vocab_size": 999.5``, ``num_attention_heads = 0``) is refused here, in one
+line naming the file and the key, rather than failing later as arithmetic on a string, a division by zero or
+a loop over ``10**12`` ranks. Pure: dicts in, :class:`~reshard.errors.CorruptFileError` out.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from reshard.dtypes import code_from_name
+from reshard.errors import CorruptFileError
+from reshard.options import MAX_RANKS, Layout
+
+MAX_SIZE = 1 << 48  # no dimension of a real tensor comes near it; a bigger one is damage, not a model
+MAX_NDIM = 64
+# Sizes a config gives that reshard computes with: each must be a positive integer when present.
+POSITIVE_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "padded_vocab_size",
+    "make_vocab_size_divisible_by",
+    "tensor_model_parallel_size",
+    "model_parallel_size",
+    "embed_dim",
+    "num_heads",
+    "hidden_size_per_attention_head",
+    "inner_hidden_size",
+)
+# Sizes that may be 0 (a dense model's expert counts, a layer kind a hybrid model does not use).
+COUNTS = (
+    "num_hidden_layers",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "num_experts",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+)
+# Sub-configs whose sizes are read the same way (multimodal text and vision towers, SAT's EVA).
+NESTED = ("text_config", "vision_config", "eva_args")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_PARTITIONS = ("replicate", "shard", "vocab", "grouped", "packed")
+
+
+def is_int(value: Any) -> bool:
+    """An integer that is not a bool (JSON ``true`` is not a size)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _fail(path: Path | None, key: str, value: Any, what: str) -> CorruptFileError:
+    return CorruptFileError(f"{_show(value)} is not {what}", path=path, tensor=key)
+
+
+def _show(value: Any) -> str:
+    """The value as the JSON file spells it (``true``, ``"abc"``), shortened."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_int(value: Any, *, path: Path | None, key: str, low: int = 1, high: int = MAX_SIZE) -> int:
+    """``value`` when it is an integer in ``[low, high]``; else an error naming the file and the key."""
+    if not is_int(value) or not low <= value <= high:
+        what = {0: "a non-negative integer", 1: "a positive integer"}.get(low, f"an integer from {low}")
+        raise _fail(path, key, value, what if high == MAX_SIZE else f"an integer from {low} to {high}")
+    return value
+
+
+def check_config_sizes(raw: Mapping[str, Any], *, path: Path | None, prefix: str = "") -> None:
+    """Refuse a config whose sizes are not integers: a positive one for :data:`POSITIVE_SIZES`, a non-negative
+    one for :data:`COUNTS` (``null`` means unset), here and in its :data:`NESTED` sub-configs."""
+    for key in (*POSITIVE_SIZES, *COUNTS):
+        value = raw.get(key)
+        if value is not None:
+            check_int(value, path=path, key=f"{prefix}{key}", low=1 if key in POSITIVE_SIZES else 0)
+    for key in NESTED:
+        nested = raw.get(key)
+        if nested is not None and not isinstance(nested, Mapping):
+            raise _fail(path, f"{prefix}{key}", nested, "an object")
+        if nested is not None:
+            check_config_sizes(nested, path=path, prefix=f"{prefix}{key}.")
+
+
+def check_manifest_data(data: Any, path: Path) -> None:
+    """Refuse a ``reshard.json`` whose fields have the wrong types or absurd values (the schema of
+    docs/manifest.md); fields a manifest may lack (older versions) may be absent."""
+    if not isinstance(data, dict):
+        raise _fail(path, "(top level)", type(data).__name__, "a JSON object")
+    for key in ("format", "reshard_version", "created"):
+        if key in data and not isinstance(data[key], str):
+            raise _fail(path, key, data[key], "a string")
+    for side in ("source", "target"):
+        part = _object(data, side, path)
+        if part.get("tp") is not None:
+            check_int(part["tp"], path=path, key=f"{side}.tp", high=MAX_RANKS)
+        layout = part.get("layout")
+        if layout is not None and layout not in {member.value for member in Layout}:
+            raise _fail(path, f"{side}.layout", layout, f"a layout ({', '.join(m.value for m in Layout)})")
+    vocab = _object(data, "vocab", path)
+    for key in ("original", "padded", "pad_multiple", "source_padded", "source_config"):
+        if vocab.get(key) is not None:
+            check_int(vocab[key], path=path, key=f"vocab.{key}")
+    if vocab.get("original") is not None and vocab.get("padded") is not None and vocab["padded"] < vocab["original"]:
+        raise _fail(path, "vocab.padded", vocab["padded"], f"at least vocab.original ({vocab['original']})")
+    for name, entry in _object(data, "tensors", path).items():
+        _check_entry(entry, path, name)
+    if data.get("mapping") is not None and not isinstance(data["mapping"], dict):
+        raise _fail(path, "mapping", data["mapping"], "an object")
+
+
+def _object(data: Mapping[str, Any], key: str, path: Path) -> Mapping[str, Any]:
+    value = data.get(key, {})
+    if not isinstance(value, dict):
+        raise _fail(path, key, value, "an object")
+    return value
+
+
+def _check_entry(entry: Any, path: Path, name: str) -> None:
+    if not isinstance(entry, dict):
+        raise _fail(path, f"tensors.{name}", entry, "an object")
+    shape = entry.get("shape")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_NDIM
+        or not all(is_int(s) and 0 <= s <= MAX_SIZE for s in shape)
+    ):
+        raise _fail(path, f"tensors.{name}.shape", shape, "a list of non-negative integers")
+    if not isinstance(entry.get("dtype"), str) or code_from_name(entry["dtype"]) is None:
+        raise _fail(path, f"tensors.{name}.dtype", entry.get("dtype"), "a dtype name such as 'bfloat16'")
+    if not isinstance(entry.get("sha256"), str) or not _SHA256.match(entry["sha256"]):
+        raise _fail(path, f"tensors.{name}.sha256", entry.get("sha256"), "64 lowercase hex digits")
+    for flag in ("finite", "divergent"):
+        if entry.get(flag) is not None and not isinstance(entry[flag], bool):
+            raise _fail(path, f"tensors.{name}.{flag}", entry[flag], "true or false")
+    check_partition(entry.get("partition"), path=path, key=f"tensors.{name}.partition")
+
+
+def check_partition(data: Any, *, path: Path | None, key: str) -> None:
+    """Refuse a partition record (``{"kind": "shard", "dim": 0}``) with a wrong kind, type or range."""
+    if not isinstance(data, dict) or data.get("kind") not in _PARTITIONS:
+        raise _fail(path, key, data, f"a partition (kind one of {', '.join(_PARTITIONS)})")
+    kind = data["kind"]
+    if kind == "replicate":
+        return
+    check_int(data.get("dim"), path=path, key=f"{key}.dim", low=-MAX_NDIM, high=MAX_NDIM - 1)
+    if kind == "shard" and "unit" in data:
+        check_int(data["unit"], path=path, key=f"{key}.unit")
+    if kind == "grouped":
+        check_int(data.get("groups"), path=path, key=f"{key}.groups")
+    if kind == "packed":
+        parts, units = data.get("parts"), data.get("units")
+        _int_list(parts, path=path, key=f"{key}.parts", low=0)
+        if units is not None:
+            _int_list(units, path=path, key=f"{key}.units", low=1)
+            if len(units) != len(parts):
+                raise _fail(path, f"{key}.units", units, f"one unit per part ({len(parts)})")
+
+
+def _int_list(values: Any, *, path: Path | None, key: str, low: int) -> None:
+    if not isinstance(values, list) or not values or not all(is_int(v) and low <= v <= MAX_SIZE for v in values):
+        raise _fail(path, key, values, f"a non-empty list of integers from {low}")
+
+
+def check_ints(values: Iterable[tuple[str, Any]], *, path: Path | None, low: int = 1) -> None:
+    """:func:`check_int` over ``(key, value)`` pairs, skipping unset (None) values."""
+    for key, value in values:
+        if value is not None:
+            check_int(value, path=path, key=key, low=low)

@@ -302,5 +302,9 @@ def _full_shapes(opened: OpenedCheckpoint) -> dict[str, Shape]:
         elif len(rank) == opened.source.tp and len(set(rank)) == 1 and opened.plan.match(tensor.name) is None:
             shapes[tensor.name] = rank[0]
         else:
-            raise ReshardError(f"rank shapes {rank} do not join: {tensor.problem.detail}", tensor=tensor.name)
+            raise ReshardError(
+                f"rank shapes {rank} do not join: {tensor.problem.detail}",
+                path=tensor.problem.path or (tensor.refs[0].file if tensor.refs else None),
+                tensor=tensor.name,
+            )
     return shapes

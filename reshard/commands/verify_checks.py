@@ -17,6 +17,7 @@ from huggingface_hub.constants import SAFETENSORS_INDEX_FILE
 
 from reshard.layouts.hf import BIN_INDEX_FILE, weight_files
 from reshard.layouts.hf_ranks import rank_dir, rank_folders
+from reshard.layouts.rank_checks import rank_count
 from reshard.layouts.readers import read_safetensors_header
 from reshard.manifest import Manifest
 from reshard.options import Layout
@@ -55,6 +56,8 @@ def check_files(ckpt: Path, manifest: Manifest) -> list[Difference]:
     if layout == Layout.HF:
         return _check_folder(ckpt)
     found = rank_folders(ckpt)
+    if found:
+        rank_count(found, path=ckpt, name=lambda r: f"{found[r].name}/")  # refuses an absurd rank number
     expected = max(int(tp or 0), max(found, default=-1) + 1)
     diffs = [
         Difference("missing-file", None, f"rank folder missing (reshard.json says tp={tp})", str(ckpt / rank_dir(r)))

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from reshard.config import ModelConfig
 from reshard.dtypes import TensorHeader
+from reshard.errors import ReshardError
 from reshard.layouts.readers import FileReader
 from reshard.options import Layout
 
@@ -113,11 +114,18 @@ def numbered_children(folder: Path, pattern: re.Pattern[str], *, want_dirs: bool
     ``pattern``; its first group is the number (a rank)."""
     if not folder.is_dir():
         return {}
-    found = {}
-    for child in folder.iterdir():
+    found: dict[int, Path] = {}
+    for child in sorted(folder.iterdir()):
         match = pattern.match(child.name)
         if match and (child.is_dir() if want_dirs else child.is_file()):
-            found[int(match.group(1))] = child
+            number = int(match.group(1))
+            if number in found:
+                raise ReshardError(
+                    f"{found[number].name} and {child.name} both carry rank {number}",
+                    path=folder,
+                    hint="keep one of them",
+                )
+            found[number] = child
     return found
 
 

@@ -10,8 +10,10 @@ import functools
 import io
 import logging
 import pickle
+import re
 import struct
 import threading
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -262,18 +264,19 @@ def load_torch_file(path: Path, *, trust_pickle: bool, notes: list[str], allowed
     if not streamable:
         notes.append(f"{path.name}: legacy (non-zip) torch file, read whole into memory: cannot be streamed")
     try:
-        if trust_pickle:
-            return torch.load(
-                path, map_location="cpu", mmap=streamable, weights_only=False, pickle_module=_trusting(allowed)
-            )
-        with torch.serialization.safe_globals([*SAFE_GLOBALS, *_rng_state_globals(), *allowed]):
-            return torch.load(path, map_location="cpu", mmap=streamable, weights_only=True)
+        with warnings.catch_warnings():  # torch warns on stderr about protocols it may not read: the error says it
+            warnings.simplefilter("ignore", UserWarning)
+            if trust_pickle:
+                return torch.load(
+                    path, map_location="cpu", mmap=streamable, weights_only=False, pickle_module=_trusting(allowed)
+                )
+            with torch.serialization.safe_globals([*SAFE_GLOBALS, *_rng_state_globals(), *allowed]):
+                return torch.load(path, map_location="cpu", mmap=streamable, weights_only=True)
     except pickle.UnpicklingError as err:
         message = str(err)
         if "Unsupported global" in message or "weights_only" in message.lower():
-            culprit = _unsupported_global(message)
             raise UnsafePickleError(
-                f"pickles {culprit}, which is not on reshard's allow-list",
+                _refusal(message),
                 path=path,
                 hint="pass --trust-pickle to unpickle it fully, only if you trust the file",
             ) from err
@@ -325,11 +328,15 @@ def _trusting(allowed: Sequence[Any]) -> ModuleType:
     return trusting
 
 
-def _unsupported_global(message: str) -> str:
-    for line in message.splitlines():
-        if "Unsupported global" in line:
-            return line.split("GLOBAL", 1)[-1].split(" was not", 1)[0].strip() or "an unsupported type"
-    return "an object outside the allow-list"
+def _refusal(message: str) -> str:
+    """What torch's weights-only unpickler refused: a global, from either of its messages ("Unsupported global:
+    GLOBAL x was not an allowed global", "Trying to load unsupported GLOBAL x whose module y is blocked"), or
+    the instruction it stopped at."""
+    found = re.search(r"GLOBAL (\S+) (?:was not|whose module)", message)
+    if found:
+        return f"pickles {found.group(1)}, which is not on reshard's allow-list"
+    reason = re.search(r"WeightsUnpickler error:\s*(.+)", message)
+    return f"refused by the weights-only unpickler ({reason.group(1).strip() if reason else 'not a plain state dict'})"
 
 
 def open_tensor_file(path: Path, *, trust_pickle: bool = False) -> FileReader:

@@ -215,7 +215,14 @@ def _tensor(path: Path, fqn: str, entry: Any, where: dict[tuple[str, Shape | Non
     for chunk in entry.chunks:
         if not isinstance(chunk, pk.ChunkStorageMetadata):
             raise CorruptFileError(f"a chunk of type {type(chunk).__name__}", path=path, tensor=fqn)
-        box = Box(_ints(chunk.offsets, path, fqn, "chunk offsets"), _ints(chunk.sizes, path, fqn, "chunk sizes"))
+        offsets, sizes = _ints(chunk.offsets, path, fqn, "chunk offsets"), _ints(chunk.sizes, path, fqn, "chunk sizes")
+        if not len(offsets) == len(sizes) == len(shape):
+            raise CorruptFileError(
+                f"chunk offsets {list(offsets)} and sizes {list(sizes)} do not fit a {len(shape)}-d tensor",
+                path=path,
+                tensor=fqn,
+            )
+        box = Box(offsets, sizes)
         location = where.get((fqn, box.offsets))
         if location is None:
             raise CorruptFileError(f"no storage entry for the chunk at {list(box.offsets)}", path=path, tensor=fqn)

@@ -124,7 +124,10 @@ def iteration_folder(path: Path) -> Path | None:
         return path
     tracker = path / TRACKER
     if tracker.is_file():
-        text = tracker.read_text().strip()
+        try:
+            text = tracker.read_text().strip()
+        except (OSError, UnicodeDecodeError) as err:
+            raise CorruptFileError(f"cannot read the tracker: {err}", path=tracker) from err
         if text == "release":
             return path / "release"
         if not text.isdigit():

@@ -62,7 +62,10 @@ def _locate(path: Path) -> tuple[Path, str]:
     if _rank_files(path):
         return path.parent, path.name
     if (path / LATEST).is_file():
-        iteration = (path / LATEST).read_text().strip()
+        try:
+            iteration = (path / LATEST).read_text().strip()
+        except (OSError, UnicodeDecodeError) as err:
+            raise CorruptFileError(f"cannot read it: {err}", path=path / LATEST) from err
         if not iteration or "/" in iteration or "\\" in iteration or iteration in (".", ".."):
             raise CorruptFileError(f"does not name an iteration folder: {iteration!r}", path=path / LATEST)
         return path, iteration

@@ -80,7 +80,9 @@ def torch_edit(path: Path, change: Callable[[Any], Any], **save: Any) -> None:
     """Load a (trusted, test-made) torch file fully, let ``change`` edit it, save it back with torch.save."""
     obj = torch.load(path, weights_only=False)
     new = change(obj)
-    torch.save(obj if new is None else new, path, **save)
+    fresh = path.with_name(path.name + ".new")  # never rewrite a file its own tensors may map
+    torch.save(obj if new is None else new, fresh, **save)
+    os.replace(fresh, path)
 
 
 def rezip(path: Path, *, pickled: Callable[[bytes], bytes] | None = None, compress: bool = False) -> None:

@@ -26,7 +26,7 @@ from reshard.engine.open import OpenedCheckpoint, open_checkpoint
 from reshard.engine.planner import SourceTensor
 from reshard.errors import DivergentReplicaError, PlanError, ReshardError, ShapeMismatchError
 from reshard.manifest import find_manifest
-from reshard.options import ConvertOptions, ReadOptions
+from reshard.options import ConvertOptions, ReadOptions, check_tp
 from reshard.progress import quiet_unless
 
 __all__ = ["Difference", "VerifyOptions", "VerifyReport", "VerifyResult", "verify"]
@@ -53,6 +53,10 @@ class VerifyOptions:
     plan: Path | None = None
     trust_pickle: bool = False
     progress: bool = False
+
+    def __post_init__(self) -> None:
+        for tp in self.roundtrip:
+            check_tp(tp, what="--roundtrip")
 
     @property
     def exact(self) -> bool:

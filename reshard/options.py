@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import operator
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,9 +36,13 @@ MAX_RANKS = 4096
 
 def check_tp(tp: int, *, what: str = "--tp") -> int:
     """``tp`` when it is a rank count reshard handles (1 .. :data:`MAX_RANKS`), else a one-line error."""
-    if isinstance(tp, bool) or not isinstance(tp, int) or not 1 <= tp <= MAX_RANKS:
+    try:
+        count = operator.index(tp) if not isinstance(tp, bool) else None  # numpy integers too, not True
+    except TypeError:
+        count = None
+    if count is None or not 1 <= count <= MAX_RANKS:
         raise ReshardError(f"{what} {tp!r} is not a number of ranks from 1 to {MAX_RANKS}")
-    return tp
+    return count
 
 
 def default_jobs() -> int:

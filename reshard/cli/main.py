@@ -64,7 +64,7 @@ def reports_errors(command: Callable[..., Any]) -> Callable[..., Any]:
         except ReshardError as err:
             raise InputError(err.one_line()) from err
         except OSError as err:  # a file the library opened without a more precise error of its own
-            logging.getLogger(__name__).debug("OSError", exc_info=True)
+            logging.getLogger(__name__).info("the error in full (-v)", exc_info=True)
             where = f"{err.filename}: " if err.filename is not None else ""
             raise InputError(f"{where}{err.strerror or err}") from err
         except KeyboardInterrupt as err:

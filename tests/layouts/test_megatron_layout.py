@@ -280,16 +280,17 @@ def test_sample_checkpoint_is_what_its_generator_writes(cli, tmp_path: Path) -> 
     spec = importlib.util.spec_from_file_location("make_megatron_sample", sample / "make_megatron_sample.py")
     generator = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(generator)
-    generator.main(tmp_path / "regenerated")
+    generator.main(tmp_path)
+    regenerated = tmp_path / "tiny-megatron-tp8"
     committed = sorted(p.relative_to(sample / "tiny-megatron-tp8") for p in (sample / "tiny-megatron-tp8").rglob("*"))
-    assert committed == sorted(p.relative_to(tmp_path / "regenerated") for p in (tmp_path / "regenerated").rglob("*"))
+    assert committed == sorted(p.relative_to(regenerated) for p in regenerated.rglob("*"))
     for rel in committed:
         if (sample / "tiny-megatron-tp8" / rel).is_file():
-            assert (sample / "tiny-megatron-tp8" / rel).read_bytes() == (tmp_path / "regenerated" / rel).read_bytes()
+            assert (sample / "tiny-megatron-tp8" / rel).read_bytes() == (regenerated / rel).read_bytes()
     out = tmp_path / "tp4"
     result = cli("convert", sample / "tiny-megatron-tp8", "--tp", 4, "-o", out, "--vocab", 500)
     assert result.exit_code == 0, result.output
-    model, r = generator.full_model(), 1
+    model, r = generator.model(), 1
     rank_file = out / "iter_0000100" / f"mp_rank_{r:02d}" / "model_optim_rng.pt"
     fc1 = torch.load(rank_file, weights_only=False)["model"]["decoder.layers.0.mlp.linear_fc1.weight"]
     assert torch.equal(fc1, torch.cat([model["0.gate"].chunk(4)[r], model["0.up"].chunk(4)[r]]))

@@ -11,13 +11,14 @@ from reshard.errors import ReshardError
 
 
 class Layout(str, enum.Enum):
-    """How a checkpoint sits on disk (docs/layouts.md). ``loose`` is read only."""
+    """How a checkpoint sits on disk (docs/layouts.md). ``loose`` and ``dcp`` are read only."""
 
     HF = "hf"
     HF_RANKS = "hf-ranks"
     MEGATRON = "megatron"
     SAT = "sat"
     LOOSE = "loose"
+    DCP = "dcp"
 
     def __str__(self) -> str:
         return self.value
@@ -85,6 +86,8 @@ class ConvertOptions:
         lora_alpha: LoRA alpha for merging (scaling = alpha / rank).
         progress: show tqdm progress bars on stderr.
         jobs: tensors read, gathered, hashed and written at once (default: twice the cores).
+        keep_names: keep the source's tensor names even where the target layout's framework names them
+            otherwise (a Megatron checkpoint written as ``hf`` keeps Megatron's names and fused tensors).
     """
 
     tp: int = 1
@@ -102,6 +105,7 @@ class ConvertOptions:
     lora_alpha: float = 1.0
     progress: bool = True
     jobs: int = field(default_factory=default_jobs)
+    keep_names: bool = False
 
     def __post_init__(self) -> None:
         if self.layout is not None:

@@ -11,10 +11,12 @@ import os
 
 import pytest
 from click.testing import CliRunner, Result
+from hub.fixture import hub  # noqa: F401 - the local Hugging Face Hub server (tests/hub/)
 
 from reshard.cli import main
 
-# tqdm reads TQDM_DISABLE when it is imported (at collection, before any fixture runs).
+# tqdm reads TQDM_DISABLE once, when it is first imported, and test modules that import huggingface_hub at
+# collection import it before any fixture runs: set it here too, not only in the autouse fixture below.
 os.environ.setdefault("TQDM_DISABLE", "1")
 
 

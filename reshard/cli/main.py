@@ -167,6 +167,11 @@ def inspect_command(
     show_default="twice the number of cores",
     help="Tensors read, hashed and written at once (threads; memory stays bounded).",
 )
+@click.option(
+    "--keep-names",
+    is_flag=True,
+    help="Keep the source's tensor names (by default the target layout's framework names them: hf = transformers).",
+)
 @click.option("--merge-lora", is_flag=True, help="Merge LoRA adapters into their base weights per rank, then reshard.")
 @click.option("--lora-alpha", type=float, help="LoRA alpha for --merge-lora (scaling = alpha / rank; default 1).")
 @writing_options

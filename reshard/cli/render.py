@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from reshard.cli.output import human_bytes, shape_list, table
+from reshard.cli.output import shape_list, table
+from reshard.sizes import human_bytes
 
 if TYPE_CHECKING:
     from reshard.commands.check import CheckReport
@@ -28,8 +29,10 @@ def render_inspect(report: InspectReport) -> str:
             if vocab["padded_in_source"] is not None and vocab["padding_rows"]
             else ""
         ),
-        "",
     ]
+    if report.mapping:
+        lines.append(f"names       {report.mapping} under --layout hf (the 'hf name' column)")
+    lines.append("")
     rows = [
         [
             t.name,
@@ -39,9 +42,11 @@ def render_inspect(report: InspectReport) -> str:
             (t.partition or {}).get("kind", "-") + _partition_args(t.partition),
             t.problem or t.reason,
         ]
+        + ([", ".join(t.targets or ["(dropped)"])] if report.mapping else [])
         for t in report.tensors
     ]
-    lines.append(table(rows, ["tensor", "rank shapes", "dtype", "bytes", "partition", "why"]))
+    header = ["tensor", "rank shapes", "dtype", "bytes", "partition", "why"] + (["hf name"] if report.mapping else [])
+    lines.append(table(rows, header))
     lines += [f"note: {n}" for n in report.notes] + [f"not a tensor: {e}" for e in report.extras]
     if report.problems:
         lines.append(f"{len(report.problems)} tensor(s) cannot be gathered as they are")
@@ -59,6 +64,7 @@ def render_convert(report: ConvertReport) -> str:
         f"{report.source} ({report.source_layout}, tp={report.source_tp}) -> {report.output} "
         f"({report.layout}, tp={report.tp})",
         f"{report.tensors} tensors, {human_bytes(report.bytes)} canonical",
+        *_mapping_line(report.mapping),
         f"vocab {vocab['original']} (from {vocab['origin']}): {vocab['source_padded']} rows in the source, "
         f"{vocab['target_padded']} per the target"
         if vocab["source_padded"] is not None
@@ -68,6 +74,14 @@ def render_convert(report: ConvertReport) -> str:
     lines += [f"note: {n}" for n in report.notes]
     lines.append(f"manifest {report.manifest}")
     return "\n".join(lines)
+
+
+def _mapping_line(mapping: dict[str, Any] | None) -> list[str]:
+    if not mapping:
+        return []
+    dropped = f", {mapping['dropped']} dropped" if mapping["dropped"] else ""
+    counts = f"{mapping['sources']} tensors became {mapping['targets']}{dropped}"
+    return [f"names {mapping['from']} -> {mapping['to']}: {counts}"]
 
 
 def render_fix(report: FixReport) -> str:

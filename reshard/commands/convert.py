@@ -8,16 +8,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reshard.dtypes import name_of
+from reshard.dtypes import TensorHeader, name_of
 from reshard.engine.execute import execute
 from reshard.engine.lora_merge import check_lora_replicas
 from reshard.engine.open import OpenedCheckpoint, open_checkpoint
-from reshard.engine.planner import ConversionPlan, plan_conversion
+from reshard.engine.planner import ConversionPlan, TargetTensor, TensorPlan
+from reshard.engine.target import TargetPlan, plan_target
 from reshard.io.staging import check_output, staged_output
-from reshard.layouts import SourceCheckpoint, TargetSpec, writer_class
-from reshard.layouts.readers import TensorHeader
+from reshard.layouts import TargetSpec, writer_class
 from reshard.manifest import Manifest, TensorEntry, VocabRecord, write_manifest
-from reshard.options import ConvertOptions, Layout
+from reshard.options import ConvertOptions
 
 logger = logging.getLogger(__name__)
 
@@ -48,37 +48,7 @@ class ConvertReport(Route):
     files: list[str] = field(default_factory=list)
     changed: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-
-
-def default_layout(source: SourceCheckpoint, tp: int) -> str:
-    """The source's own layout family: ``megatron``/``sat`` stay so; HF-named checkpoints become ``hf`` at
-    tp 1 and ``hf-ranks`` above."""
-    if source.layout in (Layout.MEGATRON, Layout.SAT):
-        return source.layout
-    return Layout.HF if tp == 1 else Layout.HF_RANKS
-
-
-def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> tuple[ConversionPlan, Layout]:
-    """The target layout and every tensor's target slices (raises every planning problem at once).
-
-    Without ``merge_lora`` (which merged the adapters when the checkpoint was opened), LoRA tensors that
-    should be replicated but differ between ranks are refused.
-    """
-    source = opened.source
-    if source.meta.get("cannot_convert"):  # a layout read it for inspect, but cannot convert it
-        raise source.meta["cannot_convert"]
-    layout = options.layout or default_layout(source, options.tp)
-    conversion = plan_conversion(
-        source,
-        opened.tensors,
-        vocab=opened.vocab,
-        target_tp=options.tp,
-        pad_multiple=options.pad_multiple or writer_class(layout).pad_multiple(options.tp, source),
-        uneven=opened.uneven,
-    )
-    if not (options.merge_lora or options.allow_divergent_replicas):
-        check_lora_replicas(conversion.tensors)
-    return conversion, layout
+    mapping: dict[str, Any] | None = None
 
 
 def convert(ckpt: Path, out: Path, options: ConvertOptions) -> ConvertReport:
@@ -103,24 +73,23 @@ def convert(ckpt: Path, out: Path, options: ConvertOptions) -> ConvertReport:
 def convert_opened(opened: OpenedCheckpoint, out: Path, options: ConvertOptions) -> ConvertReport:
     """:func:`convert` of a checkpoint already opened (``fix`` opens it first to diagnose it)."""
     ckpt, source = opened.path, opened.source
-    conversion, layout = plan_target(opened, options)
+    target = plan_target(opened, options)
+    conversion, layout = target.conversion, target.layout
+    if not (options.merge_lora or options.allow_divergent_replicas):
+        check_lora_replicas(opened.tensors)
     vocab = conversion.vocab
-    config = None
-    if source.config is not None:
-        config = source.config.raw
-        if vocab.original is not None and vocab.original != source.config.vocab_size:
-            config = source.config.with_vocab_size(vocab.original)
     spec = TargetSpec(
         tp=options.tp,
         rank_headers=[
-            {t.name: TensorHeader(t.target_shapes[r], t.source.code) for t in conversion.tensors}
+            {t.name: TensorHeader(t.rank_shapes[r], t.code) for plan in conversion.tensors for t in plan.targets}
             for r in range(options.tp)
         ],
-        config=config,
+        config=target.config,
         vocab_size=vocab.original,
         padded_vocab_size=vocab.target_padded,
         max_shard_size=options.max_shard_size,
         source=source,
+        meta=target.meta,
     )
     with staged_output(out) as staging:
         writer = writer_class(layout)(staging, spec)
@@ -151,15 +120,16 @@ def convert_opened(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
             ),
             tensors={
                 t.name: TensorEntry(
-                    t.source.shape,
-                    name_of(t.source.code),
-                    t.source.partition,
+                    t.shape,
+                    name_of(t.code),
+                    t.partition,
                     hashes[t.name],
                     finite[t.name],
-                    divergent=t.name in divergent,
+                    divergent=any(s.name in divergent for s in plan.sources),
                 )
-                for t in sorted(conversion.tensors, key=lambda t: t.name)
+                for plan, t in sorted(_targets(conversion), key=lambda pair: pair[1].name)
             },
+            mapping=_mapping_record(target),
         )
         write_manifest(staging, manifest)
     return ConvertReport(
@@ -169,7 +139,7 @@ def convert_opened(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
         output=str(out),
         layout=layout,
         tp=options.tp,
-        tensors=len(conversion.tensors),
+        tensors=sum(len(plan.targets) for plan in conversion.tensors),
         bytes=sum(t.nbytes for t in conversion.tensors),
         vocab={
             "original": vocab.original,
@@ -180,6 +150,7 @@ def convert_opened(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
         manifest=str(out / "reshard.json"),
         files=sorted(files),
         changed=_changed_shapes(conversion),
+        mapping=_mapping_summary(target),
         notes=list(source.notes)
         + (
             [f"replicated but different between ranks, rank 0's copy taken: {', '.join(sorted(divergent))}"]
@@ -194,11 +165,46 @@ def _if_differs(size: int | None, original: int | None) -> int | None:
     return size if size != original else None
 
 
+def _mapping_record(target: TargetPlan) -> dict[str, Any] | None:
+    """What the manifest says of a mapping: the namings, every source name's target names, what was dropped."""
+    if target.mapping is None:
+        return None
+    mapped = {
+        source.name: [t.name for t in plan.targets] for plan in target.conversion.tensors for source in plan.sources
+    }
+    return {
+        "from": target.mapping.mapping.source_family,
+        "to": target.mapping.mapping.target_family,
+        "tensors": dict(sorted(mapped.items())),
+        "dropped": sorted(target.dropped),
+    }
+
+
+def _mapping_summary(target: TargetPlan) -> dict[str, Any] | None:
+    """The report's view of a mapping: the namings, and how many tensors went in and came out."""
+    if target.mapping is None:
+        return None
+    plans = target.conversion.tensors
+    return {
+        "from": target.mapping.mapping.source_family,
+        "to": target.mapping.mapping.target_family,
+        "sources": sum(len(p.sources) for p in plans),
+        "targets": sum(len(p.targets) for p in plans),
+        "dropped": len(target.dropped),
+    }
+
+
+def _targets(conversion: ConversionPlan) -> list[tuple[TensorPlan, TargetTensor]]:
+    return [(plan, target) for plan in conversion.tensors for target in plan.targets]
+
+
 def _changed_shapes(conversion: ConversionPlan) -> list[dict[str, Any]]:
-    """Tensors whose shape on disk changed, comparing source rank 0 with target rank 0."""
+    """Tensors kept under their name whose shape on disk changed, comparing source rank 0 with target rank 0."""
     changed = []
-    for t in sorted(conversion.tensors, key=lambda t: t.name):
-        before, after = t.source.refs[0].shape, t.target_shapes[0]
+    for plan in sorted(conversion.tensors, key=lambda t: t.name):
+        if plan.transform is not None:
+            continue
+        before, after = plan.sources[0].refs[0].shape, plan.targets[0].rank_shapes[0]
         if before != after:
-            changed.append({"tensor": t.name, "old": list(before), "new": list(after)})
+            changed.append({"tensor": plan.name, "old": list(before), "new": list(after)})
     return changed

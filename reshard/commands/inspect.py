@@ -8,6 +8,7 @@ from typing import Any
 
 from reshard.dtypes import name_of
 from reshard.engine.open import open_checkpoint
+from reshard.engine.target import preview_mapping
 from reshard.layouts import SourceCheckpoint
 from reshard.options import ConvertOptions, ReadOptions
 from reshard.partition import partition_to_dict
@@ -24,6 +25,7 @@ class TensorReport:
     reason: str
     shape: list[int] | None
     problem: str | None
+    targets: list[str] | None = None  # its names under the mapping to transformers, when there is one
 
 
 @dataclass
@@ -38,6 +40,7 @@ class InspectReport:
     model_type: str | None
     plan: str
     vocab: dict[str, Any]
+    mapping: str | None = None
     tensors: list[TensorReport] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     extras: list[str] = field(default_factory=list)
@@ -81,6 +84,7 @@ def inspect_checkpoint(ckpt: Path, options: ReadOptions | ConvertOptions | None 
     opened = open_checkpoint(Path(ckpt), options or ReadOptions())
     source, vocab, tensors = opened.source, opened.vocab, opened.tensors
     padded = source_padded_rows(tensors)
+    mapping, targets, why_not = preview_mapping(opened)
     report = InspectReport(
         path=str(opened.path),
         layout=source.layout,
@@ -95,7 +99,8 @@ def inspect_checkpoint(ckpt: Path, options: ReadOptions | ConvertOptions | None 
             "padded_in_source": padded,
             "padding_rows": None if padded is None or vocab.original is None else padded - vocab.original,
         },
-        notes=list(source.notes),
+        mapping=mapping,
+        notes=list(source.notes) + ([why_not] if why_not else []),
         extras=_not_tensors(source),
     )
     for t in tensors:
@@ -109,6 +114,7 @@ def inspect_checkpoint(ckpt: Path, options: ReadOptions | ConvertOptions | None 
                 reason=t.reason,
                 shape=list(t.shape) if t.shape else None,
                 problem=t.problem.one_line() if t.problem else None,
+                targets=targets.get(t.name) if mapping else None,
             )
         )
     return report

@@ -36,7 +36,7 @@ from reshard.engine.digest import all_finite_in_blocks, sha256_of
 from reshard.engine.gather import Work, gather_and_split, plan_work
 from reshard.errors import ShapeMismatchError
 from reshard.io.direct import Batch
-from reshard.layouts.base import CheckpointWriter
+from reshard.layouts.base import CheckpointWriter, TensorRef
 from reshard.progress import quiet_unless
 
 if TYPE_CHECKING:
@@ -44,6 +44,8 @@ if TYPE_CHECKING:
 
 MAX_PENDING = 256
 Shape = tuple[int, ...]
+# What a job hands back per target tensor: name, sha256, finite, and the slices left to write (if any).
+Written = tuple[str, str, bool | None, list["torch.Tensor"]]
 
 
 class ReadAhead:
@@ -84,13 +86,17 @@ class ReadAhead:
                     self._wake.wait()
                 if self._stop:
                     return
-            for ref in work.tensor.source.refs:
+            for ref in _refs(work):
                 ref.prefetch()
             ahead += _source_bytes(work)
 
 
+def _refs(work: Work) -> list[TensorRef]:
+    return [ref for source in work.tensor.sources for ref in source.refs]
+
+
 def _source_bytes(work: Work) -> int:
-    return sum(ref.header.nbytes for ref in work.tensor.source.refs)
+    return sum(ref.header.nbytes for ref in _refs(work))
 
 
 @contextlib.contextmanager
@@ -138,17 +144,26 @@ def execute(
 
     buffers = BufferPool(budget.limit)
 
-    def job(work: Work) -> tuple[str, str, bool | None, list[torch.Tensor], torch.Tensor]:
-        raw, buffer = buffers.get(work.buffer_shape, work.tensor.source.dtype)
-        name, canonical, pieces = gather_and_split(work, buffer=buffer, **options)
-        for ref in work.tensor.source.refs:
+    def job(work: Work) -> tuple[list[Written], list[torch.Tensor]]:
+        held = [
+            buffers.get(shape, source.dtype)
+            for shape, source in zip(work.buffer_shapes, work.tensor.sources, strict=True)
+        ]
+        pieces_of = gather_and_split(work, buffers=[buffer for _, buffer in held], **options)
+        for ref in _refs(work):
             ref.evict()
-        digest, is_finite = sha256_of(canonical), all_finite_in_blocks(canonical) if finite is not None else None
-        if writer.concurrent:  # write here, every target rank's blocks in flight at once
-            with Batch():
-                writer.write_unordered(name, _exact(pieces, work.tensor.target_shapes))
-            pieces = []
-        return name, digest, is_finite, pieces, raw
+        written = []
+        for (name, canonical, pieces), target in zip(pieces_of, work.tensor.targets, strict=True):
+            digest = sha256_of(canonical)
+            is_finite = all_finite_in_blocks(canonical) if finite is not None else None
+            pieces = _exact(pieces, target.rank_shapes)
+            if writer.concurrent:  # write here, every target rank's blocks in flight at once
+                with Batch():
+                    writer.write_unordered(name, pieces)
+                pieces = []
+            written.append((name, digest, is_finite, pieces))
+        del pieces_of
+        return written, [raw for raw, _ in held]
 
     hashes: dict[str, str] = {}
     total = sum(t.nbytes for t in conversion.tensors)
@@ -176,14 +191,16 @@ def execute(
                     pending.append((work, pool.submit(job, work)))
                     read_ahead.started(work)
                 work, future = pending.popleft()
-                name, digest, is_finite, pieces, raw = future.result()
-                hashes[name] = digest
-                if finite is not None:
-                    finite[name] = is_finite
-                if not writer.concurrent:
-                    writer.write(name, _exact(pieces, work.tensor.target_shapes))
-                del pieces, future
-                buffers.put(raw)
+                written, raws = future.result()
+                for name, digest, is_finite, pieces in written:
+                    hashes[name] = digest
+                    if finite is not None:
+                        finite[name] = is_finite
+                    if not writer.concurrent:
+                        writer.write(name, pieces)
+                del written, pieces, future
+                for raw in raws:
+                    buffers.put(raw)
                 budget.give(work.cost)
                 bar.update(work.tensor.nbytes)
         except BaseException:

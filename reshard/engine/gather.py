@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from reshard.engine.planner import SourceTensor, TensorPlan
+from reshard.engine.planner import SourceTensor, TargetTensor, TensorPlan, identity_plan
 from reshard.errors import ReshardError
 from reshard.io.direct import Batch
 from reshard.layouts.base import TensorRef
@@ -67,38 +67,50 @@ def copy_plan(
 
 @dataclass(frozen=True)
 class Work:
-    """One tensor to move: its plan, the gathered buffer's shape, and the bytes it may hold at once."""
+    """One unit to move: its plan, the gather buffer of each source tensor, and the bytes it may hold at once."""
 
     tensor: TensorPlan
-    buffer_shape: Shape
+    buffer_shapes: tuple[Shape, ...]
     cost: int
 
 
 def plan_work(tensor: TensorPlan, *, target_tp: int) -> Work:
-    """The buffer for one tensor and an upper bound of the bytes held while it is prepared and written."""
-    source = tensor.source
+    """The buffers of one unit and an upper bound of the bytes held while it is prepared and written."""
+    if tensor.transform is None:
+        (source,), (target,) = tensor.sources, tensor.targets
+        shape, cost = _buffer(source, target.rank_shapes, target_tp)
+        return Work(tensor, (shape,), cost)
+    buffers = [_buffer(source, (), target_tp) for source in tensor.sources]
+    # the transform's outputs may be copies, and splitting a vocab or packed target copies again
+    cost = sum(c for _, c in buffers) + 2 * tensor.nbytes
+    return Work(tensor, tuple(shape for shape, _ in buffers), cost)
+
+
+def _buffer(source: SourceTensor, target_shapes: Sequence[Shape], target_tp: int) -> tuple[Shape, int]:
+    """The gather buffer of one source tensor (room for the target's pad rows when it is kept as it is) and
+    the bytes it costs."""
     partition = source.partition
     itemsize = source.dtype.itemsize
     shape = tuple(source.shape)
+    nbytes = math.prod(shape) * itemsize
     slice_bytes = max(ref.header.nbytes for ref in source.refs)
     if isinstance(partition, Replicate):
-        return Work(tensor, shape, 2 * tensor.nbytes if len(source.refs) > 1 else tensor.nbytes)
+        return shape, 2 * nbytes if len(source.refs) > 1 else nbytes
     dim = partition.dim % len(shape)
-    gathered = sum(ref.shape[dim] for ref in source.refs)
-    rows = gathered
-    if isinstance(partition, Vocab):
-        rows = max(gathered, sum(s[dim] for s in tensor.target_shapes))
+    rows = sum(ref.shape[dim] for ref in source.refs)
+    if isinstance(partition, Vocab) and target_shapes:
+        rows = max(rows, sum(s[dim] for s in target_shapes))
     buffer_shape = shape[:dim] + (max(rows, shape[dim]),) + shape[dim + 1 :]
     cost = math.prod(buffer_shape) * itemsize
     if math.prod(shape[:dim]) != 1:
         cost += slice_bytes  # packed parts, or short rows, go through one slice-sized temporary
     if target_tp > 1 and isinstance(partition, Packed):
-        cost += tensor.nbytes  # split() concatenates each target rank's parts
-    return Work(tensor, buffer_shape, cost)
+        cost += nbytes  # split() concatenates each target rank's parts
+    return buffer_shape, cost
 
 
 def gather_into(
-    work: Work,
+    source: SourceTensor,
     buffer: torch.Tensor,
     *,
     uneven: bool,
@@ -110,7 +122,6 @@ def gather_into(
     A replicated tensor that differs between ranks raises, unless ``allow_divergent``: then rank 0's
     copy is taken and, when ``divergent`` is given, the tensor's name is added to it.
     """
-    source = work.tensor.source
     refs: tuple[TensorRef, ...] = source.refs
     partition = source.partition
     if isinstance(partition, Replicate):
@@ -152,6 +163,9 @@ def gather_into(
     return buffer
 
 
+Piece = tuple[str, "torch.Tensor", list["torch.Tensor"]]
+
+
 def gather_and_split(
     work: Work,
     *,
@@ -159,43 +173,85 @@ def gather_and_split(
     uneven: bool,
     allow_divergent: bool,
     divergent: set[str] | None = None,
-    buffer: torch.Tensor | None = None,
-) -> tuple[str, torch.Tensor, list[torch.Tensor]]:
-    """Gather one tensor (into ``buffer`` of ``work.buffer_shape``, or a new one); return its name, the
-    canonical tensor and the target rank slices (views of the buffer, but for ``packed``)."""
+    buffers: Sequence[torch.Tensor] | None = None,
+) -> list[Piece]:
+    """Gather one unit's source tensors (into ``buffers`` of ``work.buffer_shapes``, or new ones) and return,
+    per target tensor, its name, the canonical tensor and its target rank slices.
+
+    A tensor kept as it is gives views of its buffer (but for ``packed`` targets); a mapped unit goes
+    through its transform first.
+    """
     tensor = work.tensor
-    source = tensor.source
-    if buffer is None:
-        buffer = torch.empty(work.buffer_shape, dtype=source.dtype)
+    if buffers is None:
+        buffers = [
+            torch.empty(shape, dtype=s.dtype) for shape, s in zip(work.buffer_shapes, tensor.sources, strict=True)
+        ]
+    with torch.inference_mode():
+        canonicals = [
+            _gathered(source, buffer, uneven=uneven, allow_divergent=allow_divergent, divergent=divergent)
+            for source, buffer in zip(tensor.sources, buffers, strict=True)
+        ]
+        if tensor.transform is None:
+            (source,), (buffer,), (target,) = tensor.sources, canonicals, tensor.targets
+            return [(target.name, *_kept(source, buffer, target, target_tp, uneven=uneven))]
+        outputs = tensor.transform.apply([c for c, _ in canonicals])
+        return [
+            (target.name, out, _split_target(out, target, target_tp, uneven=uneven))
+            for target, out in zip(tensor.targets, outputs, strict=True)
+        ]
+
+
+def _gathered(
+    source: SourceTensor, buffer: torch.Tensor, *, uneven: bool, allow_divergent: bool, divergent: set[str] | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(canonical view, whole buffer)`` of one source tensor gathered into ``buffer``."""
     try:
-        with torch.inference_mode():
-            buffer = gather_into(
-                work,
-                buffer,
-                uneven=uneven,
-                allow_divergent=allow_divergent,
-                divergent=divergent,
-            )
-            partition = source.partition
-            if isinstance(partition, Replicate):
-                return tensor.name, buffer, [buffer] * target_tp
-            dim = partition.dim % buffer.dim()
-            if not isinstance(partition, Vocab):
-                return tensor.name, buffer, split(buffer, partition, target_tp, uneven=uneven)
-            canonical = cut_pad_rows(buffer, dim, source.shape[dim])
-            sizes = [s[dim] for s in tensor.target_shapes]
-            target = sum(sizes)
-            if target > source.shape[dim]:
-                buffer.narrow(dim, source.shape[dim], target - source.shape[dim]).zero_()
-            return tensor.name, canonical, list(torch.split(buffer.narrow(dim, 0, target), sizes, dim=dim))
+        buffer = gather_into(source, buffer, uneven=uneven, allow_divergent=allow_divergent, divergent=divergent)
     except ReshardError as err:
         if err.path:
             raise
         raise type(err)(err.detail, path=source.refs[0].file, tensor=source.name, hint=err.hint) from err
+    partition = source.partition
+    if isinstance(partition, Vocab):
+        return cut_pad_rows(buffer, partition.dim % buffer.dim(), source.shape[partition.dim]), buffer
+    return buffer, buffer
+
+
+def _kept(
+    source: SourceTensor,
+    gathered: tuple[torch.Tensor, torch.Tensor],
+    target: TargetTensor,
+    target_tp: int,
+    *,
+    uneven: bool,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A tensor kept as it is: its target slices are views of the buffer (pad rows zeroed in place)."""
+    canonical, buffer = gathered
+    partition = source.partition
+    if isinstance(partition, Replicate):
+        return buffer, [buffer] * target_tp
+    if not isinstance(partition, Vocab):
+        return buffer, split(buffer, partition, target_tp, uneven=uneven)
+    dim = partition.dim % buffer.dim()
+    sizes = [s[dim] for s in target.rank_shapes]
+    rows = sum(sizes)
+    if rows > source.shape[dim]:
+        buffer.narrow(dim, source.shape[dim], rows - source.shape[dim]).zero_()
+    return canonical, list(torch.split(buffer.narrow(dim, 0, rows), sizes, dim=dim))
+
+
+def _split_target(tensor: torch.Tensor, target: TargetTensor, target_tp: int, *, uneven: bool) -> list[torch.Tensor]:
+    """A transform's output split for the target (a vocab padded to the rows its rank shapes add up to)."""
+    partition = target.partition
+    padded = sum(s[partition.dim] for s in target.rank_shapes) if isinstance(partition, Vocab) else None
+    return split(tensor, partition, target_tp, padded=padded, uneven=uneven)
 
 
 def gather_canonical(tensor: SourceTensor, *, uneven: bool, allow_divergent: bool = False) -> torch.Tensor:
     """Read one tensor's rank slices and join them into the canonical tensor, as a conversion does."""
-    work = plan_work(TensorPlan(tensor, (tensor.shape,)), target_tp=1)
-    _, canonical, _ = gather_and_split(work, target_tp=1, uneven=uneven, allow_divergent=allow_divergent)
+    plan = identity_plan(tensor)
+    plan = TensorPlan(plan.sources, (replace(plan.targets[0], rank_shapes=(tuple(tensor.shape),)),))
+    ((_, canonical, _),) = gather_and_split(
+        plan_work(plan, target_tp=1), target_tp=1, uneven=uneven, allow_divergent=allow_divergent
+    )
     return canonical

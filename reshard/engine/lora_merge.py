@@ -19,16 +19,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from reshard.dtypes import TensorHeader
 from reshard.errors import DivergentReplicaError, PlanError, ReshardError, ShapeMismatchError
 from reshard.layouts.base import SourceCheckpoint, TensorRef
-from reshard.layouts.readers import FileReader, TensorHeader
+from reshard.layouts.readers import FileReader
 from reshard.partition import Replicate
 from reshard.plans.lora import BASE, A, B, parse_lora_name
 
 if TYPE_CHECKING:
     import torch
 
-    from reshard.engine.planner import TensorPlan
+    from reshard.engine.planner import SourceTensor
 
 
 @dataclass
@@ -160,7 +161,7 @@ def _refs(rank: dict[str, TensorRef], names: list[str], base: TensorRef) -> list
     return [rank[n] for n in names]
 
 
-def check_lora_replicas(tensors: Sequence[TensorPlan]) -> None:
+def check_lora_replicas(tensors: Sequence[SourceTensor]) -> None:
     """Refuse LoRA A/B tensors that their rule replicates but that differ between ranks.
 
     Reads those (small) tensors once before anything is written, so the refusal leaves no output.
@@ -173,8 +174,8 @@ def check_lora_replicas(tensors: Sequence[TensorPlan]) -> None:
     problems: list[ReshardError] = []
     for tensor in tensors:
         lora = parse_lora_name(tensor.name)
-        refs = tensor.source.refs
-        if lora is None or lora.role == BASE or not isinstance(tensor.source.partition, Replicate) or len(refs) < 2:
+        refs = tensor.refs
+        if lora is None or lora.role == BASE or not isinstance(tensor.partition, Replicate) or len(refs) < 2:
             continue
         first = refs[0].read()
         for ref in refs[1:]:

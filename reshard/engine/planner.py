@@ -14,16 +14,18 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from reshard.config import ModelConfig
-from reshard.dtypes import safetensors_order
+from reshard.dtypes import TensorHeader, safetensors_order
 from reshard.errors import AmbiguousPartitionError, PlanError, ReshardError, ShapeMismatchError
 from reshard.layouts.base import SourceCheckpoint, TensorRef
-from reshard.layouts.readers import TensorHeader
-from reshard.partition import Packed, Partition, canonical_shape, rank_shapes
+from reshard.partition import Packed, Partition, Replicate, canonical_shape, rank_shapes
 from reshard.plans import Plan, infer_partition
 from reshard.vocab import VocabPlan, padded_size, source_padded_rows
 
 if TYPE_CHECKING:
     import torch
+
+    from reshard.mappings.base import MappedGroup
+    from reshard.mappings.transforms import Transform
 
 Shape = tuple[int, ...]
 # Reads the rank slices of one tensor and says whether they are bitwise equal (None: headers only).
@@ -55,19 +57,49 @@ class SourceTensor:
 
 
 @dataclass(frozen=True)
-class TensorPlan:
-    """A source tensor plus the per-rank shapes it will have at the target."""
+class TargetTensor:
+    """One tensor of the output: its name, canonical shape and dtype, its partition and per-rank shapes."""
 
-    source: SourceTensor
-    target_shapes: tuple[Shape, ...]
-
-    @property
-    def name(self) -> str:
-        return self.source.name
+    name: str
+    shape: Shape
+    code: str
+    partition: Partition
+    rank_shapes: tuple[Shape, ...] = ()
 
     @property
     def nbytes(self) -> int:
-        return TensorHeader(self.source.shape, self.source.code).nbytes
+        return TensorHeader(self.shape, self.code).nbytes
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One unit of work: source tensors gathered together, turned into target tensors, split for the target.
+
+    Without a ``transform`` it is one source tensor written as one target tensor of the same name (a
+    re-slice); with one (a mapping between namings), the gathered sources go through it first.
+    """
+
+    sources: tuple[SourceTensor, ...]
+    targets: tuple[TargetTensor, ...]
+    transform: Transform | None = None
+
+    @property
+    def name(self) -> str:
+        return self.targets[0].name
+
+    @property
+    def code(self) -> str:
+        return self.targets[0].code
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the canonical target tensors."""
+        return sum(t.nbytes for t in self.targets)
+
+
+def identity_plan(source: SourceTensor) -> TensorPlan:
+    """A source tensor kept under its name and partition (rank shapes are filled by :func:`plan_conversion`)."""
+    return TensorPlan((source,), (TargetTensor(source.name, source.shape, source.code, source.partition),))
 
 
 @dataclass(frozen=True)
@@ -169,6 +201,43 @@ def _bytes_check(refs: tuple[TensorRef, ...], replicas_equal: ReplicaCheck | Non
     return check
 
 
+def mapped_plans(
+    tensors: Sequence[SourceTensor],
+    groups: Sequence[MappedGroup],
+    target_plan: Plan,
+    target_config: ModelConfig | None,
+    *,
+    target_tp: int,
+) -> tuple[list[TensorPlan], list[ReshardError]]:
+    """The units of work of a mapping: each group's source tensors, transform, and target tensors with the
+    partitions the target's plan gives them (at tp 1 a tensor the target plan does not name stays whole)."""
+    by_name = {t.name: t for t in tensors}
+    plans, problems = [], []
+    for group in groups:
+        sources = tuple(by_name[name] for name in group.sources)
+        if len({s.code for s in sources}) > 1:
+            problems.append(
+                ShapeMismatchError(
+                    f"{', '.join(group.sources)} have different dtypes and cannot be fused", tensor=group.targets[0]
+                )
+            )
+            continue
+        targets = []
+        for name, shape in zip(group.targets, group.shapes, strict=True):
+            rule = target_plan.match(name)
+            try:
+                if rule is None and target_tp > 1:
+                    raise AmbiguousPartitionError(f"the {target_plan.name} plan has no rule for it")
+                partition = Replicate() if rule is None else rule.resolve(target_config)
+            except AmbiguousPartitionError as err:
+                problems.append(AmbiguousPartitionError(err.detail, tensor=name, hint="add a rule with --plan FILE"))
+                continue
+            targets.append(TargetTensor(name, shape, sources[0].code, partition))
+        if len(targets) == len(group.targets):
+            plans.append(TensorPlan(sources, tuple(targets), group.transform))
+    return plans, problems
+
+
 def plan_conversion(
     source: SourceCheckpoint,
     tensors: Sequence[SourceTensor],
@@ -177,9 +246,15 @@ def plan_conversion(
     target_tp: int,
     pad_multiple: int | None = None,
     uneven: bool = False,
+    groups: Sequence[TensorPlan] | None = None,
+    problems: Sequence[ReshardError] = (),
 ) -> ConversionPlan:
-    """Plan every tensor for ``target_tp`` ranks; all problems are raised together as a :class:`PlanError`."""
-    problems = [t.problem for t in tensors if t.problem]
+    """Plan every target tensor for ``target_tp`` ranks; all problems are raised together as a :class:`PlanError`.
+
+    ``groups`` are the units of work when a mapping renames or fuses tensors (default: every source
+    tensor kept as it is); ``problems`` found before (by the mapping) are raised with the rest.
+    """
+    problems = [*problems, *(t.problem for t in tensors if t.problem)]
     source_padded = source_padded_rows(tensors)
     multiple = pad_multiple or target_tp
     target_padded = None
@@ -198,27 +273,34 @@ def plan_conversion(
         target_padded=target_padded,
         pad_multiple=None if uneven or source_padded is None else multiple,
     )
+    if groups is None:
+        groups = [identity_plan(t) for t in tensors if not t.problem]
     planned = []
-    for tensor in tensors:
-        if tensor.problem:
+    for group in groups:
+        if any(s.problem for s in group.sources):
             continue
-        try:
-            shapes = rank_shapes(tensor.partition, tensor.shape, target_tp, padded=target_padded, uneven=uneven)
-        except ShapeMismatchError as err:
-            problems.append(
-                ShapeMismatchError(
-                    f"{tensor.partition.describe()} of {list(tensor.shape)} cannot be split {target_tp} ways: "
-                    f"{err.detail}",
-                    path=tensor.refs[0].file,
-                    tensor=tensor.name,
-                    hint="choose a tp that divides it" + ("" if _whole_blocks(tensor.partition) else ", or --uneven"),
+        targets = []
+        for target in group.targets:
+            try:
+                shapes = rank_shapes(target.partition, target.shape, target_tp, padded=target_padded, uneven=uneven)
+            except ShapeMismatchError as err:
+                problems.append(
+                    ShapeMismatchError(
+                        f"{target.partition.describe()} of {list(target.shape)} cannot be split {target_tp} ways: "
+                        f"{err.detail}",
+                        path=group.sources[0].refs[0].file,
+                        tensor=target.name,
+                        hint="choose a tp that divides it"
+                        + ("" if _whole_blocks(target.partition) else ", or --uneven"),
+                    )
                 )
-            )
-            continue
-        planned.append(TensorPlan(tensor, tuple(shapes)))
+                continue
+            targets.append(replace(target, rank_shapes=tuple(shapes)))
+        if len(targets) == len(group.targets):
+            planned.append(replace(group, targets=tuple(targets)))
     if problems:
         raise PlanError(problems)
-    planned.sort(key=lambda t: safetensors_order(t.name, t.source.code))
+    planned.sort(key=lambda t: safetensors_order(t.name, t.code))
     return ConversionPlan(source, target_tp, tuple(planned), vocab, uneven)
 
 

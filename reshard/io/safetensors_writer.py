@@ -25,7 +25,7 @@ from reshard.io.vectored import row_views
 if TYPE_CHECKING:
     import torch
 
-    from reshard.layouts.readers import TensorHeader
+    from reshard.dtypes import TensorHeader
 
 FORMAT_METADATA = {"format": "pt"}
 # A non-contiguous tensor (a column block of a row-parallel weight) is written through contiguous

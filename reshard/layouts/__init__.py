@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from reshard.errors import ReshardError
-from reshard.layouts import hf, hf_ranks, loose, megatron, sat
+from reshard.layouts import dcp, hf, hf_ranks, loose, megatron, sat
 from reshard.layouts.base import CheckpointWriter, SourceCheckpoint, TargetSpec, TensorRef
 from reshard.options import Layout, ReadOptions
 
@@ -30,6 +30,8 @@ def discover(path: Path, options: ReadOptions | None = None) -> SourceCheckpoint
         raise ReshardError("no such file or folder", path=path)
     if path.is_file():
         return hf.discover(path, options)
+    if dcp.detect(path):
+        return dcp.discover(path, options)
     if megatron.detect(path):
         return megatron.discover(path, options)
     if sat.detect(path):
@@ -41,8 +43,8 @@ def discover(path: Path, options: ReadOptions | None = None) -> SourceCheckpoint
     if hf.is_hf_folder(path):
         return hf.discover(path, options)
     raise ReshardError(
-        "no checkpoint found (looked for Megatron iter_*/mp_rank_*, SAT mp_rank_XX_model_states.pt, rank_NN/ "
-        "folders, *rank{r}* files, model.safetensors, "
+        "no checkpoint found (looked for DCP .metadata, Megatron iter_*/mp_rank_*, SAT mp_rank_XX_model_states.pt, "
+        "rank_NN/ folders, *rank{r}* files, model.safetensors, "
         "pytorch_model.bin, *.safetensors)",
         path=path,
     )

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from reshard.config import ModelConfig
-from reshard.layouts.readers import FileReader, TensorHeader
+from reshard.dtypes import TensorHeader
+from reshard.layouts.readers import FileReader
 from reshard.options import Layout
 
 if TYPE_CHECKING:
@@ -141,6 +142,7 @@ class TargetSpec:
         padded_vocab_size: the vocab size the vocab tensors are padded to at the target tp.
         max_shard_size: for safetensors outputs, the largest file before a new shard starts.
         source: the checkpoint being converted (layout writers read its ``meta``, ``extras``, ``top_level``).
+        meta: facts the plan decided for the writer (``args`` of a Megatron target whose source has none).
     """
 
     tp: int
@@ -150,6 +152,7 @@ class TargetSpec:
     padded_vocab_size: int | None
     max_shard_size: int | str
     source: SourceCheckpoint
+    meta: dict[str, Any] = field(default_factory=dict)
 
 
 class CheckpointWriter:
@@ -164,7 +167,7 @@ class CheckpointWriter:
         self.spec = spec
 
     @classmethod
-    def pad_multiple(cls, tp: int, source: SourceCheckpoint) -> int | None:
+    def pad_multiple(cls, tp: int, source: SourceCheckpoint, meta: dict[str, Any]) -> int | None:
         """The multiple the vocab is padded to for ``tp`` ranks when the user does not say (None: tp)."""
         return None
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from safetensors import SafetensorError, safe_open
 
-from reshard.dtypes import code_of, dtype_from_code, is_code, itemsize_of
+from reshard.dtypes import TensorHeader, is_code
 from reshard.errors import CorruptFileError, UnsafePickleError
 from reshard.io.direct import Batch, DirectSource
 from reshard.io.vectored import file_mappings, release_mapped, row_views
@@ -38,33 +38,6 @@ SAFETENSORS_MAX_HEADER = 100_000_000
 STATE_DICT_KEYS = ("state_dict", "module", "model")
 # Types that frameworks pickle next to the weights and that are safe to rebuild (layouts add their own).
 SAFE_GLOBALS: tuple[Any, ...] = (io.BytesIO,)
-
-
-@dataclass(frozen=True)
-class TensorHeader:
-    """What a file says about one tensor before any of its bytes are read.
-
-    The dtype is kept as its safetensors code (``"BF16"``) so that headers are read without torch.
-    """
-
-    shape: Shape
-    code: str
-
-    @classmethod
-    def of(cls, shape: Sequence[int], dtype: torch.dtype) -> TensorHeader:
-        """The header of a tensor of ``shape`` and torch ``dtype``."""
-        return cls(tuple(shape), code_of(dtype))
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return dtype_from_code(self.code)
-
-    @property
-    def nbytes(self) -> int:
-        numel = 1
-        for size in self.shape:
-            numel *= size
-        return numel * itemsize_of(self.code)
 
 
 class FileReader:

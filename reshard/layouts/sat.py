@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from reshard.config import ModelConfig, load_config
 from reshard.errors import CorruptFileError, MissingRankError, ReshardError
@@ -24,9 +24,6 @@ from reshard.layouts.loose import OPTIMIZER
 from reshard.layouts.readers import TorchReader
 from reshard.layouts.torch_ranks import TorchRanksWriter
 from reshard.options import Layout, ReadOptions
-
-if TYPE_CHECKING:
-    import torch
 
 LATEST = "latest"
 MODEL_CONFIG = "model_config.json"
@@ -155,13 +152,13 @@ class SatWriter(TorchRanksWriter):
     ``model_config.json`` with ``model_parallel_size`` set to the target tp."""
 
     def __init__(self, out_dir: Path, spec: TargetSpec) -> None:
-        super().__init__(out_dir, spec)
         source = spec.source
         self.iteration = str(source.meta.get("iteration", DEFAULT_ITERATION)) if source.layout == Layout.SAT else "1"
         first = source.top_level[0] if source.top_level else {}
         self._top = {k: first[k] for k in KEPT_TOP_LEVEL if k in first}
+        super().__init__(out_dir, spec)  # lays out every rank file (rank_file needs the above)
 
-    def rank_file(self, rank: int, state_dict: dict[str, torch.Tensor]) -> tuple[Path, Any]:
+    def rank_file(self, rank: int, state_dict: dict[str, Any]) -> tuple[Path, Any]:
         return Path(self.iteration) / rank_file_name(rank), {"module": state_dict, **self._top}
 
     def finish(self) -> list[Path]:

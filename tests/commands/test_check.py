@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
+from fixtures.checks import check_in_a_fresh_interpreter
 from fixtures.models import tiny_qwen3_5
 
 # transformers 5.12's Qwen3.5 plan (transformers#46846): attention and MLP only, no linear_attn.
@@ -177,16 +176,5 @@ def test_checking_safetensors_headers_never_imports_torch(cli, qwen35, tmp_path)
     """``reshard check`` on safetensors answers without importing torch (its import alone takes ~1.5 s,
     longer than the whole check of a 9B model's headers): the command runs in a fresh interpreter."""
     assert cli("convert", qwen35, "--tp", 2, "-o", tmp_path / "tp2", "-q").exit_code == 0
-    probe = (
-        "import sys\n"
-        "from reshard.cli import main\n"
-        "try:\n"
-        f"    main(['check', {str(tmp_path / 'tp2')!r}, '--tp', '4', '--json'])\n"
-        "except SystemExit as done:\n"
-        "    assert done.code == 0, done.code\n"
-        "print('torch' in sys.modules)\n"
-    )
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    report, imported_torch = done.stdout.rsplit("\n", 2)[:2]
-    assert json.loads(report)["ok"]
-    assert imported_torch == "False"
+    report, imported_torch = check_in_a_fresh_interpreter(tmp_path / "tp2", 4)
+    assert report["ok"] and not imported_torch

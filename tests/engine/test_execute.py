@@ -69,7 +69,8 @@ def test_bytes_in_flight_stay_within_the_budget(tmp_path: Path, monkeypatch: pyt
             live[0] -= nbytes
 
     def tracking(work: engine_gather.Work, **options: object):
-        name, canonical, pieces = prepare(work, **options)
+        results = prepare(work, **options)
+        pieces = [p for _, _, slices in results for p in slices]
         storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in pieces}
         with lock:
             live[0] += sum(storages.values())
@@ -83,7 +84,8 @@ def test_bytes_in_flight_stay_within_the_budget(tmp_path: Path, monkeypatch: pyt
 
         for piece in {id(p): p for p in pieces}.values():
             weakref.finalize(piece, one_gone)
-        return name, canonical, pieces
+        del pieces
+        return results
 
     prepare = engine_gather.gather_and_split
     monkeypatch.setattr(stream, "Budget", Recording)

@@ -12,13 +12,19 @@ from safetensors.torch import save_file
 
 from reshard.engine import gather as engine_gather
 from reshard.engine.digest import sha256_of
-from reshard.engine.planner import SourceTensor, TensorPlan
+from reshard.engine.planner import SourceTensor, TargetTensor, TensorPlan
 from reshard.errors import DivergentReplicaError
 from reshard.io.safetensors_writer import tensor_bytes
 from reshard.layouts.base import TensorRef
 from reshard.layouts.readers import SafetensorsReader, TorchReader
 from reshard.partition import Packed, Replicate, Shard, Vocab, rank_shapes
 from reshard.slicing import gather, split
+
+
+def one_tensor(source: SourceTensor, rank_shapes: tuple) -> TensorPlan:
+    """The plan of one tensor kept under its name and partition, with the given target rank shapes."""
+    target = TargetTensor(source.name, source.shape, source.code, source.partition, tuple(rank_shapes))
+    return TensorPlan((source,), (target,))
 
 
 def _refs(tmp_path: Path, slices: list[torch.Tensor], fmt: str) -> tuple[TensorRef, ...]:
@@ -74,10 +80,10 @@ def test_prepare_matches_gather_then_split(tmp_path: Path, case: str, fmt: str) 
     refs = _refs(tmp_path, slices, fmt)
     target_padded = -(-vocab // target_tp) * target_tp if vocab else None
     targets = tuple(rank_shapes(partition, full.shape, target_tp, padded=target_padded, uneven=uneven))
-    plan = TensorPlan(SourceTensor("w", refs, partition, "test", tuple(full.shape)), targets)
+    plan = one_tensor(SourceTensor("w", refs, partition, "test", tuple(full.shape)), targets)
 
     work = engine_gather.plan_work(plan, target_tp=target_tp)
-    name, canonical, pieces = engine_gather.gather_and_split(
+    ((name, canonical, pieces),) = engine_gather.gather_and_split(
         work, target_tp=target_tp, uneven=uneven, allow_divergent=False
     )
 
@@ -96,9 +102,9 @@ def test_divergent_replica_names_the_rank_and_file(tmp_path: Path) -> None:
     other = same.clone()
     other[1, 2] += 0.5
     refs = _refs(tmp_path, [same, same, other], "safetensors")
-    plan = TensorPlan(SourceTensor("w", refs, Replicate(), "test", (4, 3)), ((4, 3),))
+    plan = one_tensor(SourceTensor("w", refs, Replicate(), "test", (4, 3)), ((4, 3),))
     work = engine_gather.plan_work(plan, target_tp=1)
     with pytest.raises(DivergentReplicaError, match=r"rank0\.safetensors.*w.*between rank 0 and rank 2.*0\.5"):
         engine_gather.gather_and_split(work, target_tp=1, uneven=False, allow_divergent=False)
-    _, canonical, _ = engine_gather.gather_and_split(work, target_tp=1, uneven=False, allow_divergent=True)
+    ((_, canonical, _),) = engine_gather.gather_and_split(work, target_tp=1, uneven=False, allow_divergent=True)
     assert torch.equal(canonical, same)

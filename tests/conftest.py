@@ -1,4 +1,9 @@
-"""Shared fixtures: an offline, quiet environment and a CLI runner."""
+"""Shared fixtures: an offline, quiet environment and a CLI runner.
+
+pytest puts ``tests/`` (this file's folder, which has no ``__init__.py``) on ``sys.path``, so every test module
+imports the checkpoint builders of ``tests/fixtures/`` as ``fixtures``. The test folders have no ``__init__.py``
+either: test module basenames are unique across them.
+"""
 
 from __future__ import annotations
 

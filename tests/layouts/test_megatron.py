@@ -1,49 +1,52 @@
-"""Megatron-LM checkpoints at TP=8 (mcore names, GQA 8 heads / 2 groups, SwiGLU, padded vocab, args
-Namespace, ``_extra_state``) converted to TP=4/2/1 and back, checked tensor by tensor against slices
-computed independently in ``megatron_fixtures``."""
+"""``reshard.layouts.megatron``: Megatron-LM checkpoints at TP=8 (mcore names, GQA 8 heads / 2 groups, SwiGLU,
+padded vocab, args Namespace, ``_extra_state``) converted to TP=4/2/1 and back, checked tensor by tensor against
+slices computed independently in ``fixtures.megatron``."""
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from megatron_fixtures import (
+from fixtures import SAMPLES, load_script
+from fixtures.megatron import (
     ITERATION,
     LEGACY,
     MCORE,
     PAD_FILL,
-    F,
-    FullModel,
-    H,
+    TINY,
     ModelType,
     NotAllowed,
-    V,
-    extra_states,
     fake_megatron_enums,
-    make_args,
-    padded_vocab,
-    qkv_rank,
+    full_model,
+    megatron_args,
+    megatron_qkv,
     rank_state,
+    te_extra_state,
     write_megatron,
 )
 from safetensors.torch import load_file
 
+from reshard.layouts.base import SourceCheckpoint
 from reshard.layouts.megatron import MegatronFile
+from reshard.layouts.megatron_writer import MegatronWriter
+
+V = TINY.vocab
+Full = dict[str, torch.Tensor]
 
 
 @pytest.fixture(scope="module")
-def full() -> FullModel:
-    return FullModel.build()
+def full() -> Full:
+    return full_model(TINY)
 
 
 @pytest.fixture(scope="module")
-def tp8(tmp_path_factory: pytest.TempPathFactory, full: FullModel) -> Path:
+def tp8(tmp_path_factory: pytest.TempPathFactory, full: Full) -> Path:
     return write_megatron(tmp_path_factory.mktemp("megatron") / "tp8", full, 8)
 
 
@@ -80,7 +83,7 @@ def flat_model(obj: dict) -> dict:
     return out
 
 
-def check_ranks(root: Path, full: FullModel, tp: int, *, via: int | None = None, fill: float = 0.0) -> None:
+def check_ranks(root: Path, full: Full, tp: int, *, via: int | None = None, fill: float = 0.0) -> None:
     """Every rank file at ``tp``: tensors, extra state, args, version, iteration.
 
     ``_extra_state`` of target rank r comes from the source rank whose rows it starts with
@@ -95,18 +98,19 @@ def check_ranks(root: Path, full: FullModel, tp: int, *, via: int | None = None,
         assert obj["checkpoint_version"] == 3.0 and obj["iteration"] == ITERATION
         args = obj["args"]
         assert args.tensor_model_parallel_size == tp
-        assert args.padded_vocab_size == padded_vocab(tp)
+        assert args.padded_vocab_size == TINY.padded_vocab(tp)
         assert args.model_type is ModelType.encoder_or_decoder
         assert args.num_query_groups == 2 and args.swiglu is True
         model = flat_model(obj)
-        expected = rank_state(full, tp, r, MCORE, fill=fill)
+        expected = rank_state(full, TINY, tp, r, pad_fill=fill)
         tensors = {k: v for k, v in model.items() if not k.endswith("_extra_state")}
         assert list(tensors) == list(expected), "names and their order are kept"
         for name, want in expected.items():
             assert tensors[name].dtype == want.dtype and torch.equal(tensors[name], want), (tp, r, name)
         extras = {k: v for k, v in model.items() if k.endswith("_extra_state")}
         origin = r * 8 // tp if via is None else (r * via // tp) * 8 // via
-        source_extras = extra_states(8, origin)
+        source = rank_state(full, TINY, 8, origin, extra_state=te_extra_state)
+        source_extras = {k: v for k, v in source.items() if k.endswith("_extra_state")}
         assert list(extras) == list(source_extras)
         for name, want in source_extras.items():
             got = extras[name]
@@ -117,13 +121,13 @@ def check_ranks(root: Path, full: FullModel, tp: int, *, via: int | None = None,
 
 
 @pytest.mark.parametrize("tp", [4, 2, 1])
-def test_tp8_to_smaller_tp_and_back(cli, tp8: Path, full: FullModel, tmp_path: Path, tp: int) -> None:
+def test_tp8_to_smaller_tp_and_back(cli, tp8: Path, full: Full, tmp_path: Path, tp: int) -> None:
     down = tmp_path / f"tp{tp}"
     result = cli("convert", tp8, "-o", down, "--tp", tp, "--vocab", V)
     assert result.exit_code == 0, result.output
     check_ranks(down, full, tp)
     manifest = json.loads((down / "reshard.json").read_text())
-    assert manifest["vocab"]["original"] == V and manifest["vocab"]["padded"] == padded_vocab(tp)
+    assert manifest["vocab"]["original"] == V and manifest["vocab"]["padded"] == TINY.padded_vocab(tp)
     assert manifest["tensors"]["decoder.layers.0.self_attention.linear_qkv.weight"]["partition"] == {
         "kind": "grouped",
         "dim": 0,
@@ -149,7 +153,7 @@ def test_tp8_to_smaller_tp_and_back(cli, tp8: Path, full: FullModel, tmp_path: P
 
 
 def test_without_true_vocab_the_padded_table_is_kept_at_the_same_tp(
-    cli, tp8: Path, full: FullModel, tmp_path: Path
+    cli, tp8: Path, full: Full, tmp_path: Path
 ) -> None:
     """At the tp it was padded for, Megatron pads the same way again: the table is kept, pad rows included."""
     out = tmp_path / "tp8"
@@ -174,14 +178,14 @@ def test_iteration_folder_and_inspect(cli, tp8: Path) -> None:
     assert any("optimizer, rng_state" in n for n in report["notes"])
 
 
-def test_to_hf_with_megatron_names_at_tp1_and_hf_ranks(cli, tp8: Path, full: FullModel, tmp_path: Path) -> None:
+def test_to_hf_with_megatron_names_at_tp1_and_hf_ranks(cli, tp8: Path, full: Full, tmp_path: Path) -> None:
     hf = tmp_path / "hf"
     result = cli("convert", tp8, "-o", hf, "--tp", 1, "--layout", "hf", "--vocab", V, "--keep-names")
     assert result.exit_code == 0, result.output
     tensors = load_file(hf / "model.safetensors")
-    t = full.t
+    t = full
     assert torch.equal(tensors[MCORE["emb"]], t["emb"])  # unpadded to the true vocab
-    qkv = qkv_rank(t["0.q"], t["0.k"], t["0.v"], 1, 0)  # groups interleaved: [q_g0; k_0; v_0; q_g1; k_1; v_1]
+    qkv = megatron_qkv(t["0.q"], t["0.k"], t["0.v"], TINY.groups)  # groups interleaved: [q_g0; k_0; v_0; q_g1; ...]
     assert torch.equal(tensors["decoder.layers.0.self_attention.linear_qkv.weight"], qkv)
     assert torch.equal(tensors["decoder.layers.1.mlp.linear_fc1.weight"], torch.cat([t["1.gate"], t["1.up"]]))
     config = json.loads((hf / "config.json").read_text())
@@ -192,7 +196,7 @@ def test_to_hf_with_megatron_names_at_tp1_and_hf_ranks(cli, tp8: Path, full: Ful
     assert result.exit_code == 0, result.output
     for r in range(2):
         got = load_file(ranks / f"rank_{r:02d}" / "model.safetensors")
-        for name, want in rank_state(full, 2, r, MCORE, fill=0.0).items():
+        for name, want in rank_state(full, TINY, 2, r, pad_fill=0.0).items():
             if name in (MCORE["emb"], MCORE["out"]):  # hf-ranks pads to a multiple of tp only: 50 = 2 x 25
                 want = (t["emb"] if name == MCORE["emb"] else t["out"]).chunk(2)[r]
             assert torch.equal(got[name], want), name
@@ -203,14 +207,14 @@ def test_to_hf_with_megatron_names_at_tp1_and_hf_ranks(cli, tp8: Path, full: Ful
     assert "the megatron layout needs Megatron args" in result.output and not refused.exists()
 
 
-def test_to_transformers_names(cli, tp8: Path, full: FullModel, tmp_path: Path) -> None:
+def test_to_transformers_names(cli, tp8: Path, full: Full, tmp_path: Path) -> None:
     """The fused QKV is split per query group and fc1 into gate and up: each transformers tensor is the
     canonical part the Megatron ranks were cut from; the config states the family and the true vocab."""
     hf = tmp_path / "hf"
     result = cli("convert", tp8, "-o", hf, "--tp", 1, "--layout", "hf", "--vocab", V, "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["mapping"]["to"] == "llama"
-    tensors, t = load_file(hf / "model.safetensors"), full.t
+    tensors, t = load_file(hf / "model.safetensors"), full
     assert torch.equal(tensors["model.embed_tokens.weight"], t["emb"])
     assert torch.equal(tensors["lm_head.weight"], t["out"])
     for i in range(2):
@@ -241,7 +245,7 @@ def test_to_transformers_names(cli, tp8: Path, full: FullModel, tmp_path: Path) 
     assert all(d["kind"] == "reshaped" for d in differences)
 
 
-def test_legacy_names_and_nesting(cli, full: FullModel, tmp_path: Path) -> None:
+def test_legacy_names_and_nesting(cli, full: Full, tmp_path: Path) -> None:
     src = write_megatron(tmp_path / "legacy", full, 2, legacy=True)
     one, back = tmp_path / "one", tmp_path / "back"
     assert cli("convert", src, "-o", one, "--tp", 1, "--vocab", V).exit_code == 0
@@ -249,27 +253,27 @@ def test_legacy_names_and_nesting(cli, full: FullModel, tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     model = load_rank(one, 0)["model"]
     encoder = model["language_model"]["encoder"]
-    t = full.t
+    t = full
     assert torch.equal(encoder["layers.0.mlp.dense_h_to_4h.weight"], torch.cat([t["0.gate"], t["0.up"]]))
     table = model["language_model"]["embedding"]["word_embeddings"]["weight"]
-    assert table.shape[0] == padded_vocab(1) == 52
+    assert table.shape[0] == TINY.padded_vocab(1) == 52
     assert torch.equal(table[:V], t["emb"]) and not table[V:].any()
     for r in range(2):
         original, got = load_rank(src, r)["model"], load_rank(back, r)["model"]
         assert original.keys() == got.keys() and original["language_model"].keys() == got["language_model"].keys()
-        expected = rank_state(full, 2, r, LEGACY, fill=0.0)
+        expected = rank_state(full, TINY, 2, r, names=LEGACY, pad_fill=0.0)
         flat = flat_model({"model": got})
         assert list(flat) == list(expected)
         for name, want in expected.items():
             assert torch.equal(flat[name], want), name
 
 
-def test_pickled_object_outside_allow_list(cli, full: FullModel, tmp_path: Path) -> None:
-    src = write_megatron(tmp_path / "unsafe", full, 2, args=make_args(2, custom=NotAllowed()))
+def test_pickled_object_outside_allow_list(cli, full: Full, tmp_path: Path) -> None:
+    src = write_megatron(tmp_path / "unsafe", full, 2, args=megatron_args(TINY, 2, custom=NotAllowed()))
     out = tmp_path / "out"
     result = cli("convert", src, "-o", out, "--tp", 1)
     assert result.exit_code == 2
-    assert "megatron_fixtures.NotAllowed" in result.output and "--trust-pickle" in result.output
+    assert "fixtures.megatron.NotAllowed" in result.output and "--trust-pickle" in result.output
     assert "mp_rank_0" in result.output and "model_optim_rng.pt" in result.output
     assert "Traceback" not in result.output and not out.exists()
     result = cli("convert", src, "-o", out, "--tp", 1, "--trust-pickle", "--vocab", V)
@@ -288,7 +292,7 @@ def test_safe_loading_reads_args_without_megatron(tp8: Path) -> None:
 
 
 @pytest.mark.parametrize("legacy", [False, True], ids=["mcore", "legacy"])
-def test_pipeline_stages_merge_into_global_layers(cli, full: FullModel, tmp_path: Path, legacy: bool) -> None:
+def test_pipeline_stages_merge_into_global_layers(cli, full: Full, tmp_path: Path, legacy: bool) -> None:
     """Stage-local layer numbers become global ones: the pp=2 checkpoint is the same model as the pp=1 one."""
     names = LEGACY if legacy else MCORE
     staged, flat = write_megatron(tmp_path / "pp2", full, 2, stages=2, legacy=legacy), tmp_path / "pp1"
@@ -314,7 +318,7 @@ def _load(path: Path) -> dict:
     return load_torch_file(path, trust_pickle=False, notes=[], allowed=SAFE_GLOBALS)
 
 
-def test_writing_pipeline_stages(cli, tp8: Path, full: FullModel, tmp_path: Path) -> None:
+def test_writing_pipeline_stages(cli, tp8: Path, full: Full, tmp_path: Path) -> None:
     """--pp 2 writes Megatron's stage folders with stage-local layer numbers; reading them back merges
     them into the same model."""
     out = tmp_path / "pp2"
@@ -361,27 +365,18 @@ def test_missing_rank_and_infeasible_tp(cli, tp8: Path, tmp_path: Path) -> None:
     assert "linear_qkv.weight" in result.output and "holds 2 groups: tp=3" in result.output
 
 
-def test_sample_checkpoint_is_what_its_generator_writes(cli, tmp_path: Path) -> None:
-    sample = Path(__file__).resolve().parents[2] / "sample_ckpts"
-    spec = importlib.util.spec_from_file_location("make_megatron_sample", sample / "make_megatron_sample.py")
-    generator = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(generator)
-    generator.main(tmp_path / "regenerated")
-    committed = sorted(p.relative_to(sample / "tiny-megatron-tp8") for p in (sample / "tiny-megatron-tp8").rglob("*"))
-    assert committed == sorted(p.relative_to(tmp_path / "regenerated") for p in (tmp_path / "regenerated").rglob("*"))
-    for rel in committed:
-        if (sample / "tiny-megatron-tp8" / rel).is_file():
-            assert (sample / "tiny-megatron-tp8" / rel).read_bytes() == (tmp_path / "regenerated" / rel).read_bytes()
+def test_the_sample_converts_to_tp4(cli, tmp_path: Path) -> None:
+    """sample_ckpts/tiny-megatron-tp8 (its regeneration is checked in test_samples.py): fc1 re-paired at tp 4."""
     out = tmp_path / "tp4"
-    result = cli("convert", sample / "tiny-megatron-tp8", "--tp", 4, "-o", out, "--vocab", 500)
+    result = cli("convert", SAMPLES / "tiny-megatron-tp8", "--tp", 4, "-o", out, "--vocab", 500)
     assert result.exit_code == 0, result.output
-    model, r = generator.full_model(), 1
+    model, r = load_script(SAMPLES / "make_megatron_sample.py").model(), 1
     rank_file = out / "iter_0000100" / f"mp_rank_{r:02d}" / "model_optim_rng.pt"
     fc1 = torch.load(rank_file, weights_only=False)["model"]["decoder.layers.0.mlp.linear_fc1.weight"]
     assert torch.equal(fc1, torch.cat([model["0.gate"].chunk(4)[r], model["0.up"].chunk(4)[r]]))
 
 
-def test_release_folder_and_bad_tracker(cli, full: FullModel, tmp_path: Path) -> None:
+def test_release_folder_and_bad_tracker(cli, full: Full, tmp_path: Path) -> None:
     src = write_megatron(tmp_path / "rel", full, 2, model_type=False)
     (src / f"iter_{ITERATION:07d}").rename(src / "release")
     (src / "latest_checkpointed_iteration.txt").write_text("release\n")
@@ -396,12 +391,12 @@ def test_release_folder_and_bad_tracker(cli, full: FullModel, tmp_path: Path) ->
     )
 
 
-def test_virtual_pipeline_chunks_merge_into_global_layers(cli, full: FullModel, tmp_path: Path) -> None:
+def test_virtual_pipeline_chunks_merge_into_global_layers(cli, full: Full, tmp_path: Path) -> None:
     """Each virtual chunk (model0, model1) numbers its layers from 0; chunk 1 of the one stage holds layer 1."""
     root, flat = tmp_path / "vpp", tmp_path / "flat"
     write_megatron(flat, full, 2)
     for r in range(2):
-        state = rank_state(full, 2, r, MCORE)
+        state = rank_state(full, TINY, 2, r)
         chunks = {
             f"model{i}": {
                 k.replace(".layers.1.", ".layers.0."): v for k, v in state.items() if (".layers.1." in k) == bool(i)
@@ -411,7 +406,7 @@ def test_virtual_pipeline_chunks_merge_into_global_layers(cli, full: FullModel, 
         folder = root / f"iter_{ITERATION:07d}" / f"mp_rank_{r:02d}"
         folder.mkdir(parents=True)
         torch.save(
-            {"args": make_args(2), "checkpoint_version": 3.0, "iteration": ITERATION, **chunks},
+            {"args": megatron_args(TINY, 2), "checkpoint_version": 3.0, "iteration": ITERATION, **chunks},
             folder / "model_optim_rng.pt",
         )
     (root / "latest_checkpointed_iteration.txt").write_text(f"{ITERATION}\n")
@@ -433,9 +428,12 @@ def test_expert_parallel_ranks_merge_into_global_experts(cli, tmp_path: Path) ->
     """Expert-parallel rank e holds local_experts 0..n-1 of the global experts e*n..; the other tensors are the
     same on every expert rank and are read once."""
     root = tmp_path / "ep"
-    args = make_args(1, num_experts=4, expert_model_parallel_size=2)
-    router = torch.arange(4 * H, dtype=torch.float32).reshape(4, H)
-    experts = {e: torch.arange(2 * F * H, dtype=torch.float32).reshape(2 * F, H) + 1000 * e for e in range(4)}
+    args = megatron_args(TINY, 1, num_experts=4, expert_model_parallel_size=2)
+    router = torch.arange(4 * TINY.hidden, dtype=torch.float32).reshape(4, TINY.hidden)
+    experts = {
+        e: torch.arange(2 * TINY.ffn * TINY.hidden, dtype=torch.float32).reshape(2 * TINY.ffn, TINY.hidden) + 1000 * e
+        for e in range(4)
+    }
     for ep in range(2):
         model = {"decoder.layers.0.mlp.router.weight": router}
         model |= {
@@ -464,18 +462,25 @@ def test_a_padded_size_that_depends_on_an_unknown_vocab_is_refused(cli, tp8: Pat
     result = cli("convert", tp8, "-o", out, "--tp", 4, "--layout", "megatron")
     assert result.exit_code == 2 and not out.exists()
     assert "the true vocab size is unknown" in result.output and "pass --vocab N" in result.output
-    rows = padded_vocab(8)
-    assert f"{padded_vocab(4, V)} rows" in result.output and f"{rows} rows for a true size of" in result.output
+    rows = TINY.padded_vocab(8)
+    assert f"{TINY.padded_vocab(4)} rows" in result.output and f"{rows} rows for a true size of" in result.output
     assert cli("convert", tp8, "-o", tmp_path / "same", "--tp", 8, "--layout", "megatron").exit_code == 0
 
 
-def test_the_true_vocab_comes_from_the_tokenizer_s_vocab_file(cli, full: FullModel, tmp_path: Path) -> None:
+def test_the_true_vocab_comes_from_the_tokenizer_s_vocab_file(cli, full: Full, tmp_path: Path) -> None:
     vocab_file = tmp_path / "vocab.json"
     vocab_file.write_text(json.dumps({f"token{i}": i for i in range(V)}))
-    src = write_megatron(tmp_path / "src", full, 2, args=make_args(2, vocab_file=str(vocab_file)))
+    src = write_megatron(tmp_path / "src", full, 2, args=megatron_args(TINY, 2, vocab_file=str(vocab_file)))
     report = json.loads(cli("inspect", src, "--json").output)
     assert report["vocab"]["original"] == V and any(str(vocab_file) in n for n in report["notes"])
     out = tmp_path / "tp1"
     result = cli("convert", src, "-o", out, "--tp", 1, "--layout", "megatron", "--json")
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["vocab"]["target_padded"] == padded_vocab(1)
+    assert json.loads(result.stdout)["vocab"]["target_padded"] == TINY.padded_vocab(1)
+
+
+def test_pad_multiple_is_megatron_s() -> None:
+    args = megatron_args(replace(TINY, multiple=128), 8)
+    source = SourceCheckpoint(Path("x"), "megatron", [], meta={"megatron": True, "args": args})
+    assert MegatronWriter.pad_multiple(4, source, {}) == 512
+    assert MegatronWriter.pad_multiple(1, source, {}) == 128

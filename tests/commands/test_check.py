@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
-from helpers import tiny_qwen3_5
-
-from reshard.commands.check import check_model
-from reshard.plans.transformers_plan import plan_from_tp_plan
+from fixtures.checks import check_in_a_fresh_interpreter
+from fixtures.models import tiny_qwen3_5
 
 # transformers 5.12's Qwen3.5 plan (transformers#46846): attention and MLP only, no linear_attn.
 OLD_PLAN = """
@@ -163,18 +159,6 @@ def test_bad_input_exits_2(cli, tmp_path):
     assert result.exit_code == 2 and "no-such-model" in result.output
 
 
-def test_a_transformers_style_reshard_cannot_express_is_an_error_not_a_replica():
-    """``local`` keeps a replicated tensor divided by tp at load time: no partition says that."""
-    plan = plan_from_tp_plan({"model.layers.*.mlp.down_proj": "local", "model.layers.*.mlp.up_proj": "colwise"}, None)
-    shapes = {"model.layers.0.mlp.down_proj.weight": (8, 16), "model.layers.0.mlp.up_proj.weight": (16, 8)}
-    report = check_model(shapes, None, plan, 2)
-    assert not report.ok
-    assert [(p.message, p.tensors) for p in report.problems] == [
-        ("transformers' TP style 'local' has no reshard partition", ["model.layers.0.mlp.down_proj.weight"])
-    ]
-    assert report.tensors[1].rank_shape == [8, 8]
-
-
 def test_checkpoint_at_tp2_is_checked_on_its_full_shapes(cli, qwen35, tmp_path):
     """Rank headers are joined by the plan: the same table as from the full checkpoint, no data read."""
     assert cli("convert", qwen35, "--tp", 2, "-o", tmp_path / "tp2", "-q").exit_code == 0
@@ -192,30 +176,5 @@ def test_checking_safetensors_headers_never_imports_torch(cli, qwen35, tmp_path)
     """``reshard check`` on safetensors answers without importing torch (its import alone takes ~1.5 s,
     longer than the whole check of a 9B model's headers): the command runs in a fresh interpreter."""
     assert cli("convert", qwen35, "--tp", 2, "-o", tmp_path / "tp2", "-q").exit_code == 0
-    probe = (
-        "import sys\n"
-        "from reshard.cli import main\n"
-        "try:\n"
-        f"    main(['check', {str(tmp_path / 'tp2')!r}, '--tp', '4', '--json'])\n"
-        "except SystemExit as done:\n"
-        "    assert done.code == 0, done.code\n"
-        "print('torch' in sys.modules)\n"
-    )
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    report, imported_torch = done.stdout.rsplit("\n", 2)[:2]
-    assert json.loads(report)["ok"]
-    assert imported_torch == "False"
-
-
-def test_public_names_stay_the_functions_after_their_modules_are_imported():
-    """The package loads its public names lazily; importing the command modules must leave ``reshard.convert``
-    & co. the functions (their modules live in ``reshard.commands``, so no name is shared)."""
-    probe = (
-        "import reshard, reshard.commands.check, reshard.commands.convert, reshard.commands.fix\n"
-        "import reshard.commands.verify, reshard.commands.inspect\n"
-        "from reshard import check, convert, fix, verify\n"
-        "assert all(callable(f) for f in (check, convert, fix, verify, reshard.check, reshard.convert))\n"
-        "print(sorted(type(getattr(reshard, name)).__name__ for name in reshard.__all__))\n"
-    )
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    assert "module" not in done.stdout and "function" in done.stdout
+    report, imported_torch = check_in_a_fresh_interpreter(tmp_path / "tp2", 4)
+    assert report["ok"] and not imported_torch

@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import load_folder, logits
+from fixtures import SAMPLES, load_script, snapshot
+from fixtures.hf import load_folder
+from fixtures.models import logits, tiny_llama
+from fixtures.trainer import write_rank_files
 from safetensors.torch import load_file, save_file
-from trainer_ckpt import llama_65535, rank_states, write_ranks
 
 from reshard.manifest import MANIFEST_NAME
-from reshard.vocab import explain
 
 V = 65535
 HIDDEN = 16
@@ -21,10 +22,19 @@ HIDDEN = 16
 
 @pytest.fixture(scope="module")
 def original(tmp_path_factory: pytest.TempPathFactory):
-    """The transformers model (vocab 65535) saved with save_pretrained, its folder and state dict."""
+    """A transformers Llama with a 65535 vocab (hidden 16, 8 heads, so it splits 8 ways; one layer), saved with
+    save_pretrained: the model, its folder and its state dict."""
     folder = tmp_path_factory.mktemp("original") / "llama"
-    model = llama_65535(folder)
+    sizes = dict(hidden_size=HIDDEN, intermediate_size=32, num_hidden_layers=1, max_position_embeddings=32)
+    model = tiny_llama(folder, vocab=V, **sizes)
     return model, folder, load_file(folder / "model.safetensors")
+
+
+def write_ranks(model_dir: Path, out: Path, tp: int, *, config: dict | None = None, **options) -> Path:
+    """The model saved in ``model_dir`` as a padding TP trainer writes it (see fixtures.trainer), its config.json
+    or ``config``."""
+    config = config or json.loads((model_dir / "config.json").read_text())
+    return write_rank_files(out, load_file(model_dir / "model.safetensors"), config, tp, **options)
 
 
 def from_pretrained(folder: Path):
@@ -41,10 +51,6 @@ def assert_same_model(out: Path, original) -> None:
         assert torch.equal(written[name], tensor), name
     assert json.loads((out / "config.json").read_text())["vocab_size"] == V
     assert torch.equal(logits(from_pretrained(out), V), logits(model, V))
-
-
-def snapshot(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 @pytest.mark.parametrize(
@@ -159,13 +165,6 @@ def test_fix_refuses_a_slice_no_plan_rule_covers(cli, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_explain_the_colossalai_6108_shape():
-    """Llama-3.1-70B at tp 8: one padded slice of 16064 rows saved as the whole embedding."""
-    assert explain(16064, 1, 128256) == {8: [64]}
-    assert explain(32768, 1, 65535) == {2: [1, 2, 4, 8, 16, 32, 64, 128]}
-    assert explain(1000, 1, 65535) == {}
-
-
 def test_fix_sets_a_padded_config_vocab_back(cli, tmp_path, original):
     """Case 4: the trainer saved config.json with the padded 65536; the output says 65535, the manifest both."""
     config = json.loads((original[1] / "config.json").read_text()) | {"vocab_size": 65536}
@@ -248,25 +247,12 @@ def test_fix_refuses_a_vocab_that_would_drop_data(cli, tmp_path, original):
     assert not (tmp_path / "out").exists()
 
 
-def test_trainer_fixture_pads_with_junk(original):
-    """The fixture itself: the pad rows of the last rank are non-zero, so keeping one would show."""
-    ranks = rank_states(original[2], 2)
-    assert ranks[1]["lm_head.weight"].shape == (32768, HIDDEN)
-    assert (ranks[1]["lm_head.weight"][-1] >= 3).all()
-
-
 def test_fix_the_committed_sample(cli, tmp_path):
     """The README's command on sample_ckpts/tiny-llama-65535-tp2 gives back the weights make_samples.py drew."""
-    import importlib.util
-
-    root = Path(__file__).resolve().parents[1] / "sample_ckpts"
-    spec = importlib.util.spec_from_file_location("make_samples", root / "make_samples.py")
-    samples = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(samples)
-    result = cli("fix", root / "tiny-llama-65535-tp2", "--vocab", V, "-o", tmp_path / "fixed")
+    result = cli("fix", SAMPLES / "tiny-llama-65535-tp2", "--vocab", V, "-o", tmp_path / "fixed")
     assert result.exit_code == 0, result.output
     assert "model.embed_tokens.weight: 2 x [32768, 8] -> [65535, 8]" in result.stdout
-    expected = {k: v.to(torch.bfloat16) for k, v in samples.llama_state_dict(samples.PADDED_CONFIG, seed=1).items()}
+    expected = load_script(SAMPLES / "make_samples.py").padded_state()
     written = load_folder(tmp_path / "fixed")
     assert written.keys() == expected.keys()
     assert all(torch.equal(written[k], v) for k, v in expected.items())

@@ -76,6 +76,33 @@ def no_o_direct(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(direct_io.os, "open", refuse_direct)
 
 
+def fail_direct_calls(
+    monkeypatch: pytest.MonkeyPatch,
+    name: str,
+    fd: int,
+    *,
+    after: int,
+    short_at: int | None = None,
+    error: tuple[int, str] = (errno.EINVAL, "Invalid argument"),
+) -> list[int]:
+    """Make ``os.<name>`` (pwrite or preadv) on descriptor ``fd`` fail with ``error`` once it was called ``after``
+    times, as a file system that accepts the O_DIRECT open and then refuses the I/O does; the call numbered
+    ``short_at`` moves only its first block (a short, aligned transfer). Returns the positions of the calls."""
+    real, calls = getattr(os, name), []
+
+    def failing(call_fd, data, position):
+        if call_fd == fd:
+            calls.append(position)
+            if len(calls) == short_at:
+                return real(call_fd, data[:ALIGN], position)
+            if len(calls) > after:
+                raise OSError(*error)
+        return real(call_fd, data, position)
+
+    monkeypatch.setattr(direct_io.os, name, failing)
+    return calls
+
+
 @pytest.mark.usefixtures("no_o_direct")
 def test_a_file_system_without_o_direct_is_written_through_the_page_cache(tmp_path: Path) -> None:
     size = 50 * ALIGN + 3
@@ -95,18 +122,7 @@ def test_direct_writes_refused_midway_fall_back_without_losing_bytes(
     file = DirectFile(tmp_path / "out.bin", size)
     if not file._direct:
         pytest.skip("this file system has no O_DIRECT")
-    real_pwrite, calls = os.pwrite, []
-
-    def refuse_after_two(fd, view, position):
-        if fd == file._direct_fd:
-            calls.append(position)
-            if len(calls) == 2:
-                return real_pwrite(fd, view[:ALIGN], position)  # a short (aligned) write: resumed
-            if len(calls) > 3:
-                raise OSError(errno.EINVAL, "Invalid argument")
-        return real_pwrite(fd, view, position)
-
-    monkeypatch.setattr(direct_io.os, "pwrite", refuse_after_two)
+    fail_direct_calls(monkeypatch, "pwrite", file._direct_fd, after=3, short_at=2)  # the short write is resumed
     file.write([memoryview(data)[: size // 2]], 0)
     file.write([memoryview(data)[size // 2 :]], size // 2)
     file.close()
@@ -120,14 +136,7 @@ def test_a_failed_block_write_is_raised_not_lost(tmp_path: Path, monkeypatch: py
     file = DirectFile(tmp_path / "out.bin", 64 * ALIGN)
     if not file._direct:
         pytest.skip("this file system has no O_DIRECT")
-    real_pwrite = os.pwrite
-
-    def disk_full(fd, view, position):
-        if fd == file._direct_fd:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real_pwrite(fd, view, position)
-
-    monkeypatch.setattr(direct_io.os, "pwrite", disk_full)
+    fail_direct_calls(monkeypatch, "pwrite", file._direct_fd, after=0, error=(errno.ENOSPC, "No space left on device"))
     with pytest.raises(OSError, match="No space left"):
         file.write([memoryview(bytes(64 * ALIGN))], 0)
     file.close()
@@ -191,16 +200,7 @@ def test_reads_refused_midway_fall_back_without_losing_bytes(tmp_path: Path, mon
     source = DirectSource(tmp_path / "in.bin")
     if not source.direct:
         pytest.skip("this file system has no O_DIRECT")
-    real_preadv, calls = os.preadv, []
-
-    def refuse_after_ten(fd, views, position):
-        if fd == source._direct_fd:
-            calls.append(position)
-            if len(calls) > 10:
-                raise OSError(errno.EINVAL, "Invalid argument")
-        return real_preadv(fd, views, position)
-
-    monkeypatch.setattr(direct_io.os, "preadv", refuse_after_ten)
+    calls = fail_direct_calls(monkeypatch, "preadv", source._direct_fd, after=10)
     assert read_ranges(source, size, 4, batched=True) == data
     assert not source.direct and len(calls) > 10
 

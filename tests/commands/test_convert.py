@@ -1,4 +1,5 @@
-"""Round trips of real transformers models through every tp, checked bit for bit and by logits."""
+"""``reshard convert``: round trips of real transformers models through every tp, checked bit for bit and by
+logits, against rank slices computed independently of reshard (``fixtures.trainer``)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import json
 
 import pytest
 import torch
-from helpers import load_folder, logits, tiny_llama, tiny_qwen3
-from safetensors.torch import load_file
+from fixtures.hf import load_folder, load_rank
+from fixtures.models import logits, tiny_llama, tiny_qwen3
+from fixtures.shapes import llama_kind
+from fixtures.trainer import rank_states
 
 VOCAB = 1001
 
@@ -21,32 +24,18 @@ def model_dir(request, tmp_path_factory):
     return path, model
 
 
-def expected_rank_slice(name: str, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
-    """What TP rank ``rank`` holds, computed here independently of reshard's partition code."""
-    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
-        rows = -(-full.shape[0] // tp)
-        padded = torch.cat([full, torch.zeros(rows * tp - full.shape[0], full.shape[1], dtype=full.dtype)])
-        return padded[rank * rows : (rank + 1) * rows]
-    if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")):
-        rows = full.shape[0] // tp
-        return full[rank * rows : (rank + 1) * rows]
-    if name.endswith(("o_proj.weight", "down_proj.weight")):
-        cols = full.shape[1] // tp
-        return full[:, rank * cols : (rank + 1) * cols]
-    assert name.endswith("norm.weight"), name
-    return full
-
-
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_round_trip_is_bit_identical_and_slices_are_tp_exact(model_dir, tp, cli):
     path, model = model_dir
     original = load_folder(path / "orig")
+    assert all(llama_kind(name) != "rep" or name.endswith("norm.weight") for name in original)
+    expected = rank_states(original, tp, pad_multiple=1, junk_seed=None)  # vocab zero-padded to a multiple of tp
     assert cli("convert", path / "orig", "--tp", tp, "-o", path / f"tp{tp}", "-q").exit_code == 0
     for rank in range(tp):
-        ranked = load_file(path / f"tp{tp}" / f"rank_{rank:02d}" / "model.safetensors")
+        ranked = load_rank(path / f"tp{tp}", rank)
         assert sorted(ranked) == sorted(original)
-        for name, full in original.items():
-            assert torch.equal(ranked[name], expected_rank_slice(name, full, tp, rank)), (name, rank)
+        for name, want in expected[rank].items():
+            assert torch.equal(ranked[name], want), (name, rank)
 
     result = cli("convert", path / f"tp{tp}", "--tp", 1, "-o", path / f"back{tp}", "-q")
     assert result.exit_code == 0, result.output
@@ -105,9 +94,7 @@ def test_tied_embeddings_bfloat16_and_sharded_output(tmp_path, cli):
 def test_uneven_split_follows_torch_chunk_without_padding(tmp_path, cli):
     tiny_llama(tmp_path / "orig", vocab=VOCAB)
     assert cli("convert", tmp_path / "orig", "--tp", 4, "--uneven", "-o", tmp_path / "u", "-q").exit_code == 0
-    rows = [
-        load_file(tmp_path / "u" / f"rank_{r:02d}" / "model.safetensors")["lm_head.weight"].shape[0] for r in range(4)
-    ]
+    rows = [load_rank(tmp_path / "u", r)["lm_head.weight"].shape[0] for r in range(4)]
     assert rows == [251, 251, 251, 248]
     assert cli("convert", tmp_path / "u", "--tp", 1, "--uneven", "-o", tmp_path / "b", "-q").exit_code == 0
     assert load_folder(tmp_path / "b").keys() == load_folder(tmp_path / "orig").keys()
@@ -122,14 +109,3 @@ def test_uneven_checkpoint_reads_back_without_the_flag(tmp_path, cli):
     assert cli("convert", tmp_path / "u", "--tp", 1, "-o", tmp_path / "b", "-q").exit_code == 0
     original, back = load_folder(tmp_path / "orig"), load_folder(tmp_path / "b")
     assert back.keys() == original.keys() and all(torch.equal(back[k], original[k]) for k in original)
-
-
-def test_output_folder_is_an_ordinary_folder(tmp_path, cli):
-    import os
-    import stat
-
-    tiny_llama(tmp_path / "orig", vocab=VOCAB)
-    assert cli("convert", tmp_path / "orig", "--tp", 2, "-o", tmp_path / "out", "-q").exit_code == 0
-    umask = os.umask(0)
-    os.umask(umask)
-    assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o777 & ~umask

@@ -1,4 +1,4 @@
-"""The streaming writer writes exactly what safetensors.torch.save_file writes."""
+"""``reshard.io.safetensors_writer``: the streaming writer writes exactly what safetensors.torch.save_file writes."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import struct
 
 import pytest
 import torch
+from fixtures.tp import arange
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from reshard.io.safetensors_writer import SafetensorsFileWriter, ShardedSafetensorsWriter, ordered
+from reshard.io.safetensors_writer import SafetensorsFileWriter, ShardedSafetensorsWriter, byte_chunks, ordered
 from reshard.layouts.readers import TensorHeader
 
 
@@ -45,7 +46,7 @@ def test_byte_for_byte_equal_to_save_file(tmp_path, metadata):
         "u8": torch.arange(4, dtype=torch.uint8),
         "bool": torch.tensor([True, False, True]),
         "fp8": torch.arange(4, dtype=torch.float32).to(torch.float8_e4m3fn),
-        "c64": torch.complex(torch.ones(2), torch.zeros(2)),
+        "c64": torch.complex(torch.arange(2.0), torch.arange(2.0) + 5),
         "empty": torch.zeros(0, 3),
         "scalar": torch.tensor(3.5),
         "a.sorted.name": torch.arange(3, dtype=torch.float32),
@@ -89,7 +90,7 @@ def test_wrong_order_or_shape_is_refused(tmp_path):
 
 
 def test_sharded_folder_matches_hub_planner_and_loads(tmp_path):
-    tensors = {f"layer.{i}.weight": torch.full((64,), float(i)) for i in range(6)}  # 256 bytes each
+    tensors = {f"layer.{i}.weight": arange((64,), start=64 * i) for i in range(6)}  # 256 bytes each
     writer = ShardedSafetensorsWriter(tmp_path, headers_of(tensors), max_shard_size=600)
     for name in ordered(writer.headers):
         writer.write(name, tensors[name])
@@ -156,3 +157,22 @@ def test_copies_of_short_rows_are_let_go_as_they_are_written(tmp_path, monkeypat
     writer.close()
     assert torch.equal(load_file(tmp_path / "b.safetensors")["b"], block)
     assert most[0] <= 2, f"{most[0]} chunk copies held at once"
+
+
+def test_byte_chunks_of_a_column_block_are_its_c_order_bytes() -> None:
+    full = arange((6, 5, 8))
+    block = full[:, 1:4, 2:6]  # not contiguous: blocks of rows, and rows larger than the limit
+    expected = block.contiguous().numpy().tobytes()
+    for limit in (1, 16, 60, 10_000):
+        assert b"".join(bytes(c) for c in byte_chunks(block, limit)) == expected
+    assert b"".join(bytes(c) for c in byte_chunks(full, 16)) == full.numpy().tobytes()
+
+
+@pytest.mark.parametrize("columns", [(256, 768), (1, 9)], ids=["long-rows", "short-rows"])
+def test_a_column_block_is_written_as_save_file_writes_it(tmp_path, columns: tuple[int, int]) -> None:
+    block = arange((6, 1024))[:, columns[0] : columns[1]]
+    writer = SafetensorsFileWriter(tmp_path / "ours.safetensors", {"w": TensorHeader.of(block.shape, block.dtype)})
+    writer.write("w", block)
+    assert writer.done
+    save_file({"w": block.contiguous()}, tmp_path / "theirs.safetensors", metadata={"format": "pt"})
+    assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "theirs.safetensors").read_bytes()

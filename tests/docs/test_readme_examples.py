@@ -7,8 +7,8 @@ import shlex
 from pathlib import Path
 
 import pytest
+from fixtures import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 
 

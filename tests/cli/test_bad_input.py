@@ -1,4 +1,5 @@
-"""Bad input: exit code 2, one line on stderr naming the file and the tensor, and nothing written."""
+"""Bad input at the command line: exit code 2, one line on stderr naming the file and the tensor, and nothing
+written (not even a temporary output)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import shutil
 
 import pytest
 import torch
-from helpers import tiny_llama
+from fixtures.checks import assert_refused
+from fixtures.models import tiny_llama, tiny_qwen3
 from safetensors.torch import load_file, save_file
 
 
@@ -31,17 +33,6 @@ def broken(tp4, tmp_path):
     copy = tmp_path / "ckpt"
     shutil.copytree(tp4 / "tp4", copy)
     return copy
-
-
-def assert_refused(result, out, *fragments):
-    assert result.exit_code == 2, result.output
-    assert result.stdout == ""
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
-    assert not out.exists()
-    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")], "temporary output left"
 
 
 def test_missing_rank_folder(broken, tmp_path, cli):
@@ -140,21 +131,7 @@ def test_output_inside_the_input_is_refused(broken, cli):
     assert sorted(p.relative_to(broken) for p in broken.rglob("*")) == before
 
 
-def test_inspect_json_reports_every_tensor(tp4, cli):
-    result = cli("inspect", tp4 / "tp4", "--json")
-    assert result.exit_code == 0
-    report = json.loads(result.stdout)
-    assert (report["layout"], report["tp"], report["plan"]) == ("hf-ranks", 4, "llama")
-    assert report["vocab"] == {"original": 1001, "origin": "reshard.json", "padded_in_source": 1004, "padding_rows": 3}
-    embed = next(t for t in report["tensors"] if t["name"] == "model.embed_tokens.weight")
-    assert embed["rank_shapes"] == [[251, 64]] * 4 and embed["partition"] == {"kind": "vocab", "dim": 0}
-    assert embed["shape"] == [1001, 64] and embed["reason"].startswith("rule ")
-    assert report["problems"] == []
-
-
 def test_fewer_kv_heads_than_ranks_is_reported_not_cut(tmp_path, cli):
-    from helpers import tiny_qwen3
-
     tiny_qwen3(tmp_path / "orig", num_key_value_heads=2)
     out = tmp_path / "out"
     result = cli("convert", tmp_path / "orig", "--tp", 4, "-o", out)

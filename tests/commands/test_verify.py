@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import load_folder, tiny_llama
+from fixtures import SAMPLES, snapshot
+from fixtures.hf import load_folder
+from fixtures.models import tiny_llama
 from safetensors.torch import load_file, save_file
 
 from reshard import ConvertOptions, convert
 from reshard.commands.verify import VerifyOptions, verify
-from reshard.commands.verify_checks import value_difference
 
 Q1 = "model.layers.1.self_attn.q_proj.weight"
 NORM = "model.layers.0.input_layernorm.weight"
@@ -74,11 +75,6 @@ def test_clean_checkpoints_verify(cli, checkpoints: dict[str, Path]) -> None:
         assert report["checks"][0]["tensors"] == expected
     text = cli("verify", checkpoints["tp2"]).stdout
     assert f"manifest against reshard.json: ok ({expected} tensors checked)" in text
-
-
-def test_manifest_records_finite(checkpoints: dict[str, Path]) -> None:
-    tensors = json.loads((checkpoints["tp2"] / "reshard.json").read_text())["tensors"]
-    assert tensors and all(entry["finite"] is True for entry in tensors.values())
 
 
 def test_flipped_byte_in_a_sharded_tensor(cli, copy) -> None:
@@ -276,25 +272,6 @@ def test_compare_reports_values_missing_extra_reshaped(cli, copy, checkpoints: d
     }
 
 
-def test_value_difference(monkeypatch: pytest.MonkeyPatch) -> None:
-    a = torch.arange(6, dtype=torch.float32).reshape(2, 3)
-    b = a.clone()
-    b[1, 2] += 0.5
-    assert value_difference(a, a.clone()) is None
-    assert value_difference(a, b) == 0.5
-    assert value_difference(a, b, atol=0.6) is None
-    assert value_difference(a, a.to(torch.bfloat16)) == 0.0  # same values, other dtype: not bit-exact
-    nan = a.clone()
-    nan[0, 0] = float("nan")
-    assert value_difference(nan, nan.clone()) is None
-    assert value_difference(nan, a) == float("inf")
-    monkeypatch.setattr(importlib.import_module("reshard.commands.verify_checks"), "_BLOCK", 7)
-    big = torch.arange(100, dtype=torch.float32)  # 15 blocks of 7
-    other = big.clone()
-    other[-1] += 2
-    assert value_difference(big, other) == 2.0 and value_difference(big, other, atol=2.5) is None
-
-
 def test_roundtrip_reports_an_infeasible_tp(cli, checkpoints: dict[str, Path]) -> None:
     result = cli("verify", checkpoints["hf"], "--roundtrip", "2,3", "--json")
     assert result.exit_code == 1
@@ -322,21 +299,17 @@ def test_roundtrip_cleans_up_on_interrupt(checkpoints, tmp_path, monkeypatch, in
         raise interrupt("stop")
 
     monkeypatch.setattr(verify_module, "convert", convert_then_stop)
-    with pytest.raises(interrupt):
+    with pytest.raises(interrupt, match="stop"):
         verify(checkpoints["hf"], options=VerifyOptions(roundtrip=(2,)))
     assert calls and list(scratch.iterdir()) == []
 
 
 def test_verify_never_modifies_its_inputs(cli, checkpoints: dict[str, Path]) -> None:
-    def snapshot() -> dict[Path, bytes]:
-        return {
-            p: p.read_bytes() for name in ("hf", "tp2") for p in sorted(checkpoints[name].rglob("*")) if p.is_file()
-        }
-
-    before, siblings = snapshot(), sorted(checkpoints["root"].iterdir())
+    before, siblings = [snapshot(checkpoints[n]) for n in ("hf", "tp2")], sorted(checkpoints["root"].iterdir())
     assert cli("verify", checkpoints["tp2"], "--roundtrip", "1,4").exit_code == 0
     assert cli("verify", checkpoints["hf"], checkpoints["tp2"]).exit_code == 0
-    assert snapshot() == before and sorted(checkpoints["root"].iterdir()) == siblings
+    assert [snapshot(checkpoints[n]) for n in ("hf", "tp2")] == before
+    assert sorted(checkpoints["root"].iterdir()) == siblings
 
 
 @pytest.mark.parametrize("value", ["2,x", "0", ","])
@@ -347,7 +320,7 @@ def test_bad_roundtrip_list_is_a_usage_error(cli, checkpoints: dict[str, Path], 
 
 
 def test_sat_sample_verifies_and_roundtrips(cli) -> None:
-    sample = Path(__file__).resolve().parent.parent / "sample_ckpts" / "tiny-cogagent-sat-tp8"
+    sample = SAMPLES / "tiny-cogagent-sat-tp8"
     recorded = json.loads((sample / "reshard.json").read_text())["tensors"]
     result = cli("verify", sample, "--roundtrip", "4", "--json")
     assert result.exit_code == 0, result.stdout

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SAMPLES = Path(__file__).resolve().parent.parent / "sample_ckpts"
+from fixtures import SAMPLES
 
 
 def reshard(*args: object) -> subprocess.CompletedProcess[str]:

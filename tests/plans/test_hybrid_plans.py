@@ -1,4 +1,5 @@
-"""Qwen3.5, Qwen3-Next and Qwen2-VL: real transformers models split for TP 2 and 4 and back, bit-exact."""
+"""The Qwen3.5, Qwen3-Next and Qwen2-VL plans: real transformers models split for TP 2 and 4 and back, bit-exact,
+each rank holding (and computing) exactly its heads."""
 
 from __future__ import annotations
 
@@ -7,14 +8,11 @@ import json
 
 import pytest
 import torch
-from helpers import load_folder, logits, tiny_qwen2_vl, tiny_qwen3_5, tiny_qwen3_next
-from safetensors.torch import load_file
+from fixtures.hf import load_folder, load_rank
+from fixtures.models import logits, tiny_qwen2_vl, tiny_qwen3_5, tiny_qwen3_next
+from fixtures.tp import rank_piece
 
 BUILDERS = {"qwen3_5": tiny_qwen3_5, "qwen3_next": tiny_qwen3_next, "qwen2_vl": tiny_qwen2_vl}
-
-
-def rank_state(folder, rank):
-    return load_file(folder / f"rank_{rank:02d}" / "model.safetensors")
 
 
 @pytest.mark.parametrize("family", sorted(BUILDERS))
@@ -38,11 +36,7 @@ def test_round_trip_tp2_tp4_bit_exact_and_logits(cli, tmp_path, family):
 
 def independent_split(full, parts, tp):
     """Each of Q, K, V cut into tp contiguous pieces; rank r holds its piece of each, in order."""
-    pieces, start = [], 0
-    for size in parts:
-        pieces.append(full[start : start + size].chunk(tp))
-        start += size
-    return [torch.cat([p[r] for p in pieces]) for r in range(tp)]
+    return [rank_piece(full, ("packed", parts), tp, r) for r in range(tp)]
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
@@ -50,7 +44,7 @@ def test_gated_deltanet_slices_hold_each_ranks_heads(cli, tmp_path, family):
     BUILDERS[family](tmp_path / "full")
     full = load_folder(tmp_path / "full")
     assert cli("convert", tmp_path / "full", "--tp", 4, "-o", tmp_path / "tp4", "-q").exit_code == 0
-    ranks = [rank_state(tmp_path / "tp4", r) for r in range(4)]
+    ranks = [load_rank(tmp_path / "tp4", r) for r in range(4)]
     key_dim, value_dim = 4 * 8, 8 * 8  # tiny models: 4 key heads, 8 value heads, heads of 8
     prefix = "model.layers.0.linear_attn."
     conv = full[prefix + "conv1d.weight"]
@@ -81,7 +75,7 @@ def test_qwen3_5_gated_query_split_by_whole_heads(cli, tmp_path):
     assert cli("convert", tmp_path / "full", "--tp", 2, "-o", tmp_path / "tp2", "-q").exit_code == 0
     for r in range(2):
         assert torch.equal(
-            rank_state(tmp_path / "tp2", r)["model.layers.1.self_attn.q_proj.weight"], q[64 * r : 64 * r + 64]
+            load_rank(tmp_path / "tp2", r)["model.layers.1.self_attn.q_proj.weight"], q[64 * r : 64 * r + 64]
         )
 
 
@@ -89,7 +83,7 @@ def test_qwen2_vl_vision_qkv_packed_and_tower_rest_replicated(cli, tmp_path):
     tiny_qwen2_vl(tmp_path / "full")
     full = load_folder(tmp_path / "full")
     assert cli("convert", tmp_path / "full", "--tp", 2, "-o", tmp_path / "tp2", "-q").exit_code == 0
-    ranks = [rank_state(tmp_path / "tp2", r) for r in range(2)]
+    ranks = [load_rank(tmp_path / "tp2", r) for r in range(2)]
     qkv = full["visual.blocks.0.attn.qkv.weight"]
     for r, expected in enumerate(independent_split(qkv, (32, 32, 32), 2)):
         assert torch.equal(ranks[r]["visual.blocks.0.attn.qkv.weight"], expected)
@@ -99,55 +93,6 @@ def test_qwen2_vl_vision_qkv_packed_and_tower_rest_replicated(cli, tmp_path):
             ranks[r]["visual.blocks.0.attn.proj.weight"],
             full["visual.blocks.0.attn.proj.weight"][:, 16 * r : 16 * r + 16],
         )
-
-
-def test_plan_transformers_matches_torch_chunk_of_the_loader(cli, tmp_path):
-    """transformers' own plan: colwise rows chunked, linear_attn projections chunked (gathered after), conv whole."""
-    tiny_qwen3_5(tmp_path / "full", vocab=1001)
-    full = load_folder(tmp_path / "full")
-    args = (
-        "convert",
-        tmp_path / "full",
-        "--tp",
-        3,
-        "--plan",
-        "transformers",
-        "--uneven",
-        "-o",
-        tmp_path / "tp3",
-        "-q",
-    )
-    assert cli(*args).exit_code == 0
-    ranks = [rank_state(tmp_path / "tp3", r) for r in range(3)]
-    for name, dim in [
-        ("lm_head.weight", 0),
-        ("model.embed_tokens.weight", 0),
-        ("model.layers.0.linear_attn.in_proj_qkv.weight", 0),
-        ("model.layers.0.linear_attn.out_proj.weight", 0),
-        ("model.layers.1.self_attn.o_proj.weight", 1),
-        ("model.layers.0.mlp.down_proj.weight", 1),
-    ]:
-        for r, expected in enumerate(full[name].chunk(3, dim=dim)):
-            assert torch.equal(ranks[r][name], expected), name
-    for r in range(3):
-        assert torch.equal(
-            ranks[r]["model.layers.0.linear_attn.conv1d.weight"], full["model.layers.0.linear_attn.conv1d.weight"]
-        )
-    back_args = ("convert", tmp_path / "tp3", "--tp", 1, "--plan", "transformers", "--uneven", "-o", tmp_path / "back")
-    assert cli(*back_args, "-q").exit_code == 0
-    back = load_folder(tmp_path / "back")
-    assert all(torch.equal(back[k], full[k]) for k in full)
-
-
-def test_plan_option_still_takes_a_file_and_rejects_a_missing_one(cli, tmp_path):
-    tiny_qwen3_5(tmp_path / "full")
-    plan = tmp_path / "plan.toml"
-    plan.write_text(
-        'extends = "qwen3_5"\n[[rules]]\npattern = "linear_attn\\\\.norm\\\\.weight$"\nkind = "replicate"\n'
-    )
-    assert cli("convert", tmp_path / "full", "--tp", 2, "--plan", plan, "-o", tmp_path / "tp2", "-q").exit_code == 0
-    result = cli("convert", tmp_path / "full", "--tp", 2, "--plan", tmp_path / "nope.toml", "-o", tmp_path / "x")
-    assert result.exit_code == 2 and "nope.toml" in result.output and not (tmp_path / "x").exists()
 
 
 def local_module(cls, config, layer, prefix, state, **fewer):
@@ -167,7 +112,7 @@ def test_each_rank_computes_exactly_its_heads(cli, tmp_path, family):
     prefix_cls = {"qwen3_5": "Qwen3_5", "qwen3_next": "Qwen3Next"}[family]
     model = BUILDERS[family](tmp_path / "full")
     assert cli("convert", tmp_path / "full", "--tp", 4, "-o", tmp_path / "tp4", "-q").exit_code == 0
-    states = [rank_state(tmp_path / "tp4", r) for r in range(4)]
+    states = [load_rank(tmp_path / "tp4", r) for r in range(4)]
     config, x = model.config, torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(3))
     rotary = getattr(module, f"{prefix_cls}TextRotaryEmbedding", None) or getattr(
         module, f"{prefix_cls}RotaryEmbedding"
@@ -205,7 +150,7 @@ def test_qwen2_vl_vision_ranks_compute_their_heads(cli, tmp_path):
     total = 0
     with torch.no_grad():
         for r in range(2):
-            state = rank_state(tmp_path / "tp2", r)
+            state = load_rank(tmp_path / "tp2", r)
             local = copy.deepcopy(full)
             local.num_heads = 2
             local.qkv = torch.nn.Linear(32, 48)

@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from reshard.errors import ReshardError
-from reshard.hub.source import HubCheckpoint, checkpoint_argument, with_cache
+from reshard.hub.source import HubCheckpoint, checkpoint_argument, hub_origin, with_cache
 
 
 class CheckpointParam(click.ParamType):
@@ -121,8 +121,27 @@ class Pushed:
         return self.report.to_dict() | {"push": self.push.to_dict()}
 
 
+def shown(path: str) -> str:
+    """A path read from a Hub download as ``org/name@commit[/path]``; any other path as it is."""
+    origin = hub_origin(Path(path))
+    if origin is None:
+        return path
+    inside = origin.get("path_in_repo")
+    return f"{origin['repo']}@{origin['commit']}" + (f"/{inside}" if inside else "")
+
+
+def for_display(result: Any) -> Any:
+    """``result`` (a verify result) naming Hub downloads by repo and commit rather than by their cache path."""
+    result.checkpoint = shown(result.checkpoint)
+    for report in result.reports:
+        report.checkpoint, report.against = shown(report.checkpoint), shown(report.against)
+    return result
+
+
 def publish(report: Any, render: Callable[[Any], str], push: Any, *, progress: bool) -> tuple[Any, Callable]:
-    """Push the finished output of ``report`` when asked; the report and renderer to emit."""
+    """Push the finished output of ``report`` when asked; the report (its source named by repo and commit when
+    it came from the Hub) and the renderer to emit."""
+    report.source = shown(report.source)
     if push is None:
         return report, render
     from reshard.hub.push import push_output
@@ -136,4 +155,4 @@ def publish(report: Any, render: Callable[[Any], str], push: Any, *, progress: b
     return Pushed(report, result), render_pushed
 
 
-__all__ = ["CKPT", "ArgvGroup", "hub_input", "publish", "push_options"]
+__all__ = ["CKPT", "ArgvGroup", "for_display", "hub_input", "publish", "push_options"]

@@ -18,7 +18,7 @@ from typing import Any
 import click
 
 from reshard import __version__
-from reshard.cli.hub import CKPT, ArgvGroup, hub_input, publish, push_options
+from reshard.cli.hub import CKPT, ArgvGroup, for_display, hub_input, publish, push_options
 from reshard.cli.output import emit
 from reshard.cli.render import render_check, render_convert, render_fix, render_inspect, render_verify
 from reshard.errors import ReshardError
@@ -293,7 +293,7 @@ def verify_command(ckpt: Path, other: Path | None, quiet: bool, as_json: bool, *
     """
     from reshard.commands.verify import VerifyOptions, verify
 
-    result = verify(ckpt, other, VerifyOptions(progress=not (quiet or as_json), **options))
+    result = for_display(verify(ckpt, other, VerifyOptions(progress=not (quiet or as_json), **options)))
     emit(result, render_verify, as_json=as_json, quiet=quiet)
     click.get_current_context().exit(0 if result.ok else 1)
 

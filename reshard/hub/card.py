@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.manifest import Manifest
+from reshard.partition import Vocab
 
 CARRIED = ("license", "license_name", "license_link", "language", "pipeline_tag")  # from the source's card
 SHOWN = 12  # changed tensors listed by name
@@ -62,7 +63,7 @@ def model_card(
     lines += [f"| layout | {source.get('layout')} | {target.get('layout')} |"]
     lines += [f"| tensor-parallel ranks | {source.get('tp')} | {target.get('tp')} |", ""]
     lines += [f"**Vocab.** {_vocab(manifest)}", ""]
-    lines += [f"**Tensors changed.** {_changed(changed)}", ""]
+    lines += [f"**Tensors changed.** {_changed(manifest, changed)}", ""]
     if command:
         lines += ["**Command.**", "", "```", command, "```", ""]
     lines += [
@@ -100,12 +101,20 @@ def _vocab(manifest: Manifest) -> str:
     return " ".join(parts)
 
 
-def _changed(changed: Sequence[dict[str, Any]]) -> str:
+def _changed(manifest: Manifest, changed: Sequence[dict[str, Any]]) -> str:
+    """The vocab tensors by name with their shapes; the others (re-sliced, values unchanged) counted."""
     if not changed:
         return "none: every tensor keeps its shape."
-    shown = [f"`{c['tensor']}` {_shapes(c['old'])} -> {_shapes(c['new'])}" for c in changed[:SHOWN]]
-    more = f"; and {len(changed) - SHOWN} more" if len(changed) > SHOWN else ""
-    return f"{len(changed)}: " + "; ".join(shown) + more + "."
+    entries = manifest.tensors
+    vocab = [c for c in changed if c["tensor"] in entries and isinstance(entries[c["tensor"]].partition, Vocab)]
+    parts = [f"`{c['tensor']}` {_shapes(c['old'])} -> {_shapes(c['new'])}" for c in vocab[:SHOWN]]
+    if len(vocab) > SHOWN:
+        parts.append(f"{len(vocab) - SHOWN} more vocab tensors")
+    others = len(changed) - len(vocab)
+    if others:
+        source, target = manifest.source.get("tp"), manifest.target.get("tp")
+        parts.append(f"{others} other tensor(s) re-sliced from tp={source} to tp={target}, their values unchanged")
+    return "; ".join(parts) + "."
 
 
 def _shapes(shapes: Any) -> str:

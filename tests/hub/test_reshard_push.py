@@ -59,7 +59,10 @@ def test_fix_a_repo_and_push_it_then_hf_download_and_from_pretrained_give_the_pa
     assert f"[`acme/padded`](/acme/padded) at commit `{source}`" in card.text
     assert "The source held 1024 rows (23 of padding), cut to 1001." in card.text
     assert "Its config.json said 1024; this one says 1001." in card.text
-    assert "`model.embed_tokens.weight` 2 x [512, 64] -> [1001, 64]" in card.text
+    assert (
+        "`model.embed_tokens.weight` 2 x [512, 64] -> [1001, 64]; 14 other tensor(s) re-sliced from tp=2 to tp=1"
+        in card.text
+    )
     assert f"reshard fix acme/padded --vocab 1001 -o {tmp_path / 'out'} --push-to-hub acme/fixed --json" in card.text
     assert (tmp_path / "got" / "README.md").read_text() == (tmp_path / "out" / "README.md").read_text()
     manifest = json.loads((tmp_path / "got" / "reshard.json").read_text())

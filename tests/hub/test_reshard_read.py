@@ -146,6 +146,7 @@ def test_convert_downloads_only_what_it_reads_pins_the_commit_and_records_it(hub
     done = cli("convert", "acme/tiny-tp2@v1", "--tp", "1", "-o", tmp_path / "out", "--cache-dir", tmp_path / "cache")
 
     assert done.exit_code == 0, done.stderr
+    assert done.stdout.startswith(f"acme/tiny-tp2@{sha} (loose, tp=2) -> {tmp_path / 'out'} (hf, tp=1)")
     snapshot = tmp_path / "cache" / "models--acme--tiny-tp2" / "snapshots" / sha
     assert sorted(p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file()) == [
         "config.json",
@@ -173,13 +174,14 @@ def test_fix_and_verify_read_from_the_cache_and_fix_writes_beside_the_working_fo
     monkeypatch.chdir(tmp_path)
 
     fixed = cli("fix", "acme/tiny-tp2", "--vocab", "1001", "-q")
-    hub.publish("acme/tiny-fixed", tmp_path / "tiny-tp2.fixed")
+    sha = hub.publish("acme/tiny-fixed", tmp_path / "tiny-tp2.fixed")
     verified = cli("verify", "acme/tiny-fixed", "--json")
     compared = cli("verify", "acme/tiny-fixed", tiny / "full")
 
     assert fixed.exit_code == 0, fixed.stderr
     assert (tmp_path / "tiny-tp2.fixed" / "model.safetensors").is_file()  # not in the cache beside the snapshot
     assert verified.exit_code == 0, verified.stdout
+    assert json.loads(verified.stdout)["checkpoint"] == f"acme/tiny-fixed@{sha}"
     assert json.loads(verified.stdout)["checks"][0]["tensors"] == len(load_file(tiny / "full" / "model.safetensors"))
     assert compared.exit_code == 0, compared.stdout
 

@@ -208,7 +208,13 @@ def convert_command(ckpt: Path, out: Path, as_json: bool, quiet: bool, push: Any
 @main.command("fix")
 @click.argument("ckpt", type=CKPT)
 @click.option("--vocab", type=click.IntRange(min=1), help="True vocab size (default: reshard.json, then config).")
-@click.option("-o", "--output", "out", type=PATH, help="Output folder (default: CKPT.fixed beside the input).")
+@click.option(
+    "-o",
+    "--output",
+    "out",
+    type=PATH,
+    help="Output folder (default: CKPT.fixed beside it; NAME.fixed here for a repo).",
+)
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="Ranks to write (1: full).")
 @writing_options
 @common_read_options

@@ -103,7 +103,7 @@ def push_options(command: Callable[..., Any]) -> Callable[..., Any]:
             click.option("--push-to-hub", metavar="ORG/NAME", help="Then upload the output to this Hub model repo."),
             click.option("--private", is_flag=True, help="Create that repo private (ignored if it exists)."),
             click.option("--revision", metavar="BRANCH", help="Push to this branch (created if needed)."),
-            click.option("--create-pr", is_flag=True, help="Open a pull request instead of committing."),
+            click.option("--create-pr", is_flag=True, help="Open a pull request to the default branch instead."),
             click.option("--commit-message", metavar="TEXT", help="Title of the commit (default: what was done)."),
         ]
     ):

@@ -34,7 +34,7 @@ class PushOptions:
         repo_id: the model repo (``org/name``; a bare name goes to the token's user).
         private: create the repo private (ignored for an existing repo).
         revision: the branch to push to (created from the default branch if needed); None: the default branch.
-        create_pr: open a pull request against that branch instead of committing to it.
+        create_pr: open a pull request against the default branch instead of committing to it.
         commit_message: the commit's title (default: what reshard did).
     """
 
@@ -60,7 +60,8 @@ class PushResult:
 
 
 def check_push(options: PushOptions) -> None:
-    """Refuse a push that cannot succeed before any work: a malformed repo id, or no token.
+    """Refuse a push that cannot succeed before any work: a malformed repo id, a pull request against another
+    branch than the default one (``upload_folder`` opens them against it), or no token.
 
     Raises:
         HubError: with the fix.
@@ -68,6 +69,11 @@ def check_push(options: PushOptions) -> None:
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
 
+    if options.create_pr and options.revision:
+        raise HubError(
+            "--create-pr opens a pull request against the default branch: it does not go with --revision",
+            path=options.repo_id,
+        )
     try:
         validate_repo_id(options.repo_id)
     except HFValidationError as err:

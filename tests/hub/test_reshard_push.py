@@ -115,6 +115,8 @@ def test_a_push_that_cannot_succeed_is_refused_before_any_work(model, hub, tmp_p
 
     bad_id = cli("convert", root / "full", "--tp", 1, "-o", tmp_path / "a", "--push-to-hub", "acme//x")
     alone = cli("convert", root / "full", "--tp", 1, "-o", tmp_path / "b", "--private")
+    pr_to = cli("convert", root / "full", "--tp", 1, "-o", tmp_path / "d", "--push-to-hub", "acme/x",
+                "--create-pr", "--revision", "dev")  # fmt: skip
     monkeypatch.delenv("HF_TOKEN")
     no_token = cli("fix", root / "padded", "--vocab", V, "-o", tmp_path / "c", "--push-to-hub", "acme/x")
 
@@ -122,7 +124,8 @@ def test_a_push_that_cannot_succeed_is_refused_before_any_work(model, hub, tmp_p
     assert "--private, --revision, --create-pr and --commit-message go with --push-to-hub" in alone.stderr
     assert alone.exit_code == 2
     assert "--push-to-hub needs a Hugging Face token (set HF_TOKEN or run `hf auth login`)" in _error(no_token)
-    assert not any((tmp_path / name).exists() for name in "abc")
+    assert "acme/x: --create-pr opens a pull request against the default branch" in _error(pr_to)
+    assert not any((tmp_path / name).exists() for name in "abcd")
     assert not hub.requests
 
 

@@ -23,6 +23,7 @@ def render_inspect(report: InspectReport) -> str:
         f"config      {report.config or 'none found'}"
         + (f" (model_type {report.model_type})" if report.model_type else ""),
         f"plan        {report.plan}",
+        *([_hub_line(report.hub)] if report.hub else []),
         f"vocab       {vocab['original'] or 'unknown'} (from {vocab['origin']})"
         + (
             f", {vocab['padded_in_source']} rows in the source ({vocab['padding_rows']} padding)"
@@ -51,6 +52,15 @@ def render_inspect(report: InspectReport) -> str:
     if report.problems:
         lines.append(f"{len(report.problems)} tensor(s) cannot be gathered as they are")
     return "\n".join(lines)
+
+
+def _hub_line(hub: dict[str, Any]) -> str:
+    """Where a Hub checkpoint was read, and what reading its headers took."""
+    asked = f" ({hub['revision']})" if hub.get("revision") else ""
+    line = f"hub         {hub['repo']} at {hub['commit']}{asked}"
+    if "bytes_transferred" in hub:
+        line += f": headers only, {human_bytes(hub['bytes_transferred'])} in {hub['requests']} requests"
+    return line
 
 
 def _partition_args(partition: dict[str, Any] | None) -> str:

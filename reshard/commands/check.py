@@ -18,6 +18,7 @@ from typing import Any
 from reshard.config import ModelConfig, load_config
 from reshard.engine.open import OpenedCheckpoint, open_checkpoint
 from reshard.errors import AmbiguousPartitionError, ReshardError, ShapeMismatchError
+from reshard.hub.source import HubCheckpoint
 from reshard.options import ReadOptions
 from reshard.partition import Partition, Replicate, Vocab, partition_to_dict, rank_shapes
 from reshard.plans import Plan, Rule, select_plan
@@ -258,14 +259,15 @@ class CheckOptions:
     trust_pickle: bool = False
 
 
-def check(path: Path, options: CheckOptions) -> CheckReport:
-    """Check a checkpoint (its headers) or a bare ``config.json`` (its model built on ``meta``).
+def check(path: Path | HubCheckpoint, options: CheckOptions) -> CheckReport:
+    """Check a checkpoint (its headers: a Hub repo's over HTTP) or a bare ``config.json`` (its model built on
+    ``meta``).
 
     Raises:
         ReshardError: unreadable input, rank shapes that do not join, or a config transformers cannot build.
     """
-    path = Path(path)
-    if path.is_file() and path.suffix == ".json":
+    path = path if isinstance(path, HubCheckpoint) else Path(path)
+    if isinstance(path, Path) and path.is_file() and path.suffix == ".json":
         kind, config = "config", load_config(options.config or path)
         shapes = build_skeleton(config).shapes
         plan = select_plan(config, shapes, plan_file=options.plan)
@@ -273,6 +275,7 @@ def check(path: Path, options: CheckOptions) -> CheckReport:
     else:
         read = ReadOptions(config=options.config, plan=options.plan, trust_pickle=options.trust_pickle)
         opened = open_checkpoint(path, read, target_tp=options.tp, read_bytes=False)
+        path = opened.path  # a Hub repo: at the commit read
         kind, config, plan, vocab = "checkpoint", opened.source.config, opened.plan, opened.vocab.original
         shapes = _full_shapes(opened)
     return check_model(

@@ -14,6 +14,7 @@ from reshard.engine.lora_merge import check_lora_replicas
 from reshard.engine.open import OpenedCheckpoint, open_checkpoint
 from reshard.engine.planner import ConversionPlan, TargetTensor, TensorPlan
 from reshard.engine.target import TargetPlan, plan_target
+from reshard.hub.source import source_record
 from reshard.io.staging import check_output, staged_output
 from reshard.layouts import TargetSpec, writer_class
 from reshard.manifest import Manifest, TensorEntry, VocabRecord, write_manifest
@@ -110,7 +111,7 @@ def convert_opened(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
             shutil.copy2(side, staging / side.name)
             files.append(side.name)
         manifest = Manifest(
-            source={"path": str(ckpt), "layout": source.layout, "tp": source.tp},
+            source={**source_record(ckpt), "layout": source.layout, "tp": source.tp},
             target={"layout": layout, "tp": options.tp},
             vocab=VocabRecord(
                 vocab.original,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from click.testing import CliRunner, Result
+from oracles import mcore_oracle  # noqa: F401  (the session's Megatron-Core oracle fixture)
 
 from reshard.cli import main
 

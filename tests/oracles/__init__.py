@@ -28,11 +28,14 @@ import tempfile
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-import torch
 
 from .variants import Spec, Variant
+
+if TYPE_CHECKING:  # torch is imported when used: importing it imports tqdm, before conftest sets TQDM_DISABLE
+    import torch
 
 SCRIPT = Path(__file__).with_name("mcore_gpt.py")
 INSTALL_HINT = "pip install -c constraints.txt -e '.[oracle]' (make install does it)"
@@ -137,6 +140,8 @@ class McoreCheckpoint:
     @cached_property
     def reference(self) -> dict:
         """``{'input_ids', 'logits' (padded vocab), 'variant', 'spec', 'padded_vocab'}`` as the writer saved it."""
+        import torch
+
         return torch.load(self.root / "reference.pt", weights_only=True)
 
     @property
@@ -197,6 +202,8 @@ class McoreOracle:
 
     def load_many(self, requests: list[tuple[Path, str, Spec, str]]) -> list[dict]:
         """Several loads ``(ckpt, fmt, spec, strict)``, one torchrun per process count, results in order."""
+        import torch
+
         results: list[dict | None] = [None] * len(requests)
         with tempfile.TemporaryDirectory(prefix="mcore-load-", dir=self.base) as tmp:
             jobs = [

@@ -19,9 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from reshard.check import CheckOptions, check
-from reshard.layouts.files import TensorHeader
-from reshard.safetensors_stream import header_bytes
+from reshard.commands.check import CheckOptions, check
+from reshard.io.safetensors_writer import header_bytes
+from reshard.layouts.readers import TensorHeader
 
 CONFIG = {
     "architectures": ["Qwen3_5ForCausalLM"],

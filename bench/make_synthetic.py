@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from reshard.layouts.files import TensorHeader
-from reshard.safetensors_stream import FORMAT_METADATA, header_bytes, ordered
+from reshard.io.safetensors_writer import FORMAT_METADATA, header_bytes, ordered
+from reshard.layouts.readers import TensorHeader
 
 HIDDEN = 4096
 INTERMEDIATE = 11008

@@ -222,7 +222,7 @@ def render(rows: list[dict], info: dict, notes: list[str]) -> str:
     lines = [
         "# reshard benchmark results",
         "",
-        "Written by `bench/run.py` (see the Performance section of the top-level README for the commands).",
+        "Written by `bench/run.py` (how to run it: docs/performance.md).",
         "",
         "## Machine",
         "",

@@ -8,20 +8,18 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 # Where each public name lives. They are imported on first use (PEP 562), so that ``reshard check``,
 # which reads only headers, starts without importing torch.
 _EXPORTS = {
-    "CheckOptions": "reshard.check",
-    "CheckReport": "reshard.check",
+    "CheckOptions": "reshard.commands.check",
+    "CheckReport": "reshard.commands.check",
     "ConvertOptions": "reshard.options",
-    "ConvertReport": "reshard.convert",
-    "FixReport": "reshard.fix",
+    "ConvertReport": "reshard.commands.convert",
+    "FixReport": "reshard.commands.fix",
     "Grouped": "reshard.partition",
-    "InspectReport": "reshard.inspect",
+    "InspectReport": "reshard.commands.inspect",
     "Manifest": "reshard.manifest",
     "Packed": "reshard.partition",
     "Partition": "reshard.partition",
@@ -30,46 +28,31 @@ _EXPORTS = {
     "ReshardError": "reshard.errors",
     "Rule": "reshard.plans",
     "Shard": "reshard.partition",
-    "VerifyOptions": "reshard.verify",
-    "VerifyResult": "reshard.verify",
+    "VerifyOptions": "reshard.commands.verify",
+    "VerifyResult": "reshard.commands.verify",
     "Vocab": "reshard.partition",
-    "check": "reshard.check",
-    "convert": "reshard.convert",
-    "fix": "reshard.fix",
+    "check": "reshard.commands.check",
+    "convert": "reshard.commands.convert",
+    "fix": "reshard.commands.fix",
     "gather": "reshard.slicing",
-    "inspect_checkpoint": "reshard.inspect",
+    "inspect_checkpoint": "reshard.commands.inspect",
     "read_manifest": "reshard.manifest",
     "split": "reshard.slicing",
-    "verify": "reshard.verify",
+    "verify": "reshard.commands.verify",
 }
 
 if TYPE_CHECKING:
-    from reshard.check import CheckOptions, CheckReport, check
-    from reshard.convert import ConvertReport, convert
+    from reshard.commands.check import CheckOptions, CheckReport, check
+    from reshard.commands.convert import ConvertReport, convert
+    from reshard.commands.fix import FixReport, fix
+    from reshard.commands.inspect import InspectReport, inspect_checkpoint
+    from reshard.commands.verify import VerifyOptions, VerifyResult, verify
     from reshard.errors import ReshardError
-    from reshard.fix import FixReport, fix
-    from reshard.inspect import InspectReport, inspect_checkpoint
     from reshard.manifest import Manifest, read_manifest
     from reshard.options import ConvertOptions
     from reshard.partition import Grouped, Packed, Partition, Replicate, Shard, Vocab
     from reshard.plans import Plan, Rule
     from reshard.slicing import gather, split
-    from reshard.verify import VerifyOptions, VerifyResult, verify
-
-
-class _Package(types.ModuleType):
-    """The ``reshard`` module object: keeps ``reshard.check`` & co. the functions, not their modules.
-
-    Importing a submodule binds it on its package (``reshard.convert = <module>``). Four submodules
-    share their name with the function they export, and the function is the public name: the binding
-    is dropped, so the name resolves through :func:`__getattr__` to the function.
-    """
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if isinstance(value, types.ModuleType) and _EXPORTS.get(name) == value.__name__:
-            self.__dict__.pop(name, None)
-            return
-        super().__setattr__(name, value)
 
 
 def __getattr__(name: str) -> Any:
@@ -113,6 +96,3 @@ __all__ = [
     "split",
     "verify",
 ]
-
-
-sys.modules[__name__].__class__ = _Package

@@ -8,10 +8,14 @@ only when a tensor is read or written.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+Shape = tuple[int, ...]
 
 # (code, torch attribute name, bytes per element), in safetensors' own order (its Rust ``Dtype`` enum):
 # files list tensors by this rank, largest first.
@@ -37,6 +41,7 @@ _SAFETENSORS_DTYPES: tuple[tuple[str, str, int], ...] = (
 _NAME = {code: name for code, name, _ in _SAFETENSORS_DTYPES}
 _ITEMSIZE = {code: size for code, _, size in _SAFETENSORS_DTYPES}
 _RANK = {code: rank for rank, (code, _, _) in enumerate(_SAFETENSORS_DTYPES)}
+_CODE_OF_NAME = {name: code for code, name, _ in _SAFETENSORS_DTYPES}
 
 
 def is_code(code: str) -> bool:
@@ -52,6 +57,11 @@ def itemsize_of(code: str) -> int:
 def name_of(code: str) -> str:
     """``"BF16"`` -> ``"bfloat16"``, the spelling used in manifests and reports."""
     return _NAME[code]
+
+
+def code_from_name(name: str) -> str | None:
+    """``"bfloat16"`` -> ``"BF16"``: the code of a torch dtype's name, None for dtypes safetensors cannot hold."""
+    return _CODE_OF_NAME.get(name)
 
 
 def dtype_from_code(code: str) -> torch.dtype:
@@ -79,3 +89,30 @@ def _torch_dtypes() -> dict[str, torch.dtype]:
 @functools.cache
 def _codes_by_dtype() -> dict[torch.dtype, str]:
     return {dtype: code for code, dtype in _torch_dtypes().items()}
+
+
+@dataclass(frozen=True)
+class TensorHeader:
+    """What a file says about one tensor before any of its bytes are read.
+
+    The dtype is kept as its safetensors code (``"BF16"``) so that headers are read without torch.
+    """
+
+    shape: Shape
+    code: str
+
+    @classmethod
+    def of(cls, shape: Sequence[int], dtype: torch.dtype) -> TensorHeader:
+        """The header of a tensor of ``shape`` and torch ``dtype``."""
+        return cls(tuple(shape), code_of(dtype))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return dtype_from_code(self.code)
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return numel * itemsize_of(self.code)

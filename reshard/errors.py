@@ -64,6 +64,10 @@ class OutputExistsError(ReshardError, FileExistsError):
     """The output path exists and is not empty, and ``--overwrite`` was not given."""
 
 
+class MappingError(ReshardError, ValueError):
+    """Source names a mapping does not know, a fused group with a part missing, or two sources for one name."""
+
+
 class PlanError(ReshardError):
     """Several problems found while planning, reported together before any byte is written."""
 

@@ -87,6 +87,7 @@ class Manifest:
     target: dict[str, Any]
     vocab: VocabRecord
     tensors: dict[str, TensorEntry] = field(default_factory=dict)
+    mapping: dict[str, Any] | None = None
     reshard_version: str = ""
     created: str = ""
     format: str = FORMAT
@@ -100,7 +101,7 @@ class Manifest:
             "target": self.target,
             "vocab": {k: v for k, v in asdict(self.vocab).items() if k in VOCAB_FIELDS[:3] or v is not None},
             "tensors": {name: entry.to_dict() for name, entry in self.tensors.items()},
-        }
+        } | ({"mapping": self.mapping} if self.mapping is not None else {})
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Manifest:
@@ -109,6 +110,7 @@ class Manifest:
             target=dict(data.get("target", {})),
             vocab=VocabRecord(**{k: data.get("vocab", {}).get(k) for k in VOCAB_FIELDS}),
             tensors={name: TensorEntry.from_dict(entry) for name, entry in data.get("tensors", {}).items()},
+            mapping=data.get("mapping"),
             reshard_version=data.get("reshard_version", ""),
             created=data.get("created", ""),
             format=data.get("format", FORMAT),

@@ -1,22 +1,68 @@
-"""The options of a conversion, filled once from the command line (or by a library caller)."""
+"""The options of a command, filled once from the command line (or by a library caller) and passed down whole."""
 
 from __future__ import annotations
 
+import enum
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from reshard.errors import ReshardError
+
+
+class Layout(str, enum.Enum):
+    """How a checkpoint sits on disk (docs/layouts.md). ``loose`` and ``dcp`` are read only."""
+
+    HF = "hf"
+    HF_RANKS = "hf-ranks"
+    MEGATRON = "megatron"
+    SAT = "sat"
+    LOOSE = "loose"
+    DCP = "dcp"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+WRITABLE_LAYOUTS = (Layout.HF, Layout.HF_RANKS, Layout.MEGATRON, Layout.SAT)
 
 
 def default_jobs() -> int:
     """Twice the cores this process may run on.
 
     A job spends much of its time waiting for its tensor's reads and writes (direct requests, see
-    :mod:`reshard.direct_io`), so with one job per core the disk idles while every job hashes. On the
+    :mod:`reshard.io.direct`), so with one job per core the disk idles while every job hashes. On the
     2-core bench VM (4 GB, tp 8 -> 4, 5 interleaved cold runs each): median 9.3 s with 2 jobs, 7.9 s
-    with 4; tp 8 -> 1: 8.2 s and 7.3 s. Memory does not grow with jobs (see :mod:`reshard.stream`).
+    with 4; tp 8 -> 1: 8.2 s and 7.3 s. Memory does not grow with jobs (see :mod:`reshard.engine.execute`).
     """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return 2 * cores
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    """How to open a checkpoint and decide every tensor's partition (what every command shares).
+
+    Attributes:
+        config: an explicit ``config.json`` (else found in or above the checkpoint, or the layout's own).
+        plan: a user plan file whose rules come before the built-in plan, or ``"transformers"``.
+        trust_pickle: fully unpickle torch files (only for files the user trusts).
+        vocab: the true vocab size; None takes it from the manifest, then the config.
+        uneven: read and split sizes that do not divide as ``torch.chunk`` does.
+        merge_lora: merge LoRA adapters into their base weights on every source rank first.
+        lora_alpha: LoRA alpha for merging (scaling = alpha / rank).
+    """
+
+    config: Path | None = None
+    plan: Path | str | None = None
+    trust_pickle: bool = False
+    vocab: int | None = None
+    uneven: bool = False
+    merge_lora: bool = False
+    lora_alpha: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -40,10 +86,12 @@ class ConvertOptions:
         lora_alpha: LoRA alpha for merging (scaling = alpha / rank).
         progress: show tqdm progress bars on stderr.
         jobs: tensors read, gathered, hashed and written at once (default: twice the cores).
+        keep_names: keep the source's tensor names even where the target layout's framework names them
+            otherwise (a Megatron checkpoint written as ``hf`` keeps Megatron's names and fused tensors).
     """
 
     tp: int = 1
-    layout: str | None = None
+    layout: Layout | str | None = None
     vocab: int | None = None
     pad_multiple: int | None = None
     uneven: bool = False
@@ -57,3 +105,26 @@ class ConvertOptions:
     lora_alpha: float = 1.0
     progress: bool = True
     jobs: int = field(default_factory=default_jobs)
+    keep_names: bool = False
+
+    def __post_init__(self) -> None:
+        if self.layout is not None:
+            try:
+                object.__setattr__(self, "layout", Layout(self.layout))
+            except ValueError:
+                raise ReshardError(
+                    f"unknown layout {self.layout!r}", hint=f"choose one of {', '.join(map(str, WRITABLE_LAYOUTS))}"
+                ) from None
+
+    @property
+    def read(self) -> ReadOptions:
+        """The part of these options that says how to open the source."""
+        return ReadOptions(
+            config=self.config,
+            plan=self.plan,
+            trust_pickle=self.trust_pickle,
+            vocab=self.vocab,
+            uneven=self.uneven,
+            merge_lora=self.merge_lora,
+            lora_alpha=self.lora_alpha,
+        )

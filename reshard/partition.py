@@ -145,11 +145,6 @@ def partition_from_dict(data: dict[str, Any]) -> Partition:
 # ---------------------------------------------------------------- sizes
 
 
-def round_up(size: int, multiple: int) -> int:
-    """Smallest multiple of ``multiple`` that is >= ``size``."""
-    return -(-size // multiple) * multiple
-
-
 def split_sizes(total: int, tp: int, *, uneven: bool = False) -> list[int]:
     """Sizes of ``tp`` pieces of ``total``.
 

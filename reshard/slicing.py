@@ -25,6 +25,7 @@ from reshard.partition import (
     rank_shapes,
     with_size,
 )
+from reshard.vocab import cut_pad_rows
 
 
 def pad(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
@@ -41,10 +42,7 @@ def pad(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 
 def unpad(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     """A view of the first ``size`` entries along ``dim``: the pad rows are not data."""
-    dim = norm_dim(dim, tensor.dim())
-    if size > tensor.shape[dim]:
-        raise ShapeMismatchError(f"cannot unpad dim {dim} of size {tensor.shape[dim]} up to {size}")
-    return tensor.narrow(dim, 0, size)
+    return cut_pad_rows(tensor, norm_dim(dim, tensor.dim()), size)
 
 
 def split(

@@ -15,16 +15,18 @@ from pathlib import Path
 
 import torch
 
-from reshard.convert import convert, open_source
-from reshard.options import ConvertOptions
-from reshard.verify import VerifyOptions, VerifyResult, verify
+from reshard.cli.render import render_verify
+from reshard.commands.convert import convert
+from reshard.commands.verify import VerifyOptions, VerifyResult, verify
+from reshard.layouts import discover
+from reshard.options import ConvertOptions, Layout, ReadOptions
 
 __all__ = ["assert_roundtrip", "assert_same_checkpoint", "assert_same_logits"]
 
 
 def _check(result: VerifyResult) -> None:
     if not result.ok:
-        raise AssertionError("\n" + result.render())
+        raise AssertionError("\n" + render_verify(result))
 
 
 def assert_roundtrip(
@@ -129,10 +131,10 @@ def _load(folder: Path, original: str | Path) -> torch.nn.Module:
 
 def _full_folder(path: Path, scratch: Path, plan: Path | None) -> Path:
     """``path`` itself when it is a full ``hf`` folder read without a plan, else a gathered copy in ``scratch``."""
-    source = open_source(path, ConvertOptions())
-    if plan is None and path.is_dir() and source.layout == "hf" and source.tp == 1:
+    source = discover(path, ReadOptions())
+    if plan is None and path.is_dir() and source.layout == Layout.HF and source.tp == 1:
         return path
-    convert(path, scratch, ConvertOptions(tp=1, layout="hf", plan=plan, progress=False))
+    convert(path, scratch, ConvertOptions(tp=1, layout=Layout.HF, plan=plan, progress=False))
     return scratch
 
 

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from click.testing import CliRunner, Result
-from oracles import mcore_oracle  # noqa: F401  (the session's Megatron-Core oracle fixture)
+from hub.fixture import hub  # noqa: F401 - the local Hugging Face Hub server (tests/hub/)
+from oracles import mcore_oracle  # noqa: F401 - the session's Megatron-Core oracle (tests/oracles/)
 
 from reshard.cli import main
+
+# tqdm reads TQDM_DISABLE once, when it is first imported, and test modules that import huggingface_hub at
+# collection import it before any fixture runs: set it here too, not only in the autouse fixture below.
+os.environ.setdefault("TQDM_DISABLE", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -196,6 +196,8 @@ def make_args(tp: int, **extra: object) -> argparse.Namespace:
         num_query_groups=NG,
         kv_channels=D,
         swiglu=True,
+        normalization="RMSNorm",
+        position_embedding_type="rope",
         add_bias_linear=True,
         add_qkv_bias=True,
         untie_embeddings_and_output_weights=True,

@@ -9,7 +9,7 @@ import sys
 import pytest
 from helpers import tiny_qwen3_5
 
-from reshard.check import check_model
+from reshard.commands.check import check_model
 from reshard.plans.transformers_plan import plan_from_tp_plan
 
 # transformers 5.12's Qwen3.5 plan (transformers#46846): attention and MLP only, no linear_attn.
@@ -208,11 +208,11 @@ def test_checking_safetensors_headers_never_imports_torch(cli, qwen35, tmp_path)
 
 
 def test_public_names_stay_the_functions_after_their_modules_are_imported():
-    """The package loads its public names lazily; importing ``reshard.convert`` (the module) must not
-    turn ``reshard.convert`` into that module."""
+    """The package loads its public names lazily; importing the command modules must leave ``reshard.convert``
+    & co. the functions (their modules live in ``reshard.commands``, so no name is shared)."""
     probe = (
-        "import reshard, reshard.check, reshard.convert, reshard.fix, reshard.verify\n"
-        "from reshard.inspect import inspect_checkpoint\n"
+        "import reshard, reshard.commands.check, reshard.commands.convert, reshard.commands.fix\n"
+        "import reshard.commands.verify, reshard.commands.inspect\n"
         "from reshard import check, convert, fix, verify\n"
         "assert all(callable(f) for f in (check, convert, fix, verify, reshard.check, reshard.convert))\n"
         "print(sorted(type(getattr(reshard, name)).__name__ for name in reshard.__all__))\n"

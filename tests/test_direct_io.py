@@ -1,4 +1,4 @@
-"""``reshard.direct_io``: ranges written from several threads with O_DIRECT (whole blocks) and the page
+"""``reshard.io.direct``: ranges written from several threads with O_DIRECT (whole blocks) and the page
 cache (the edges) make exactly the file their bytes say; ranges read in blocks land exactly where their
 views say; a file system that refuses O_DIRECT still works; errors on the I/O threads reach the caller."""
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from reshard import direct_io
-from reshard.direct_io import ALIGN, Batch, DirectFile, DirectSource
+from reshard.io import direct as direct_io
+from reshard.io.direct import ALIGN, Batch, DirectFile, DirectSource
 
 
 def ranges_of(size: int, seed: int) -> list[tuple[int, int]]:

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from trainer_ckpt import llama_65535, rank_states, write_ranks
 
 from reshard.manifest import MANIFEST_NAME
-from reshard.vocab_slices import explain
+from reshard.vocab import explain
 
 V = 65535
 HIDDEN = 16

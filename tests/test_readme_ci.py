@@ -1,4 +1,4 @@
-"""The "Use reshard in CI" examples of README.md, extracted from the README and run as written."""
+"""The examples of docs/ci.md ("Use reshard in CI") and of docs/commands.md, extracted and run as written."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import pytest
 import yaml
 from helpers import tiny_llama
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+CI_DOC, COMMANDS_DOC = ROOT / "docs" / "ci.md", ROOT / "docs" / "commands.md"
 
 
 def ci_section() -> str:
-    text = README.read_text()
-    return text.split("## Use reshard in CI", 1)[1].split("\n## ", 1)[0]
+    return CI_DOC.read_text()
 
 
 def code_block(language: str) -> str:
@@ -74,10 +74,10 @@ def test_github_actions_job_runs(cli, tmp_path: Path) -> None:
     assert job["env"]["CKPT"] == "checkpoints/latest"
 
 
-def test_readme_verify_console_matches(cli, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every ``$ reshard verify`` in the README prints what the README shows (``...`` elides the rest of a line)."""
-    monkeypatch.chdir(README.parent)
-    section = README.read_text().split("### `reshard verify`", 1)[1]
+def test_verify_console_matches(cli, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every ``$ reshard verify`` in docs/commands.md prints what it shows (``...`` elides the rest of a line)."""
+    monkeypatch.chdir(ROOT)
+    section = COMMANDS_DOC.read_text().split("## `reshard verify`", 1)[1]
     [console] = re.findall(r"```console\n(.*?)```", section.split("\n## ", 1)[0], flags=re.DOTALL)
     runs = re.split(r"^\$ ", console, flags=re.MULTILINE)[1:]
     assert len(runs) == 2

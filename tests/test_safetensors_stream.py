@@ -10,8 +10,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from reshard.layouts.files import TensorHeader
-from reshard.safetensors_stream import SafetensorsFileWriter, ShardedSafetensorsWriter, ordered
+from reshard.io.safetensors_writer import SafetensorsFileWriter, ShardedSafetensorsWriter, ordered
+from reshard.layouts.readers import TensorHeader
 
 
 def headers_of(tensors: dict[str, torch.Tensor]) -> dict[str, TensorHeader]:
@@ -124,7 +124,8 @@ def test_copies_of_short_rows_are_let_go_as_they_are_written(tmp_path, monkeypat
     import time
     import weakref
 
-    from reshard import direct_io, safetensors_stream
+    from reshard.io import direct as direct_io
+    from reshard.io import safetensors_writer as safetensors_stream
 
     monkeypatch.setattr(direct_io, "STAGING_BYTES", 2 * direct_io.ALIGN)
     alive, most = set(), [0]

@@ -1,4 +1,4 @@
-"""The threaded, in-place byte mover (reshard.stream) against the plain gather / split of reshard.partition."""
+"""The threaded, in-place byte mover (reshard.engine.execute) against the plain gather / split of reshard.partition."""
 
 from __future__ import annotations
 
@@ -11,13 +11,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from reshard import stream
+from reshard.engine import buffers
+from reshard.engine import execute as stream
+from reshard.engine import gather as engine_gather
+from reshard.engine.digest import sha256_of
+from reshard.engine.planner import SourceTensor, TargetTensor, TensorPlan
 from reshard.errors import CorruptFileError, DivergentReplicaError
+from reshard.io.safetensors_writer import byte_chunks, tensor_bytes
 from reshard.layouts.base import TensorRef
-from reshard.layouts.files import SafetensorsReader, TorchReader
+from reshard.layouts.readers import SafetensorsReader, TorchReader
 from reshard.partition import Packed, Replicate, Shard, Vocab, rank_shapes
-from reshard.pipeline import SourceTensor, TensorPlan, sha256_of
-from reshard.safetensors_stream import byte_chunks, tensor_bytes
 from reshard.slicing import gather, split
 
 SAMPLE = Path(__file__).resolve().parents[1] / "sample_ckpts" / "tiny-llama-tp2"
@@ -25,6 +28,12 @@ SAMPLE = Path(__file__).resolve().parents[1] / "sample_ckpts" / "tiny-llama-tp2"
 
 def _full(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.arange(torch.Size(shape).numel()).to(dtype).reshape(shape)
+
+
+def one_tensor(source: SourceTensor, rank_shapes: tuple) -> TensorPlan:
+    """The plan of one tensor kept under its name and partition, with the given target rank shapes."""
+    target = TargetTensor(source.name, source.shape, source.code, source.partition, tuple(rank_shapes))
+    return TensorPlan((source,), (target,))
 
 
 def _refs(tmp_path: Path, slices: list[torch.Tensor], fmt: str) -> tuple[TensorRef, ...]:
@@ -80,11 +89,11 @@ def test_prepare_matches_gather_then_split(tmp_path: Path, case: str, fmt: str) 
     refs = _refs(tmp_path, slices, fmt)
     target_padded = -(-vocab // target_tp) * target_tp if vocab else None
     targets = tuple(rank_shapes(partition, full.shape, target_tp, padded=target_padded, uneven=uneven))
-    plan = TensorPlan(SourceTensor("w", refs, partition, "test", tuple(full.shape)), targets)
+    plan = one_tensor(SourceTensor("w", refs, partition, "test", tuple(full.shape)), targets)
 
-    work = stream.plan_work(plan, target_tp=target_tp)
-    name, canonical, pieces = stream.prepare(
-        work, target_tp=target_tp, vocab_size=vocab, uneven=uneven, allow_divergent=False
+    work = engine_gather.plan_work(plan, target_tp=target_tp)
+    ((name, canonical, pieces),) = engine_gather.gather_and_split(
+        work, target_tp=target_tp, uneven=uneven, allow_divergent=False
     )
 
     expected_full = gather([s.contiguous() for s in slices], partition, vocab_size=vocab, uneven=uneven)
@@ -102,11 +111,11 @@ def test_divergent_replica_names_the_rank_and_file(tmp_path: Path) -> None:
     other = same.clone()
     other[1, 2] += 0.5
     refs = _refs(tmp_path, [same, same, other], "safetensors")
-    plan = TensorPlan(SourceTensor("w", refs, Replicate(), "test", (4, 3)), ((4, 3),))
-    work = stream.plan_work(plan, target_tp=1)
+    plan = one_tensor(SourceTensor("w", refs, Replicate(), "test", (4, 3)), ((4, 3),))
+    work = engine_gather.plan_work(plan, target_tp=1)
     with pytest.raises(DivergentReplicaError, match=r"rank0\.safetensors.*w.*between rank 0 and rank 2.*0\.5"):
-        stream.prepare(work, target_tp=1, vocab_size=None, uneven=False, allow_divergent=False)
-    _, canonical, _ = stream.prepare(work, target_tp=1, vocab_size=None, uneven=False, allow_divergent=True)
+        engine_gather.gather_and_split(work, target_tp=1, uneven=False, allow_divergent=False)
+    ((_, canonical, _),) = engine_gather.gather_and_split(work, target_tp=1, uneven=False, allow_divergent=True)
     assert torch.equal(canonical, same)
 
 
@@ -157,19 +166,19 @@ def test_threaded_convert_writes_the_same_bytes_as_one_job(cli, tmp_path: Path, 
 def test_bytes_in_flight_stay_within_the_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The tensor memory alive at once (storages behind prepared, unwritten slices, and gather buffers kept
     for reuse) stays under the budget."""
-    from reshard.convert import convert
+    from reshard.commands.convert import convert
     from reshard.options import ConvertOptions
 
-    budgets: list[stream.Budget] = []
-    pools: list[stream.BufferPool] = []
+    budgets: list[buffers.Budget] = []
+    pools: list[buffers.BufferPool] = []
     live, peak, lock = [0], [0], threading.Lock()
 
-    class RecordingPool(stream.BufferPool):
+    class RecordingPool(buffers.BufferPool):
         def __init__(self, limit: int) -> None:
             super().__init__(limit)
             pools.append(self)
 
-    class Recording(stream.Budget):
+    class Recording(buffers.Budget):
         def __init__(self, limit: int) -> None:
             super().__init__(limit)
             budgets.append(self)
@@ -178,8 +187,9 @@ def test_bytes_in_flight_stay_within_the_budget(tmp_path: Path, monkeypatch: pyt
         with lock:
             live[0] -= nbytes
 
-    def tracking(work: stream.Work, **options: object):
-        name, canonical, pieces = prepare(work, **options)
+    def tracking(work: engine_gather.Work, **options: object):
+        results = prepare(work, **options)
+        pieces = [p for _, _, slices in results for p in slices]
         storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in pieces}
         with lock:
             live[0] += sum(storages.values())
@@ -193,13 +203,14 @@ def test_bytes_in_flight_stay_within_the_budget(tmp_path: Path, monkeypatch: pyt
 
         for piece in {id(p): p for p in pieces}.values():
             weakref.finalize(piece, one_gone)
-        return name, canonical, pieces
+        del pieces
+        return results
 
-    prepare = stream.prepare
+    prepare = engine_gather.gather_and_split
     monkeypatch.setattr(stream, "Budget", Recording)
     monkeypatch.setattr(stream, "BufferPool", RecordingPool)
-    monkeypatch.setattr(stream, "prepare", tracking)
-    monkeypatch.setattr(stream, "MIN_BUDGET", 0)  # the tiny model's own 2 x largest tensor
+    monkeypatch.setattr(stream, "gather_and_split", tracking)
+    monkeypatch.setattr(buffers, "MIN_BUDGET", 0)  # the tiny model's own 2 x largest tensor
     convert(SAMPLE, tmp_path / "out", ConvertOptions(tp=2, jobs=4, progress=False))
     (budget,) = budgets
     largest = 1001 * 64 * 4  # the float32 embedding / lm_head
@@ -214,7 +225,7 @@ def test_bytes_in_flight_stay_within_the_budget(tmp_path: Path, monkeypatch: pyt
 def test_short_writes_and_reads_resume_where_they_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
-    from reshard import _io
+    from reshard.io import vectored as _io
 
     data = [memoryview(bytes(range(i, i + 7))) for i in range(0, 70, 7)]
     real_pwritev, real_preadv = os.pwritev, os.preadv
@@ -254,15 +265,15 @@ def test_row_views_are_the_strided_rows_without_a_copy() -> None:
 
 
 def _io_rows(tensor: torch.Tensor):
-    from reshard._io import row_views
+    from reshard.io.vectored import row_views
 
     return row_views(tensor)
 
 
 @pytest.mark.parametrize("columns", [(256, 768), (1, 9)], ids=["long-rows", "short-rows"])
 def test_a_column_block_is_written_as_save_file_writes_it(tmp_path: Path, columns: tuple[int, int]) -> None:
-    from reshard.layouts.files import TensorHeader
-    from reshard.safetensors_stream import SafetensorsFileWriter
+    from reshard.io.safetensors_writer import SafetensorsFileWriter
+    from reshard.layouts.readers import TensorHeader
 
     block = _full((6, 1024))[:, columns[0] : columns[1]]
     writer = SafetensorsFileWriter(tmp_path / "ours.safetensors", {"w": TensorHeader.of(block.shape, block.dtype)})
@@ -286,7 +297,7 @@ def _mapped_rss_kb(path: Path) -> int:
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc")
 def test_reading_a_torch_file_lets_go_of_its_mapped_pages(tmp_path: Path) -> None:
-    from reshard._io import release_mapped
+    from reshard.io.vectored import release_mapped
 
     path = tmp_path / "big.pt"
     torch.save({"w": _full((1024, 2048))}, path)  # 8 MB
@@ -308,7 +319,7 @@ def test_reading_a_torch_file_lets_go_of_its_mapped_pages(tmp_path: Path) -> Non
     "bad", [None, float("nan"), float("inf"), float("-inf")], ids=["finite", "nan", "inf", "-inf"]
 )
 def test_finite_check_in_one_pass_agrees_with_isfinite(dtype: torch.dtype, bad: float | None) -> None:
-    from reshard.pipeline import all_finite_in_blocks
+    from reshard.engine.digest import all_finite_in_blocks
 
     tensor = (torch.arange(3000.0).reshape(100, 30) / 7).to(dtype)
     if bad is not None and dtype.is_floating_point:
@@ -322,7 +333,7 @@ def test_finite_check_in_one_pass_agrees_with_isfinite(dtype: torch.dtype, bad: 
 def test_conversions_leave_no_descriptor_open(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Library use (many conversions in one process, one failing midway) must not leak the descriptors
     of the rank files read (two each: direct and buffered) or of the outputs being written."""
-    from reshard import convert, pipeline
+    from reshard import convert
     from reshard.errors import ReshardError
     from reshard.options import ConvertOptions
 
@@ -342,7 +353,7 @@ def test_conversions_leave_no_descriptor_open(tmp_path: Path, monkeypatch: pytes
             raise ReshardError("disk on fire")
         return sha256_of(tensor)
 
-    monkeypatch.setattr(pipeline, "sha256_of", fail_midway)
+    monkeypatch.setattr(stream, "sha256_of", fail_midway)
     with pytest.raises(ReshardError, match="disk on fire"):
         convert(SAMPLE, tmp_path / "failed", ConvertOptions(tp=2, progress=False))
     assert len(hashed) > 3 and not (tmp_path / "failed").exists()

@@ -14,8 +14,8 @@ from helpers import load_folder, tiny_llama
 from safetensors.torch import load_file, save_file
 
 from reshard import ConvertOptions, convert
-from reshard._verify_checks import value_difference
-from reshard.verify import VerifyOptions, verify
+from reshard.commands.verify import VerifyOptions, verify
+from reshard.commands.verify_checks import value_difference
 
 Q1 = "model.layers.1.self_attn.q_proj.weight"
 NORM = "model.layers.0.input_layernorm.weight"
@@ -288,7 +288,7 @@ def test_value_difference(monkeypatch: pytest.MonkeyPatch) -> None:
     nan[0, 0] = float("nan")
     assert value_difference(nan, nan.clone()) is None
     assert value_difference(nan, a) == float("inf")
-    monkeypatch.setattr(importlib.import_module("reshard._verify_checks"), "_BLOCK", 7)
+    monkeypatch.setattr(importlib.import_module("reshard.commands.verify_checks"), "_BLOCK", 7)
     big = torch.arange(100, dtype=torch.float32)  # 15 blocks of 7
     other = big.clone()
     other[-1] += 2
@@ -308,7 +308,7 @@ def test_roundtrip_reports_an_infeasible_tp(cli, checkpoints: dict[str, Path]) -
 def test_roundtrip_cleans_up_on_interrupt(checkpoints, tmp_path, monkeypatch, interrupt) -> None:
     import tempfile
 
-    verify_module = importlib.import_module("reshard.verify")  # the module; ``reshard.verify`` is the function
+    verify_module = importlib.import_module("reshard.commands.verify")
 
     scratch = tmp_path / "scratch"
     scratch.mkdir()

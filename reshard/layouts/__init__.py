@@ -5,34 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from reshard.errors import ReshardError
-from reshard.layouts import hf, hf_ranks, loose, megatron, sat
-from reshard.layouts.base import (
-    WRITABLE_LAYOUTS,
-    CheckpointWriter,
-    Layout,
-    ReadOptions,
-    SourceCheckpoint,
-    TargetSpec,
-    TensorRef,
-)
+from reshard.layouts import dcp, hf, hf_ranks, loose, megatron, sat
+from reshard.layouts.base import CheckpointWriter, SourceCheckpoint, TargetSpec, TensorRef
+from reshard.options import Layout, ReadOptions
 
-__all__ = [
-    "WRITABLE_LAYOUTS",
-    "CheckpointWriter",
-    "Layout",
-    "ReadOptions",
-    "SourceCheckpoint",
-    "TargetSpec",
-    "TensorRef",
-    "discover",
-    "writer_class",
-]
+__all__ = ["CheckpointWriter", "SourceCheckpoint", "TargetSpec", "TensorRef", "discover", "writer_class"]
 
-_WRITERS: dict[str, type[CheckpointWriter]] = {
-    "hf": hf.HFWriter,
-    "hf-ranks": hf_ranks.HFRanksWriter,
-    "megatron": megatron.MegatronWriter,
-    "sat": sat.SatWriter,
+_WRITERS: dict[Layout, type[CheckpointWriter]] = {
+    Layout.HF: hf.HFWriter,
+    Layout.HF_RANKS: hf_ranks.HFRanksWriter,
+    Layout.MEGATRON: megatron.MegatronWriter,
+    Layout.SAT: sat.SatWriter,
 }
 
 
@@ -47,6 +30,8 @@ def discover(path: Path, options: ReadOptions | None = None) -> SourceCheckpoint
         raise ReshardError("no such file or folder", path=path)
     if path.is_file():
         return hf.discover(path, options)
+    if dcp.detect(path):
+        return dcp.discover(path, options)
     if megatron.detect(path):
         return megatron.discover(path, options)
     if sat.detect(path):
@@ -58,18 +43,18 @@ def discover(path: Path, options: ReadOptions | None = None) -> SourceCheckpoint
     if hf.is_hf_folder(path):
         return hf.discover(path, options)
     raise ReshardError(
-        "no checkpoint found (looked for Megatron iter_*/mp_rank_*, SAT mp_rank_XX_model_states.pt, rank_NN/ "
-        "folders, *rank{r}* files, model.safetensors, "
+        "no checkpoint found (looked for DCP .metadata, Megatron iter_*/mp_rank_*, SAT mp_rank_XX_model_states.pt, "
+        "rank_NN/ folders, *rank{r}* files, model.safetensors, "
         "pytorch_model.bin, *.safetensors)",
         path=path,
     )
 
 
-def writer_class(layout: str) -> type[CheckpointWriter]:
-    """The writer for a layout name; ``ReshardError`` for a read-only or unknown layout."""
+def writer_class(layout: Layout) -> type[CheckpointWriter]:
+    """The writer for a layout; ``ReshardError`` for a read-only one."""
     try:
         return _WRITERS[layout]
     except KeyError:
         raise ReshardError(
-            f"cannot write the {layout!r} layout", hint=f"choose one of {', '.join(_WRITERS)}"
+            f"cannot write the {str(layout)!r} layout", hint=f"choose one of {', '.join(map(str, _WRITERS))}"
         ) from None

@@ -2,40 +2,19 @@
 
 from __future__ import annotations
 
-import enum
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from reshard.config import ModelConfig
-from reshard.layouts.files import FileReader, TensorHeader
+from reshard.dtypes import TensorHeader
+from reshard.layouts.readers import FileReader
+from reshard.options import Layout
 
 if TYPE_CHECKING:
     import torch
-
-
-class Layout(str, enum.Enum):
-    """On-disk layouts (DESIGN.md section 3). ``loose`` and ``file`` are read-only."""
-
-    HF = "hf"
-    HF_RANKS = "hf-ranks"
-    MEGATRON = "megatron"
-    SAT = "sat"
-    LOOSE = "loose"
-
-    def __str__(self) -> str:
-        return self.value
-
-
-WRITABLE_LAYOUTS = ("hf", "hf-ranks", "megatron", "sat")
-
-
-@dataclass(frozen=True)
-class ReadOptions:
-    """How to open source files."""
-
-    trust_pickle: bool = False
 
 
 @dataclass(frozen=True)
@@ -99,7 +78,7 @@ class SourceCheckpoint:
     """
 
     path: Path
-    layout: str
+    layout: Layout
     ranks: list[dict[str, TensorRef]]
     config: ModelConfig | None = None
     extras: list[dict[str, Any]] = field(default_factory=list)
@@ -129,6 +108,19 @@ class SourceCheckpoint:
         return list(seen)
 
 
+def numbered_children(folder: Path, pattern: re.Pattern[str], *, want_dirs: bool) -> dict[int, Path]:
+    """``{number: path}`` for every folder (``want_dirs``) or file directly in ``folder`` whose name matches
+    ``pattern``; its first group is the number (a rank)."""
+    if not folder.is_dir():
+        return {}
+    found = {}
+    for child in folder.iterdir():
+        match = pattern.match(child.name)
+        if match and (child.is_dir() if want_dirs else child.is_file()):
+            found[int(match.group(1))] = child
+    return found
+
+
 def refs_from_readers(readers: Iterable[FileReader], rank: int) -> dict[str, TensorRef]:
     """Merge the tensors of several files of one rank (shards of one state dict)."""
     refs: dict[str, TensorRef] = {}
@@ -150,6 +142,7 @@ class TargetSpec:
         padded_vocab_size: the vocab size the vocab tensors are padded to at the target tp.
         max_shard_size: for safetensors outputs, the largest file before a new shard starts.
         source: the checkpoint being converted (layout writers read its ``meta``, ``extras``, ``top_level``).
+        meta: facts the plan decided for the writer (``args`` of a Megatron target whose source has none).
     """
 
     tp: int
@@ -159,6 +152,7 @@ class TargetSpec:
     padded_vocab_size: int | None
     max_shard_size: int | str
     source: SourceCheckpoint
+    meta: dict[str, Any] = field(default_factory=dict)
 
 
 class CheckpointWriter:
@@ -173,7 +167,7 @@ class CheckpointWriter:
         self.spec = spec
 
     @classmethod
-    def pad_multiple(cls, tp: int, source: SourceCheckpoint) -> int | None:
+    def pad_multiple(cls, tp: int, source: SourceCheckpoint, meta: dict[str, Any]) -> int | None:
         """The multiple the vocab is padded to for ``tp`` ranks when the user does not say (None: tp)."""
         return None
 

@@ -10,16 +10,16 @@ from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE
 
 from reshard.config import CONFIG_NAME, find_config
 from reshard.errors import CorruptFileError, MissingRankError, ReshardError
+from reshard.io.safetensors_writer import ShardedSafetensorsWriter
 from reshard.layouts.base import (
     RankFilesWriter,
-    ReadOptions,
     SourceCheckpoint,
     TargetSpec,
     TensorRef,
     refs_from_readers,
 )
-from reshard.layouts.files import FileReader, open_tensor_file
-from reshard.safetensors_stream import ShardedSafetensorsWriter
+from reshard.layouts.readers import FileReader, open_tensor_file
+from reshard.options import Layout, ReadOptions
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
         refs, readers = read_folder(path, 0, options)
         folder = path
         sides = side_files(path)
-    source = SourceCheckpoint(path, "hf", [refs], config=find_config(folder), side_files=sides)
+    source = SourceCheckpoint(path, Layout.HF, [refs], config=find_config(folder), side_files=sides)
     collect_extras(source, readers)
     return source
 

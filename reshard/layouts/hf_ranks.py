@@ -11,10 +11,11 @@ from pathlib import Path
 
 from reshard.config import CONFIG_NAME, find_config
 from reshard.errors import MissingRankError
-from reshard.layouts.base import RankFilesWriter, ReadOptions, SourceCheckpoint, TargetSpec
+from reshard.io.safetensors_writer import ShardedSafetensorsWriter
+from reshard.layouts.base import RankFilesWriter, SourceCheckpoint, TargetSpec, numbered_children
 from reshard.layouts.hf import collect_extras, read_folder, side_files, write_config
 from reshard.manifest import find_manifest
-from reshard.safetensors_stream import ShardedSafetensorsWriter
+from reshard.options import Layout, ReadOptions
 
 RANK_DIR = re.compile(r"^rank_(\d+)$")
 
@@ -25,14 +26,7 @@ def rank_dir(rank: int) -> str:
 
 def rank_folders(path: Path) -> dict[int, Path]:
     """``{rank: folder}`` for every ``rank_NN`` folder directly inside ``path``."""
-    if not path.is_dir():
-        return {}
-    found = {}
-    for child in path.iterdir():
-        match = RANK_DIR.match(child.name)
-        if match and child.is_dir():
-            found[int(match.group(1))] = child
-    return found
+    return numbered_children(path, RANK_DIR, want_dirs=True)
 
 
 def detect(path: Path) -> bool:
@@ -44,7 +38,7 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
     folders = rank_folders(path)
     tp = max(folders) + 1
     manifest = find_manifest(path)
-    if manifest is not None and manifest.target.get("layout") == "hf-ranks":
+    if manifest is not None and manifest.target.get("layout") == Layout.HF_RANKS:
         tp = max(tp, int(manifest.target.get("tp", tp)))
     missing = [rank_dir(r) for r in range(tp) if r not in folders]
     if missing:
@@ -53,7 +47,7 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
             path=path,
             hint="every rank must be present to gather",
         )
-    source = SourceCheckpoint(path, "hf-ranks", [], config=find_config(path), side_files=side_files(path))
+    source = SourceCheckpoint(path, Layout.HF_RANKS, [], config=find_config(path), side_files=side_files(path))
     for rank in range(tp):
         refs, readers = read_folder(folders[rank], rank, options)
         source.ranks.append(refs)

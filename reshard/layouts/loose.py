@@ -17,8 +17,7 @@ from pathlib import Path
 
 from reshard.config import find_config
 from reshard.errors import CorruptFileError, MissingRankError, ReshardError
-from reshard.layouts.base import ReadOptions, SourceCheckpoint, refs_from_readers
-from reshard.layouts.files import open_tensor_file
+from reshard.layouts.base import SourceCheckpoint, refs_from_readers
 from reshard.layouts.hf import (
     TENSOR_SUFFIXES,
     check_unique,
@@ -28,6 +27,8 @@ from reshard.layouts.hf import (
     read_index,
     side_files,
 )
+from reshard.layouts.readers import open_tensor_file
+from reshard.options import Layout, ReadOptions
 
 # A rank token: an optional two-letter parallel kind before "rank" (tp_rank, mp_rank, pp_rank), or "tp".
 RANK_TOKEN = re.compile(r"(?<![a-z0-9])(?P<kind>(?:[a-z]{2}[_-]?)?rank|tp)[_-]?(?P<num>\d+)(?![0-9])", re.I)
@@ -142,7 +143,7 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
             path=path,
             hint="every rank must be present to gather; a single full file can be named directly",
         )
-    source = SourceCheckpoint(path, "loose", [], config=find_config(path), side_files=_side_files(path))
+    source = SourceCheckpoint(path, Layout.LOOSE, [], config=find_config(path), side_files=_side_files(path))
     source.meta["rank_templates"] = templates
     for rank in range(tp):
         entries = ranks[rank]

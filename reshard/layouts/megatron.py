@@ -20,17 +20,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from reshard.errors import CorruptFileError, MissingRankError, ReshardError
-from reshard.layouts.base import ReadOptions, SourceCheckpoint, TargetSpec, TensorRef
-from reshard.layouts.files import FileReader, TensorHeader, load_torch_file, torch_header
+from reshard.layouts.base import SourceCheckpoint, TargetSpec, TensorRef
 from reshard.layouts.megatron_args import (
-    DEFAULT_VOCAB_MULTIPLE,
     PICKLE_MODULE,
     SAFE_GLOBALS,
     arg,
     config_from_args,
     retarget_args,
 )
+from reshard.layouts.readers import FileReader, TensorHeader, load_torch_file, torch_header
 from reshard.layouts.torch_ranks import TorchRanksWriter
+from reshard.options import Layout, ReadOptions
+from reshard.vocab import megatron_pad_multiple
 
 if TYPE_CHECKING:
     import torch
@@ -40,6 +41,7 @@ FILE_NAME = "model_optim_rng.pt"
 RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 CHUNK_KEY = re.compile(r"^model(\d+)$")
 KEPT_KEYS = ("args", "checkpoint_version", "iteration")
+CHECKPOINT_VERSION = 3.0  # what Megatron-LM writes today (QKV interleaved per query group)
 
 
 @dataclass
@@ -156,7 +158,7 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
             path=folder,
             hint="every rank file must be present to gather",
         )
-    source = SourceCheckpoint(path, "megatron", [])
+    source = SourceCheckpoint(path, Layout.MEGATRON, [])
     first: MegatronFile | None = None
     for rank in range(tp):
         refs: dict[str, TensorRef] = {}
@@ -237,14 +239,16 @@ def _describe(source: SourceCheckpoint, first: MegatronFile, folder: Path, pp: i
 class MegatronWriter(TorchRanksWriter):
     """Writes ``iter_XXXXXXX/mp_rank_XX/model_optim_rng.pt`` (model, args, version, iteration) and the tracker.
 
-    ``args`` is the source's, with the new ``tensor_model_parallel_size`` and ``padded_vocab_size``;
-    non-tensor entries (``_extra_state``) come from the source rank whose rows the target rank starts with.
+    ``args`` is the source's (or, for a checkpoint of another framework, the plan's ``spec.meta["args"]``),
+    with the new ``tensor_model_parallel_size`` and ``padded_vocab_size``; non-tensor entries
+    (``_extra_state``) come from the source rank whose rows the target rank starts with. A checkpoint of
+    another framework is written as Megatron's converters write one: in ``release/``.
     """
 
     pickle_module = PICKLE_MODULE
 
     def __init__(self, out_dir: Path, spec: TargetSpec) -> None:
-        _require_megatron_source(spec.source)
+        self._args = megatron_args_of(spec.source, spec.meta)
         uneven = sorted(
             {n for h in spec.rank_headers for n, t in h.items() if t.shape != spec.rank_headers[0][n].shape}
         )
@@ -253,36 +257,37 @@ class MegatronWriter(TorchRanksWriter):
                 f"Megatron needs every rank to hold equal shapes, but {uneven[0]} would differ between ranks",
                 hint="drop --uneven: the megatron layout pads the vocab the Megatron way",
             )
-        super().__init__(out_dir, spec)
         meta = spec.source.meta
-        self._folder = "release" if meta.get("release") else f"iter_{int(meta.get('iteration') or 0):07d}"
+        self._release = meta.get("release") or not meta.get("megatron")
+        self._folder = "release" if self._release else f"iter_{int(meta.get('iteration') or 0):07d}"
+        super().__init__(out_dir, spec)  # lays out every rank file (rank_file needs the folder)
 
     @classmethod
-    def pad_multiple(cls, tp: int, source: SourceCheckpoint) -> int | None:
+    def pad_multiple(cls, tp: int, source: SourceCheckpoint, meta: dict[str, Any]) -> int | None:
         """Megatron pads the vocab to ``make_vocab_size_divisible_by * tp`` (128 * tp by default)."""
-        _require_megatron_source(source)
-        return int(arg(source.meta.get("args"), "make_vocab_size_divisible_by", DEFAULT_VOCAB_MULTIPLE)) * tp
+        return megatron_pad_multiple(arg(megatron_args_of(source, meta), "make_vocab_size_divisible_by"), tp)
 
-    def rank_file(self, rank: int, state_dict: dict[str, torch.Tensor]) -> tuple[Path, Any]:
+    def rank_file(self, rank: int, state_dict: dict[str, Any]) -> tuple[Path, Any]:
         source, meta = self.spec.source, self.spec.source.meta
-        extras = source.extras[rank * source.tp // self.spec.tp]
+        extras = source.extras[rank * source.tp // self.spec.tp] if meta.get("megatron") else {}
+        paths = meta.get("paths", {})
         model: dict[str, Any] = {}
-        for name, path in meta["paths"].items():
+        for name, path in paths.items():
             if name in state_dict or name in extras:
                 _put(model, path, state_dict[name] if name in state_dict else extras[name])
-        for name in state_dict.keys() - meta["paths"].keys():
+        for name in state_dict.keys() - paths.keys():
             _put(model, (name,), state_dict[name])
         obj = {
-            "args": retarget_args(meta["args"], self.spec.tp, self.spec.padded_vocab_size),
-            "checkpoint_version": meta.get("checkpoint_version"),
-            "iteration": meta.get("iteration"),
+            "args": retarget_args(self._args, self.spec.tp, self.spec.padded_vocab_size),
+            "checkpoint_version": meta.get("checkpoint_version", CHECKPOINT_VERSION),
+            "iteration": meta.get("iteration", 0),
             "model": model,
         }
         return Path(self._folder) / _dir_name(rank, None) / FILE_NAME, obj
 
     def finish(self) -> list[Path]:
         meta = self.spec.source.meta
-        tracker = "release" if meta.get("release") else str(int(meta.get("iteration") or 0))
+        tracker = "release" if self._release else str(int(meta.get("iteration") or 0))
         (self.out_dir / TRACKER).write_text(tracker + "\n")
         return [Path(TRACKER)]
 
@@ -293,10 +298,13 @@ def _put(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
     tree[path[-1]] = value
 
 
-def _require_megatron_source(source: SourceCheckpoint) -> None:
-    if not source.meta.get("megatron") or source.meta.get("args") is None:
+def megatron_args_of(source: SourceCheckpoint, meta: dict[str, Any]) -> Any:
+    """The args to write: the plan's (a checkpoint of another framework mapped to Megatron), else the source's."""
+    args = meta.get("args") or (source.meta.get("args") if source.meta.get("megatron") else None)
+    if args is None:
         raise ReshardError(
-            "the megatron layout is written from a Megatron source (its args give the model and training setup)",
+            "the megatron layout needs Megatron args: from a Megatron source, or a transformers model reshard maps",
             path=source.path,
-            hint="convert a Megatron checkpoint, or choose --layout hf / hf-ranks",
+            hint="convert a Megatron or transformers Llama-family checkpoint, or choose --layout hf / hf-ranks",
         )
+    return args

@@ -20,6 +20,7 @@ from types import ModuleType
 from typing import Any
 
 from reshard.config import ModelConfig
+from reshard.vocab import DEFAULT_MEGATRON_MULTIPLE
 
 # Enums Megatron puts into args (import paths as Megatron pickles them, old and new module layouts).
 ENUM_PATHS = (
@@ -40,7 +41,6 @@ ENUM_PATHS = (
     "megatron.legacy.model.enums.AttnType",
     "megatron.legacy.model.enums.LayerType",
 )
-DEFAULT_VOCAB_MULTIPLE = 128  # Megatron's --make-vocab-size-divisible-by default
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ def config_from_args(args: Any, path: Path) -> ModelConfig | None:
         "num_hidden_layers": arg(args, "num_layers"),
         "swiglu": bool(arg(args, "swiglu", False)),
         "padded_vocab_size": arg(args, "padded_vocab_size"),
-        "make_vocab_size_divisible_by": arg(args, "make_vocab_size_divisible_by", DEFAULT_VOCAB_MULTIPLE),
+        "make_vocab_size_divisible_by": arg(args, "make_vocab_size_divisible_by", DEFAULT_MEGATRON_MULTIPLE),
         "tensor_model_parallel_size": arg(args, "tensor_model_parallel_size"),
     }
     vocab = true_vocab_size(args)

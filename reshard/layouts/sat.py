@@ -15,17 +15,15 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from reshard.config import ModelConfig, load_config
 from reshard.errors import CorruptFileError, MissingRankError, ReshardError
-from reshard.layouts.base import ReadOptions, SourceCheckpoint, TargetSpec, refs_from_readers
-from reshard.layouts.files import TorchReader
+from reshard.layouts.base import SourceCheckpoint, TargetSpec, numbered_children, refs_from_readers
 from reshard.layouts.loose import OPTIMIZER
+from reshard.layouts.readers import TorchReader
 from reshard.layouts.torch_ranks import TorchRanksWriter
-
-if TYPE_CHECKING:
-    import torch
+from reshard.options import Layout, ReadOptions
 
 LATEST = "latest"
 MODEL_CONFIG = "model_config.json"
@@ -40,14 +38,7 @@ def rank_file_name(rank: int) -> str:
 
 
 def _rank_files(folder: Path) -> dict[int, Path]:
-    if not folder.is_dir():
-        return {}
-    found = {}
-    for child in folder.iterdir():
-        match = RANK_FILE.match(child.name)
-        if match and child.is_file():
-            found[int(match.group(1))] = child
-    return found
+    return numbered_children(folder, RANK_FILE, want_dirs=False)
 
 
 def detect(path: Path) -> bool:
@@ -129,7 +120,7 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
     files = _ranks(folder, (model_config or {}).get("model_parallel_size"), config_path)
     source = SourceCheckpoint(
         path,
-        "sat",
+        Layout.SAT,
         [],
         config=ModelConfig(model_config, config_path) if model_config is not None else None,
         meta={"iteration": iteration},
@@ -161,13 +152,13 @@ class SatWriter(TorchRanksWriter):
     ``model_config.json`` with ``model_parallel_size`` set to the target tp."""
 
     def __init__(self, out_dir: Path, spec: TargetSpec) -> None:
-        super().__init__(out_dir, spec)
         source = spec.source
-        self.iteration = str(source.meta.get("iteration", DEFAULT_ITERATION)) if source.layout == "sat" else "1"
+        self.iteration = str(source.meta.get("iteration", DEFAULT_ITERATION)) if source.layout == Layout.SAT else "1"
         first = source.top_level[0] if source.top_level else {}
         self._top = {k: first[k] for k in KEPT_TOP_LEVEL if k in first}
+        super().__init__(out_dir, spec)  # lays out every rank file (rank_file needs the above)
 
-    def rank_file(self, rank: int, state_dict: dict[str, torch.Tensor]) -> tuple[Path, Any]:
+    def rank_file(self, rank: int, state_dict: dict[str, Any]) -> tuple[Path, Any]:
         return Path(self.iteration) / rank_file_name(rank), {"module": state_dict, **self._top}
 
     def finish(self) -> list[Path]:

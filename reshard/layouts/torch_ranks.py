@@ -1,51 +1,49 @@
 """A base for layouts whose rank files are ``torch.save`` pickles (Megatron, SAT).
 
-``torch.save`` needs a whole state dict in memory, but the pipeline hands over one tensor at a time
-for all ranks. So slices are spooled, as they stream in, into one temporary safetensors file per
-target rank; :meth:`TorchRanksWriter.close` then builds the rank files one rank at a time. Peak
-memory is about one rank's state dict (never the model); the spool costs one extra copy on disk.
+Each target rank's file is laid out up front from a template, the object ``torch.save`` would be given
+with a :class:`~reshard.io.torch_zip.TensorSlot` for every tensor (its state dict in source order), and
+every slice is written at its final offset as it arrives, from the worker threads
+(:class:`~reshard.io.torch_zip.TorchZipWriter`). The files are byte for byte what ``torch.save`` writes
+for the same state dicts, but no rank's state dict is ever held and nothing is spooled.
 """
 
 from __future__ import annotations
 
 import pickle
-import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from safetensors import safe_open
-
+from reshard.io.torch_zip import TensorSlot, TorchZipWriter
 from reshard.layouts.base import RankFilesWriter, TargetSpec
-from reshard.safetensors_stream import SafetensorsFileWriter
-
-if TYPE_CHECKING:
-    import torch
-
-SPOOL_DIR = ".reshard-spool"
 
 
 class TorchRanksWriter(RankFilesWriter):
-    """Spools per-rank slices, then ``torch.save``s what :meth:`rank_file` builds for each rank.
+    """Writes, for every target rank, the ``torch.save`` file of what :meth:`rank_file` builds, tensor by tensor.
 
     Subclasses implement :meth:`rank_file` (where rank ``r`` goes and the object to pickle around its
     state dict) and may override :meth:`finish` to write the layout's other files. ``pickle_module`` is
-    what ``torch.save`` pickles with.
+    what ``torch.save`` would pickle with. :meth:`rank_file` is called from ``__init__``: set what it
+    needs before calling ``super().__init__``.
     """
 
     pickle_module: Any = pickle
 
     def __init__(self, out_dir: Path, spec: TargetSpec) -> None:
-        self._spool = out_dir / SPOOL_DIR
-        self._spool.mkdir(parents=True, exist_ok=True)
-        writers = [
-            # read back by close() right away: through the page cache, not O_DIRECT
-            SafetensorsFileWriter(self._spool / f"rank_{rank:05d}.safetensors", headers, metadata=None, direct=False)
-            for rank, headers in enumerate(spec.rank_headers)
-        ]
+        self.out_dir, self.spec = out_dir, spec  # rank_file reads them
+        order = {name: i for i, name in enumerate(spec.source.names())}
+        self._files: list[Path] = []
+        writers = []
+        for rank, headers in enumerate(spec.rank_headers):
+            names = sorted(headers, key=lambda n: order.get(n, len(order)))
+            relative, template = self.rank_file(rank, {name: TensorSlot(name, headers[name]) for name in names})
+            (out_dir / relative).parent.mkdir(parents=True, exist_ok=True)
+            writers.append(TorchZipWriter(out_dir / relative, template, pickle_module=self.pickle_module))
+            self._files.append(relative)
         super().__init__(out_dir, spec, writers)
 
-    def rank_file(self, rank: int, state_dict: dict[str, torch.Tensor]) -> tuple[Path, Any]:
-        """The path (relative to the output folder) of rank ``rank``'s file and the object to save there."""
+    def rank_file(self, rank: int, state_dict: dict[str, TensorSlot]) -> tuple[Path, Any]:
+        """The path (relative to the output folder) of rank ``rank``'s file and the object to save there,
+        with ``state_dict`` (slots standing for the tensors) inside it."""
         raise NotImplementedError
 
     def finish(self) -> list[Path]:
@@ -53,20 +51,6 @@ class TorchRanksWriter(RankFilesWriter):
         return []
 
     def close(self) -> list[Path]:
-        order = {name: i for i, name in enumerate(self.spec.source.names())}
-        written = []
-        import torch
-
-        for rank, writer in enumerate(self.rank_writers):
+        for writer in self.rank_writers:
             writer.close()
-            with safe_open(writer.path, framework="pt") as spooled:
-                names = sorted(spooled.keys(), key=lambda n: order.get(n, len(order)))
-                state = {name: spooled.get_tensor(name) for name in names}
-            relative, obj = self.rank_file(rank, state)
-            (self.out_dir / relative).parent.mkdir(parents=True, exist_ok=True)
-            torch.save(obj, self.out_dir / relative, pickle_module=self.pickle_module)
-            written.append(relative)
-            del state, obj
-            writer.path.unlink()
-        shutil.rmtree(self._spool)
-        return written + self.finish()
+        return [*self._files, *self.finish()]

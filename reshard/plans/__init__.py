@@ -11,9 +11,9 @@ from reshard.config import ModelConfig
 from reshard.errors import ReshardError
 from reshard.plans import llama, megatron, qwen2_vl, qwen3_5, qwen3_next, sat
 from reshard.plans.base import EMPTY_PLAN, Plan, Rule
-from reshard.plans.files import load_plan_file
 from reshard.plans.infer import infer_partition
 from reshard.plans.lora import plain_name, with_lora
+from reshard.plans.plan_file import load_plan_file
 from reshard.plans.transformers_plan import NAME as TRANSFORMERS
 from reshard.plans.transformers_plan import transformers_plan
 

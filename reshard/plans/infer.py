@@ -12,15 +12,9 @@ from collections.abc import Callable, Sequence
 from reshard.config import ModelConfig
 from reshard.errors import AmbiguousPartitionError
 from reshard.partition import Partition, Replicate, Shard, Vocab
+from reshard.vocab import is_padded_vocab
 
 Shape = tuple[int, ...]
-# Frameworks pad the vocab to multiples of at most this many rows per rank (Megatron: 128).
-MAX_VOCAB_PAD_PER_RANK = 1024
-
-
-def is_padded_vocab(size: int, vocab_size: int | None, tp: int) -> bool:
-    """``size`` is the vocab, or the vocab padded the way TP frameworks pad it."""
-    return vocab_size is not None and vocab_size <= size < vocab_size + MAX_VOCAB_PAD_PER_RANK * max(tp, 1)
 
 
 def infer_partition(

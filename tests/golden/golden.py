@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -25,6 +26,7 @@ from click.testing import CliRunner
 ROOT = Path(__file__).resolve().parents[2]
 STORED = Path(__file__).resolve().parent / "outputs.json"
 LLAMA, LOOSE = "sample_ckpts/tiny-llama-tp2", "sample_ckpts/tiny-llama-65535-tp2"
+PROGRESS = re.compile(r"^[\w ]+:\s+\d+%\|")  # a tqdm bar (on when tqdm was imported before TQDM_DISABLE)
 MEGATRON, SAT = "sample_ckpts/tiny-megatron-tp8", "sample_ckpts/tiny-cogagent-sat-tp8"
 
 # name -> reshard arguments; "OUT" is replaced by a fresh output folder.
@@ -60,6 +62,33 @@ CASES: dict[str, list[str]] = {
     "megatron-tp3": ["convert", MEGATRON, "--tp", "3", "-o", "OUT", "--json"],
     "megatron-hf": ["convert", MEGATRON, "--tp", "1", "--layout", "hf", "--vocab", "500", "-o", "OUT", "--json"],
     "megatron-ranks": ["convert", MEGATRON, "--tp", "2", "--layout", "hf-ranks", "-o", "OUT", "--json"],
+    "megatron-ranks-vocab": [
+        "convert",
+        MEGATRON,
+        "--tp",
+        "2",
+        "--layout",
+        "hf-ranks",
+        "--vocab",
+        "500",
+        "-o",
+        "OUT",
+        "--json",
+    ],
+    "megatron-hf-keep": [
+        "convert",
+        MEGATRON,
+        "--tp",
+        "1",
+        "--layout",
+        "hf",
+        "--vocab",
+        "500",
+        "--keep-names",
+        "-o",
+        "OUT",
+        "--json",
+    ],
     "megatron-verify": ["verify", MEGATRON, "--roundtrip", "4", "--json"],
     "sat-inspect": ["inspect", SAT, "--json"],
     "sat-check-2": ["check", SAT, "--tp", "2", "--json"],
@@ -100,10 +129,12 @@ def run_case(args: list[str], scratch: Path) -> dict[str, object]:
     def clean(text: str) -> str:
         return text.replace(str(out), "OUT")
 
+    printed = [line for line in re.split(r"[\r\n]+", clean(result.stderr)) if not PROGRESS.match(line)]
+
     return {
         "exit": result.exit_code,
         "stdout": _sha(clean(result.stdout).encode()),
-        "stderr": clean(result.stderr).strip(),
+        "stderr": "\n".join(printed).strip(),
         "files": files,
     }
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 from helpers import tiny_llama
 
-from reshard.layouts import ReadOptions, discover
+from reshard.layouts import discover
+from reshard.options import ReadOptions
 
 
 @pytest.fixture(scope="module")

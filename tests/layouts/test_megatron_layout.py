@@ -171,9 +171,9 @@ def test_iteration_folder_and_inspect(cli, tp8: Path) -> None:
     assert any("optimizer, rng_state" in n for n in report["notes"])
 
 
-def test_to_hf_at_tp1_and_hf_ranks(cli, tp8: Path, full: FullModel, tmp_path: Path) -> None:
+def test_to_hf_with_megatron_names_at_tp1_and_hf_ranks(cli, tp8: Path, full: FullModel, tmp_path: Path) -> None:
     hf = tmp_path / "hf"
-    result = cli("convert", tp8, "-o", hf, "--tp", 1, "--layout", "hf", "--vocab", V)
+    result = cli("convert", tp8, "-o", hf, "--tp", 1, "--layout", "hf", "--vocab", V, "--keep-names")
     assert result.exit_code == 0, result.output
     tensors = load_file(hf / "model.safetensors")
     t = full.t
@@ -197,7 +197,45 @@ def test_to_hf_at_tp1_and_hf_ranks(cli, tp8: Path, full: FullModel, tmp_path: Pa
     refused = tmp_path / "refused"
     result = cli("convert", hf, "-o", refused, "--tp", 2, "--layout", "megatron")
     assert result.exit_code == 2
-    assert "megatron layout is written from a Megatron source" in result.output and not refused.exists()
+    assert "the megatron layout needs Megatron args" in result.output and not refused.exists()
+
+
+def test_to_transformers_names(cli, tp8: Path, full: FullModel, tmp_path: Path) -> None:
+    """The fused QKV is split per query group and fc1 into gate and up: each transformers tensor is the
+    canonical part the Megatron ranks were cut from; the config states the family and the true vocab."""
+    hf = tmp_path / "hf"
+    result = cli("convert", tp8, "-o", hf, "--tp", 1, "--layout", "hf", "--vocab", V, "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["mapping"]["to"] == "llama"
+    tensors, t = load_file(hf / "model.safetensors"), full.t
+    assert torch.equal(tensors["model.embed_tokens.weight"], t["emb"])
+    assert torch.equal(tensors["lm_head.weight"], t["out"])
+    for i in range(2):
+        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        for part in "qkv":
+            assert torch.equal(tensors[f"{attn}{part}_proj.weight"], t[f"{i}.{part}"])
+            assert torch.equal(tensors[f"{attn}{part}_proj.bias"], t[f"{i}.{part}_b"])
+        assert torch.equal(tensors[f"{attn}o_proj.weight"], t[f"{i}.proj"])
+        assert torch.equal(tensors[f"{mlp}gate_proj.weight"], t[f"{i}.gate"])
+        assert torch.equal(tensors[f"{mlp}up_proj.weight"], t[f"{i}.up"])
+        assert torch.equal(tensors[f"{mlp}up_proj.bias"], t[f"{i}.up_b"])
+        assert torch.equal(tensors[f"{mlp}down_proj.weight"], t[f"{i}.fc2"])
+        assert torch.equal(tensors[f"model.layers.{i}.input_layernorm.weight"], t[f"{i}.in_norm"])
+        assert torch.equal(tensors[f"model.layers.{i}.post_attention_layernorm.weight"], t[f"{i}.mlp_norm"])
+    config = json.loads((hf / "config.json").read_text())
+    assert (config["model_type"], config["vocab_size"], config["num_key_value_heads"]) == ("llama", V, 2)
+    assert config["attention_bias"] and config["mlp_bias"] and not config["tie_word_embeddings"]
+    manifest = json.loads((hf / "reshard.json").read_text())["mapping"]
+    qkv = manifest["tensors"]["decoder.layers.0.self_attention.linear_qkv.weight"]
+    assert qkv == [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
+
+    back = tmp_path / "back"  # and to Megatron's names at tp 4: the ranks the fixture cuts for tp 4
+    result = cli("convert", hf, "-o", back, "--tp", 4, "--layout", "megatron")
+    assert result.exit_code == 0, result.output
+    result = cli("verify", tp8, back, "--json")
+    differences = [d for c in json.loads(result.stdout)["checks"] for d in c["differences"]]
+    assert {d["tensor"] for d in differences} == {MCORE["emb"], MCORE["out"]}  # tp8 keeps its pad rows
+    assert all(d["kind"] == "reshaped" for d in differences)
 
 
 def test_legacy_names_and_nesting(cli, full: FullModel, tmp_path: Path) -> None:

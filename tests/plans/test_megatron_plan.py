@@ -130,5 +130,5 @@ def test_swiglu_fc1_re_pairs_gate_and_up() -> None:
 
 def test_pad_multiple_is_megatron_s() -> None:
     source = SourceCheckpoint(Path("x"), "megatron", [], meta={"megatron": True, "args": ARGS})
-    assert MegatronWriter.pad_multiple(4, source) == 512
-    assert MegatronWriter.pad_multiple(1, source) == 128
+    assert MegatronWriter.pad_multiple(4, source, {}) == 512
+    assert MegatronWriter.pad_multiple(1, source, {}) == 128

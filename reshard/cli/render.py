@@ -1,0 +1,149 @@
+"""Text renderings of the command reports, for people (``--json`` prints the reports themselves)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from reshard.cli.output import shape_list, table
+from reshard.sizes import human_bytes
+
+if TYPE_CHECKING:
+    from reshard.commands.check import CheckReport
+    from reshard.commands.convert import ConvertReport
+    from reshard.commands.fix import FixReport
+    from reshard.commands.inspect import InspectReport
+    from reshard.commands.verify import VerifyResult
+
+
+def render_inspect(report: InspectReport) -> str:
+    vocab = report.vocab
+    lines = [
+        f"checkpoint  {report.path}",
+        f"layout      {report.layout}, tp={report.tp}, {len(report.files)} file(s)",
+        f"config      {report.config or 'none found'}"
+        + (f" (model_type {report.model_type})" if report.model_type else ""),
+        f"plan        {report.plan}",
+        f"vocab       {vocab['original'] or 'unknown'} (from {vocab['origin']})"
+        + (
+            f", {vocab['padded_in_source']} rows in the source ({vocab['padding_rows']} padding)"
+            if vocab["padded_in_source"] is not None and vocab["padding_rows"]
+            else ""
+        ),
+    ]
+    if report.mapping:
+        lines.append(f"names       {report.mapping} under --layout hf (the 'hf name' column)")
+    lines.append("")
+    rows = [
+        [
+            t.name,
+            shape_list(t.rank_shapes),
+            t.dtype,
+            human_bytes(t.bytes),
+            (t.partition or {}).get("kind", "-") + _partition_args(t.partition),
+            t.problem or t.reason,
+        ]
+        + ([", ".join(t.targets or ["(dropped)"])] if report.mapping else [])
+        for t in report.tensors
+    ]
+    header = ["tensor", "rank shapes", "dtype", "bytes", "partition", "why"] + (["hf name"] if report.mapping else [])
+    lines.append(table(rows, header))
+    lines += [f"note: {n}" for n in report.notes] + [f"not a tensor: {e}" for e in report.extras]
+    if report.problems:
+        lines.append(f"{len(report.problems)} tensor(s) cannot be gathered as they are")
+    return "\n".join(lines)
+
+
+def _partition_args(partition: dict[str, Any] | None) -> str:
+    args = {k: v for k, v in (partition or {}).items() if k != "kind"}
+    return "(" + ", ".join(f"{k}={v}" for k, v in args.items()) + ")" if args else ""
+
+
+def render_convert(report: ConvertReport) -> str:
+    vocab = report.vocab
+    lines = [
+        f"{report.source} ({report.source_layout}, tp={report.source_tp}) -> {report.output} "
+        f"({report.layout}, tp={report.tp})",
+        f"{report.tensors} tensors, {human_bytes(report.bytes)} canonical",
+        *_mapping_line(report.mapping),
+        f"vocab {vocab['original']} (from {vocab['origin']}): {vocab['source_padded']} rows in the source, "
+        f"{vocab['target_padded']} per the target"
+        if vocab["source_padded"] is not None
+        else "no vocab tensors",
+    ]
+    lines += [f"  {c['tensor']}: {c['old']} -> {c['new']}" for c in report.changed]
+    lines += [f"note: {n}" for n in report.notes]
+    lines.append(f"manifest {report.manifest}")
+    return "\n".join(lines)
+
+
+def _mapping_line(mapping: dict[str, Any] | None) -> list[str]:
+    if not mapping:
+        return []
+    dropped = f", {mapping['dropped']} dropped" if mapping["dropped"] else ""
+    counts = f"{mapping['sources']} tensors became {mapping['targets']}{dropped}"
+    return [f"names {mapping['from']} -> {mapping['to']}: {counts}"]
+
+
+def render_fix(report: FixReport) -> str:
+    vocab = report.vocab
+    lines = [
+        f"{report.source} ({report.source_layout}, tp={report.source_tp}) -> {report.output} "
+        f"({report.layout}, tp={report.tp})",
+        f"vocab {vocab['original']} (from {vocab['origin']}): {vocab['source_padded']} rows in the source, "
+        f"{vocab['target_padded']} written"
+        if vocab["source_padded"] is not None
+        else "no vocab tensors",
+    ]
+    others = [c for c in report.changed if not c["vocab"]]
+    lines += [
+        f"  {c['tensor']}: {shape_list(c['old'])} -> {shape_list(c['new'])}" for c in report.changed if c["vocab"]
+    ]
+    if others:
+        verb = "gathered" if report.tp == 1 else "re-sliced"
+        lines.append(f"  {len(others)} other tensor(s) {verb} from tp={report.source_tp} to tp={report.tp}")
+    if not report.changed:
+        lines.append("  no tensor changed shape")
+    if report.config_vocab:
+        lines.append(f"config.json vocab_size {report.config_vocab[0]} -> {report.config_vocab[1]}")
+    lines += [f"note: {n}" for n in report.notes]
+    lines.append(f"manifest {report.manifest}")
+    return "\n".join(lines)
+
+
+def render_check(report: CheckReport) -> str:
+    lines = [
+        f"{report.input}  {report.source}" + (f" (model_type {report.model_type})" if report.model_type else ""),
+        f"plan        {report.plan}, tp={report.tp}" + (", uneven" if report.uneven else ""),
+        "",
+    ]
+    rows = [
+        [
+            t.name,
+            str(t.shape),
+            t.rule if t.rule is not None else "-",
+            (t.partition or {}).get("kind", "-") + _partition_args(t.partition),
+            str(t.rank_shape) if t.rank_shape is not None else "-",
+            "; ".join(t.problems),
+        ]
+        for t in report.tensors
+    ]
+    lines.append(table(rows, ["tensor", "shape", "rule", "partition", "per rank", "problem"]))
+    for problem in report.problems:
+        names = problem.tensors
+        where = f" ({names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "") + ")" if names else ""
+        lines.append(f"{problem.severity}: {problem.message}{where}")
+    lines.append(f"splits {report.tp} ways" if report.ok else f"cannot be split {report.tp} ways")
+    return "\n".join(lines)
+
+
+def render_verify(result: VerifyResult) -> str:
+    """The text the CLI prints and ``reshard.testing`` raises: one line per check, a table of differences."""
+    lines = []
+    for report in result.reports:
+        status = "ok" if report.ok else f"{len(report.differences)} difference(s)"
+        lines.append(f"{report.title}: {status} ({report.tensors} tensors checked)")
+    rows = [[r.title, d.tensor or "-", d.kind, d.detail, d.file or "-"] for r in result.reports for d in r.differences]
+    if rows:
+        lines += ["", table(rows, ["check", "tensor", "kind", "detail", "file"])]
+    lines.append(f"{result.checkpoint}: {'OK' if result.ok else 'DIFFERENCES FOUND'}")
+    return "\n".join(lines)

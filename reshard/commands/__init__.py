@@ -1,0 +1,1 @@
+"""Commands: what ``reshard inspect``, ``check``, ``convert``, ``fix`` and ``verify`` do, as library calls."""

@@ -1,0 +1,210 @@
+"""``convert`` (and the ``fix`` repair built on it): any layout and tp in, any layout and tp out."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from reshard.dtypes import TensorHeader, name_of
+from reshard.engine.execute import execute
+from reshard.engine.lora_merge import check_lora_replicas
+from reshard.engine.open import OpenedCheckpoint, open_checkpoint
+from reshard.engine.planner import ConversionPlan, TargetTensor, TensorPlan
+from reshard.engine.target import TargetPlan, plan_target
+from reshard.io.staging import check_output, staged_output
+from reshard.layouts import TargetSpec, writer_class
+from reshard.manifest import Manifest, TensorEntry, VocabRecord, write_manifest
+from reshard.options import ConvertOptions
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Route:
+    """Where a conversion went: the source, its layout and tp, and the output, its layout and tp."""
+
+    source: str
+    source_layout: str
+    source_tp: int
+    output: str
+    layout: str
+    tp: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class ConvertReport(Route):
+    """What a conversion did: where from, where to, the vocab handling, and what changed shape."""
+
+    tensors: int = 0
+    bytes: int = 0
+    vocab: dict[str, Any] = field(default_factory=dict)
+    manifest: str = ""
+    files: list[str] = field(default_factory=list)
+    changed: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    mapping: dict[str, Any] | None = None
+
+
+def convert(ckpt: Path, out: Path, options: ConvertOptions) -> ConvertReport:
+    """Re-slice ``ckpt`` for ``options.tp`` ranks into ``out`` in ``options.layout``.
+
+    The output is written under a temporary name beside ``out`` and renamed into place when
+    complete; ``reshard.json`` records the original vocab size, every tensor's partition and the
+    sha256 of every canonical tensor.
+
+    Raises:
+        ReshardError: any problem with the input or the output path, before or during writing
+            (nothing is left at ``out`` then).
+
+    Example:
+        >>> convert(Path("ckpt"), Path("ckpt-tp4"), ConvertOptions(tp=4))  # doctest: +SKIP
+    """
+    ckpt, out = Path(ckpt), Path(out)
+    check_output(out, source=ckpt, overwrite=options.overwrite)
+    return convert_opened(open_checkpoint(ckpt, options.read, target_tp=options.tp), out, options)
+
+
+def convert_opened(opened: OpenedCheckpoint, out: Path, options: ConvertOptions) -> ConvertReport:
+    """:func:`convert` of a checkpoint already opened (``fix`` opens it first to diagnose it)."""
+    ckpt, source = opened.path, opened.source
+    target = plan_target(opened, options)
+    conversion, layout = target.conversion, target.layout
+    if not (options.merge_lora or options.allow_divergent_replicas):
+        check_lora_replicas(opened.tensors)
+    vocab = conversion.vocab
+    spec = TargetSpec(
+        tp=options.tp,
+        rank_headers=[
+            {t.name: TensorHeader(t.rank_shapes[r], t.code) for plan in conversion.tensors for t in plan.targets}
+            for r in range(options.tp)
+        ],
+        config=target.config,
+        vocab_size=vocab.original,
+        padded_vocab_size=vocab.target_padded,
+        max_shard_size=options.max_shard_size,
+        source=source,
+        meta=target.meta,
+    )
+    with staged_output(out) as staging:
+        writer = writer_class(layout)(staging, spec)
+        finite: dict[str, bool] = {}
+        divergent: set[str] = set()
+        hashes = execute(
+            conversion,
+            writer,
+            allow_divergent=options.allow_divergent_replicas,
+            divergent=divergent,
+            progress=options.progress,
+            finite=finite,
+            jobs=options.jobs,
+        )
+        files = [str(p) for p in writer.close()]
+        for side in source.side_files:
+            shutil.copy2(side, staging / side.name)
+            files.append(side.name)
+        manifest = Manifest(
+            source={"path": str(ckpt), "layout": source.layout, "tp": source.tp},
+            target={"layout": layout, "tp": options.tp},
+            vocab=VocabRecord(
+                vocab.original,
+                vocab.target_padded,
+                vocab.pad_multiple,
+                source_padded=_if_differs(vocab.source_padded, vocab.original),
+                source_config=_if_differs(source.config.vocab_size if source.config else None, vocab.original),
+            ),
+            tensors={
+                t.name: TensorEntry(
+                    t.shape,
+                    name_of(t.code),
+                    t.partition,
+                    hashes[t.name],
+                    finite[t.name],
+                    divergent=any(s.name in divergent for s in plan.sources),
+                )
+                for plan, t in sorted(_targets(conversion), key=lambda pair: pair[1].name)
+            },
+            mapping=_mapping_record(target),
+        )
+        write_manifest(staging, manifest)
+    return ConvertReport(
+        source=str(ckpt),
+        source_layout=source.layout,
+        source_tp=source.tp,
+        output=str(out),
+        layout=layout,
+        tp=options.tp,
+        tensors=sum(len(plan.targets) for plan in conversion.tensors),
+        bytes=sum(t.nbytes for t in conversion.tensors),
+        vocab={
+            "original": vocab.original,
+            "origin": vocab.origin,
+            "source_padded": vocab.source_padded,
+            "target_padded": vocab.target_padded,
+        },
+        manifest=str(out / "reshard.json"),
+        files=sorted(files),
+        changed=_changed_shapes(conversion),
+        mapping=_mapping_summary(target),
+        notes=list(source.notes)
+        + (
+            [f"replicated but different between ranks, rank 0's copy taken: {', '.join(sorted(divergent))}"]
+            if divergent
+            else []
+        ),
+    )
+
+
+def _if_differs(size: int | None, original: int | None) -> int | None:
+    """A source vocab size worth recording: one that is not the true size."""
+    return size if size != original else None
+
+
+def _mapping_record(target: TargetPlan) -> dict[str, Any] | None:
+    """What the manifest says of a mapping: the namings, every source name's target names, what was dropped."""
+    if target.mapping is None:
+        return None
+    mapped = {
+        source.name: [t.name for t in plan.targets] for plan in target.conversion.tensors for source in plan.sources
+    }
+    return {
+        "from": target.mapping.mapping.source_family,
+        "to": target.mapping.mapping.target_family,
+        "tensors": dict(sorted(mapped.items())),
+        "dropped": sorted(target.dropped),
+    }
+
+
+def _mapping_summary(target: TargetPlan) -> dict[str, Any] | None:
+    """The report's view of a mapping: the namings, and how many tensors went in and came out."""
+    if target.mapping is None:
+        return None
+    plans = target.conversion.tensors
+    return {
+        "from": target.mapping.mapping.source_family,
+        "to": target.mapping.mapping.target_family,
+        "sources": sum(len(p.sources) for p in plans),
+        "targets": sum(len(p.targets) for p in plans),
+        "dropped": len(target.dropped),
+    }
+
+
+def _targets(conversion: ConversionPlan) -> list[tuple[TensorPlan, TargetTensor]]:
+    return [(plan, target) for plan in conversion.tensors for target in plan.targets]
+
+
+def _changed_shapes(conversion: ConversionPlan) -> list[dict[str, Any]]:
+    """Tensors kept under their name whose shape on disk changed, comparing source rank 0 with target rank 0."""
+    changed = []
+    for plan in sorted(conversion.tensors, key=lambda t: t.name):
+        if plan.transform is not None:
+            continue
+        before, after = plan.sources[0].refs[0].shape, plan.targets[0].rank_shapes[0]
+        if before != after:
+            changed.append({"tensor": plan.name, "old": list(before), "new": list(after)})
+    return changed

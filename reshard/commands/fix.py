@@ -1,0 +1,132 @@
+"""``fix``: repair a vocab-padded or TP-sliced checkpoint into a canonical one (the ``--vocab 65535`` case).
+
+``fix`` is ``convert`` with the diagnosis a broken checkpoint needs first: the true vocab size must be
+known (``--vocab``, else ``reshard.json``, else ``config.json``; never guessed from padded rows), and a
+vocab tensor holding only some rank slices is refused with the tp and pad multiple that explain it and
+the rank files that are missing. Then the usual pipeline gathers every tensor, cuts the vocab tensors to
+the true size (dropping pad rows, whatever they hold), and writes a canonical ``hf`` folder (or, with
+``tp > 1``, one re-sliced for that many ranks) whose ``config.json`` carries the true vocab size.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from reshard.commands.convert import Route, convert_opened
+from reshard.engine.open import open_checkpoint
+from reshard.engine.planner import SourceTensor
+from reshard.io.staging import check_output
+from reshard.layouts import SourceCheckpoint
+from reshard.layouts.loose import rank_template
+from reshard.options import ConvertOptions, Layout
+from reshard.partition import Vocab, rank_shapes
+from reshard.vocab import check_vocab_rows, require_vocab
+
+logger = logging.getLogger(__name__)
+SUFFIX = ".fixed"
+
+
+@dataclass
+class FixReport(Route):
+    """What ``fix`` changed: per tensor the source rank shapes and the written shapes, the config, the vocab."""
+
+    vocab: dict[str, Any] = field(default_factory=dict)
+    manifest: str = ""
+    changed: list[dict[str, Any]] = field(default_factory=list)
+    config_vocab: list[int | None] | None = None
+    files: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def default_output(ckpt: Path) -> Path:
+    """``CKPT.fixed`` beside the input: ``run/ckpt`` -> ``run/ckpt.fixed``, ``x/model.bin`` -> ``x/model.bin.fixed``.
+
+    The output is always a folder (an HF checkpoint), also for a single input file.
+    """
+    base = ckpt if ckpt.name not in ("", ".", "..") else ckpt.resolve()
+    return base.with_name(base.name + SUFFIX)
+
+
+def fix(ckpt: Path, out: Path | None = None, options: ConvertOptions | None = None) -> FixReport:
+    """Repair ``ckpt`` into a canonical checkpoint at ``out`` (default ``CKPT.fixed``), never touching ``ckpt``.
+
+    Gathers per-rank files (``hf-ranks``, loose ``*rank{r}*`` files, any layout ``discover`` reads),
+    drops vocab padding down to the true size, and writes ``hf`` (``options.tp == 1``) or the source's
+    layout family re-sliced for ``options.tp`` ranks, with ``config.json`` set to the true vocab size and
+    a ``reshard.json`` recording the original, the padded sizes found and every tensor's sha256.
+
+    Args:
+        ckpt: the checkpoint folder or file.
+        out: the output folder; None writes ``CKPT.fixed`` beside the input.
+        options: ``vocab`` (else from ``reshard.json``, then ``config.json``), ``tp``, ``overwrite``,
+            ``config``, ``plan``, ``trust_pickle``, ``progress``.
+
+    Returns:
+        A :class:`FixReport` of what changed.
+
+    Raises:
+        MissingRankError: vocab tensors hold only some rank slices (the message names the missing files).
+        ReshardError: the vocab size is unknown, or anything :func:`reshard.commands.convert` refuses.
+
+    Example:
+        >>> fix(Path("ckpt-tp2"), options=ConvertOptions(vocab=65535))  # doctest: +SKIP
+    """
+    options = options or ConvertOptions()
+    ckpt = Path(ckpt)
+    out = Path(out) if out is not None else default_output(ckpt)
+    check_output(out, source=ckpt, overwrite=options.overwrite)
+    opened = open_checkpoint(ckpt, options.read, target_tp=options.tp)
+    source, vocab = opened.source, opened.vocab
+    require_vocab(vocab, path=source.path, config=source.config)
+    check_vocab_rows(
+        opened.tensors,
+        vocab.original,
+        source_tp=source.tp,
+        missing_files=lambda tp: missing_rank_files(source, tp),
+    )
+    report = convert_opened(opened, out, options)
+    config_before = source.config.vocab_size if source.config else None
+    notes = list(report.notes)
+    if vocab.origin not in ("--vocab", "reshard.json"):
+        notes.append(f"vocab size {vocab.original} taken from {vocab.origin}: if that is a padded size, pass --vocab")
+    route = {key: getattr(report, key) for key in Route.__dataclass_fields__}
+    return FixReport(
+        **route,
+        vocab=report.vocab,
+        manifest=report.manifest,
+        changed=changed_tensors(opened.tensors, options.tp, report.vocab["target_padded"], uneven=opened.uneven),
+        config_vocab=[config_before, vocab.original] if config_before != vocab.original else None,
+        files=report.files,
+        notes=notes,
+    )
+
+
+def changed_tensors(
+    tensors: Sequence[SourceTensor], tp: int, padded: int | None, *, uneven: bool = False
+) -> list[dict[str, Any]]:
+    """Tensors whose slice shapes change (a replica kept whole is not a change): ``{tensor, old, new, vocab}``."""
+    changed = []
+    for t in sorted(tensors, key=lambda t: (not isinstance(t.partition, Vocab), t.name)):
+        old = [list(ref.shape) for ref in t.refs]
+        new = [list(s) for s in rank_shapes(t.partition, t.shape, tp, padded=padded, uneven=uneven)]
+        if {tuple(s) for s in old} != {tuple(s) for s in new}:
+            changed.append({"tensor": t.name, "old": old, "new": new, "vocab": isinstance(t.partition, Vocab)})
+    return changed
+
+
+def missing_rank_files(source: SourceCheckpoint, tp: int) -> list[str] | None:
+    """Names of the files or folders ranks ``source.tp .. tp-1`` would have, when the names tell them."""
+    ranks = range(source.tp, tp)
+    if source.layout == Layout.HF_RANKS:
+        return [f"rank_{r:02d}/" for r in ranks]
+    templates = source.meta.get("rank_templates")
+    if templates is None and source.path.is_file():
+        found = rank_template(source.path.name)
+        templates = [found[1]] if found and found[0] == 0 else None
+    if not templates:
+        return None
+    return [t.format(rank=r) for r in ranks for t in templates]

@@ -1,0 +1,277 @@
+"""``verify``: check a checkpoint against its manifest, compare two checkpoints, or prove a round trip.
+
+Every check streams one canonical tensor at a time (per side) through the same gather the converter
+uses, so a checkpoint is judged exactly as reshard would read it. A difference is a result (exit 1);
+a file that cannot be read at all is a :class:`~reshard.errors.ReshardError` (exit 2).
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from reshard.commands.convert import convert, convert_opened
+from reshard.commands.verify_checks import Difference, check_files, value_difference
+from reshard.dtypes import name_of
+from reshard.engine.digest import all_finite, sha256_of
+from reshard.engine.gather import gather_canonical
+from reshard.engine.open import OpenedCheckpoint, open_checkpoint
+from reshard.engine.planner import SourceTensor
+from reshard.errors import DivergentReplicaError, PlanError, ReshardError, ShapeMismatchError
+from reshard.manifest import find_manifest
+from reshard.options import ConvertOptions, ReadOptions
+from reshard.progress import quiet_unless
+
+__all__ = ["Difference", "VerifyOptions", "VerifyReport", "VerifyResult", "verify"]
+
+
+@dataclass(frozen=True)
+class VerifyOptions:
+    """What to check and how to read the checkpoints.
+
+    Attributes:
+        roundtrip: tp sizes to convert to and back from (empty: no round trip).
+        atol: absolute tolerance when comparing two checkpoints (0 with ``rtol`` 0: bit-exact).
+        rtol: relative tolerance, as in ``torch.isclose``.
+        config: an explicit ``config.json`` for CKPT (else found in or above it).
+        plan: a user plan file whose rules come before the built-in plan (used on every side).
+        trust_pickle: fully unpickle torch files (only files the user trusts).
+        progress: tqdm progress bars on stderr.
+    """
+
+    roundtrip: tuple[int, ...] = ()
+    atol: float = 0.0
+    rtol: float = 0.0
+    config: Path | None = None
+    plan: Path | None = None
+    trust_pickle: bool = False
+    progress: bool = False
+
+    @property
+    def exact(self) -> bool:
+        return self.atol == 0 and self.rtol == 0
+
+    def read(self, *, own_config: bool = True) -> ReadOptions:
+        """How to open a checkpoint: ``config`` applies to CKPT only (``own_config``), not to OTHER."""
+        return ReadOptions(config=self.config if own_config else None, plan=self.plan, trust_pickle=self.trust_pickle)
+
+    def convert_options(self, **changes: Any) -> ConvertOptions:
+        base = ConvertOptions(
+            config=self.config, plan=self.plan, trust_pickle=self.trust_pickle, progress=self.progress
+        )
+        return replace(base, **changes)
+
+
+@dataclass
+class VerifyReport:
+    """One check: ``manifest`` (CKPT against reshard.json), ``compare`` (CKPT against OTHER) or ``roundtrip``."""
+
+    check: str
+    checkpoint: str
+    against: str
+    tensors: int = 0
+    differences: list[Difference] = field(default_factory=list)
+    tp: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.differences
+
+    @property
+    def title(self) -> str:
+        if self.check == "roundtrip":
+            return f"round trip through tp={self.tp}"
+        return f"{self.check} against {self.against}"
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {k: v for k, v in self.__dict__.items() if k != "differences"}
+        return data | {"ok": self.ok, "differences": [d.to_dict() for d in self.differences]}
+
+
+@dataclass
+class VerifyResult:
+    """Every check ``verify`` ran; ``ok`` only when none found a difference."""
+
+    checkpoint: str
+    reports: list[VerifyReport] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.reports)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"checkpoint": self.checkpoint, "ok": self.ok, "checks": [r.to_dict() for r in self.reports]}
+
+
+def verify(ckpt: Path, other: Path | None = None, options: VerifyOptions | None = None) -> VerifyResult:
+    """Check ``ckpt``: against ``other`` when given, else against its ``reshard.json``; plus round trips.
+
+    Without ``other``, the manifest check runs when there is a manifest or no round trip was asked for
+    (so ``verify(ckpt, options=VerifyOptions(roundtrip=(2,)))`` works on any checkpoint).
+
+    Raises:
+        ReshardError: a checkpoint cannot be read (truncated file, no manifest to check against, ...).
+
+    Example:
+        >>> verify(Path("ckpt-tp4"), options=VerifyOptions(roundtrip=(2, 8))).ok  # doctest: +SKIP
+        True
+    """
+    ckpt, options = Path(ckpt), options or VerifyOptions()
+    result = VerifyResult(str(ckpt))
+    if other is not None:
+        result.reports.append(compare_checkpoints(ckpt, Path(other), options))
+    elif not options.roundtrip or find_manifest(ckpt) is not None:
+        result.reports.append(check_manifest(ckpt, options))
+    missing = [d for r in result.reports for d in r.differences if d.kind == "missing-file"]
+    for tp in options.roundtrip:
+        if missing:  # the checkpoint cannot be read: say so per round trip instead of failing to read it
+            cause = Difference("not-run", None, "files of the checkpoint are missing (see above)", missing[0].file)
+            result.reports.append(VerifyReport("roundtrip", str(ckpt), f"tp={tp} and back", 0, [cause], tp))
+        else:
+            result.reports.append(roundtrip(ckpt, tp, options))
+    return result
+
+
+def _open(path: Path, options: ReadOptions) -> OpenedCheckpoint:
+    """Open a checkpoint to gather it whole, the way its ``reshard.json`` recorded it (when it has one)."""
+    return open_checkpoint(path, options, target_tp=1, recorded_plan=True)
+
+
+def _files(tensor: SourceTensor) -> str:
+    return ", ".join(dict.fromkeys(str(ref.file) for ref in tensor.refs))
+
+
+def _gathered(
+    opened: OpenedCheckpoint, names: list[str], progress: bool, diffs: list[Difference]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, canonical tensor)`` one at a time; tensors that cannot be gathered become differences."""
+    tensors = opened.by_name()
+    with torch.inference_mode():
+        for name in tqdm(names, desc="verify", unit="tensor", file=sys.stderr, leave=False, **quiet_unless(progress)):
+            tensor = tensors[name]
+            if tensor.problem is not None:
+                diffs.append(Difference("inconsistent", name, tensor.problem.detail, _files(tensor)))
+                continue
+            try:
+                yield name, gather_canonical(tensor, uneven=opened.uneven)
+            except (DivergentReplicaError, ShapeMismatchError) as err:
+                diffs.append(Difference("inconsistent", name, err.detail, _files(tensor)))
+
+
+def check_manifest(ckpt: Path, options: VerifyOptions) -> VerifyReport:
+    """Recompute every canonical tensor's sha256, shape, dtype and NaN/Inf, and compare with ``reshard.json``."""
+    manifest = find_manifest(ckpt)
+    if manifest is None:
+        raise ReshardError(
+            "no reshard.json beside it to verify against",
+            path=ckpt,
+            hint="compare with another checkpoint (verify CKPT OTHER) or use --roundtrip",
+        )
+    report = VerifyReport("manifest", str(ckpt), "reshard.json")
+    report.differences = check_files(ckpt, manifest)
+    if report.differences:  # tensors cannot be gathered while files are missing
+        return report
+    opened = _open(ckpt, options.read())
+    tensors = opened.by_name()
+    diffs = report.differences
+    expected = manifest.tensors
+    diffs += [Difference("missing", n, "in reshard.json, not in the checkpoint") for n in expected if n not in tensors]
+    diffs += [Difference("extra", n, "not in reshard.json", _files(tensors[n])) for n in tensors if n not in expected]
+    to_hash = []
+    for name in (n for n in expected if n in tensors):
+        tensor, entry = tensors[name], expected[name]
+        if tensor.problem is None and (name_of(tensor.code) != entry.dtype):
+            diffs.append(
+                Difference("dtype", name, f"{name_of(tensor.code)}, reshard.json says {entry.dtype}", _files(tensor))
+            )
+        elif tensor.problem is None and tensor.shape != entry.shape:
+            diffs.append(
+                Difference(
+                    "shape", name, f"{list(tensor.shape)}, reshard.json says {list(entry.shape)}", _files(tensor)
+                )
+            )
+        else:
+            to_hash.append(name)
+    for name, full in _gathered(opened, to_hash, options.progress, diffs):
+        entry, files = expected[name], _files(tensors[name])
+        report.tensors += 1
+        if sha256_of(full) != entry.sha256:
+            diffs.append(Difference("sha256", name, "bytes differ from the sha256 in reshard.json", files))
+        if entry.finite and not all_finite(full):
+            diffs.append(Difference("non-finite", name, "NaN/Inf present; reshard.json says it had none", files))
+    return report
+
+
+def compare_checkpoints(ckpt: Path, other: Path, options: VerifyOptions) -> VerifyReport:
+    """Compare two checkpoints of any layouts and tp sizes tensor by tensor, after gathering each.
+
+    Bit-exact unless ``options.atol`` / ``options.rtol`` are set; with a tolerance, tensors of different
+    dtypes are compared by value (in float64) instead of being reported as a dtype difference.
+    """
+    report = VerifyReport("compare", str(ckpt), str(other))
+    a, b = _open(ckpt, options.read()), _open(other, options.read(own_config=False))
+    ours, theirs = a.by_name(), b.by_name()
+    diffs = report.differences
+    diffs += [Difference("missing", n, f"not in {other}", _files(t)) for n, t in ours.items() if n not in theirs]
+    diffs += [Difference("extra", n, f"not in {ckpt}", _files(t)) for n, t in theirs.items() if n not in ours]
+    common = []
+    for name in (n for n in ours if n in theirs):
+        ta, tb = ours[name], theirs[name]
+        if ta.problem or tb.problem:
+            common.append(name)  # reported as inconsistent by _gathered
+        elif ta.shape != tb.shape:
+            diffs.append(Difference("reshaped", name, f"{list(ta.shape)} vs {list(tb.shape)}", _files(tb)))
+        elif ta.code != tb.code and options.exact:
+            diffs.append(Difference("dtype", name, f"{name_of(ta.code)} vs {name_of(tb.code)}", _files(tb)))
+        else:
+            common.append(name)
+    for name, left in _gathered(a, common, options.progress, diffs):
+        right = dict(_gathered(b, [name], False, diffs))  # one tensor of each side at a time
+        if name not in right:
+            continue
+        report.tensors += 1
+        difference = value_difference(left, right.pop(name), atol=options.atol, rtol=options.rtol)
+        if difference is not None:
+            what = "bytes differ" if options.exact else f"outside atol={options.atol}, rtol={options.rtol}"
+            diffs.append(
+                Difference(
+                    "values",
+                    name,
+                    f"{what}: max abs difference {difference:.6g}",
+                    _files(theirs[name]),
+                    difference,
+                )
+            )
+    return report
+
+
+def roundtrip(ckpt: Path, tp: int, options: VerifyOptions) -> VerifyReport:
+    """Convert ``ckpt`` to ``tp`` ranks in a temporary folder, back to its own tp, and compare bit-exactly.
+
+    The temporary folder (under ``$TMPDIR``) is removed however this ends, Ctrl-C included. A tp the
+    model cannot be split into is reported as a difference of this round trip, not raised.
+    """
+    opened = open_checkpoint(ckpt, options.read(), target_tp=tp)
+    own_tp, uneven = opened.source.tp, opened.uneven
+    report = VerifyReport("roundtrip", str(ckpt), f"tp={tp} and back", tp=tp)
+    with tempfile.TemporaryDirectory(prefix=f"reshard-verify-tp{tp}-") as tmp:
+        there, back = Path(tmp) / f"tp{tp}", Path(tmp) / f"back-tp{own_tp}"
+        try:
+            convert_opened(opened, there, options.convert_options(tp=tp, uneven=uneven))
+            convert(there, back, options.convert_options(tp=own_tp, config=None, uneven=uneven))
+        except PlanError as err:  # this tp cannot hold the model: a finding about this round trip
+            report.differences = [Difference("plan", p.tensor, p.detail, p.path) for p in err.problems]
+            return report
+        except (DivergentReplicaError, ShapeMismatchError) as err:  # the ranks of CKPT do not gather
+            report.differences = [Difference("inconsistent", err.tensor, err.detail, err.path)]
+            return report
+        compared = compare_checkpoints(ckpt, back, replace(options, atol=0.0, rtol=0.0))
+    report.tensors, report.differences = compared.tensors, compared.differences
+    return report

@@ -1,0 +1,1 @@
+"""Planning a conversion from headers and executing it: gather, hash, split, write, one tensor at a time."""

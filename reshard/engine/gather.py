@@ -1,0 +1,257 @@
+"""Gathering one tensor: its rank slices read into their place in one buffer, then split for the target.
+
+* **One buffer per tensor.** The rank slices are read into their place in one buffer of the gathered
+  (padded) tensor: a dim-0 piece is one read of its byte range, a column block one read of the slice
+  scattered over the block's rows; only packed parts off dim 0 and rows under 1 KB go through a
+  temporary. The canonical tensor, and every target piece of a ``shard``/``grouped``/``vocab``/
+  ``replicate`` tensor, is then a view of that buffer, written from its rows: nothing is gathered twice.
+  Pad rows for a bigger target vocab are zeroed in the buffer, not concatenated; pad rows of the source
+  are cut by :func:`reshard.vocab.cut_pad_rows`.
+* **Same bytes as the reference.** The gather here is :func:`reshard.slicing.gather` done in place;
+  ``tests/engine/test_gather.py`` checks both agree on every partition kind.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from reshard.engine.planner import SourceTensor, TargetTensor, TensorPlan, identity_plan
+from reshard.errors import ReshardError
+from reshard.io.direct import Batch
+from reshard.layouts.base import TensorRef
+from reshard.partition import Grouped, Packed, Replicate, Shard, Vocab, split_sizes
+from reshard.slicing import bitwise_equal, check_replica, split
+from reshard.vocab import cut_pad_rows
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Copy:
+    """Rows ``[src, src + length)`` along the split dim of rank ``rank``'s slice go to ``[dst, dst + length)``."""
+
+    rank: int
+    src: int
+    dst: int
+    length: int
+
+
+def copy_plan(
+    partition: Shard | Grouped | Vocab | Packed, shapes: Sequence[Shape], *, uneven: bool
+) -> tuple[list[Copy], int]:
+    """Where every piece of every rank slice lands in the gathered buffer, and the buffer's size along dim.
+
+    Pure: the in-place equivalent of the ``cat`` in :func:`reshard.partition.gather`.
+    """
+    dim = partition.dim % len(shapes[0])
+    sizes = [shape[dim] for shape in shapes]
+    if isinstance(partition, Packed):
+        per_part = [split_sizes(part, len(shapes), uneven=uneven) for part in partition.parts]
+        copies, part_start = [], 0
+        src = [0] * len(shapes)
+        for part, pieces in zip(partition.parts, per_part, strict=True):
+            dst = part_start
+            for rank, length in enumerate(pieces):
+                copies.append(Copy(rank, src[rank], dst, length))
+                src[rank] += length
+                dst += length
+            part_start += part
+        return copies, part_start
+    offsets = [sum(sizes[:r]) for r in range(len(sizes))]
+    return [Copy(r, 0, offsets[r], sizes[r]) for r in range(len(sizes))], sum(sizes)
+
+
+@dataclass(frozen=True)
+class Work:
+    """One unit to move: its plan, the gather buffer of each source tensor, and the bytes it may hold at once."""
+
+    tensor: TensorPlan
+    buffer_shapes: tuple[Shape, ...]
+    cost: int
+
+
+def plan_work(tensor: TensorPlan, *, target_tp: int) -> Work:
+    """The buffers of one unit and an upper bound of the bytes held while it is prepared and written."""
+    if tensor.transform is None:
+        (source,), (target,) = tensor.sources, tensor.targets
+        shape, cost = _buffer(source, target.rank_shapes, target_tp)
+        return Work(tensor, (shape,), cost)
+    buffers = [_buffer(source, (), target_tp) for source in tensor.sources]
+    # the transform's outputs may be copies, and splitting a vocab or packed target copies again
+    cost = sum(c for _, c in buffers) + 2 * tensor.nbytes
+    return Work(tensor, tuple(shape for shape, _ in buffers), cost)
+
+
+def _buffer(source: SourceTensor, target_shapes: Sequence[Shape], target_tp: int) -> tuple[Shape, int]:
+    """The gather buffer of one source tensor (room for the target's pad rows when it is kept as it is) and
+    the bytes it costs."""
+    partition = source.partition
+    itemsize = source.dtype.itemsize
+    shape = tuple(source.shape)
+    nbytes = math.prod(shape) * itemsize
+    slice_bytes = max(ref.header.nbytes for ref in source.refs)
+    if isinstance(partition, Replicate):
+        return shape, 2 * nbytes if len(source.refs) > 1 else nbytes
+    dim = partition.dim % len(shape)
+    rows = sum(ref.shape[dim] for ref in source.refs)
+    if isinstance(partition, Vocab) and target_shapes:
+        rows = max(rows, sum(s[dim] for s in target_shapes))
+    buffer_shape = shape[:dim] + (max(rows, shape[dim]),) + shape[dim + 1 :]
+    cost = math.prod(buffer_shape) * itemsize
+    if math.prod(shape[:dim]) != 1:
+        cost += slice_bytes  # packed parts, or short rows, go through one slice-sized temporary
+    if target_tp > 1 and isinstance(partition, Packed):
+        cost += nbytes  # split() concatenates each target rank's parts
+    return buffer_shape, cost
+
+
+def gather_into(
+    source: SourceTensor,
+    buffer: torch.Tensor,
+    *,
+    uneven: bool,
+    allow_divergent: bool,
+    divergent: set[str] | None = None,
+) -> torch.Tensor:
+    """Read every rank slice into ``buffer``; returns it (the canonical tensor is a view of it).
+
+    A replicated tensor that differs between ranks raises, unless ``allow_divergent``: then rank 0's
+    copy is taken and, when ``divergent`` is given, the tensor's name is added to it.
+    """
+    refs: tuple[TensorRef, ...] = source.refs
+    partition = source.partition
+    if isinstance(partition, Replicate):
+        with Batch():
+            refs[0].read_into(buffer)
+        if len(refs) > 1 and not (allow_divergent and divergent is None):
+            other = torch.empty_like(buffer)
+            for rank, ref in enumerate(refs[1:], start=1):
+                with Batch():
+                    ref.read_into(other)
+                if not allow_divergent:
+                    check_replica(buffer, other, rank)
+                elif not bitwise_equal(buffer, other):
+                    divergent.add(source.name)
+                    break
+        return buffer
+    dim = partition.dim % buffer.dim()
+    copies, _ = copy_plan(partition, [ref.shape for ref in refs], uneven=uneven)
+    contiguous = math.prod(buffer.shape[:dim]) == 1  # pieces along dim are contiguous in file and buffer
+    with Batch():  # every rank's blocks in flight at once
+        for rank, ref in enumerate(refs):
+            mine = [c for c in copies if c.rank == rank and c.length]
+            if contiguous:
+                row_bytes = math.prod(ref.shape[dim + 1 :]) * buffer.element_size()
+                for c in mine:
+                    ref.read_into(buffer.narrow(dim, c.dst, c.length), start=c.src * row_bytes)
+                continue
+            if not mine:
+                continue
+            if len(mine) == 1 and mine[0].length == ref.shape[dim]:  # the whole slice: read into its block
+                ref.read_into(buffer.narrow(dim, mine[0].dst, mine[0].length))
+                continue
+            whole = torch.empty(ref.shape, dtype=buffer.dtype)
+            with Batch():
+                ref.read_into(whole)
+            for c in mine:
+                buffer.narrow(dim, c.dst, c.length).copy_(whole.narrow(dim, c.src, c.length))
+            del whole
+    return buffer
+
+
+Piece = tuple[str, "torch.Tensor", list["torch.Tensor"]]
+
+
+def gather_and_split(
+    work: Work,
+    *,
+    target_tp: int,
+    uneven: bool,
+    allow_divergent: bool,
+    divergent: set[str] | None = None,
+    buffers: Sequence[torch.Tensor] | None = None,
+) -> list[Piece]:
+    """Gather one unit's source tensors (into ``buffers`` of ``work.buffer_shapes``, or new ones) and return,
+    per target tensor, its name, the canonical tensor and its target rank slices.
+
+    A tensor kept as it is gives views of its buffer (but for ``packed`` targets); a mapped unit goes
+    through its transform first.
+    """
+    tensor = work.tensor
+    if buffers is None:
+        buffers = [
+            torch.empty(shape, dtype=s.dtype) for shape, s in zip(work.buffer_shapes, tensor.sources, strict=True)
+        ]
+    with torch.inference_mode():
+        canonicals = [
+            _gathered(source, buffer, uneven=uneven, allow_divergent=allow_divergent, divergent=divergent)
+            for source, buffer in zip(tensor.sources, buffers, strict=True)
+        ]
+        if tensor.transform is None:
+            (source,), (buffer,), (target,) = tensor.sources, canonicals, tensor.targets
+            return [(target.name, *_kept(source, buffer, target, target_tp, uneven=uneven))]
+        outputs = tensor.transform.apply([c for c, _ in canonicals])
+        return [
+            (target.name, out, _split_target(out, target, target_tp, uneven=uneven))
+            for target, out in zip(tensor.targets, outputs, strict=True)
+        ]
+
+
+def _gathered(
+    source: SourceTensor, buffer: torch.Tensor, *, uneven: bool, allow_divergent: bool, divergent: set[str] | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(canonical view, whole buffer)`` of one source tensor gathered into ``buffer``."""
+    try:
+        buffer = gather_into(source, buffer, uneven=uneven, allow_divergent=allow_divergent, divergent=divergent)
+    except ReshardError as err:
+        if err.path:
+            raise
+        raise type(err)(err.detail, path=source.refs[0].file, tensor=source.name, hint=err.hint) from err
+    partition = source.partition
+    if isinstance(partition, Vocab):
+        return cut_pad_rows(buffer, partition.dim % buffer.dim(), source.shape[partition.dim]), buffer
+    return buffer, buffer
+
+
+def _kept(
+    source: SourceTensor,
+    gathered: tuple[torch.Tensor, torch.Tensor],
+    target: TargetTensor,
+    target_tp: int,
+    *,
+    uneven: bool,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A tensor kept as it is: its target slices are views of the buffer (pad rows zeroed in place)."""
+    canonical, buffer = gathered
+    partition = source.partition
+    if isinstance(partition, Replicate):
+        return buffer, [buffer] * target_tp
+    if not isinstance(partition, Vocab):
+        return buffer, split(buffer, partition, target_tp, uneven=uneven)
+    dim = partition.dim % buffer.dim()
+    sizes = [s[dim] for s in target.rank_shapes]
+    rows = sum(sizes)
+    if rows > source.shape[dim]:
+        buffer.narrow(dim, source.shape[dim], rows - source.shape[dim]).zero_()
+    return canonical, list(torch.split(buffer.narrow(dim, 0, rows), sizes, dim=dim))
+
+
+def _split_target(tensor: torch.Tensor, target: TargetTensor, target_tp: int, *, uneven: bool) -> list[torch.Tensor]:
+    """A transform's output split for the target (a vocab padded to the rows its rank shapes add up to)."""
+    partition = target.partition
+    padded = sum(s[partition.dim] for s in target.rank_shapes) if isinstance(partition, Vocab) else None
+    return split(tensor, partition, target_tp, padded=padded, uneven=uneven)
+
+
+def gather_canonical(tensor: SourceTensor, *, uneven: bool, allow_divergent: bool = False) -> torch.Tensor:
+    """Read one tensor's rank slices and join them into the canonical tensor, as a conversion does."""
+    plan = identity_plan(tensor)
+    plan = TensorPlan(plan.sources, (replace(plan.targets[0], rank_shapes=(tuple(tensor.shape),)),))
+    ((_, canonical, _),) = gather_and_split(
+        plan_work(plan, target_tp=1), target_tp=1, uneven=uneven, allow_divergent=allow_divergent
+    )
+    return canonical

@@ -1,0 +1,111 @@
+"""Open a checkpoint and plan it: the one step every command takes before any tensor byte moves.
+
+:func:`open_checkpoint` finds the layout and reads the headers (:func:`reshard.layouts.discover`), applies
+``--config``, merges LoRA adapters on request, finds the ``reshard.json`` beside it, resolves the true vocab
+size (:func:`reshard.vocab.resolve_vocab`), selects the plan and decides every tensor's partition and
+canonical shape (:func:`reshard.engine.planner.plan_sources`). ``inspect`` reports the result, ``check``
+checks it for another tp, ``convert`` and ``fix`` plan the target from it, ``verify`` gathers from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from reshard.config import find_config
+from reshard.engine.lora_merge import merge_lora_source
+from reshard.engine.planner import SourceTensor, plan_sources
+from reshard.errors import ReshardError
+from reshard.layouts import SourceCheckpoint, TensorRef, discover
+from reshard.manifest import Manifest, find_manifest, written_uneven
+from reshard.options import ReadOptions
+from reshard.plans import Plan, select_plan
+from reshard.plans.recorded import RecordedPlan
+from reshard.vocab import VocabPlan, resolve_vocab
+
+
+@dataclass(frozen=True)
+class OpenedCheckpoint:
+    """Everything known about a checkpoint before its bytes are read.
+
+    Attributes:
+        path: what the user named.
+        source: the layout's view of it: ranks of lazy tensor references, config, notes.
+        manifest: the ``reshard.json`` beside it, if any.
+        plan: the plan its tensors were matched against.
+        vocab: the true vocab size and where it came from.
+        uneven: whether its sizes are split as ``torch.chunk`` does (``--uneven``, or as reshard wrote it).
+        tensors: every tensor's partition and canonical shape, or its problem.
+    """
+
+    path: Path
+    source: SourceCheckpoint
+    manifest: Manifest | None
+    plan: Plan
+    vocab: VocabPlan
+    uneven: bool
+    tensors: tuple[SourceTensor, ...]
+
+    @property
+    def problems(self) -> list[ReshardError]:
+        return [t.problem for t in self.tensors if t.problem]
+
+    def by_name(self) -> dict[str, SourceTensor]:
+        return {t.name: t for t in self.tensors}
+
+
+def open_checkpoint(
+    ckpt: Path,
+    options: ReadOptions,
+    *,
+    target_tp: int | None = None,
+    recorded_plan: bool = False,
+    read_bytes: bool = True,
+) -> OpenedCheckpoint:
+    """Open and plan ``ckpt`` (see the module docstring).
+
+    Args:
+        ckpt: the checkpoint folder or file.
+        options: how to read it.
+        target_tp: the tp it will be split for (a tp=1 tensor no rule covers can only stay whole at tp 1);
+            None: its own tp.
+        recorded_plan: read tensors the way its ``reshard.json`` recorded them, when it has one and no
+            ``--plan`` is given (``verify`` judges a checkpoint as it was written).
+        read_bytes: whether inference may read rank slices to tell replicated from split tensors
+            (``check`` reads headers only).
+
+    Raises:
+        ReshardError: the checkpoint cannot be read (no checkpoint, a missing rank, a corrupt header, ...).
+    """
+    ckpt = Path(ckpt)
+    source = discover(ckpt, options)
+    if options.config is not None:
+        source.config = find_config(ckpt, options.config)
+    if options.merge_lora:
+        source = merge_lora_source(source, alpha=options.lora_alpha)
+    manifest = find_manifest(ckpt)
+    vocab = resolve_vocab(options.vocab, manifest, source.config)
+    plan = select_plan(source.config, source.names(), plan_file=options.plan)
+    if recorded_plan and manifest is not None and options.plan is None:
+        plan = RecordedPlan.of(manifest, fallback=plan)
+    uneven = options.uneven or written_uneven(manifest)
+    tensors = plan_sources(
+        source,
+        plan,
+        vocab_size=vocab.original,
+        target_tp=source.tp if target_tp is None else target_tp,
+        uneven=uneven,
+        replicas_equal=_replicas_equal if read_bytes else None,
+    )
+    return OpenedCheckpoint(ckpt, source, manifest, plan, vocab, uneven, tuple(tensors))
+
+
+def _replicas_equal(refs: Sequence[TensorRef]) -> bool:
+    from reshard.slicing import bitwise_equal
+
+    first = refs[0].read()
+    return all(bitwise_equal(first, ref.read()) for ref in refs[1:])
+
+
+__all__ = ["OpenedCheckpoint", "open_checkpoint"]

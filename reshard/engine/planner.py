@@ -1,0 +1,310 @@
+"""Headers -> every tensor's partition, canonical shape and target slices. Pure: no torch, no file opened.
+
+:func:`plan_sources` decides, for every tensor of a source checkpoint, how its rank slices join (a plan
+rule, else inference from shapes and the config) and the canonical shape they join into; a tensor that
+cannot be planned carries its problem instead of raising, so ``inspect`` can show it beside the rest.
+:func:`plan_conversion` adds the per-rank shapes at the target tp and raises every problem at once
+(:class:`~reshard.errors.PlanError`) before any output exists. Bytes move in :mod:`reshard.engine.execute`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from reshard.config import ModelConfig
+from reshard.dtypes import TensorHeader, safetensors_order
+from reshard.errors import AmbiguousPartitionError, PlanError, ReshardError, ShapeMismatchError
+from reshard.layouts.base import SourceCheckpoint, TensorRef
+from reshard.partition import Packed, Partition, Replicate, canonical_shape, rank_shapes
+from reshard.plans import Plan, infer_partition
+from reshard.vocab import VocabPlan, padded_size, source_padded_rows
+
+if TYPE_CHECKING:
+    import torch
+
+    from reshard.mappings.base import MappedGroup
+    from reshard.mappings.transforms import Transform
+
+Shape = tuple[int, ...]
+# Reads the rank slices of one tensor and says whether they are bitwise equal (None: headers only).
+ReplicaCheck = Callable[[Sequence[TensorRef]], bool]
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    """How one tensor sits in the source: its rank slices, partition, the reason, the canonical shape.
+
+    ``problem`` is set (and ``partition`` / ``shape`` may be None) when it cannot be gathered.
+    """
+
+    name: str
+    refs: tuple[TensorRef, ...]
+    partition: Partition | None
+    reason: str
+    shape: Shape | None
+    problem: ReshardError | None = None
+
+    @property
+    def code(self) -> str:
+        """The safetensors dtype code, e.g. ``"BF16"``."""
+        return self.refs[0].code
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.refs[0].dtype
+
+
+@dataclass(frozen=True)
+class TargetTensor:
+    """One tensor of the output: its name, canonical shape and dtype, its partition and per-rank shapes."""
+
+    name: str
+    shape: Shape
+    code: str
+    partition: Partition
+    rank_shapes: tuple[Shape, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return TensorHeader(self.shape, self.code).nbytes
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One unit of work: source tensors gathered together, turned into target tensors, split for the target.
+
+    Without a ``transform`` it is one source tensor written as one target tensor of the same name (a
+    re-slice); with one (a mapping between namings), the gathered sources go through it first.
+    """
+
+    sources: tuple[SourceTensor, ...]
+    targets: tuple[TargetTensor, ...]
+    transform: Transform | None = None
+
+    @property
+    def name(self) -> str:
+        return self.targets[0].name
+
+    @property
+    def code(self) -> str:
+        return self.targets[0].code
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the canonical target tensors."""
+        return sum(t.nbytes for t in self.targets)
+
+
+def identity_plan(source: SourceTensor) -> TensorPlan:
+    """A source tensor kept under its name and partition (rank shapes are filled by :func:`plan_conversion`)."""
+    return TensorPlan((source,), (TargetTensor(source.name, source.shape, source.code, source.partition),))
+
+
+@dataclass(frozen=True)
+class ConversionPlan:
+    source: SourceCheckpoint
+    target_tp: int
+    tensors: tuple[TensorPlan, ...]
+    vocab: VocabPlan
+    uneven: bool
+
+
+def plan_sources(
+    source: SourceCheckpoint,
+    plan: Plan,
+    *,
+    vocab_size: int | None,
+    target_tp: int = 1,
+    uneven: bool = False,
+    replicas_equal: ReplicaCheck | None = None,
+) -> list[SourceTensor]:
+    """Decide, for every tensor, its partition (plan rule, else inference) and canonical shape.
+
+    ``replicas_equal`` reads bytes when shapes alone cannot tell a replicated tensor from a split one;
+    without it (``reshard check`` reads headers only) such a tensor gets a problem instead.
+    """
+    out = []
+    for name in source.names():
+        refs = [rank.get(name) for rank in source.ranks]
+        absent = [r for r, ref in enumerate(refs) if ref is None]
+        if absent:
+            present = tuple(r for r in refs if r)
+            problem = ShapeMismatchError(
+                f"missing on rank(s) {absent} of {source.tp}",
+                path=present[0].file,
+                tensor=name,
+                hint="every rank file must hold every tensor",
+            )
+            out.append(SourceTensor(name, present, None, "", None, problem))
+            continue
+        out.append(_plan_one(name, tuple(refs), plan, source.config, vocab_size, target_tp, uneven, replicas_equal))
+    return out
+
+
+def _plan_one(
+    name: str,
+    refs: tuple[TensorRef, ...],
+    plan: Plan,
+    config: ModelConfig | None,
+    vocab_size: int | None,
+    target_tp: int,
+    uneven: bool,
+    replicas_equal: ReplicaCheck | None,
+) -> SourceTensor:
+    shapes = [ref.shape for ref in refs]
+    if len({ref.code for ref in refs}) > 1:
+        problem = ShapeMismatchError(
+            f"ranks disagree on dtype: {[str(r.dtype) for r in refs]}", path=refs[0].file, tensor=name
+        )
+        return SourceTensor(name, refs, None, "", None, problem)
+    rule = plan.match(name)
+    try:
+        if rule is not None:
+            partition, reason = rule.resolve(config), f"rule '{rule.pattern}' ({plan.name})"
+        else:
+            partition, reason = infer_partition(
+                shapes,
+                config,
+                vocab_size=vocab_size,
+                target_tp=target_tp,
+                replicas_equal=_bytes_check(refs, replicas_equal),
+            )
+        shape = canonical_shape(partition, shapes, vocab_size=vocab_size, uneven=uneven)
+    except AmbiguousPartitionError as err:
+        problem = AmbiguousPartitionError(
+            f"no plan rule, and {err.detail}"
+            if rule is None
+            else f"rule '{rule.pattern}' ({plan.name}): {err.detail}",
+            path=refs[0].file,
+            tensor=name,
+            hint="add a rule for it with --plan FILE"
+            if rule is None
+            else "give the model's config with --config FILE",
+        )
+        return SourceTensor(name, refs, None, "", None, problem)
+    except ShapeMismatchError as err:
+        problem = ShapeMismatchError(
+            f"{partition.describe()} ({reason}): {err.detail}", path=refs[0].file, tensor=name
+        )
+        return SourceTensor(name, refs, partition, reason, None, problem)
+    return SourceTensor(name, refs, partition, reason, shape)
+
+
+def _bytes_check(refs: tuple[TensorRef, ...], replicas_equal: ReplicaCheck | None) -> Callable[[], bool]:
+    def check() -> bool:
+        if replicas_equal is None:
+            raise AmbiguousPartitionError(f"rank shapes {[list(r.shape) for r in refs]} need its bytes to tell")
+        return replicas_equal(refs)
+
+    return check
+
+
+def mapped_plans(
+    tensors: Sequence[SourceTensor],
+    groups: Sequence[MappedGroup],
+    target_plan: Plan,
+    target_config: ModelConfig | None,
+    *,
+    target_tp: int,
+) -> tuple[list[TensorPlan], list[ReshardError]]:
+    """The units of work of a mapping: each group's source tensors, transform, and target tensors with the
+    partitions the target's plan gives them (at tp 1 a tensor the target plan does not name stays whole)."""
+    by_name = {t.name: t for t in tensors}
+    plans, problems = [], []
+    for group in groups:
+        sources = tuple(by_name[name] for name in group.sources)
+        if len({s.code for s in sources}) > 1:
+            problems.append(
+                ShapeMismatchError(
+                    f"{', '.join(group.sources)} have different dtypes and cannot be fused", tensor=group.targets[0]
+                )
+            )
+            continue
+        targets = []
+        for name, shape in zip(group.targets, group.shapes, strict=True):
+            rule = target_plan.match(name)
+            try:
+                if rule is None and target_tp > 1:
+                    raise AmbiguousPartitionError(f"the {target_plan.name} plan has no rule for it")
+                partition = Replicate() if rule is None else rule.resolve(target_config)
+            except AmbiguousPartitionError as err:
+                problems.append(AmbiguousPartitionError(err.detail, tensor=name, hint="add a rule with --plan FILE"))
+                continue
+            targets.append(TargetTensor(name, shape, sources[0].code, partition))
+        if len(targets) == len(group.targets):
+            plans.append(TensorPlan(sources, tuple(targets), group.transform))
+    return plans, problems
+
+
+def plan_conversion(
+    source: SourceCheckpoint,
+    tensors: Sequence[SourceTensor],
+    *,
+    vocab: VocabPlan,
+    target_tp: int,
+    pad_multiple: int | None = None,
+    uneven: bool = False,
+    groups: Sequence[TensorPlan] | None = None,
+    problems: Sequence[ReshardError] = (),
+) -> ConversionPlan:
+    """Plan every target tensor for ``target_tp`` ranks; all problems are raised together as a :class:`PlanError`.
+
+    ``groups`` are the units of work when a mapping renames or fuses tensors (default: every source
+    tensor kept as it is); ``problems`` found before (by the mapping) are raised with the rest.
+    """
+    problems = [*problems, *(t.problem for t in tensors if t.problem)]
+    source_padded = source_padded_rows(tensors)
+    multiple = pad_multiple or target_tp
+    target_padded = None
+    if source_padded is not None:
+        target_padded = padded_size(vocab.original or source_padded, multiple, uneven=uneven)
+        if target_padded % target_tp and not uneven:
+            problems.append(
+                ReshardError(
+                    f"vocab padded to {target_padded} does not divide by tp={target_tp}",
+                    hint="choose --pad-multiple as a multiple of the tp",
+                )
+            )
+    vocab = replace(
+        vocab,
+        source_padded=source_padded,
+        target_padded=target_padded,
+        pad_multiple=None if uneven or source_padded is None else multiple,
+    )
+    if groups is None:
+        groups = [identity_plan(t) for t in tensors if not t.problem]
+    planned = []
+    for group in groups:
+        if any(s.problem for s in group.sources):
+            continue
+        targets = []
+        for target in group.targets:
+            try:
+                shapes = rank_shapes(target.partition, target.shape, target_tp, padded=target_padded, uneven=uneven)
+            except ShapeMismatchError as err:
+                problems.append(
+                    ShapeMismatchError(
+                        f"{target.partition.describe()} of {list(target.shape)} cannot be split {target_tp} ways: "
+                        f"{err.detail}",
+                        path=group.sources[0].refs[0].file,
+                        tensor=target.name,
+                        hint="choose a tp that divides it"
+                        + ("" if _whole_blocks(target.partition) else ", or --uneven"),
+                    )
+                )
+                continue
+            targets.append(replace(target, rank_shapes=tuple(shapes)))
+        if len(targets) == len(group.targets):
+            planned.append(replace(group, targets=tuple(targets)))
+    if problems:
+        raise PlanError(problems)
+    planned.sort(key=lambda t: safetensors_order(t.name, t.code))
+    return ConversionPlan(source, target_tp, tuple(planned), vocab, uneven)
+
+
+def _whole_blocks(partition: Partition) -> bool:
+    """True when the partition splits in blocks (heads) that ``--uneven`` must not cut either."""
+    units = partition.part_units() if isinstance(partition, Packed) else (getattr(partition, "unit", 1),)
+    return any(unit != 1 for unit in units)

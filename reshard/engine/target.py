@@ -1,0 +1,149 @@
+"""What a conversion writes: the target layout, the names (mapped or kept), the target's config, every target
+tensor's partition and slices. Pure planning from an opened checkpoint; raises every problem at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from reshard.config import ModelConfig
+from reshard.dtypes import name_of
+from reshard.engine.open import OpenedCheckpoint
+from reshard.engine.planner import ConversionPlan, TensorPlan, mapped_plans, plan_conversion
+from reshard.errors import MappingError, PlanError, ReshardError
+from reshard.layouts import SourceCheckpoint, writer_class
+from reshard.layouts.megatron_args import config_from_args
+from reshard.mappings import MappingChoice, choose_mapping, naming_of, require_true_vocab
+from reshard.mappings.megatron_gpt import MEGATRON
+from reshard.options import ConvertOptions, Layout
+from reshard.partition import Vocab
+from reshard.plans import select_plan
+
+HEAD = "lm_head.weight"
+
+
+@dataclass(frozen=True)
+class TargetPlan:
+    """A planned conversion and what its writer needs beyond the tensors.
+
+    Attributes:
+        conversion: every unit of work, with target shapes per rank.
+        layout: the target layout.
+        config: the target's config (``config.json`` content), if any.
+        mapping: the mapping applied, when names change.
+        dropped: source tensors the mapping drops on purpose.
+        meta: layout facts decided here (``args`` for a Megatron target whose source has none).
+    """
+
+    conversion: ConversionPlan
+    layout: Layout
+    config: dict[str, Any] | None
+    mapping: MappingChoice | None = None
+    dropped: tuple[str, ...] = ()
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def default_layout(source: SourceCheckpoint, tp: int) -> Layout:
+    """The source's own layout family: ``megatron``/``sat`` stay so; HF-named checkpoints become ``hf`` at
+    tp 1 and ``hf-ranks`` above."""
+    if source.layout in (Layout.MEGATRON, Layout.SAT):
+        return source.layout
+    return Layout.HF if tp == 1 else Layout.HF_RANKS
+
+
+def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> TargetPlan:
+    """Plan the conversion of ``opened`` as ``options`` ask (raises every planning problem at once)."""
+    source = opened.source
+    if source.meta.get("cannot_convert"):  # a layout read it for inspect, but cannot convert it
+        raise source.meta["cannot_convert"]
+    layout = options.layout or default_layout(source, options.tp)
+    choice = choose_mapping(
+        source, layout, vocab_size=opened.vocab.original, dtype=_dtype(opened), keep_names=options.keep_names
+    )
+    if choice is not None and choice.config is not None:
+        require_true_vocab(source, opened.vocab.original)
+    meta = {"args": choice.args} if choice is not None and choice.args is not None else {}
+    groups, dropped, problems = None, (), []
+    if choice is not None:
+        groups, dropped, problems = _mapped(opened, choice, layout, options.tp)
+    conversion = plan_conversion(
+        source,
+        opened.tensors,
+        vocab=opened.vocab,
+        target_tp=options.tp,
+        pad_multiple=options.pad_multiple or writer_class(layout).pad_multiple(options.tp, source, meta),
+        uneven=opened.uneven,
+        groups=groups,
+        problems=problems,
+    )
+    return TargetPlan(conversion, layout, _config(opened, choice), choice, dropped, meta)
+
+
+def _mapped(
+    opened: OpenedCheckpoint, choice: MappingChoice, layout: Layout, tp: int
+) -> tuple[list[TensorPlan], tuple[str, ...], list[ReshardError]]:
+    shapes = {t.name: t.shape for t in opened.tensors if t.shape is not None}
+    try:
+        groups, dropped = choice.mapping.plan(shapes, opened.source.config)
+    except PlanError as err:
+        return [], (), list(err.problems)
+    target_config = choice.target_config
+    if layout == Layout.MEGATRON:
+        target_config = config_from_args(choice.args, None)
+    names = [name for group in groups for name in group.targets]
+    plan = select_plan(target_config, names)
+    plans, problems = mapped_plans(opened.tensors, groups, plan, target_config, target_tp=tp)
+    problems += _tie_problems(choice, names)
+    return plans, tuple(dropped), problems
+
+
+def _tie_problems(choice: MappingChoice, names: list[str]) -> list[ReshardError]:
+    """A transformers config whose ``tie_word_embeddings`` disagrees with the tensors found."""
+    if choice.config is None:
+        return []
+    tied, head = bool(choice.config.get("tie_word_embeddings")), "lm_head.weight" in names
+    if tied and head:
+        return [
+            MappingError("the model has an output layer, but its config ties the embeddings", tensor="lm_head.weight")
+        ]
+    if not tied and not head:
+        return [
+            MappingError("the config unties the embeddings, but there is no output layer", tensor="lm_head.weight")
+        ]
+    return []
+
+
+def _config(opened: OpenedCheckpoint, choice: MappingChoice | None) -> dict[str, Any] | None:
+    """The target's config: the mapping's, else the source's with the true vocab size."""
+    if choice is not None:
+        return choice.config
+    config: ModelConfig | None = opened.source.config
+    if config is None:
+        return None
+    vocab = opened.vocab.original
+    return config.with_vocab_size(vocab) if vocab is not None and vocab != config.vocab_size else config.raw
+
+
+def _dtype(opened: OpenedCheckpoint) -> str:
+    """The dtype a transformers config states: that of the vocab tables (else of the first tensor)."""
+    tensors = [t for t in opened.tensors if isinstance(t.partition, Vocab)] or list(opened.tensors)
+    return name_of(tensors[0].code) if tensors else "float32"
+
+
+def preview_mapping(opened: OpenedCheckpoint) -> tuple[str | None, dict[str, list[str]], str | None]:
+    """For ``inspect``: the names a conversion to transformers (``--layout hf``) would give every tensor.
+
+    Returns the mapping's name, ``{source name: target names}`` and, when there is no mapping, why not
+    (None when the names are transformers' already).
+    """
+    if naming_of(opened.source) != MEGATRON:
+        return None, {}, None
+    try:
+        choice = choose_mapping(opened.source, Layout.HF, vocab_size=opened.vocab.original, dtype=_dtype(opened))
+        shapes = {t.name: t.shape for t in opened.tensors if t.shape is not None}
+        groups, _ = choice.mapping.plan(shapes, opened.source.config)
+    except (MappingError, PlanError) as err:
+        return None, {}, f"no mapping to transformers' names: {err.one_line()}"
+    targets = {name: list(group.targets) for group in groups for name in group.sources}
+    return choice.mapping.name, targets, None

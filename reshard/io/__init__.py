@@ -1,0 +1,1 @@
+"""Bytes between files and memory: direct I/O, vectored reads and writes, the streaming writers, staged outputs."""

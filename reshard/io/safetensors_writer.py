@@ -1,0 +1,235 @@
+"""A streaming safetensors writer: the header is computed up front, tensors are written one at a time.
+
+The files are byte-for-byte what ``safetensors.torch.save_file`` writes for the same tensors and
+metadata (same tensor order, header JSON and padding), so ``safe_open`` and every loader read them,
+but the writer never holds more than the tensor being written.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from huggingface_hub import split_state_dict_into_shards_factory
+from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_WEIGHTS_FILE_PATTERN
+
+from reshard.dtypes import safetensors_order
+from reshard.io.direct import Batch, DirectFile
+from reshard.io.vectored import row_views
+
+if TYPE_CHECKING:
+    import torch
+
+    from reshard.dtypes import TensorHeader
+
+FORMAT_METADATA = {"format": "pt"}
+# A non-contiguous tensor (a column block of a row-parallel weight) is written through contiguous
+# copies of at most this many bytes, so writing it never needs a second full-size buffer.
+CHUNK_BYTES = 16 << 20
+
+
+def ordered(headers: Mapping[str, TensorHeader]) -> list[str]:
+    """Names in the order ``save_file`` lays them out (dtype, largest first; then name)."""
+    return sorted(headers, key=lambda name: safetensors_order(name, headers[name].code))
+
+
+def header_bytes(headers: Mapping[str, TensorHeader], metadata: Mapping[str, str] | None) -> bytes:
+    """The 8-byte length plus the JSON header, padded with spaces to a multiple of 8, as safetensors does."""
+    entries: dict[str, object] = {}
+    if metadata:
+        entries["__metadata__"] = dict(metadata)
+    offset = 0
+    for name in ordered(headers):
+        header = headers[name]
+        entries[name] = {
+            "dtype": header.code,
+            "shape": list(header.shape),
+            "data_offsets": [offset, offset + header.nbytes],
+        }
+        offset += header.nbytes
+    text = json.dumps(entries, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes in C order, without a copy when it is already contiguous."""
+    import torch
+
+    flat = tensor.detach().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+def byte_chunks(tensor: torch.Tensor, limit: int = CHUNK_BYTES) -> Iterator[memoryview]:
+    """The tensor's bytes in C order as a sequence of buffers: the tensor's own memory when it is
+    contiguous, else contiguous copies of blocks along dim 0 of at most ``limit`` bytes (or one row)."""
+    if tensor.numel() == 0:
+        return
+    if tensor.is_contiguous() or tensor.dim() <= 1:
+        yield tensor_bytes(tensor)
+        return
+    row = tensor[0].numel() * tensor.element_size()
+    if row > limit:
+        for index in range(tensor.shape[0]):
+            yield from byte_chunks(tensor[index], limit)
+        return
+    step = max(1, limit // row)
+    for start in range(0, tensor.shape[0], step):
+        yield tensor_bytes(tensor.narrow(0, start, min(step, tensor.shape[0] - start)))
+
+
+@dataclass
+class SafetensorsFileWriter:
+    """Writes one safetensors file whose tensors are known in advance, one tensor at a time.
+
+    Every tensor's place in the file follows from the headers, so each is written at its own offset.
+    :meth:`write` takes tensors in :func:`ordered` order; :meth:`write_unordered` takes them in any
+    order and from several threads at once. The file is complete when the last one is written
+    (:attr:`done`). Bytes go to the disk with ``O_DIRECT`` where the file system allows
+    (:class:`~reshard.io.direct.DirectFile`), unless ``direct`` is False (a file read back soon).
+    """
+
+    path: Path
+    headers: Mapping[str, TensorHeader]
+    metadata: Mapping[str, str] | None = field(default_factory=lambda: dict(FORMAT_METADATA))
+    direct: bool = True
+    _order: list[str] = field(init=False)
+    _offsets: dict[str, int] = field(init=False)
+    _size: int = field(init=False)
+    _written: set[str] = field(init=False, default_factory=set)
+    _finished: int = field(init=False, default=0)
+    _file: DirectFile | None = field(init=False, default=None, repr=False)
+    _started: bool = field(init=False, default=False)
+    _lock: threading.Lock = field(init=False, default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        self._order = ordered(self.headers)
+        self._header = header_bytes(self.headers, self.metadata)
+        self._offsets, offset = {}, len(self._header)
+        for name in self._order:
+            self._offsets[name] = offset
+            offset += self.headers[name].nbytes
+        self._size = offset
+
+    @property
+    def done(self) -> bool:
+        return self._finished == len(self._order)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write the next tensor in :func:`ordered` order."""
+        with self._lock:
+            expected = self._order[len(self._written)] if len(self._written) < len(self._order) else None
+        if name != expected:
+            raise ValueError(f"{self.path.name}: expected tensor {expected!r} next, got {name!r}")
+        self.write_unordered(name, tensor)
+
+    def write_unordered(self, name: str, tensor: torch.Tensor) -> None:
+        """Write one announced tensor at its offset; safe to call from several threads at once."""
+        header = self.headers.get(name)
+        if header is None:
+            raise ValueError(f"{self.path.name}: tensor {name!r} was not announced")
+        if tuple(tensor.shape) != header.shape or tensor.dtype != header.dtype:
+            raise ValueError(
+                f"{self.path.name}: {name}: announced {header.shape} {header.dtype}, "
+                f"got {tuple(tensor.shape)} {tensor.dtype}"
+            )
+        with self._lock:
+            if name in self._written:
+                raise ValueError(f"{self.path.name}: tensor {name!r} written twice")
+            self._written.add(name)
+            if not self._started:
+                self._start()
+            file = self._file
+        position = self._offsets[name]
+        rows = row_views(tensor)
+        if rows is not None:
+            file.write(rows, position)
+        else:
+            for chunk in byte_chunks(tensor):  # contiguous copies of blocks with short rows
+                with Batch():  # each copy is let go once written, not held until the caller's batch ends
+                    file.write([chunk], position)
+                position += len(chunk)
+        with self._lock:
+            self._finished += 1
+            if self.done:
+                self._close()
+
+    def _start(self) -> None:
+        self._started = True
+        self._file = DirectFile(self.path, self._size, direct=self.direct)
+        self._file.write([memoryview(self._header)], 0)
+
+    def close(self) -> None:
+        """Close the file; a file announced with no tensors is written (header only) here."""
+        with self._lock:
+            if not self._started:
+                self._start()
+            self._close()
+
+    def _close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+@dataclass
+class ShardedSafetensorsWriter:
+    """Writes one Hugging Face folder of safetensors shards (``model-0000i-of-0000n.safetensors`` and
+    ``model.safetensors.index.json``, or a single ``model.safetensors``) from headers known up front.
+
+    Shards are planned by ``huggingface_hub.split_state_dict_into_shards_factory`` (greedy in the
+    :func:`ordered` order; a tensor larger than ``max_shard_size`` gets a shard of its own).
+    """
+
+    folder: Path
+    headers: Mapping[str, TensorHeader]
+    max_shard_size: int | str = "5GB"
+    filename_pattern: str = SAFETENSORS_WEIGHTS_FILE_PATTERN
+    _files: dict[str, SafetensorsFileWriter] = field(init=False, default_factory=dict)
+    _file_of: dict[str, str] = field(init=False, default_factory=dict)
+    _index: dict | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        in_order = {name: self.headers[name] for name in ordered(self.headers)}
+        split = split_state_dict_into_shards_factory(
+            in_order,
+            get_storage_size=lambda header: header.nbytes,
+            filename_pattern=self.filename_pattern,
+            max_shard_size=self.max_shard_size,
+        )
+        self._file_of = dict(split.tensor_to_filename)
+        for filename, names in split.filename_to_tensors.items():
+            self._files[filename] = SafetensorsFileWriter(self.folder / filename, {n: self.headers[n] for n in names})
+        if split.is_sharded:
+            self._index = {"metadata": dict(split.metadata), "weight_map": dict(sorted(self._file_of.items()))}
+        if not self.headers:  # an empty state dict still gets its (empty) file
+            self._files[self.filename_pattern.format(suffix="")] = SafetensorsFileWriter(
+                self.folder / self.filename_pattern.format(suffix=""), {}
+            )
+
+    @property
+    def filenames(self) -> list[str]:
+        names = list(self._files)
+        return names + ([SAFETENSORS_INDEX_FILE] if self._index is not None else [])
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        self._files[self._file_of[name]].write(name, tensor)
+
+    def write_unordered(self, name: str, tensor: torch.Tensor) -> None:
+        """:meth:`SafetensorsFileWriter.write_unordered` into the shard that holds ``name``."""
+        self._files[self._file_of[name]].write_unordered(name, tensor)
+
+    def close(self) -> None:
+        """Finish every file (refusing if a tensor is missing) and write the index when sharded."""
+        missing = [f for f, w in self._files.items() if not w.done]
+        if missing:
+            raise ValueError(f"{self.folder}: files not complete: {missing}")
+        for writer in self._files.values():
+            writer.close()
+        if self._index is not None:
+            (self.folder / SAFETENSORS_INDEX_FILE).write_text(json.dumps(self._index, indent=2) + "\n")

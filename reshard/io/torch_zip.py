@@ -1,0 +1,261 @@
+"""A streaming writer of ``torch.save``'s zip format: the pickle first, then tensors as they arrive.
+
+``torch.save`` needs the whole object in memory. But its file is fixed by the object's structure and
+its tensors' shapes and dtypes alone: the pickle refers to each storage by a key and a size, and every
+record's offset follows from the sizes before it (:mod:`reshard.io.zip_layout`). So
+:class:`TorchZipWriter` takes a *template*, the object with :class:`TensorSlot` placeholders where the
+tensors go, pickles it, lays the file out, and then writes each tensor at its final offset when it
+arrives: in any order, from several threads at once, with ``O_DIRECT`` where the file system allows.
+Nothing is spooled and no state dict is held. The file is byte for byte what
+``torch.save(obj, path, pickle_module=...)`` writes for the real object whose tensors are contiguous
+and have storages of their own (what a loader or a split hands over), so ``torch.load`` (with
+``weights_only`` and ``mmap`` too), Megatron-LM and SwissArmyTransformer read it as they read
+``torch.save`` files.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import threading
+import zlib
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from reshard.io import zip_layout
+from reshard.io.direct import Batch, DirectFile
+from reshard.io.safetensors_writer import byte_chunks
+from reshard.io.torch_pickle import DEFAULT_PROTOCOL, TensorSlot, pickle_template
+from reshard.io.vectored import row_views
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["TensorSlot", "TorchZipWriter", "archive_name"]
+
+FILE_FORMAT_VERSION = b"3\n"  # caffe2::serialize::kProducedFileFormatVersion, what torch.save's "version" says
+
+
+def archive_name(path: Path) -> str:
+    """The folder ``torch.save(obj, path)`` puts the records in: the file name up to its last dot, or
+    ``archive`` when the path is not ASCII (torch then writes through a Python file object)."""
+    text = str(path)
+    if not text.isascii():
+        return "archive"
+    base = text.replace("\\", "/").rsplit("/", 1)[-1]
+    stem = base.rsplit(".", 1)[0] if "." in base else base
+    if not stem:
+        raise ValueError(f"{path}: torch.save refuses this file name (nothing before its extension)")
+    return stem
+
+
+def _options() -> tuple[int, bool]:
+    """The storage alignment and whether CRCs are computed, as torch.save would in this process."""
+    from torch.utils.serialization import config
+
+    return int(config.save.storage_alignment), bool(config.save.compute_crc32)
+
+
+def _storage_bytes(storage: torch.UntypedStorage) -> memoryview:
+    """The bytes of a real tensor's storage (copied to the CPU first if it lives elsewhere)."""
+    import torch
+
+    if storage.device.type != "cpu":
+        storage = storage.cpu()
+    if not storage.nbytes():
+        return memoryview(b"")
+    return memoryview(torch.empty(0, dtype=torch.uint8).set_(storage).numpy())
+
+
+class TorchZipWriter:
+    """Writes the file ``torch.save`` would write for ``template`` with its slots filled, one tensor at a time.
+
+    Everything but the slots' bytes (the pickle, the record headers, the storages of real tensors in the
+    template) is written with the first tensor; each tensor then goes to its own offset with its CRC, from
+    any thread; the last one writes the serialization id and the central directory and closes the file.
+    :meth:`close` raises if a slot was never written, and removes the unfinished file.
+
+    Args:
+        path: the file to write (its name up to the last dot names the archive's folder, as in torch).
+        template: the object to save, with a :class:`TensorSlot` wherever a tensor will be written.
+        pickle_module: what ``torch.save`` would be given as ``pickle_module`` (its ``Pickler`` is used).
+        pickle_protocol: as ``torch.save``'s.
+        direct: write with ``O_DIRECT`` where the file system allows (:class:`~reshard.io.direct.DirectFile`).
+
+    Example:
+        >>> from reshard.dtypes import TensorHeader
+        >>> header = TensorHeader((2, 3), "F32")
+        >>> writer = TorchZipWriter(Path("model.pt"), {"w": TensorSlot("w", header), "step": 7})
+        >>> writer.write("w", torch.arange(6.0).view(2, 3))  # the file is complete here
+        >>> torch.load("model.pt", weights_only=True)["w"].tolist()
+        [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        template: Any,
+        *,
+        pickle_module: ModuleType = pickle,
+        pickle_protocol: int = DEFAULT_PROTOCOL,
+        direct: bool = True,
+    ) -> None:
+        self.path = Path(path)
+        self.direct = direct
+        pickled, storages = pickle_template(template, pickle_module=pickle_module, protocol=pickle_protocol)
+        alignment, self._with_crc = _options()
+        self._prefix = archive_name(self.path).encode() + b"/"
+        known: dict[str, Any] = {
+            "data.pkl": pickled,
+            ".format_version": b"1",
+            ".storage_alignment": str(alignment).encode(),
+            "byteorder": sys.byteorder.encode(),
+        }
+        sizes = {name: len(data) for name, data in known.items()}
+        slots: dict[str, TensorSlot] = {}
+        seen: set[str] = set()
+        for key, storage in storages.items():
+            name = f"data/{key}"
+            if isinstance(storage, TensorSlot):
+                if storage.key in seen:
+                    raise ValueError(f"{self.path.name}: two slots of the template are written as {storage.key!r}")
+                slots[name], sizes[name] = storage, storage.header.nbytes
+                seen.add(storage.key)
+            else:
+                known[name] = _storage_bytes(storage)
+                sizes[name] = len(known[name])
+        known["version"], sizes["version"] = FILE_FORMAT_VERSION, len(FILE_FORMAT_VERSION)
+        self._records = zip_layout.layout(self._prefix, list(sizes.items()), alignment)
+        by_name = {record.name: record for record in self._records}
+        self._slots = {slot.key: (slot, by_name[name]) for name, slot in slots.items()}
+        self._id_record = zip_layout.local_record(
+            self._prefix, zip_layout.SERIALIZATION_ID, 40, self._records[-1].end, alignment
+        )
+        self.size = self._id_record.end + zip_layout.directory_size(self._prefix, [*self._records, self._id_record])
+        self._static = self._static_runs(known)
+        self._written: set[str] = set()
+        self._finished: set[str] = set()  # written in full, descriptor included
+        self._file: DirectFile | None = None
+        self._started = self._complete = self._aborted = False
+        self._lock = threading.Lock()
+
+    @property
+    def keys(self) -> list[str]:
+        """The keys of the slots, in the order their storages sit in the file."""
+        return list(self._slots)
+
+    @property
+    def done(self) -> bool:
+        """Whether the file is complete (and closed)."""
+        return self._complete
+
+    def _crc(self, data: Any, value: int = 0) -> int:
+        return zlib.crc32(data, value) if self._with_crc else 0
+
+    def _static_runs(self, known: dict[str, Any]) -> list[tuple[int, list[memoryview]]]:
+        """Every byte known before the tensors, as runs of adjacent buffers: ``(offset, buffers)``."""
+        runs: list[tuple[int, list[memoryview]]] = []
+        end = -1
+        for record in self._records:
+            pieces = [record.header]
+            if record.name in known:
+                record.crc = self._crc(known[record.name])
+                pieces += [known[record.name], record.descriptor()]
+            if record.header_offset != end:
+                runs.append((record.header_offset, []))
+            runs[-1][1].extend(memoryview(piece).cast("B") for piece in pieces if len(piece))
+            end = record.end if record.name in known else record.data_offset
+        return runs
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        """Write the tensor of slot ``key`` at its offset; safe to call from several threads at once."""
+        entry = self._slots.get(key)
+        if entry is None:
+            raise ValueError(f"{self.path.name}: tensor {key!r} is not a slot of the template")
+        slot, record = entry
+        if tuple(tensor.shape) != slot.header.shape or tensor.dtype != slot.header.dtype:
+            raise ValueError(
+                f"{self.path.name}: {key}: announced {slot.header.shape} {slot.header.dtype}, "
+                f"got {tuple(tensor.shape)} {tensor.dtype}"
+            )
+        with self._lock:
+            if key in self._written:
+                raise ValueError(f"{self.path.name}: tensor {key!r} written twice")
+            if self._complete or self._aborted:
+                raise ValueError(f"{self.path.name}: the file is already closed")
+            self._written.add(key)
+            if not self._started:
+                self._start()
+            file = self._file
+        record.crc = self._write_data(file, tensor, record.data_offset)
+        if record.size:
+            file.write([memoryview(record.descriptor())], record.data_offset + record.size)
+        with self._lock:
+            self._finished.add(key)
+            if len(self._finished) == len(self._slots):
+                self._finish()
+
+    write_unordered = write  # any order is the only order: what RankFilesWriter calls from worker threads
+
+    def _write_data(self, file: DirectFile, tensor: torch.Tensor, position: int) -> int:
+        """Write the tensor's bytes in C order from ``position``; their CRC-32 (computed while they go out)."""
+        crc = 0
+        rows = row_views(tensor)
+        if rows is not None:
+            file.write(rows, position)
+            for row in rows:
+                crc = self._crc(row, crc)
+            return crc
+        for chunk in byte_chunks(tensor):  # contiguous copies of blocks with short rows
+            with Batch():  # each copy is let go once written
+                file.write([chunk], position)
+                crc = self._crc(chunk, crc)
+            position += len(chunk)
+        return crc
+
+    def _start(self) -> None:
+        self._started = True
+        self._file = DirectFile(self.path, self.size, direct=self.direct)
+        for offset, views in self._static:
+            self._file.write(views, offset)
+        self._static = []
+
+    def _finish(self) -> None:
+        """Write the serialization id and the central directory, and close the file."""
+        record = self._id_record
+        text = zip_layout.serialization_id(self._records).encode()
+        record.crc = self._crc(text)
+        directory = zip_layout.directory(self._prefix, [*self._records, record])
+        tail = record.header + text + record.descriptor() + directory
+        self._file.write([memoryview(tail)], record.header_offset)
+        self._file.close()
+        self._file = None
+        self._complete = True
+
+    def close(self) -> None:
+        """Finish the file; if a slot was never written, remove it and raise ``ValueError`` naming the missing."""
+        with self._lock:
+            if self._complete:
+                return
+            missing = [key for key in self._slots if key not in self._finished]
+            if missing:
+                self._abort()
+                named = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+                raise ValueError(f"{self.path}: closed before every tensor was written (missing: {named})")
+            if not self._started:
+                self._start()
+            self._finish()
+
+    def abort(self) -> None:
+        """Stop here and remove the file, if it was started."""
+        with self._lock:
+            self._abort()
+
+    def _abort(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._started and not self._complete:
+            self.path.unlink(missing_ok=True)
+        self._aborted = True

@@ -1,0 +1,195 @@
+"""A reader of "boxed" tensors: global tensors stored as chunk boxes, read one box of the global tensor at a time.
+
+A key of a :class:`BoxedReader` stands for a box of a global tensor: the whole tensor (DCP), or one layer
+of a stacked ``[L, ...]`` tensor (Megatron-Core ``torch_dist``), with the unit dims it drops. Reading
+it copies, from every stored chunk that overlaps it, only the overlap, and only that overlap's bytes
+are read from disk: straight into the caller's buffer where the overlap is one run of the chunk and
+the buffer takes it as rows of at least 1 KB, else through a temporary no larger than the chunk.
+So memory stays about the output tensor plus one chunk, whatever the size of the checkpoint.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from reshard.dtypes import itemsize_of
+from reshard.errors import CorruptFileError
+from reshard.io.direct import Batch, DirectSource
+from reshard.io.vectored import row_views
+from reshard.layouts.boxes import Box, Shape, c_strides, contiguous_pieces, runs
+from reshard.layouts.chunk_files import ChunkLayout, torch_archive_layout
+from reshard.layouts.dcp_metadata import StoredChunk, StoredTensor
+from reshard.layouts.readers import FileReader, TensorHeader
+
+if TYPE_CHECKING:
+    import torch
+
+# Data files kept open at once (a checkpoint of thousands of ranks has more files than descriptors).
+OPEN_FILES = 64
+
+
+@dataclass(frozen=True)
+class BoxView:
+    """The box ``box`` of the global ``tensor``, seen with ``shape`` (the box's sizes, unit dims dropped or not)."""
+
+    tensor: StoredTensor
+    box: Box
+    shape: Shape
+
+    @classmethod
+    def whole(cls, tensor: StoredTensor) -> BoxView:
+        return cls(tensor, Box.whole(tensor.shape), tensor.shape)
+
+
+@dataclass
+class BoxedReader(FileReader):
+    """Boxes of global tensors stored as chunks (see the module docstring); ``path`` is the checkpoint folder."""
+
+    path: Path
+    views: Mapping[str, BoxView]
+    headers: dict[str, TensorHeader] = field(init=False)
+    extras: dict[str, Any] = field(init=False, default_factory=dict)
+    notes: list[str] = field(init=False, default_factory=list)
+    _layouts: dict[StoredChunk, ChunkLayout] = field(init=False, default_factory=dict, repr=False)
+    _files: OrderedDict[Path, DirectSource] = field(init=False, default_factory=OrderedDict, repr=False)
+    _lock: threading.Lock = field(init=False, default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        self.headers = {}
+        for key, view in self.views.items():
+            if view.tensor.code is None or view.box.numel != TensorHeader(view.shape, "U8").nbytes:
+                raise ValueError(f"{key}: a view of {view.box.sizes} cannot be seen as {view.shape}")
+            self.headers[key] = TensorHeader(view.shape, view.tensor.code)
+
+    def get(self, key: str) -> torch.Tensor:
+        import torch
+
+        header = self.headers[key]
+        out = torch.empty(header.shape, dtype=header.dtype)
+        with Batch():
+            self.read_into(key, out)
+        return out
+
+    def read_into(self, key: str, out: torch.Tensor, *, start: int = 0) -> None:
+        """Inside a :class:`reshard.io.direct.Batch`, the bytes may still be arriving when this returns."""
+        view = self.views[key]
+        if out.numel() == 0:
+            return
+        itemsize = out.element_size()
+        if itemsize != itemsize_of(view.tensor.code) or start % itemsize:
+            raise ValueError(f"{self.path.name}: {key}: read_into a {out.dtype} buffer at byte {start}")
+        if out.is_contiguous():
+            first = start // itemsize
+            if first + out.numel() > view.box.numel:
+                raise ValueError(f"{self.path.name}: {key}: read_into past the end of the tensor")
+            flat, done = out.reshape(-1), 0
+            for piece in contiguous_pieces(view.box.sizes, first, first + out.numel()):
+                region = Box(tuple(a + b for a, b in zip(view.box.offsets, piece.offsets, strict=True)), piece.sizes)
+                self._fill(view.tensor, region, flat[done : done + piece.numel].view(piece.sizes))
+                done += piece.numel
+        elif start == 0 and tuple(out.shape) == view.shape:
+            self._fill(view.tensor, view.box, out.view(view.box.sizes))
+        else:
+            raise ValueError(f"{self.path.name}: {key}: cannot read part of a tensor into a strided buffer")
+
+    def prefetch(self, key: str) -> None:
+        self._advise(key, "POSIX_FADV_WILLNEED")
+
+    def evict(self, key: str) -> None:
+        self._advise(key, "POSIX_FADV_DONTNEED")
+
+    def _advise(self, key: str, advice: str) -> None:
+        """A page-cache hint over the chunks of a whole-tensor view (a sub-box shares its chunks with others)."""
+        view = self.views[key]
+        if view.box != Box.whole(view.tensor.shape):
+            return
+        for chunk in view.tensor.chunks:
+            try:
+                self._source(chunk.file).advise(chunk.position, chunk.length, advice)
+            except OSError:
+                return
+
+    def _fill(self, tensor: StoredTensor, region: Box, dest: torch.Tensor) -> None:
+        """Copy ``region`` of the global tensor into ``dest`` (shaped like the region) from the chunks over it."""
+        for chunk in tensor.chunks:
+            common = chunk.box.intersect(region)
+            if common is None:
+                continue
+            place = common.within(region)
+            part = dest[tuple(slice(o, o + s) for o, s in zip(place.offsets, place.sizes, strict=True))]
+            self._copy(tensor, chunk, common.within(chunk.box), part)
+
+    def _copy(self, tensor: StoredTensor, chunk: StoredChunk, inner: Box, dest: torch.Tensor) -> None:
+        """Copy ``inner`` (in the chunk's coordinates) of one chunk into ``dest``."""
+        import torch
+
+        layout = self._layout(tensor, chunk)
+        source = self._source(chunk.file)
+        itemsize = dest.element_size()
+
+        def error(why: str) -> CorruptFileError:
+            return CorruptFileError(f"cannot read chunk {chunk.box}: {why}", path=chunk.file, tensor=tensor.name)
+
+        def at(element: int) -> int:
+            return layout.data + (layout.storage_offset + element) * itemsize
+
+        sizes = chunk.box.sizes
+        if _c_ordered(sizes, layout.strides):
+            spans = list(runs(sizes, inner))
+            views = row_views(dest) if len(spans) == 1 else None
+            if views is not None:  # one run of the chunk, taken by the buffer's rows as they are
+                source.read(views, at(spans[0][0]), error=error)
+                return
+            low, high = spans[0][0], spans[-1][0] + spans[-1][1]
+            strides, origin = (
+                c_strides(sizes),
+                sum(o * s for o, s in zip(inner.offsets, c_strides(sizes), strict=True)),
+            )
+        else:  # strided on disk: read the chunk's whole storage span
+            low = 0
+            high = 1 + sum((s - 1) * st for s, st in zip(sizes, layout.strides, strict=True))
+            strides = layout.strides
+            origin = sum(o * s for o, s in zip(inner.offsets, strides, strict=True))
+        temporary = torch.empty(high - low, dtype=dest.dtype)
+        with Batch():
+            source.read([memoryview(temporary.view(torch.uint8).numpy())], at(low), error=error)
+        dest.copy_(temporary.as_strided(inner.sizes, strides, origin - low))
+
+    def _layout(self, tensor: StoredTensor, chunk: StoredChunk) -> ChunkLayout:
+        with self._lock:
+            layout = self._layouts.get(chunk)
+        if layout is not None:
+            return layout
+        if chunk.data is not None:  # a safetensors blob: C order from its data position
+            layout = ChunkLayout(chunk.data, 0, c_strides(chunk.box.sizes))
+        else:
+            layout = torch_archive_layout(
+                chunk.file, chunk.position, chunk.length, code=tensor.code, shape=chunk.box.sizes, tensor=tensor.name
+            )
+        with self._lock:
+            self._layouts[chunk] = layout
+        return layout
+
+    def _source(self, path: Path) -> DirectSource:
+        """An open data file, the least recently used closed past :data:`OPEN_FILES` (reads in flight keep theirs)."""
+        with self._lock:
+            source = self._files.pop(path, None)
+            if source is None:
+                try:
+                    source = DirectSource(path)
+                except OSError as err:
+                    raise CorruptFileError(f"cannot open: {err.strerror}", path=path) from err
+            self._files[path] = source
+            while len(self._files) > OPEN_FILES:
+                self._files.popitem(last=False)
+            return source
+
+
+def _c_ordered(sizes: Shape, strides: Shape) -> bool:
+    """True when a tensor of ``sizes`` and ``strides`` lies in C order (strides of unit dims do not matter)."""
+    return all(size == 1 or stride == c for size, stride, c in zip(sizes, strides, c_strides(sizes), strict=True))

@@ -1,0 +1,372 @@
+"""Lazy readers for the two tensor file formats: safetensors and torch pickles.
+
+A reader is opened once per file from its header alone (names, shapes, dtypes); tensor bytes are
+read only by :meth:`FileReader.get`, through ``safe_open`` or a memory-mapped ``torch.load``.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import logging
+import pickle
+import struct
+import threading
+import zipfile
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from safetensors import SafetensorError, safe_open
+
+from reshard.dtypes import TensorHeader, is_code
+from reshard.errors import CorruptFileError, UnsafePickleError
+from reshard.io.direct import Batch, DirectSource
+from reshard.io.vectored import file_mappings, release_mapped, row_views
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+Shape = tuple[int, ...]
+SAFETENSORS_MAX_HEADER = 100_000_000
+# Where frameworks nest the state dict inside a torch checkpoint, in the order we look.
+STATE_DICT_KEYS = ("state_dict", "module", "model")
+# Types that frameworks pickle next to the weights and that are safe to rebuild (layouts add their own).
+SAFE_GLOBALS: tuple[Any, ...] = (io.BytesIO,)
+
+
+class FileReader:
+    """One open tensor file: ``headers`` maps the key inside the file to its :class:`TensorHeader`."""
+
+    path: Path
+    headers: dict[str, TensorHeader]
+    extras: dict[str, Any]
+    notes: list[str]
+
+    def get(self, key: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def read_into(self, key: str, out: torch.Tensor, *, start: int = 0) -> None:
+        """Fill ``out`` with bytes ``[start, start + out.nbytes)`` of tensor ``key`` (in C order).
+
+        ``out`` is contiguous, or (with ``start`` 0) a strided view of the tensor's shape, such as its
+        column block in a gathered tensor. Readers that can read from the file into ``out`` override this.
+        """
+        if out.numel() == 0:
+            return
+        source = self.get(key)
+        end = start + out.numel() * out.element_size()
+        if out.is_contiguous():
+            _flat_bytes(out).copy_(_flat_bytes(source)[start:end])
+        elif start == 0 and out.shape == source.shape:
+            out.copy_(source)
+        else:
+            raise ValueError(f"{self.path.name}: {key}: cannot read part of a tensor into a strided buffer")
+        if end == source.numel() * source.element_size():  # read to its end: let go of mapped file pages
+            if getattr(self, "_mapped", None) is None:
+                self._mapped = file_mappings(self.path)
+            release_mapped(source, self._mapped)
+
+    def prefetch(self, key: str) -> None:
+        """Ask the OS to start reading tensor ``key`` in the background (a hint; may do nothing)."""
+
+    def evict(self, key: str) -> None:
+        """Tell the OS tensor ``key``'s bytes will not be read again (a hint; may do nothing)."""
+
+
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A 1-d uint8 view of a tensor's bytes (a contiguous copy first if it is not contiguous)."""
+    import torch
+
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+@dataclass
+class SafetensorsReader(FileReader):
+    """A ``.safetensors`` file; the header is parsed and checked against the file size up front.
+
+    :meth:`read_into` reads into the caller's buffer with ``O_DIRECT`` through small staging blocks
+    (:class:`~reshard.io.direct.DirectSource`; ``preadv`` through the page cache where the file system
+    refuses it), and never maps the file: pages of a memory-mapped file count as resident for as long
+    as the mapping lives, so the memory of a conversion would grow with the file sizes.
+    """
+
+    path: Path
+    headers: dict[str, TensorHeader] = field(init=False)
+    metadata: dict[str, str] = field(init=False)
+    extras: dict[str, Any] = field(init=False, default_factory=dict)
+    notes: list[str] = field(init=False, default_factory=list)
+    _handle: Any = field(init=False, default=None, repr=False)
+    _offsets: dict[str, int] = field(init=False, repr=False)
+    _source: DirectSource | None = field(init=False, default=None, repr=False)
+    _lock: threading.Lock = field(init=False, default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        self.headers, self.metadata, self._offsets = _parse_safetensors_header(self.path)
+
+    def read_into(self, key: str, out: torch.Tensor, *, start: int = 0) -> None:
+        """Inside a :class:`reshard.io.direct.Batch`, the bytes may still be arriving when this returns."""
+        if out.numel() == 0:
+            return
+        if start + out.numel() * out.element_size() > self.headers[key].nbytes:
+            raise ValueError(f"{self.path.name}: {key}: read_into past the end of the tensor")
+        views = row_views(out)
+        if views is None:  # short strided rows: read into a temporary, then copy
+            import torch
+
+            whole = torch.empty(out.shape, dtype=out.dtype)
+            with Batch():
+                self.read_into(key, whole, start=start)
+            out.copy_(whole)
+            return
+
+        def error(why: str) -> CorruptFileError:
+            return CorruptFileError(f"cannot read tensor: {why}", path=self.path, tensor=key)
+
+        try:
+            self._file().read(views, self._offsets[key] + start, error=error)
+        except OSError as err:
+            raise error(str(err)) from err
+
+    def prefetch(self, key: str) -> None:
+        self._advise(key, "POSIX_FADV_WILLNEED", "no read-ahead")
+
+    def evict(self, key: str) -> None:
+        self._advise(key, "POSIX_FADV_DONTNEED", "cannot drop cached pages")
+
+    def _advise(self, key: str, advice: str, failure: str) -> None:
+        """A page-cache hint over one tensor's bytes (direct reads bypass the cache and skip it); only a
+        hint, so a failure is logged, not raised."""
+        try:
+            self._file().advise(self._offsets[key], self.headers[key].nbytes, advice)
+        except OSError as err:
+            logger.debug("%s: %s for %s: %s", self.path, failure, key, err)
+
+    def _file(self) -> DirectSource:
+        with self._lock:
+            if self._source is None:
+                self._source = DirectSource(self.path)
+            return self._source
+
+    def get(self, key: str) -> torch.Tensor:
+        try:
+            if self._handle is None:
+                self._handle = safe_open(self.path, framework="pt", device="cpu")
+            return self._handle.get_tensor(key)
+        except (SafetensorError, OSError) as err:
+            raise CorruptFileError(f"cannot read tensor: {err}", path=self.path, tensor=key) from err
+
+
+def read_safetensors_header(path: Path) -> tuple[dict[str, TensorHeader], dict[str, str]]:
+    """Parse a safetensors header and check that every tensor's bytes lie inside the file.
+
+    Raises:
+        CorruptFileError: truncated file, unreadable header, or offsets that do not fit.
+    """
+    headers, metadata, _ = _parse_safetensors_header(path)
+    return headers, metadata
+
+
+def _parse_safetensors_header(path: Path) -> tuple[dict[str, TensorHeader], dict[str, str], dict[str, int]]:
+    """:func:`read_safetensors_header` plus, per tensor, the file offset where its bytes start."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as handle:
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                raise CorruptFileError("truncated safetensors file (no header length)", path=path)
+            (length,) = struct.unpack("<Q", prefix)
+            if length > min(SAFETENSORS_MAX_HEADER, size - 8):
+                raise CorruptFileError(
+                    f"truncated or corrupt safetensors header ({length} bytes announced)", path=path
+                )
+            header = json.loads(handle.read(length))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CorruptFileError(f"cannot read safetensors header: {err}", path=path) from err
+    if not isinstance(header, dict):
+        raise CorruptFileError("safetensors header is not a JSON object", path=path)
+    metadata = header.pop("__metadata__", None) or {}
+    data_size = size - 8 - length
+    headers: dict[str, TensorHeader] = {}
+    offsets: dict[str, int] = {}
+    for key, info in header.items():
+        try:
+            entry = TensorHeader(tuple(int(s) for s in info["shape"]), str(info["dtype"]))
+            start, stop = (int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise CorruptFileError(f"malformed header entry: {err!r}", path=path, tensor=key) from err
+        if not is_code(entry.code):
+            raise CorruptFileError(f"unknown dtype {entry.code!r}", path=path, tensor=key)
+        if stop - start != entry.nbytes or stop > data_size:
+            raise CorruptFileError(
+                f"tensor bytes [{start}, {stop}) do not fit (file holds {data_size} data bytes): truncated file?",
+                path=path,
+                tensor=key,
+            )
+        headers[key] = entry
+        offsets[key] = 8 + length + start
+    return headers, metadata, offsets
+
+
+@dataclass
+class TorchReader(FileReader):
+    """A ``torch.save`` file, opened with ``torch.load(mmap=True, weights_only=True)``.
+
+    The state dict is found at the top level or under ``state_dict`` / ``module`` / ``model``; nested
+    dicts are flattened with dots (Megatron's legacy ``language_model.embedding...`` nesting). Non-tensor
+    entries of the state dict (``_extra_state`` blobs) land in ``extras``; other top-level keys
+    (``args``, ``iteration``, optimizer state) in ``top_level``.
+    """
+
+    path: Path
+    trust_pickle: bool = False
+    headers: dict[str, TensorHeader] = field(init=False)
+    extras: dict[str, Any] = field(init=False, default_factory=dict)
+    top_level: dict[str, Any] = field(init=False, default_factory=dict)
+    state_dict_key: str | None = field(init=False, default=None)
+    notes: list[str] = field(init=False, default_factory=list)
+    _tensors: dict[str, torch.Tensor] = field(init=False, repr=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        import torch
+
+        obj = load_torch_file(self.path, trust_pickle=self.trust_pickle, notes=self.notes)
+        state = obj
+        if isinstance(obj, Mapping):
+            for key in STATE_DICT_KEYS:
+                if isinstance(obj.get(key), Mapping):
+                    self.state_dict_key = key
+                    state = obj[key]
+                    self.top_level = {k: v for k, v in obj.items() if k != key}
+                    break
+        if not isinstance(state, Mapping):
+            raise CorruptFileError(f"holds a {type(obj).__name__}, not a state dict", path=self.path)
+        for name, value in _flatten(state):
+            if isinstance(value, torch.Tensor):
+                self._tensors[name] = value
+            else:
+                self.extras[name] = value
+        self.headers = {k: torch_header(t, path=self.path, key=k) for k, t in self._tensors.items()}
+
+    def get(self, key: str) -> torch.Tensor:
+        return self._tensors[key]
+
+
+def torch_header(tensor: torch.Tensor, *, path: Path, key: str) -> TensorHeader:
+    """The header of a tensor loaded from a torch file; an error for dtypes safetensors cannot hold."""
+    try:
+        return TensorHeader.of(tensor.shape, tensor.dtype)
+    except KeyError:
+        raise CorruptFileError(
+            f"dtype {tensor.dtype} is not supported (safetensors has no code for it)", path=path, tensor=key
+        ) from None
+
+
+def _flatten(state: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    import torch
+
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and not isinstance(value, torch.Tensor):
+            yield from _flatten(value, f"{name}.")
+        else:
+            yield name, value
+
+
+def load_torch_file(path: Path, *, trust_pickle: bool, notes: list[str], allowed: Sequence[Any] = ()) -> Any:
+    """``torch.load`` as safely and lazily as the file allows.
+
+    Zip-format files are memory-mapped with ``weights_only=True`` and the :data:`SAFE_GLOBALS`
+    allow-list (plus numpy's RNG-state arrays and a layout's own ``allowed`` types); legacy (non-zip)
+    files are read whole, with a note that they cannot be streamed. With ``trust_pickle`` the file is
+    unpickled fully; stand-ins given in ``allowed`` as ``(callable, "module.Name")`` still serve when
+    that module is not installed.
+
+    Raises:
+        UnsafePickleError: the file pickles a type outside the allow-list and ``trust_pickle`` is off.
+        CorruptFileError: the file is not a readable torch file.
+    """
+    import torch
+
+    streamable = zipfile.is_zipfile(path)
+    if not streamable:
+        notes.append(f"{path.name}: legacy (non-zip) torch file, read whole into memory: cannot be streamed")
+    try:
+        if trust_pickle:
+            return torch.load(
+                path, map_location="cpu", mmap=streamable, weights_only=False, pickle_module=_trusting(allowed)
+            )
+        with torch.serialization.safe_globals([*SAFE_GLOBALS, *_rng_state_globals(), *allowed]):
+            return torch.load(path, map_location="cpu", mmap=streamable, weights_only=True)
+    except pickle.UnpicklingError as err:
+        message = str(err)
+        if "Unsupported global" in message or "weights_only" in message.lower():
+            culprit = _unsupported_global(message)
+            raise UnsafePickleError(
+                f"pickles {culprit}, which is not on reshard's allow-list",
+                path=path,
+                hint="pass --trust-pickle to unpickle it fully, only if you trust the file",
+            ) from err
+        raise CorruptFileError(f"not a readable torch file: {message.splitlines()[0]}", path=path) from err
+    except (ImportError, AttributeError) as err:  # --trust-pickle, and the pickled class is not importable here
+        raise CorruptFileError(
+            f"cannot unpickle: {err}", path=path, hint="install the package that defines it to load this file"
+        ) from err
+    except (OSError, RuntimeError, EOFError, ValueError) as err:
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise CorruptFileError(f"not a readable torch file: {first}", path=path) from err
+
+
+@functools.cache
+def _rng_state_globals() -> tuple[Any, ...]:
+    """The numpy types in ``np.random.get_state()`` (a uint32 array), which DeepSpeed (SAT's trainer) pickles
+    as ``np_rng_state`` next to the weights: plain arrays, safe to rebuild under ``weights_only``."""
+    try:
+        import numpy as np
+
+        try:
+            from numpy._core.multiarray import _reconstruct
+        except ImportError:  # numpy < 2
+            from numpy.core.multiarray import _reconstruct
+    except ImportError:
+        return ()
+    uint32 = getattr(getattr(np, "dtypes", None), "UInt32DType", None)
+    return (np.ndarray, np.dtype, _reconstruct) + ((uint32,) if uint32 is not None else ())
+
+
+def _trusting(allowed: Sequence[Any]) -> ModuleType:
+    """A pickle module for full unpickling whose classes fall back to the stand-ins in ``allowed``."""
+    stand_ins = {name: obj for obj, name in (a for a in allowed if isinstance(a, tuple))}
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            try:
+                return super().find_class(module, name)
+            except (ImportError, AttributeError):
+                if f"{module}.{name}" in stand_ins:
+                    return stand_ins[f"{module}.{name}"]
+                raise
+
+    trusting = ModuleType("reshard_trusting_pickle")
+    trusting.__dict__.update({k: v for k, v in vars(pickle).items() if not k.startswith("__")})
+    trusting.Unpickler = Unpickler
+    return trusting
+
+
+def _unsupported_global(message: str) -> str:
+    for line in message.splitlines():
+        if "Unsupported global" in line:
+            return line.split("GLOBAL", 1)[-1].split(" was not", 1)[0].strip() or "an unsupported type"
+    return "an object outside the allow-list"
+
+
+def open_tensor_file(path: Path, *, trust_pickle: bool = False) -> FileReader:
+    """A reader for ``path`` chosen by its extension (``.safetensors``, else a torch file)."""
+    if path.suffix == ".safetensors":
+        return SafetensorsReader(path)
+    return TorchReader(path, trust_pickle=trust_pickle)

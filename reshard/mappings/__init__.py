@@ -1,0 +1,115 @@
+"""Mappings between the names of training frameworks and the names transformers builds from ``config.json``.
+
+:func:`choose_mapping` decides, from the source's naming and the target layout, whether tensors are
+renamed (and fused tensors split or merged) on the way, and what the target's config is: the target
+layout decides the names (``hf`` and ``hf-ranks`` mean transformers' names, loadable by
+``from_pretrained``; ``megatron`` means Megatron's), and ``--keep-names`` keeps the source's. Each family
+pair is a table in its own module (``megatron_gpt.py``); configs are translated in ``megatron_config.py``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from reshard.config import ModelConfig
+from reshard.errors import MappingError
+from reshard.layouts.base import SourceCheckpoint
+from reshard.mappings.base import Entry, MappedGroup, Mapping
+from reshard.mappings.megatron_config import (
+    gpt_shape_from_args,
+    gpt_shape_from_hf,
+    hf_config,
+    hf_family,
+    megatron_args,
+)
+from reshard.mappings.megatron_gpt import DENSE_FAMILIES, MEGATRON, MOE_FAMILIES, megatron_to_hf
+from reshard.options import Layout
+from reshard.plans.megatron import SIGNATURE as MEGATRON_SIGNATURE
+
+__all__ = ["Entry", "MappedGroup", "Mapping", "MappingChoice", "choose_mapping", "naming_of", "require_true_vocab"]
+
+HF = "hf"
+# The naming a layout's files use.
+_LAYOUT_NAMING = {Layout.HF: HF, Layout.HF_RANKS: HF, Layout.MEGATRON: MEGATRON}
+
+
+@dataclass(frozen=True)
+class MappingChoice:
+    """The mapping to apply and what the target needs to be written: its config and, for Megatron, its args."""
+
+    mapping: Mapping
+    config: dict[str, Any] | None = None
+    args: Any = None
+
+    @property
+    def target_config(self) -> ModelConfig | None:
+        return ModelConfig(self.config) if self.config is not None else None
+
+
+def naming_of(source: SourceCheckpoint) -> str | None:
+    """``megatron`` or ``hf`` (a transformers family reshard maps), from the names, else None."""
+    pattern = re.compile(MEGATRON_SIGNATURE)
+    if any(pattern.search(name) for name in source.names()):
+        return MEGATRON
+    model_type = source.config.model_type if source.config else None
+    if model_type in DENSE_FAMILIES + MOE_FAMILIES:
+        return HF
+    return None
+
+
+def choose_mapping(
+    source: SourceCheckpoint, layout: Layout, *, vocab_size: int | None, dtype: str, keep_names: bool = False
+) -> MappingChoice | None:
+    """The mapping from ``source``'s names to ``layout``'s, or None when the names stay.
+
+    Raises:
+        MappingError: the names must change but the model has no family on the other side.
+    """
+    if keep_names:
+        return None
+    source_naming, target_naming = naming_of(source), _LAYOUT_NAMING.get(layout)
+    if source_naming is None or target_naming is None or source_naming == target_naming:
+        return None
+    if source_naming == MEGATRON:
+        return _megatron_to_hf(source, vocab_size=vocab_size, dtype=dtype)
+    return _hf_to_megatron(source, vocab_size=vocab_size)
+
+
+def require_true_vocab(source: SourceCheckpoint, vocab_size: int | None) -> int:
+    """The true vocab size a transformers config must state; an error saying how to give it when unknown."""
+    if vocab_size is not None:
+        return vocab_size
+    padded = source.config.get("padded_vocab_size") if source.config else None
+    raise MappingError(
+        "the true vocab size is unknown, and a transformers config.json must state it"
+        + (f" (Megatron padded the tables to {padded} rows)" if padded else ""),
+        path=source.path,
+        hint="pass --vocab N (the tokenizer's vocab size)",
+    )
+
+
+def _megatron_to_hf(source: SourceCheckpoint, *, vocab_size: int | None, dtype: str) -> MappingChoice | None:
+    """The mapping to transformers; its config states ``vocab_size`` (None until the true size is known).
+
+    None for Megatron names outside a Megatron checkpoint with neither args nor a transformers config to
+    describe the model (a folder written with ``--keep-names``): its names stay.
+    """
+    config = source.config
+    if config is not None and config.model_type in DENSE_FAMILIES + MOE_FAMILIES:  # --config gave the target's
+        target = config.raw if vocab_size is None else config.with_vocab_size(vocab_size)
+        return MappingChoice(megatron_to_hf(config.model_type), target)
+    args = source.meta.get("args")
+    if args is None:  # Megatron's names without Megatron's files (written with --keep-names): they stay
+        return None
+    shape = gpt_shape_from_args(args)
+    family = hf_family(shape)
+    return MappingChoice(megatron_to_hf(family), hf_config(shape, vocab_size=vocab_size, dtype=dtype, family=family))
+
+
+def _hf_to_megatron(source: SourceCheckpoint, *, vocab_size: int | None) -> MappingChoice:
+    config = source.config
+    family = config.model_type if config else None
+    shape = gpt_shape_from_hf(config)
+    return MappingChoice(megatron_to_hf(family).inverse(), None, megatron_args(shape, vocab_size=vocab_size))

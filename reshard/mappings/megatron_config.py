@@ -1,0 +1,238 @@
+"""What a Megatron GPT is, in Megatron's terms, and the same model as the ``config.json`` transformers builds.
+
+:class:`GPTShape` holds the architecture Megatron-LM records in its pickled ``args`` (and NeMo in
+``model.yaml``): sizes, norm, activation, biases, rotary settings, tied embeddings, experts. From it,
+:func:`hf_family` picks the transformers family that computes the same function, and :func:`hf_config`
+writes its ``config.json``; :func:`gpt_shape_from_hf` and :func:`megatron_args` go the other way, for
+writing a Megatron checkpoint from a transformers one. An architecture transformers' Llama-like families
+cannot express (LayerNorm, GeLU, learned positions, interleaved or partial rotary) is refused, naming what
+differs: a config that loads but computes something else is the bug this module exists to avoid.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+from reshard.config import ModelConfig
+from reshard.errors import MappingError
+from reshard.layouts.megatron_args import arg
+from reshard.vocab import DEFAULT_MEGATRON_MULTIPLE
+
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+
+
+@dataclass(frozen=True)
+class GPTShape:
+    """A decoder-only transformer as Megatron describes it (Megatron-LM argument names)."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    max_position_embeddings: int = 4096
+    norm_epsilon: float = 1e-5
+    rotary_base: float = 10000.0
+    rope_scaling_factor: float | None = None  # Llama 3.1 rope scaling (--use-rope-scaling)
+    add_qkv_bias: bool = False
+    add_bias_linear: bool = False
+    qk_layernorm: bool = False
+    untie_embeddings_and_output_weights: bool = True
+    num_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None
+    moe_shared_expert_intermediate_size: int | None = None
+
+
+def gpt_shape_from_args(args: Any) -> GPTShape:
+    """The model in Megatron-LM's ``args``; refuses what transformers' Llama-like families cannot compute."""
+    problems = []
+    if arg(args, "normalization", "LayerNorm") != "RMSNorm":
+        problems.append(f"normalization {arg(args, 'normalization', 'LayerNorm')!r} (the families need RMSNorm)")
+    if not arg(args, "swiglu", False):
+        problems.append("no SwiGLU (the families use gated SiLU MLPs)")
+    if arg(args, "position_embedding_type", "learned_absolute") != "rope":
+        problems.append(f"position embeddings {arg(args, 'position_embedding_type', 'learned_absolute')!r}, not rope")
+    if arg(args, "rotary_interleaved", False):
+        problems.append("interleaved rotary embeddings")
+    if float(arg(args, "rotary_percent", 1.0)) != 1.0:
+        problems.append(f"rotary_percent {arg(args, 'rotary_percent')} (partial rotary)")
+    if problems:
+        raise MappingError(
+            "this Megatron model has no transformers family: " + "; ".join(problems),
+            hint="keep Megatron's names with --keep-names, or convert to --layout megatron",
+        )
+    heads = int(arg(args, "num_attention_heads"))
+    hidden = int(arg(args, "hidden_size"))
+    groups = arg(args, "num_query_groups") if arg(args, "group_query_attention", False) else None
+    return GPTShape(
+        num_layers=int(arg(args, "num_layers")),
+        hidden_size=hidden,
+        ffn_hidden_size=int(arg(args, "ffn_hidden_size")),
+        num_attention_heads=heads,
+        num_query_groups=int(groups or heads),
+        kv_channels=int(arg(args, "kv_channels") or hidden // heads),
+        max_position_embeddings=int(arg(args, "max_position_embeddings") or arg(args, "seq_length") or 4096),
+        norm_epsilon=float(arg(args, "norm_epsilon", arg(args, "layernorm_epsilon", 1e-5))),
+        rotary_base=float(arg(args, "rotary_base", 10000)),
+        rope_scaling_factor=float(arg(args, "rope_scaling_factor", 8.0))
+        if arg(args, "use_rope_scaling", False)
+        else None,
+        add_qkv_bias=bool(arg(args, "add_qkv_bias", False) or arg(args, "add_bias_linear", True)),
+        add_bias_linear=bool(arg(args, "add_bias_linear", True)),
+        qk_layernorm=bool(arg(args, "qk_layernorm", False)),
+        untie_embeddings_and_output_weights=bool(arg(args, "untie_embeddings_and_output_weights", False)),
+        num_experts=arg(args, "num_experts"),
+        moe_router_topk=int(arg(args, "moe_router_topk", 2)),
+        moe_ffn_hidden_size=arg(args, "moe_ffn_hidden_size"),
+        moe_shared_expert_intermediate_size=arg(args, "moe_shared_expert_intermediate_size"),
+    )
+
+
+def _rope_scaling(args: Any) -> float | None:
+    """Llama 3.1's rope scaling factor when ``--use-rope-scaling`` was on."""
+    return float(arg(args, "rope_scaling_factor", 8.0)) if arg(args, "use_rope_scaling", False) else None
+
+
+def hf_family(shape: GPTShape) -> str:
+    """The transformers family that computes what this Megatron GPT computes."""
+    if shape.add_bias_linear and shape.num_experts:
+        raise MappingError(
+            "MoE with linear biases has no transformers family", hint="keep Megatron's names with --keep-names"
+        )
+    if shape.num_experts:
+        if shape.moe_shared_expert_intermediate_size:
+            return "qwen2_moe"
+        return "qwen3_moe" if shape.qk_layernorm else "mixtral"
+    if shape.qk_layernorm:
+        return "qwen3"
+    if shape.add_qkv_bias and not shape.add_bias_linear:
+        return "qwen2"
+    return "llama"
+
+
+def hf_config(shape: GPTShape, *, vocab_size: int | None, dtype: str, family: str | None = None) -> dict[str, Any]:
+    """The ``config.json`` of ``family`` (default :func:`hf_family`) for this model and true vocab size."""
+    family = family or hf_family(shape)
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": shape.rotary_base}
+    if shape.rope_scaling_factor is not None:
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": shape.rotary_base,
+            "factor": shape.rope_scaling_factor,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        }
+    config: dict[str, Any] = {
+        "architectures": [_ARCHITECTURES[family]],
+        "model_type": family,
+        "vocab_size": vocab_size,
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.ffn_hidden_size,
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_query_groups,
+        "head_dim": shape.kv_channels,
+        "hidden_act": "silu",
+        "max_position_embeddings": shape.max_position_embeddings,
+        "rms_norm_eps": shape.norm_epsilon,
+        "rope_parameters": rope,
+        "tie_word_embeddings": not shape.untie_embeddings_and_output_weights,
+        "dtype": dtype,
+    }
+    if family == "llama":
+        config |= {"attention_bias": shape.add_bias_linear, "mlp_bias": shape.add_bias_linear}
+    if family in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        expert_size = shape.moe_ffn_hidden_size or shape.ffn_hidden_size
+        config["num_experts_per_tok"] = shape.moe_router_topk
+        if family == "mixtral":
+            config |= {"num_local_experts": shape.num_experts, "intermediate_size": expert_size}
+        else:
+            config |= {"num_experts": shape.num_experts, "moe_intermediate_size": expert_size, "norm_topk_prob": False}
+        if family == "qwen2_moe":
+            config["shared_expert_intermediate_size"] = shape.moe_shared_expert_intermediate_size
+    return config
+
+
+def gpt_shape_from_hf(config: ModelConfig) -> GPTShape:
+    """The Megatron description of a transformers Llama-family or MoE config."""
+    family = config.model_type
+    if family not in _ARCHITECTURES and family != "mistral":
+        raise MappingError(
+            f"no Megatron mapping for model_type {family!r}", hint=f"one of {', '.join(_ARCHITECTURES)}"
+        )
+    rope = config.get("rope_parameters") or {}
+    scaling = rope.get("factor") if rope.get("rope_type") == "llama3" else None
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    bias = bool(config.get("attention_bias", False))
+    return GPTShape(
+        num_layers=config.get("num_hidden_layers"),
+        hidden_size=config.get("hidden_size"),
+        ffn_hidden_size=config.get("intermediate_size"),
+        num_attention_heads=config.num_attention_heads,
+        num_query_groups=config.num_key_value_heads,
+        kv_channels=config.head_dim,
+        max_position_embeddings=config.get("max_position_embeddings", 4096),
+        norm_epsilon=config.get("rms_norm_eps", 1e-6),
+        rotary_base=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+        rope_scaling_factor=scaling,
+        add_qkv_bias=family in ("qwen2", "qwen2_moe") or bias,
+        add_bias_linear=bias,
+        qk_layernorm=family in ("qwen3", "qwen3_moe"),
+        untie_embeddings_and_output_weights=not config.tie_word_embeddings,
+        num_experts=experts,
+        moe_router_topk=config.get("num_experts_per_tok", 2),
+        moe_ffn_hidden_size=config.get("moe_intermediate_size")
+        or (config.get("intermediate_size") if experts else None),
+        moe_shared_expert_intermediate_size=config.get("shared_expert_intermediate_size"),
+    )
+
+
+def megatron_args(
+    shape: GPTShape, *, vocab_size: int | None, divisible_by: int = DEFAULT_MEGATRON_MULTIPLE
+) -> argparse.Namespace:
+    """Megatron-LM ``args`` for this model, as ``pretrain_gpt.py`` would record them (tp and padded vocab are
+    set by the writer)."""
+    return argparse.Namespace(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        group_query_attention=shape.num_query_groups != shape.num_attention_heads,
+        num_query_groups=shape.num_query_groups,
+        kv_channels=shape.kv_channels,
+        max_position_embeddings=shape.max_position_embeddings,
+        seq_length=shape.max_position_embeddings,
+        normalization="RMSNorm",
+        norm_epsilon=shape.norm_epsilon,
+        swiglu=True,
+        position_embedding_type="rope",
+        rotary_base=int(shape.rotary_base) if float(shape.rotary_base).is_integer() else shape.rotary_base,
+        rotary_percent=1.0,
+        use_rope_scaling=shape.rope_scaling_factor is not None,
+        rope_scaling_factor=shape.rope_scaling_factor or 8.0,
+        add_qkv_bias=shape.add_qkv_bias,
+        add_bias_linear=shape.add_bias_linear,
+        qk_layernorm=shape.qk_layernorm,
+        untie_embeddings_and_output_weights=shape.untie_embeddings_and_output_weights,
+        num_experts=shape.num_experts,
+        moe_router_topk=shape.moe_router_topk,
+        moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=shape.moe_shared_expert_intermediate_size,
+        make_vocab_size_divisible_by=divisible_by,
+        vocab_size=vocab_size,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        transformer_impl="transformer_engine",
+    )

@@ -1,0 +1,157 @@
+"""Megatron-LM / Megatron-Core GPT <-> the transformers families it trains: Llama, Mistral, Qwen2, Qwen3 and
+their MoE cousins Mixtral, Qwen2-MoE, Qwen3-MoE.
+
+What the table does (and why each row is not a plain rename):
+
+* ``linear_qkv`` (legacy ``query_key_value``) is fused and interleaved per query group (``[ng, q/ng + 2, d,
+  h]``): split into ``q_proj`` / ``k_proj`` / ``v_proj``, biases too (Qwen2). Megatron's rotary
+  embedding uses transformers' ``rotate_half`` convention, so no RoPE permutation is needed.
+* ``linear_fc1`` (legacy ``dense_h_to_4h``) under SwiGLU is ``[gate; up]``: split in two halves.
+* Norms: Transformer Engine fuses the input norm into ``linear_qkv`` (``linear_qkv.layer_norm_weight``) and
+  the MLP norm into ``linear_fc1``; the local spec names them ``input_layernorm`` / ``pre_mlp_layernorm``; a
+  MoE layer keeps ``pre_mlp_layernorm`` (its router comes first). All become ``input_layernorm`` /
+  ``post_attention_layernorm``. Qwen3's ``q_layernorm`` / ``k_layernorm`` become ``q_norm`` / ``k_norm``.
+* ``output_layer`` becomes ``lm_head``; a model with tied embeddings has neither.
+* MoE: the router becomes ``gate`` (``block_sparse_moe.gate`` for Mixtral), expert ``{E}`` of
+  ``local_experts`` (global expert numbers, as reshard presents every expert-parallel layout) becomes
+  ``experts.{E}``, its fc1 split into gate and up (Mixtral's ``w1`` / ``w3``, ``w2`` down); Qwen2-MoE's
+  ``shared_experts`` become ``shared_expert`` and ``shared_experts.gate_weight`` ``shared_expert_gate``.
+* Legacy (pre-mcore) names under ``language_model.`` are read too.
+* Dropped on purpose: Transformer Engine's ``_extra_state`` (FP8 scaling metadata), rotary ``inv_freq``.
+
+The vocab tables keep their names' partition (``vocab``): pad rows are cut to the true vocab size when
+gathered, like everywhere else.
+"""
+
+from __future__ import annotations
+
+from reshard.config import ModelConfig
+from reshard.errors import MappingError
+from reshard.mappings.base import Entry, Mapping, rename
+from reshard.mappings.transforms import Chunk, SplitGroupedQKV, Transform
+
+DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MEGATRON = "megatron"
+
+_L = "decoder.layers.{L}."
+_LEGACY = "language_model.encoder.layers.{L}."
+_HF = "model.layers.{L}."
+
+
+def _need(config: ModelConfig | None, key: str) -> int:
+    value = config.get(key) if config is not None else None
+    if not isinstance(value, int) or value <= 0:
+        raise MappingError(f"splitting the fused QKV needs {key} from the model config", hint="pass --config FILE")
+    return value
+
+
+def split_qkv(config: ModelConfig | None) -> Transform:
+    """The fused QKV's split, from the head counts and head size of the config."""
+    heads, groups = _need(config, "num_attention_heads"), _need(config, "num_key_value_heads")
+    if heads % groups:
+        raise MappingError(f"{heads} attention heads do not form {groups} query groups")
+    return SplitGroupedQKV(groups, heads // groups, _need(config, "head_dim"))
+
+
+def _attention() -> tuple[Entry, ...]:
+    hf = _HF + "self_attn."
+    rows = []
+    for kind in ("weight", "bias"):
+        targets = tuple(f"{hf}{p}_proj.{kind}" for p in "qkv")
+        rows += [
+            Entry((_L + f"self_attention.linear_qkv.{kind}",), targets, split_qkv),
+            Entry((_LEGACY + f"self_attention.query_key_value.{kind}",), targets, split_qkv, alternative=True),
+            rename(_L + f"self_attention.linear_proj.{kind}", hf + f"o_proj.{kind}"),
+            rename(_LEGACY + f"self_attention.dense.{kind}", hf + f"o_proj.{kind}", alternative=True),
+        ]
+    return (
+        *rows,
+        rename(_L + "self_attention.linear_qkv.layer_norm_weight", _HF + "input_layernorm.weight"),
+        rename(_L + "input_layernorm.weight", _HF + "input_layernorm.weight", alternative=True),
+        rename(_LEGACY + "input_norm.weight", _HF + "input_layernorm.weight", alternative=True),
+        rename(_LEGACY + "input_layernorm.weight", _HF + "input_layernorm.weight", alternative=True),
+        rename(_L + "self_attention.q_layernorm.weight", hf + "q_norm.weight"),
+        rename(_L + "self_attention.k_layernorm.weight", hf + "k_norm.weight"),
+    )
+
+
+def _mlp(
+    megatron: str,
+    hf: str,
+    names: tuple[str, str, str],
+    *,
+    fc: tuple[str, str] = ("linear_fc1", "linear_fc2"),
+    bias: bool = True,
+    alternative: bool = False,
+) -> tuple[Entry, ...]:
+    """fc1 -> gate and up halves, fc2 -> down, for one MLP (dense, an expert, or the shared expert)."""
+    gate, up, down = names
+    fc1, fc2 = fc
+    return tuple(
+        row
+        for kind in (("weight", "bias") if bias else ("weight",))
+        for row in (
+            Entry((f"{megatron}{fc1}.{kind}",), (f"{hf}{gate}.{kind}", f"{hf}{up}.{kind}"), Chunk(2), alternative),
+            rename(f"{megatron}{fc2}.{kind}", f"{hf}{down}.{kind}", alternative=alternative),
+        )
+    )
+
+
+HF_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def _dense_mlp() -> tuple[Entry, ...]:
+    norm = _HF + "post_attention_layernorm.weight"
+    return (
+        *_mlp(_L + "mlp.", _HF + "mlp.", HF_MLP),
+        *_mlp(_LEGACY + "mlp.", _HF + "mlp.", HF_MLP, fc=("dense_h_to_4h", "dense_4h_to_h"), alternative=True),
+        rename(_L + "mlp.linear_fc1.layer_norm_weight", norm),
+        rename(_L + "pre_mlp_layernorm.weight", norm, alternative=True),
+        rename(_LEGACY + "post_attention_norm.weight", norm, alternative=True),
+        rename(_LEGACY + "post_attention_layernorm.weight", norm, alternative=True),
+    )
+
+
+def _moe_mlp(family: str) -> tuple[Entry, ...]:
+    experts = _L + "mlp.experts.local_experts.{E}."
+    if family == "mixtral":
+        moe = _HF + "block_sparse_moe."
+        rows = _mlp(experts, moe + "experts.{E}.", ("w1", "w3", "w2"), bias=False)
+        router = rename(_L + "mlp.router.weight", moe + "gate.weight")
+    else:
+        rows = _mlp(experts, _HF + "mlp.experts.{E}.", HF_MLP, bias=False)
+        router = rename(_L + "mlp.router.weight", _HF + "mlp.gate.weight")
+    shared = ()
+    if family == "qwen2_moe":
+        shared = (
+            *_mlp(_L + "mlp.shared_experts.", _HF + "mlp.shared_expert.", HF_MLP, bias=False),
+            rename(_L + "mlp.shared_experts.gate_weight", _HF + "mlp.shared_expert_gate.weight"),
+        )
+    return (*rows, router, *shared, rename(_L + "pre_mlp_layernorm.weight", _HF + "post_attention_layernorm.weight"))
+
+
+def megatron_to_hf(family: str) -> Mapping:
+    """The Megatron GPT -> transformers table for one family (``llama``, ``qwen2``, ``mixtral``, ...)."""
+    if family not in DENSE_FAMILIES + MOE_FAMILIES:
+        raise MappingError(
+            f"no Megatron mapping to the {family!r} family", hint=f"one of {DENSE_FAMILIES + MOE_FAMILIES}"
+        )
+    mlp = _moe_mlp(family) if family in MOE_FAMILIES else _dense_mlp()
+    return Mapping(
+        MEGATRON,
+        family,
+        (
+            rename("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+            rename("language_model.embedding.word_embeddings.weight", "model.embed_tokens.weight", alternative=True),
+            rename("decoder.final_layernorm.weight", "model.norm.weight"),
+            rename("language_model.encoder.final_norm.weight", "model.norm.weight", alternative=True),
+            rename("language_model.encoder.final_layernorm.weight", "model.norm.weight", alternative=True),
+            rename("output_layer.weight", "lm_head.weight"),
+            rename("language_model.output_layer.weight", "lm_head.weight", alternative=True),
+            *_attention(),
+            *mlp,
+        ),
+        dropped=(r"_extra_state$", r"rotary_pos_emb\.inv_freq$"),
+        dropped_in_target=(r"rotary_emb\.inv_freq$",),
+    )

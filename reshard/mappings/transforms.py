@@ -1,0 +1,242 @@
+"""How source tensors become target tensors when names change between frameworks: renames, fused splits, merges.
+
+Each transform states its shapes from headers (:meth:`target_shapes`, pure) and moves bytes only in
+:meth:`apply` (torch, run by the engine on the gathered canonical tensors of one group). Each has an
+inverse, so a mapping table written one way (say Megatron -> transformers) also maps back.
+
+* :class:`Rename` - one tensor, same bytes, another name.
+* :class:`SplitGroupedQKV` / :class:`FuseGroupedQKV` - Megatron's fused QKV ``[ng, q/ng + 2, d, h]``
+  (per query group: its query heads, then its key head, then its value head) <-> separate q, k, v.
+* :class:`Chunk` / :class:`Concat` - equal parts along dim 0 (SwiGLU ``[gate; up]``) <-> the parts.
+* :class:`RopePermute` / :class:`RopeUnpermute` - Meta's interleaved RoPE pairs (torchtitan ``wq``/``wk``)
+  <-> the half-split layout transformers' ``rotate_half`` expects; the permutation transformers'
+  ``convert_llama_weights_to_hf.py`` and torchtitan's ``to_hf`` apply (forgetting it gives garbage text:
+  torchtitan#1291).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from reshard.errors import ShapeMismatchError
+
+if TYPE_CHECKING:
+    import torch
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Rename:
+    """One tensor under another name; the bytes do not change."""
+
+    sources: int = 1
+    targets: int = 1
+
+    def target_shapes(self, shapes: Sequence[Shape]) -> list[Shape]:
+        return [tuple(shapes[0])]
+
+    def apply(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return [tensors[0]]
+
+    def inverse(self) -> Rename:
+        return self
+
+    def describe(self) -> str:
+        return "rename"
+
+
+@dataclass(frozen=True)
+class SplitGroupedQKV:
+    """Megatron's fused QKV ``[groups * (q_per_group + 2) * head_dim, ...]`` -> q, k, v.
+
+    Rows of group ``g``: ``q_per_group`` query heads, one key head, one value head, each ``head_dim``
+    rows. Weights and biases alike (the trailing dims are carried along).
+    """
+
+    groups: int
+    q_per_group: int
+    head_dim: int
+    sources: int = 1
+    targets: int = 3
+
+    def target_shapes(self, shapes: Sequence[Shape]) -> list[Shape]:
+        (shape,) = shapes
+        rows = self.groups * (self.q_per_group + 2) * self.head_dim
+        if shape[0] != rows:
+            raise ShapeMismatchError(
+                f"fused QKV has {shape[0]} rows, not {self.groups} groups x ({self.q_per_group} + 2) heads x "
+                f"{self.head_dim}"
+            )
+        rest = tuple(shape[1:])
+        kv = self.groups * self.head_dim
+        return [(self.groups * self.q_per_group * self.head_dim, *rest), (kv, *rest), (kv, *rest)]
+
+    def apply(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        (qkv,) = tensors
+        rest = tuple(qkv.shape[1:])
+        grouped = qkv.reshape(self.groups, self.q_per_group + 2, self.head_dim, *rest)
+        q = grouped[:, : self.q_per_group].reshape(-1, *rest)
+        k = grouped[:, self.q_per_group].reshape(-1, *rest)
+        v = grouped[:, self.q_per_group + 1].reshape(-1, *rest)
+        return [q, k, v]
+
+    def inverse(self) -> FuseGroupedQKV:
+        return FuseGroupedQKV(self.groups, self.q_per_group, self.head_dim)
+
+    def describe(self) -> str:
+        return f"split fused QKV ({self.groups} groups of {self.q_per_group} + 2 heads of {self.head_dim})"
+
+
+@dataclass(frozen=True)
+class FuseGroupedQKV:
+    """q, k, v -> Megatron's fused QKV, interleaved per query group (the inverse of :class:`SplitGroupedQKV`)."""
+
+    groups: int
+    q_per_group: int
+    head_dim: int
+    sources: int = 3
+    targets: int = 1
+
+    def target_shapes(self, shapes: Sequence[Shape]) -> list[Shape]:
+        q, k, v = (tuple(s) for s in shapes)
+        expected = self.inverse().target_shapes([(self.groups * (self.q_per_group + 2) * self.head_dim, *q[1:])])
+        if [q, k, v] != expected:
+            raise ShapeMismatchError(f"q, k, v of shapes {[list(s) for s in shapes]} do not make {self.describe()}")
+        return [(q[0] + k[0] + v[0], *q[1:])]
+
+    def apply(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        import torch
+
+        q, k, v = tensors
+        rest = tuple(q.shape[1:])
+        parts = [
+            q.reshape(self.groups, self.q_per_group, self.head_dim, *rest),
+            k.reshape(self.groups, 1, self.head_dim, *rest),
+            v.reshape(self.groups, 1, self.head_dim, *rest),
+        ]
+        return [torch.cat(parts, dim=1).reshape(-1, *rest)]
+
+    def inverse(self) -> SplitGroupedQKV:
+        return SplitGroupedQKV(self.groups, self.q_per_group, self.head_dim)
+
+    def describe(self) -> str:
+        return (
+            f"fuse q, k, v per query group ({self.groups} groups of {self.q_per_group} + 2 heads of {self.head_dim})"
+        )
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One tensor -> ``parts`` equal parts along dim 0 (views: no copy)."""
+
+    parts: int = 2
+    sources: int = 1
+
+    @property
+    def targets(self) -> int:
+        return self.parts
+
+    def target_shapes(self, shapes: Sequence[Shape]) -> list[Shape]:
+        (shape,) = shapes
+        if shape[0] % self.parts:
+            raise ShapeMismatchError(f"{shape[0]} rows do not split in {self.parts} equal parts")
+        return [(shape[0] // self.parts, *shape[1:])] * self.parts
+
+    def apply(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        (tensor,) = tensors
+        return list(tensor.chunk(self.parts, dim=0))
+
+    def inverse(self) -> Concat:
+        return Concat(self.parts)
+
+    def describe(self) -> str:
+        return f"split in {self.parts} along dim 0"
+
+
+@dataclass(frozen=True)
+class Concat:
+    """``parts`` tensors of one shape -> their concatenation along dim 0."""
+
+    parts: int = 2
+    targets: int = 1
+
+    @property
+    def sources(self) -> int:
+        return self.parts
+
+    def target_shapes(self, shapes: Sequence[Shape]) -> list[Shape]:
+        first = tuple(shapes[0])
+        if any(tuple(s) != first for s in shapes):
+            raise ShapeMismatchError(f"parts of shapes {[list(s) for s in shapes]} differ")
+        return [(first[0] * self.parts, *first[1:])]
+
+    def apply(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        import torch
+
+        return [torch.cat(list(tensors), dim=0)]
+
+    def inverse(self) -> Chunk:
+        return Chunk(self.parts)
+
+    def describe(self) -> str:
+        return f"concatenate {self.parts} along dim 0"
+
+
+@dataclass(frozen=True)
+class RopePermute:
+    """Rows of each head from Meta's interleaved RoPE pairs to transformers' half split (``heads`` heads).
+
+    Per head of ``d`` rows: row ``2i + j`` (pair ``i``, member ``j``) moves to ``j * d/2 + i``.
+    """
+
+    heads: int
+    sources: int = 1
+    targets: int = 1
+
+    def target_shapes(self, shapes: Sequence[Shape]) -> list[Shape]:
+        (shape,) = shapes
+        if shape[0] % (2 * self.heads):
+            raise ShapeMismatchError(f"{shape[0]} rows are not {self.heads} heads of an even size")
+        return [tuple(shape)]
+
+    def apply(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        (w,) = tensors
+        rest = tuple(w.shape[1:])
+        half = w.shape[0] // self.heads // 2
+        return [w.reshape(self.heads, half, 2, *rest).transpose(1, 2).reshape(w.shape)]
+
+    def inverse(self) -> RopeUnpermute:
+        return RopeUnpermute(self.heads)
+
+    def describe(self) -> str:
+        return f"RoPE pairs to halves ({self.heads} heads)"
+
+
+@dataclass(frozen=True)
+class RopeUnpermute:
+    """The inverse of :class:`RopePermute`: transformers' half split back to interleaved pairs."""
+
+    heads: int
+    sources: int = 1
+    targets: int = 1
+
+    def target_shapes(self, shapes: Sequence[Shape]) -> list[Shape]:
+        return RopePermute(self.heads).target_shapes(shapes)
+
+    def apply(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        (w,) = tensors
+        rest = tuple(w.shape[1:])
+        half = w.shape[0] // self.heads // 2
+        return [w.reshape(self.heads, 2, half, *rest).transpose(1, 2).reshape(w.shape)]
+
+    def inverse(self) -> RopePermute:
+        return RopePermute(self.heads)
+
+    def describe(self) -> str:
+        return f"RoPE halves to pairs ({self.heads} heads)"
+
+
+Transform = Rename | SplitGroupedQKV | FuseGroupedQKV | Chunk | Concat | RopePermute | RopeUnpermute

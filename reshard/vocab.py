@@ -1,0 +1,242 @@
+"""The vocab: its true size and where that came from, padded sizes, pad rows, and vocab tensors that do not add up.
+
+Everything vocab-specific is here, so that "where is the vocab unpadded" has one answer:
+
+* **The true size** (:func:`resolve_vocab`): ``--vocab``, else the ``reshard.json`` beside the checkpoint,
+  else the config. Never guessed from padded rows: frameworks pad the embedding and output tables at
+  the tail (Megatron to ``make_vocab_size_divisible_by * tp``, ColossalAI to ``64 * tp``, reshard to tp).
+* **Padded sizes** (:func:`padded_size`, :func:`megatron_pad_multiple`): the rows a target tp needs.
+* **Pad rows** (:func:`cut_pad_rows`): the one place rows past the true size are dropped when a vocab
+  tensor is gathered; whatever they hold is not data.
+* **The pad limit** (:func:`is_padded_vocab`): how many rows past the vocab can still be padding.
+* **The short-slice diagnosis** (:func:`check_vocab_rows`), the field case of ColossalAI#6108 / #6167: a
+  trainer pads the vocab to a multiple of ``m * tp`` and one rank's slice is saved as if it were the
+  whole tensor, e.g. 32768 rows for a vocab of 65535 at tp 2, or 16064 rows for 128256 at tp 8 with
+  ``m = 64``. The missing rows exist only in the other ranks' files: reshard explains the shape and
+  names those files, and never pads with invented rows.
+
+Pure: sizes, headers and planned tensors in; sizes, records and errors out. No torch import.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from reshard.errors import MissingRankError, ReshardError, ShapeMismatchError
+from reshard.partition import Vocab
+
+if TYPE_CHECKING:
+    from reshard.config import ModelConfig
+    from reshard.engine.planner import SourceTensor
+    from reshard.manifest import Manifest
+
+# Names of vocab tensors across families, for tensors no plan rule covers (GPT-2 wte, Megatron, Meta, NeoX).
+VOCAB_NAME = re.compile(
+    r"(^|\.)(embed_tokens|wte|word_embeddings|tok_embeddings|embed_in|embed_out|lm_head|output_layer|output)\.weight$"
+)
+# Per-rank pad multiples frameworks use (ColossalAI make_vocab_size_divisible_by 64, Megatron 128).
+PAD_MULTIPLES = (1, 2, 4, 8, 16, 32, 64, 128)
+# Frameworks pad the vocab to multiples of at most this many rows per rank (Megatron: 128).
+MAX_VOCAB_PAD_PER_RANK = 1024
+MAX_TP = 64
+DEFAULT_MEGATRON_MULTIPLE = 128  # Megatron's --make-vocab-size-divisible-by default
+
+Rows = TypeVar("Rows")
+
+
+@dataclass(frozen=True)
+class VocabPlan:
+    """The true vocab size and where it came from; the padded sizes found in the source and planned for the
+    target, and the multiple the target is padded to (None when split unevenly or when there is no vocab)."""
+
+    original: int | None
+    origin: str
+    source_padded: int | None = None
+    target_padded: int | None = None
+    pad_multiple: int | None = None
+
+
+def resolve_vocab(explicit: int | None, manifest: Manifest | None, config: ModelConfig | None) -> VocabPlan:
+    """The true vocab size: ``explicit`` (``--vocab``), else the manifest's original size, else the config's."""
+    if explicit is not None:
+        return VocabPlan(explicit, "--vocab")
+    if manifest is not None and manifest.vocab.original is not None:
+        return VocabPlan(manifest.vocab.original, "reshard.json")
+    if config is not None and config.vocab_size:
+        return VocabPlan(config.vocab_size, config.path.name if config.path else "config")
+    return VocabPlan(None, "unknown")
+
+
+def require_vocab(vocab: VocabPlan, *, path: Any, config: ModelConfig | None) -> int:
+    """The true vocab size, or an error saying that nothing tells it (for ``fix``, which must cut pad rows)."""
+    if vocab.original is not None:
+        return vocab.original
+    where = f"{config.path} has no vocab_size" if config else "there is no config.json"
+    raise ReshardError(
+        f"the original vocab size is unknown: there is no reshard.json beside the checkpoint and {where}",
+        path=path,
+        hint="pass --vocab N, the tokenizer's vocab size",
+    )
+
+
+def round_up(size: int, multiple: int) -> int:
+    """Smallest multiple of ``multiple`` that is >= ``size``."""
+    return -(-size // multiple) * multiple
+
+
+def padded_size(size: int, multiple: int, *, uneven: bool = False) -> int:
+    """Rows a vocab of ``size`` is padded to: a multiple of ``multiple``, or none at all when split ``uneven``."""
+    return size if uneven else round_up(size, multiple)
+
+
+def megatron_pad_multiple(divisible_by: int | None, tp: int) -> int:
+    """Megatron pads the vocab to ``make_vocab_size_divisible_by * tp`` rows (128 * tp by default)."""
+    return int(divisible_by or DEFAULT_MEGATRON_MULTIPLE) * tp
+
+
+def is_padded_vocab(size: int, vocab_size: int | None, tp: int) -> bool:
+    """``size`` is the vocab, or the vocab padded the way TP frameworks pad it."""
+    return vocab_size is not None and vocab_size <= size < vocab_size + MAX_VOCAB_PAD_PER_RANK * max(tp, 1)
+
+
+def cut_pad_rows(tensor: Rows, dim: int, vocab_size: int) -> Rows:
+    """The first ``vocab_size`` entries of a gathered vocab tensor along ``dim`` (a view): the pad rows go.
+
+    Works on any tensor-like with ``narrow`` and ``shape`` (torch tensors), so this module needs no torch.
+    """
+    if vocab_size > tensor.shape[dim]:
+        raise ShapeMismatchError(f"cannot unpad dim {dim} of size {tensor.shape[dim]} up to {vocab_size}")
+    return tensor.narrow(dim, 0, vocab_size)
+
+
+def source_padded_rows(tensors: Sequence[SourceTensor]) -> int | None:
+    """Rows the source's vocab tensors hold along their vocab dim (all rank slices together), if it has any."""
+    for tensor in tensors:
+        if isinstance(tensor.partition, Vocab) and not tensor.problem:
+            return sum(ref.shape[tensor.partition.dim] for ref in tensor.refs)
+    return None
+
+
+@dataclass(frozen=True)
+class ShortVocab:
+    """Vocab tensors whose rank slices hold ``rows`` rows each, together fewer than the vocab."""
+
+    names: tuple[str, ...]
+    rows: tuple[int, ...]
+    file: str
+
+
+def explain(rows: int, present: int, vocab: int, multiples: Sequence[int] = PAD_MULTIPLES) -> dict[int, list[int]]:
+    """``{tp: [m, ...]}`` for every tp above ``present`` at which ``rows`` is one rank's slice.
+
+    That is ``rows * tp == round_up(vocab, m * tp)``: the vocab padded to a multiple of ``m * tp`` and
+    split ``tp`` ways gives ``rows`` rows per rank.
+
+    Example:
+        >>> explain(16064, 1, 128256)
+        {8: [64]}
+    """
+    found = {}
+    for tp in range(present + 1, MAX_TP + 1):
+        ms = [m for m in multiples if rows * tp == round_up(vocab, m * tp)]
+        if ms:
+            found[tp] = ms
+    return found
+
+
+def find_short(tensors: Sequence[SourceTensor], vocab: int) -> list[ShortVocab]:
+    """Vocab tensors whose ranks hold fewer rows than ``vocab``, grouped by rank rows.
+
+    A vocab tensor is one the plan splits as :class:`Vocab`, or, where no rule covers it, one with a vocab
+    tensor's name whose rows are exactly one rank's slice of the padded vocab (inference keeps such a
+    tensor whole, so it would otherwise pass).
+    """
+    groups: dict[tuple[int, ...], list[SourceTensor]] = {}
+    for t in tensors:
+        if isinstance(t.partition, Vocab):
+            rows = tuple(ref.shape[t.partition.dim] for ref in t.refs)
+        elif t.reason.startswith("inferred") and t.refs[0].shape and VOCAB_NAME.search(t.name):
+            rows = tuple(ref.shape[0] for ref in t.refs)
+            if len(set(rows)) != 1 or not explain(rows[0], len(rows), vocab):
+                continue
+        else:
+            continue
+        if sum(rows) < vocab:
+            groups.setdefault(rows, []).append(t)
+    return [
+        ShortVocab(tuple(sorted(t.name for t in group)), rows, str(group[0].refs[0].file))
+        for rows, group in groups.items()
+    ]
+
+
+def check_vocab_rows(
+    tensors: Sequence[SourceTensor],
+    vocab: int,
+    *,
+    source_tp: int,
+    missing_files: Callable[[int], list[str] | None],
+    multiples: Sequence[int] = PAD_MULTIPLES,
+) -> None:
+    """Refuse vocab tensors with too few rows (missing rank slices) or implausibly many (vocab too small).
+
+    Args:
+        tensors: the planned source tensors.
+        vocab: the true vocab size.
+        source_tp: how many ranks the source has.
+        missing_files: for a tp, the names of the rank files that would complete it (None: unknown).
+        multiples: the per-rank pad multiples to consider.
+
+    Raises:
+        MissingRankError: a vocab tensor holds only some rank slices; the message explains the shape.
+        ShapeMismatchError: gathering would drop more rows than any framework pads with.
+    """
+    short = find_short(tensors, vocab)
+    if short:
+        raise MissingRankError(
+            "; ".join(_diagnose(s, vocab, source_tp, missing_files, multiples) for s in short),
+            path=short[0].file,
+            hint="reshard never invents rows: put every rank's file beside it and run fix again",
+        )
+    for t in tensors:
+        if isinstance(t.partition, Vocab) and not t.problem:
+            total = sum(ref.shape[t.partition.dim] for ref in t.refs)
+            if total - vocab >= MAX_VOCAB_PAD_PER_RANK * source_tp:
+                raise ShapeMismatchError(
+                    f"{total} rows for a vocab of {vocab}: dropping {total - vocab} rows is more than padding",
+                    path=t.refs[0].file,
+                    tensor=t.name,
+                    hint="check --vocab",
+                )
+
+
+def _diagnose(
+    short: ShortVocab, vocab: int, present: int, missing_files: Callable[[int], list[str] | None], multiples
+) -> str:
+    rows = short.rows
+    head = (
+        f"{', '.join(short.names)}: only {sum(rows)} of {vocab} vocab rows are present "
+        f"({present} rank slice{'s' if present > 1 else ''} of {' + '.join(map(str, rows))} rows)"
+    )
+    found = explain(rows[0], present, vocab, multiples) if len(set(rows)) == 1 else {}
+    if not found:
+        return head + (
+            f"; no tp up to {MAX_TP} with a pad multiple in {', '.join(map(str, multiples))} explains "
+            f"{rows[0]} rows per rank: check --vocab"
+        )
+    parts = [
+        f"tp={tp}: {rows[0]} x {tp} = {rows[0] * tp} = {vocab} padded to a multiple of m*{tp} for m in "
+        f"{', '.join(map(str, ms))}"
+        for tp, ms in found.items()
+    ]
+    tp = min(found)
+    files = missing_files(tp)
+    absent = (
+        ", ".join(files)
+        if files
+        else f"those of rank{'s' if tp - present > 1 else ''} " + ", ".join(map(str, range(present, tp)))
+    )
+    more = " (more for a larger tp)" if len(found) > 1 else ""
+    return f"{head}; explained by {' or '.join(parts)}; missing rank files for tp={tp}: {absent}{more}"

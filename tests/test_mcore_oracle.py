@@ -4,7 +4,10 @@ files have the layout the reference notes describe (checked against each other, 
 from __future__ import annotations
 
 import json
+import pickle
+import types
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import psutil
@@ -103,8 +106,29 @@ def _gate_up(pieces: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
 
 
+class MegatronEnum(NamedTuple):
+    """What a pickled Megatron enum member (``args.attention_backend``) reads as here: Megatron is not imported."""
+
+    path: str
+    value: object
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if module.split(".")[0] == "megatron":
+            return lambda value: MegatronEnum(f"{module}.{name}", value)
+        return super().find_class(module, name)
+
+
+MEGATRON_FREE_PICKLE = types.SimpleNamespace(**{**vars(pickle), "Unpickler": _Unpickler})
+
+
+def _load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=False, pickle_module=MEGATRON_FREE_PICKLE)
+
+
 def _rank(root: Path, name: str) -> dict:
-    return torch.load(root / "iter_0000010" / name / "model_optim_rng.pt", map_location="cpu", weights_only=False)
+    return _load(root / "iter_0000010" / name / "model_optim_rng.pt")
 
 
 def _dist(root: Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -133,7 +157,7 @@ def test_legacy_files_are_laid_out_as_megatron_lm_writes_them(saved):
     expected |= dict(kv_channels=8, ffn_hidden_size=96, swiglu=True, padded_vocab_size=1024, vocab_size=1000)
     expected |= dict(make_vocab_size_divisible_by=128, tensor_model_parallel_size=2, pipeline_model_parallel_size=1)
     expected |= dict(rotary_base=10000, norm_epsilon=1e-5, add_bias_linear=False, ckpt_format="torch")
-    expected |= dict(normalization="RMSNorm")
+    expected |= dict(normalization="RMSNorm", attention_backend=("megatron.core.transformer.enums.AttnBackend", 5))
     assert {k: getattr(args, k) for k in expected} == expected
     (rng,) = state["rng_state"]
     assert isinstance(rng["np_rng_state"][1], np.ndarray) and rng["np_rng_state"][1].shape == (624,)
@@ -158,9 +182,10 @@ def test_torch_dist_files_hold_global_tensors(saved):
     names = sorted(p.name for p in iter_dir.iterdir())
     assert names == [".metadata", *(f"__{r}_{i}.distcp" for r in (0, 1) for i in (0, 1)), "common.pt", "metadata.json"]
     assert json.loads((iter_dir / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
-    common = torch.load(iter_dir / "common.pt", weights_only=False)
+    common = _load(iter_dir / "common.pt")
     assert sorted(common) == ["args", "checkpoint_version", "content_metadata", "iteration", FLOPS]
     assert common["content_metadata"] == {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    assert common["args"].ckpt_format == "torch_dist" and common["args"].padded_vocab_size == 1024
     state, meta = _dist(root)
     shapes = {k: (tuple(v.shape), len(meta[k].chunks)) for k, v in state.items()}
     assert shapes == {

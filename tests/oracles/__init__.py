@@ -19,7 +19,7 @@ on two processes (data parallel, rank 0 writes) with the tp * pp = 2 ones: on tw
 from __future__ import annotations
 
 import contextlib
-import importlib.util
+import importlib.abc
 import json
 import os
 import subprocess
@@ -27,6 +27,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from functools import cached_property
+from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,7 @@ if TYPE_CHECKING:  # torch is imported when used: importing it imports tqdm, bef
     import torch
 
 SCRIPT = Path(__file__).with_name("mcore_gpt.py")
+MEGATRON_VERSION = "0.16.1"
 INSTALL_HINT = "pip install -c constraints.txt -e '.[oracle]' (make install does it)"
 TIMEOUT_BASE, TIMEOUT_PER_JOB = 240, 30  # seconds; a save of the tiny models takes about 1 s, a start about 10 s
 
@@ -59,8 +61,38 @@ class OracleError(RuntimeError):
 
 
 def missing_dependencies() -> list[str]:
-    """The oracle's packages that are not installed (psutil: without it a ``torch_dist`` save hangs)."""
-    return [name for name in ("megatron.core", "psutil") if importlib.util.find_spec(name.split(".")[0]) is None]
+    """What the oracle needs and does not find: megatron-core 0.16.1, psutil (or a ``torch_dist`` save hangs)."""
+    missing = []
+    for name, wanted in (("megatron-core", MEGATRON_VERSION), ("psutil", None)):
+        try:
+            found = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            missing.append(name)
+            continue
+        if wanted and found != wanted:
+            missing.append(f"{name}=={wanted} (found {found})")
+    return missing
+
+
+class _KeepMegatronOut(importlib.abc.MetaPathFinder):
+    """Refuses to import ``megatron`` in this (the pytest) process; the oracle's subprocesses import it freely.
+
+    ``import megatron.core`` registers torch safe globals for the whole process (``megatron/core/safe_globals.py``:
+    ``ModelType``, ``AttnBackend``, ``Namespace``, numpy arrays), so every later ``torch.load(weights_only=True)``
+    returns Megatron's own classes: reshard would then read and write ``args`` differently depending on which test
+    ran first. Tests see the environment reshard promises to work in: Megatron not importable.
+    """
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> None:
+        if name.split(".")[0] == "megatron":
+            raise ModuleNotFoundError(f"No module named {name!r} (kept out of the tests' process)", name=name)
+        return None
+
+
+def keep_megatron_out_of_process() -> None:
+    """Install the import guard (once); conftest calls it before any test module is imported."""
+    if not any(isinstance(finder, _KeepMegatronOut) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _KeepMegatronOut())
 
 
 def run_jobs(jobs: list[dict], *, nproc: int, timeout: float | None = None) -> str:

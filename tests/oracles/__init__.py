@@ -14,6 +14,10 @@ Every torchrun costs about 8-10 s (imports and process start); each extra job in
 1 s. So ``checkpoint`` writes, on first use, every checkpoint of ``COMMON`` that runs on the same number of
 processes as the one asked for, and ``load_many`` reads several checkpoints in one run. Jobs with tp * pp = 1 run
 on two processes (data parallel, rank 0 writes) with the tp * pp = 2 ones: on two cores that costs nothing.
+
+Megatron itself is never imported into the pytest process (``keep_megatron_out_of_process``, called by conftest):
+tests read its pickles as reshard's users would, without Megatron. Tests that use the oracle are marked
+``@pytest.mark.oracle`` (``pytest -m "not oracle"`` skips them while iterating; ``make test`` runs them).
 """
 
 from __future__ import annotations

@@ -88,10 +88,7 @@ def cpu_workarounds() -> None:
 
 
 def build(variant: Variant, spec: Spec, *, seed: int) -> list:
-    """This rank's model chunks (one per virtual stage): GPTModel, local (non-TE) spec, fp32, eval mode.
-
-    The norms start as ones; they are made random so that a misplaced one shows.
-    """
+    """This rank's model chunks (one per virtual stage): GPTModel, local (non-TE) spec, fp32, eval mode."""
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -153,13 +150,27 @@ def build(variant: Variant, spec: Spec, *, seed: int) -> list:
             rotary_base=variant.rotary_base,
             vp_stage=vp,
         )
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "norm" in name:
-                    gen = torch.Generator().manual_seed(seed + vp_stage + zlib.crc32(name.encode()))
-                    param.copy_(1 + 0.2 * torch.randn(param.shape, generator=gen))
+        _randomize_constants(model, f"{seed}/{ps.get_pipeline_model_parallel_rank()}/{vp_stage}")
         chunks.append(model.eval())
     return chunks
+
+
+def _randomize_constants(model, where: str) -> None:
+    """Norms start as ones and biases as zeros: make them random so that a misplaced one shows.
+
+    The values depend on the parameter's name and stage (``where``), and on the tp rank for tp-sharded ones, so
+    replicas agree across tp ranks and no two stages or shards hold the same values.
+    """
+    from megatron.core import parallel_state as ps
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name and not name.endswith(".bias"):
+                continue
+            shard = ps.get_tensor_model_parallel_rank() if getattr(param, "tensor_model_parallel", False) else -1
+            gen = torch.Generator().manual_seed(zlib.crc32(f"{where}/{shard}/{name}".encode()))
+            base = 1.0 if "norm" in name else 0.0
+            param.copy_(base + 0.2 * torch.randn(param.shape, generator=gen))
 
 
 def batch(variant: Variant) -> torch.Tensor:
@@ -307,8 +318,13 @@ def main(argv: list[str] | None = None) -> None:
             Path(jobs[0]["out"], f"hanging-{os.environ.get('RANK', '0')}").touch()
             time.sleep(3600)
     else:
-        spec = Spec(opts.variant, opts.tp, opts.pp, tuple(sorted(parse_overrides(opts.set).items())), opts.vpp)
-        spec.model()  # unknown fields fail here, before torch.distributed starts
+        if opts.out is None or (opts.command == "load" and opts.ckpt is None):
+            parser.error("save needs --out; load needs --ckpt and --out")
+        try:  # unknown fields fail here, before torch.distributed starts
+            spec = Spec(opts.variant, opts.tp, opts.pp, tuple(sorted(parse_overrides(opts.set).items())), opts.vpp)
+            spec.model()
+        except ValueError as err:
+            parser.error(str(err))
         job = {"command": opts.command, "spec": spec.to_json(), "out": str(opts.out)}
         jobs = [job | {"ckpt": str(opts.ckpt), "format": opts.format, "strict": opts.strict}]
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -53,7 +53,7 @@ class Variant:
         changes: dict[str, object] = {}
         for key, text in overrides.items():
             if key not in fields or key == "name":
-                raise ValueError(f"unknown variant field {key!r}; known: {', '.join(sorted(fields)[1:])}")
+                raise ValueError(f"unknown variant field {key!r}; known: {', '.join(sorted(set(fields) - {'name'}))}")
             default = getattr(self, key)
             if isinstance(default, bool):
                 changes[key] = text.lower() in ("1", "true", "yes")

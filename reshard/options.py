@@ -71,6 +71,7 @@ class ConvertOptions:
 
     Attributes:
         tp: target number of ranks (1: a canonical full checkpoint).
+        pp: pipeline stages to write (``megatron`` layout only).
         layout: target layout (``hf``, ``hf-ranks``, ``megatron``, ``sat``); None picks from the source.
         vocab: the true vocab size; None takes it from the manifest, then the config.
         pad_multiple: pad the vocab to a multiple of this (default: the target tp, or the layout's rule).
@@ -91,6 +92,7 @@ class ConvertOptions:
     """
 
     tp: int = 1
+    pp: int = 1
     layout: Layout | str | None = None
     vocab: int | None = None
     pad_multiple: int | None = None

@@ -144,6 +144,7 @@ def inspect_command(
 @main.command("convert")
 @click.argument("ckpt", type=EXISTING)
 @click.option("--tp", type=click.IntRange(min=1), required=True, help="Target number of ranks (1: full).")
+@click.option("--pp", type=click.IntRange(min=1), default=1, show_default=True, help="Pipeline stages (megatron).")
 @click.option("-o", "--output", "out", type=PATH, required=True, help="Output folder.")
 @click.option("--vocab", type=click.IntRange(min=1), help="True vocab size (default: reshard.json, then config).")
 @click.option("--pad-multiple", type=click.IntRange(min=1), help="Pad the vocab to a multiple of K (default: tp).")

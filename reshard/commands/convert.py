@@ -90,6 +90,7 @@ def convert_opened(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
         max_shard_size=options.max_shard_size,
         source=source,
         meta=target.meta,
+        pp=options.pp,
     )
     with staged_output(out) as staging:
         writer = writer_class(layout)(staging, spec)

@@ -7,6 +7,7 @@ from pathlib import Path
 from reshard.errors import ReshardError
 from reshard.layouts import dcp, hf, hf_ranks, loose, megatron, sat
 from reshard.layouts.base import CheckpointWriter, SourceCheckpoint, TargetSpec, TensorRef
+from reshard.layouts.megatron_writer import MegatronWriter
 from reshard.options import Layout, ReadOptions
 
 __all__ = ["CheckpointWriter", "SourceCheckpoint", "TargetSpec", "TensorRef", "discover", "writer_class"]
@@ -14,7 +15,7 @@ __all__ = ["CheckpointWriter", "SourceCheckpoint", "TargetSpec", "TensorRef", "d
 _WRITERS: dict[Layout, type[CheckpointWriter]] = {
     Layout.HF: hf.HFWriter,
     Layout.HF_RANKS: hf_ranks.HFRanksWriter,
-    Layout.MEGATRON: megatron.MegatronWriter,
+    Layout.MEGATRON: MegatronWriter,
     Layout.SAT: sat.SatWriter,
 }
 

@@ -143,6 +143,7 @@ class TargetSpec:
         max_shard_size: for safetensors outputs, the largest file before a new shard starts.
         source: the checkpoint being converted (layout writers read its ``meta``, ``extras``, ``top_level``).
         meta: facts the plan decided for the writer (``args`` of a Megatron target whose source has none).
+        pp: pipeline stages to write (layouts without stages refuse more than one).
     """
 
     tp: int
@@ -153,6 +154,7 @@ class TargetSpec:
     max_shard_size: int | str
     source: SourceCheckpoint
     meta: dict[str, Any] = field(default_factory=dict)
+    pp: int = 1
 
 
 class CheckpointWriter:

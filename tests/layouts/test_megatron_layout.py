@@ -18,7 +18,9 @@ from megatron_fixtures import (
     LEGACY,
     MCORE,
     PAD_FILL,
+    F,
     FullModel,
+    H,
     ModelType,
     NotAllowed,
     V,
@@ -146,14 +148,15 @@ def test_tp8_to_smaller_tp_and_back(cli, tp8: Path, full: FullModel, tmp_path: P
                 assert torch.equal(got[name], original), (r, name)
 
 
-def test_without_true_vocab_the_padded_table_is_kept(cli, tp8: Path, full: FullModel, tmp_path: Path) -> None:
-    out = tmp_path / "tp4"
-    result = cli("convert", tp8, "-o", out, "--tp", 4)
+def test_without_true_vocab_the_padded_table_is_kept_at_the_same_tp(
+    cli, tp8: Path, full: FullModel, tmp_path: Path
+) -> None:
+    """At the tp it was padded for, Megatron pads the same way again: the table is kept, pad rows included."""
+    out = tmp_path / "tp8"
+    result = cli("convert", tp8, "-o", out, "--tp", 8)
     assert result.exit_code == 0, result.output
     assert "padded vocab table is kept as is" in result.output
-    # 64 padded rows at tp 8 are a multiple of 4 * 4: kept, pad rows (trained values) included
-    assert padded_vocab(8) == padded_vocab(4) == 64
-    check_ranks(out, full, 4, fill=PAD_FILL)
+    check_ranks(out, full, 8, fill=PAD_FILL)
 
 
 def test_iteration_folder_and_inspect(cli, tp8: Path) -> None:
@@ -284,18 +287,63 @@ def test_safe_loading_reads_args_without_megatron(tp8: Path) -> None:
     assert "megatron" not in sys.modules
 
 
-def test_pipeline_stages_are_reported_and_refused(cli, full: FullModel, tmp_path: Path) -> None:
-    src = write_megatron(tmp_path / "pp", full, 2, stages=2)
-    result = cli("inspect", src, "--json")
+@pytest.mark.parametrize("legacy", [False, True], ids=["mcore", "legacy"])
+def test_pipeline_stages_merge_into_global_layers(cli, full: FullModel, tmp_path: Path, legacy: bool) -> None:
+    """Stage-local layer numbers become global ones: the pp=2 checkpoint is the same model as the pp=1 one."""
+    names = LEGACY if legacy else MCORE
+    staged, flat = write_megatron(tmp_path / "pp2", full, 2, stages=2, legacy=legacy), tmp_path / "pp1"
+    write_megatron(flat, full, 2, legacy=legacy)
+    result = cli("inspect", staged, "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
-    names = [t["name"] for t in report["tensors"]]
-    assert report["tp"] == 2 and "stage0.embedding.word_embeddings.weight" in names
-    assert "stage1.decoder.layers.0.mlp.linear_fc1.weight" in names and "stage1.output_layer.weight" in names
-    assert any("2 pipeline stages" in n for n in report["notes"])
-    out = tmp_path / "out"
-    result = cli("convert", src, "-o", out, "--tp", 1)
-    assert result.exit_code == 2 and "merging stages is not supported" in result.output and not out.exists()
+    assert {t["name"] for t in report["tensors"]} == {
+        t["name"] for t in json.loads(cli("inspect", flat, "--json").output)["tensors"]
+    }
+    assert any("merged 2 pipeline stage(s)" in n for n in report["notes"])
+    result = cli("verify", staged, flat, "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["checks"][0]["tensors"] == len(report["tensors"])
+    assert names["emb"] in {t["name"] for t in report["tensors"]}
+
+
+def _load(path: Path) -> dict:
+    """A Megatron rank file, unpickled with reshard's allow-list (Megatron itself is not installed)."""
+    from reshard.layouts.megatron_args import SAFE_GLOBALS
+    from reshard.layouts.readers import load_torch_file
+
+    return load_torch_file(path, trust_pickle=False, notes=[], allowed=SAFE_GLOBALS)
+
+
+def test_writing_pipeline_stages(cli, tp8: Path, full: FullModel, tmp_path: Path) -> None:
+    """--pp 2 writes Megatron's stage folders with stage-local layer numbers; reading them back merges
+    them into the same model."""
+    out = tmp_path / "pp2"
+    result = cli("convert", tp8, "-o", out, "--tp", 2, "--pp", 2, "--layout", "megatron", "--vocab", V)
+    assert result.exit_code == 0, result.output
+    folder = out / f"iter_{ITERATION:07d}"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "mp_rank_00_000",
+        "mp_rank_00_001",
+        "mp_rank_01_000",
+        "mp_rank_01_001",
+    ]
+    last = _load(folder / "mp_rank_01_001" / "model_optim_rng.pt")
+    assert "decoder.layers.0.mlp.linear_fc2.weight" in last["model"] and "output_layer.weight" in last["model"]
+    assert "embedding.word_embeddings.weight" not in last["model"]
+    assert last["args"].pipeline_model_parallel_size == 2 and last["args"].tensor_model_parallel_size == 2
+    first = _load(folder / "mp_rank_00_000" / "model_optim_rng.pt")
+    assert (
+        "embedding.word_embeddings.weight" in first["model"]
+        and "decoder.layers.1.mlp.linear_fc2.weight" not in first["model"]
+    )
+    back = tmp_path / "back"  # the same model as tp8 (cut to the true vocab): read back and compared
+    assert cli("convert", out, "-o", back, "--tp", 8, "--layout", "megatron", "--vocab", V).exit_code == 0
+    result = cli("verify", out, back, "--json")
+    assert result.exit_code == 0, result.output
+    result = cli("convert", tp8, "-o", tmp_path / "odd", "--tp", 2, "--pp", 3, "--layout", "megatron", "--vocab", V)
+    assert result.exit_code == 2 and "do not split evenly into 3 pipeline stages" in result.output
+    result = cli("convert", tp8, "-o", tmp_path / "hf", "--tp", 1, "--pp", 2, "--layout", "hf", "--vocab", V)
+    assert result.exit_code == 2 and "no pipeline stages" in result.output
 
 
 def test_missing_rank_and_infeasible_tp(cli, tp8: Path, tmp_path: Path) -> None:
@@ -348,11 +396,18 @@ def test_release_folder_and_bad_tracker(cli, full: FullModel, tmp_path: Path) ->
     )
 
 
-def test_virtual_pipeline_chunks_are_reported_and_refused(cli, full: FullModel, tmp_path: Path) -> None:
-    root = tmp_path / "vpp"
+def test_virtual_pipeline_chunks_merge_into_global_layers(cli, full: FullModel, tmp_path: Path) -> None:
+    """Each virtual chunk (model0, model1) numbers its layers from 0; chunk 1 of the one stage holds layer 1."""
+    root, flat = tmp_path / "vpp", tmp_path / "flat"
+    write_megatron(flat, full, 2)
     for r in range(2):
         state = rank_state(full, 2, r, MCORE)
-        chunks = {f"model{i}": {k: v for k, v in state.items() if (".layers.1." in k) == bool(i)} for i in range(2)}
+        chunks = {
+            f"model{i}": {
+                k.replace(".layers.1.", ".layers.0."): v for k, v in state.items() if (".layers.1." in k) == bool(i)
+            }
+            for i in range(2)
+        }
         folder = root / f"iter_{ITERATION:07d}" / f"mp_rank_{r:02d}"
         folder.mkdir(parents=True)
         torch.save(
@@ -362,15 +417,65 @@ def test_virtual_pipeline_chunks_are_reported_and_refused(cli, full: FullModel, 
     (root / "latest_checkpointed_iteration.txt").write_text(f"{ITERATION}\n")
     report = json.loads(cli("inspect", root, "--json").output)
     names = [t["name"] for t in report["tensors"]]
-    assert (
-        "model0.embedding.word_embeddings.weight" in names and "model1.decoder.layers.1.mlp.linear_fc1.weight" in names
-    )
-    assert any("2 virtual pipeline chunks" in n for n in report["notes"])
-    result = cli("convert", root, "-o", tmp_path / "out", "--tp", 1)
-    assert result.exit_code == 2 and "virtual pipeline chunks" in result.output and not (tmp_path / "out").exists()
+    assert MCORE["emb"] in names and "decoder.layers.1.mlp.linear_fc1.weight" in names
+    assert any("2 virtual chunk(s)" in n for n in report["notes"])
+    result = cli("verify", root, flat, "--json")
+    assert result.exit_code == 0, result.output
 
 
 def test_uneven_is_refused_for_the_megatron_layout(cli, tp8: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     result = cli("convert", tp8, "-o", out, "--tp", 4, "--vocab", V - 1, "--uneven")
     assert result.exit_code == 2 and "equal shapes" in result.output and not out.exists()
+
+
+def test_expert_parallel_ranks_merge_into_global_experts(cli, tmp_path: Path) -> None:
+    """Expert-parallel rank e holds local_experts 0..n-1 of the global experts e*n..; the other tensors are the
+    same on every expert rank and are read once."""
+    root = tmp_path / "ep"
+    args = make_args(1, num_experts=4, expert_model_parallel_size=2)
+    router = torch.arange(4 * H, dtype=torch.float32).reshape(4, H)
+    experts = {e: torch.arange(2 * F * H, dtype=torch.float32).reshape(2 * F, H) + 1000 * e for e in range(4)}
+    for ep in range(2):
+        model = {"decoder.layers.0.mlp.router.weight": router}
+        model |= {
+            f"decoder.layers.0.mlp.experts.local_experts.{e}.linear_fc1.weight": experts[2 * ep + e] for e in range(2)
+        }
+        folder = root / f"iter_{ITERATION:07d}" / f"mp_rank_00_{ep:03d}"
+        folder.mkdir(parents=True)
+        torch.save(
+            {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION, "model": model},
+            folder / "model_optim_rng.pt",
+        )
+    (root / "latest_checkpointed_iteration.txt").write_text(f"{ITERATION}\n")
+    out = tmp_path / "out"
+    result = cli("convert", root, "-o", out, "--tp", 1, "--layout", "hf", "--keep-names")
+    assert result.exit_code == 0, result.output
+    tensors = load_file(out / "model.safetensors")
+    for e in range(4):
+        assert torch.equal(tensors[f"decoder.layers.0.mlp.experts.local_experts.{e}.linear_fc1.weight"], experts[e])
+    assert torch.equal(tensors["decoder.layers.0.mlp.router.weight"], router) and len(tensors) == 5
+
+
+def test_a_padded_size_that_depends_on_an_unknown_vocab_is_refused(cli, tp8: Path, tmp_path: Path) -> None:
+    """Megatron-LM recomputes the padded vocab from the tokenizer at start-up: at another tp the rows could
+    pad to several sizes, and the wrong one fails to load. Same tp: nothing to recompute."""
+    out = tmp_path / "tp4"
+    result = cli("convert", tp8, "-o", out, "--tp", 4, "--layout", "megatron")
+    assert result.exit_code == 2 and not out.exists()
+    assert "the true vocab size is unknown" in result.output and "pass --vocab N" in result.output
+    rows = padded_vocab(8)
+    assert f"{padded_vocab(4, V)} rows" in result.output and f"{rows} rows for a true size of" in result.output
+    assert cli("convert", tp8, "-o", tmp_path / "same", "--tp", 8, "--layout", "megatron").exit_code == 0
+
+
+def test_the_true_vocab_comes_from_the_tokenizer_s_vocab_file(cli, full: FullModel, tmp_path: Path) -> None:
+    vocab_file = tmp_path / "vocab.json"
+    vocab_file.write_text(json.dumps({f"token{i}": i for i in range(V)}))
+    src = write_megatron(tmp_path / "src", full, 2, args=make_args(2, vocab_file=str(vocab_file)))
+    report = json.loads(cli("inspect", src, "--json").output)
+    assert report["vocab"]["original"] == V and any(str(vocab_file) in n for n in report["notes"])
+    out = tmp_path / "tp1"
+    result = cli("convert", src, "-o", out, "--tp", 1, "--layout", "megatron", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["vocab"]["target_padded"] == padded_vocab(1)

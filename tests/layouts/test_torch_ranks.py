@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from megatron_fixtures import FullModel, write_megatron
+from megatron_fixtures import FullModel, V, write_megatron
 from sat_fixture import config, full_tensors, write_sat
 
 from reshard.layouts.megatron_args import PICKLE_MODULE, SAFE_GLOBALS
@@ -42,7 +42,7 @@ def test_megatron_rank_files_are_torch_save_files(cli, megatron_tp8: Path, tmp_p
     outputs = []
     for jobs in (1, 4):
         out = tmp_path / f"tp{tp}-jobs{jobs}"
-        assert cli("convert", megatron_tp8, "--tp", tp, "--jobs", jobs, "-o", out, "-q").exit_code == 0
+        assert cli("convert", megatron_tp8, "--tp", tp, "--vocab", V, "--jobs", jobs, "-o", out, "-q").exit_code == 0
         outputs.append(sorted(out.rglob("model_optim_rng.pt")))
         assert not list(out.rglob("*.safetensors")), "nothing is spooled"
     for one, other in zip(*outputs, strict=True):

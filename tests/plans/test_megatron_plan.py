@@ -10,8 +10,8 @@ import torch
 
 from reshard.errors import ShapeMismatchError
 from reshard.layouts.base import SourceCheckpoint
-from reshard.layouts.megatron import MegatronWriter
 from reshard.layouts.megatron_args import config_from_args
+from reshard.layouts.megatron_writer import MegatronWriter
 from reshard.partition import (
     Grouped,
     Packed,

@@ -1,8 +1,9 @@
 """Megatron-Core checkpoints converted to transformers compute what Megatron-Core computed.
 
-Megatron-Core 0.16.1 (the oracle, run in subprocesses) writes each model at its parallel layout and its logits on
-a fixed batch; reshard converts the legacy files to ``--layout hf``; transformers' ``from_pretrained`` loads the
-output and must give the same logits (fp32, atol 1e-5). Nothing here imports Megatron.
+Megatron-Core 0.16.1 (the oracle, run in subprocesses) writes each model at its parallel layout, in both its
+formats (legacy ``torch`` and ``torch_dist``), and its logits on a fixed batch; reshard converts them to
+``--layout hf``; transformers' ``from_pretrained`` loads the output and must give the same logits (fp32, atol
+1e-5). Nothing here imports Megatron.
 """
 
 from __future__ import annotations
@@ -36,12 +37,15 @@ def transformers_logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
         return model.eval()(ids).logits
 
 
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_megatron_to_transformers_gives_megatron_s_logits(cli, mcore_oracle, tmp_path: Path, case: str) -> None:
+def test_megatron_to_transformers_gives_megatron_s_logits(
+    cli, mcore_oracle, tmp_path: Path, case: str, fmt: str
+) -> None:
     spec, family = CASES[case]
     (ckpt,) = mcore_oracle.checkpoints(spec)
     out = tmp_path / "hf"
-    result = cli("convert", ckpt.torch, "--tp", 1, "--layout", "hf", "-o", out, "--json")
+    result = cli("convert", getattr(ckpt, fmt), "--tp", 1, "--layout", "hf", "-o", out, "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["mapping"]["to"] == family
@@ -59,3 +63,23 @@ def test_a_shared_expert_without_gate_has_no_transformers_family(cli, mcore_orac
     result = cli("convert", ckpt.torch, "--tp", 1, "--layout", "hf", "-o", out)
     assert result.exit_code == 2 and not out.exists()
     assert "no transformers family: shared experts without a gate" in result.output
+
+
+def test_torch_dist_to_the_legacy_format_at_other_tps_loads_in_megatron_core(
+    cli, mcore_oracle, tmp_path: Path
+) -> None:
+    """The modern format back to Megatron-LM's ``torch`` format at tp 4 and tp 1 (pp 2): Megatron-Core loads the
+    files strictly at that layout and computes the writer's logits."""
+    (ckpt,) = mcore_oracle.checkpoints(Spec("llama", tp=2))
+    layouts = {"tp4": ("--tp", 4), "pp2": ("--tp", 1, "--pp", 2)}
+    for name, args in layouts.items():
+        result = cli("convert", ckpt.torch_dist, *args, "--layout", "megatron", "-o", tmp_path / name)
+        assert result.exit_code == 0, result.output
+    loads = mcore_oracle.load_many(
+        [
+            (tmp_path / "tp4", "torch", Spec("llama", tp=4), "assume_ok_unexpected"),
+            (tmp_path / "pp2", "torch", Spec("llama", pp=2), "assume_ok_unexpected"),
+        ]
+    )
+    for loaded in loads:
+        torch.testing.assert_close(loaded["logits"][..., : ckpt.variant.vocab], ckpt.logits, rtol=0, atol=1e-5)

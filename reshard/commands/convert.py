@@ -13,11 +13,13 @@ from reshard.engine.execute import execute
 from reshard.engine.lora_merge import check_lora_replicas
 from reshard.engine.open import OpenedCheckpoint, open_checkpoint
 from reshard.engine.planner import ConversionPlan, plan_conversion
+from reshard.errors import ReshardError
 from reshard.io.staging import check_output, staged_output
 from reshard.layouts import SourceCheckpoint, TargetSpec, writer_class
 from reshard.layouts.readers import TensorHeader
 from reshard.manifest import Manifest, TensorEntry, VocabRecord, write_manifest
 from reshard.options import ConvertOptions, Layout
+from reshard.partition import at_tp, head_replicas
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +80,15 @@ def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> tuple[Conv
     )
     if not (options.merge_lora or options.allow_divergent_replicas):
         check_lora_replicas(conversion.tensors)
+    refusal = writer_class(layout).replicated_heads_refusal
+    copied = [t.name for t in conversion.tensors if head_replicas(t.source.partition, options.tp) > 1]
+    if refusal and copied:
+        more = f" and {len(copied) - 1} more" if len(copied) > 1 else ""
+        raise ReshardError(
+            f"tp={options.tp} copies KV heads ({copied[0]}{more}), but {refusal}",
+            path=source.path,
+            hint="choose a tp that divides the KV heads, or --layout hf-ranks",
+        )
     return conversion, layout
 
 
@@ -153,7 +164,7 @@ def convert_opened(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
                 t.name: TensorEntry(
                     t.source.shape,
                     name_of(t.source.code),
-                    t.source.partition,
+                    at_tp(t.source.partition, t.source.shape, options.tp),
                     hashes[t.name],
                     finite[t.name],
                     divergent=t.name in divergent,

@@ -10,7 +10,7 @@ from reshard.dtypes import name_of
 from reshard.engine.open import open_checkpoint
 from reshard.layouts import SourceCheckpoint
 from reshard.options import ConvertOptions, ReadOptions
-from reshard.partition import partition_to_dict
+from reshard.partition import at_tp, partition_to_dict
 from reshard.vocab import source_padded_rows
 
 
@@ -105,7 +105,7 @@ def inspect_checkpoint(ckpt: Path, options: ReadOptions | ConvertOptions | None 
                 rank_shapes=[list(r.shape) for r in t.refs],
                 dtype=name_of(t.code),
                 bytes=sum(r.header.nbytes for r in t.refs),
-                partition=partition_to_dict(t.partition) if t.partition else None,
+                partition=partition_to_dict(at_tp(t.partition, t.shape or (), source.tp)) if t.partition else None,
                 reason=t.reason,
                 shape=list(t.shape) if t.shape else None,
                 problem=t.problem.one_line() if t.problem else None,

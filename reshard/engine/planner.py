@@ -18,7 +18,7 @@ from reshard.dtypes import safetensors_order
 from reshard.errors import AmbiguousPartitionError, PlanError, ReshardError, ShapeMismatchError
 from reshard.layouts.base import SourceCheckpoint, TensorRef
 from reshard.layouts.readers import TensorHeader
-from reshard.partition import Packed, Partition, canonical_shape, rank_shapes
+from reshard.partition import Packed, Partition, ReplicatedHeads, canonical_shape, rank_shapes
 from reshard.plans import Plan, infer_partition
 from reshard.vocab import VocabPlan, padded_size, source_padded_rows
 
@@ -128,6 +128,7 @@ def _plan_one(
         )
         return SourceTensor(name, refs, None, "", None, problem)
     rule = plan.match(name)
+    config = config.for_tensor(name) if config is not None else None  # a composite's sub-model sizes it
     try:
         if rule is not None:
             partition, reason = rule.resolve(config), f"rule '{rule.pattern}' ({plan.name})"
@@ -211,7 +212,7 @@ def plan_conversion(
                     f"{err.detail}",
                     path=tensor.refs[0].file,
                     tensor=tensor.name,
-                    hint="choose a tp that divides it" + ("" if _whole_blocks(tensor.partition) else ", or --uneven"),
+                    hint=_tp_hint(tensor.partition),
                 )
             )
             continue
@@ -220,6 +221,12 @@ def plan_conversion(
         raise PlanError(problems)
     planned.sort(key=lambda t: safetensors_order(t.name, t.source.code))
     return ConversionPlan(source, target_tp, tuple(planned), vocab, uneven)
+
+
+def _tp_hint(partition: Partition) -> str:
+    if isinstance(partition, ReplicatedHeads):
+        return f"choose a tp that divides the {partition.heads} heads or is a multiple of them"
+    return "choose a tp that divides it" + ("" if _whole_blocks(partition) else ", or --uneven")
 
 
 def _whole_blocks(partition: Partition) -> bool:

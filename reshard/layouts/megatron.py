@@ -243,6 +243,7 @@ class MegatronWriter(TorchRanksWriter):
     """
 
     pickle_module = PICKLE_MODULE
+    replicated_heads_refusal = "Megatron stores KV heads as query groups and cannot load copies of a KV head"
 
     def __init__(self, out_dir: Path, spec: TargetSpec) -> None:
         _require_megatron_source(spec.source)

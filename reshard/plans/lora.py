@@ -9,7 +9,8 @@ Names recognised (``X`` is the wrapped layer, ``X.weight`` is what a plan knows)
 The rule (peft ``LoraParallelLinear``, SAT ``LoraLinear``): for a column-parallel base (``shard`` on
 dim 0 or ``packed``), A ``[r, in]`` is replicated and B ``[out, r]`` is split like the base's rows (SAT's
 ``matrix_B.i`` is a shard of part ``i``); for a row-parallel base (``shard`` on dim 1), A ``[r, in]`` is
-split on dim 1 and B is replicated. A replicated base keeps both replicated.
+split on dim 1 and B is replicated. A replicated base keeps both replicated; B of a base with replicated KV
+heads has the base's heads.
 
 Pure: names and partitions in, partitions out.
 """
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 from reshard.config import ModelConfig
 from reshard.errors import AmbiguousPartitionError
-from reshard.partition import Packed, Partition, Replicate, Shard
+from reshard.partition import Packed, Partition, Replicate, ReplicatedHeads, Shard
 from reshard.plans.base import Plan, Rule
 
 BASE, A, B = "base", "A", "B"
@@ -90,6 +91,8 @@ def lora_partition(base: Partition, lora: LoraName) -> Partition:
             return Replicate() if lora.role == A else Shard(0, unit)
         case Shard(1, unit):
             return Shard(1, unit) if lora.role == A else Replicate()
+        case ReplicatedHeads(0, _) if lora.index in (None, 0):  # B's rows are the base's KV heads
+            return Replicate() if lora.role == A else base
         case Packed(0, parts, _):
             if lora.role == A:
                 return Replicate()

@@ -9,21 +9,24 @@ halves split on their own, ``embedding_rowwise`` (and ``lm_head``) -> the vocab 
 replicating styles -> replicate. transformers splits sizes that do not divide as ``torch.chunk`` does:
 convert with ``--uneven`` to get the same per-rank tensors.
 
-A plan is matched by suffix (from ``layers.``), since saved checkpoints and the model in memory name
-the language model differently (``model.layers.`` vs ``model.language_model.layers.``). A missing plan
+A plan key is matched after the language model's optional prefixes (``model.``, ``language_model.``, peft's
+``base_model.model.``), since saved checkpoints and the model in memory name the language model differently
+(``model.layers.`` vs ``model.language_model.layers.``), but never inside another sub-model: a vision
+tower's ``encoder.layers.N.self_attn`` is not the language model's ``layers.N.self_attn``. A missing plan
 (``_tp_plan`` None, as Qwen2.5-Omni had) is an empty plan, never an error.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Any
 
 from reshard.config import ModelConfig
-from reshard.errors import AmbiguousPartitionError, ReshardError
+from reshard.errors import AmbiguousPartitionError
 from reshard.partition import Packed, Partition, Replicate, Shard, Vocab
 from reshard.plans.base import Plan, Rule
+from reshard.plans.skeleton import ModelSkeleton, build_skeleton
+
+__all__ = ["NAME", "ModelSkeleton", "build_skeleton", "plan_from_tp_plan", "transformers_plan"]
 
 NAME = "transformers"
 COLWISE = {"colwise", "colwise_rep", "colwise_gather_output", "local_colwise"}
@@ -39,65 +42,13 @@ REPLICATED = {
     "moe_identity_expert",
     "all_reduce",
     "all_reduce_output",
+    "mla_kv_a_proj",  # DeepSeek's kv_a_proj_with_mqa: kept whole, only its gradient is reduced
+    "local_params",  # runs its module on the parameters' own entries; slices nothing itself
 }
 GATHERED = {"colwise_rep", "colwise_gather_output"}
 # Prefixes of the model in memory that saved checkpoints may lack (or spell otherwise).
 _PREFIX = re.compile(r"^(model\.)?(language_model\.)?")
-
-
-@dataclass(frozen=True)
-class ModelSkeleton:
-    """The model transformers would build for a config: its TP plan and parameter shapes (no data)."""
-
-    tp_plan: dict[str, str]
-    shapes: dict[str, tuple[int, ...]]
-    model_class: str
-
-
-def build_skeleton(config: ModelConfig | None) -> ModelSkeleton:
-    """Instantiate the config's model on the ``meta`` device (no memory, no data) for its plan and shapes.
-
-    Raises:
-        ReshardError: transformers is missing, or does not know the model type.
-    """
-    if config is None or not config.model_type:
-        raise ReshardError("the transformers plan needs a config.json with a model_type", hint="pass --config FILE")
-    try:
-        import torch
-        import transformers
-        from transformers import CONFIG_MAPPING
-    except ImportError as err:  # pragma: no cover - transformers is a test dependency
-        raise ReshardError(f"the transformers plan needs transformers installed ({err})") from err
-    if config.model_type not in CONFIG_MAPPING:
-        raise ReshardError(
-            f"transformers {transformers.__version__} does not know model_type {config.model_type!r}", path=config.path
-        )
-    try:
-        hf_config = CONFIG_MAPPING[config.model_type].from_dict(dict(config.raw))
-        model_class = _model_class(transformers, hf_config, config.architectures)
-        with torch.device("meta"):
-            model = model_class(hf_config)
-    except Exception as err:  # transformers raises many types for a config it cannot build
-        raise ReshardError(
-            f"transformers cannot build {config.model_type!r} from it: {err}", path=config.path
-        ) from err
-    plan = getattr(model, "_tp_plan", None) or {}  # None means no plan: an empty one
-    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    return ModelSkeleton(dict(plan), shapes, model_class.__name__)
-
-
-def _model_class(transformers: Any, hf_config: Any, architectures: list[str]) -> type:
-    for name in architectures:
-        cls = getattr(transformers, name, None)
-        if isinstance(cls, type):
-            return cls
-    from transformers import AutoModel, AutoModelForCausalLM
-
-    for auto in (AutoModelForCausalLM, AutoModel):
-        mapping = auto._model_mapping
-        if type(hf_config) in mapping:
-            return mapping[type(hf_config)]
-    raise ReshardError(f"transformers has no model class for {type(hf_config).__name__}")
+_ANY_PREFIX = r"^(base_model\.model\.)?(model\.)?(language_model\.)?(model\.)?"
 
 
 def transformers_plan(config: ModelConfig | None) -> Plan:
@@ -124,8 +75,8 @@ def plan_from_tp_plan(tp_plan: dict[str, str] | None, config: ModelConfig | None
             weight = bias = _unsupported(style)
         path = re.escape(_PREFIX.sub("", key)).replace(r"\*", r"\d+")
         gathered = style in GATHERED
-        rules.append(Rule(rf"(^|\.){path}\.bias$", bias, gathered=gathered))
-        rules.append(Rule(rf"(^|\.){path}(\.[^.]+)?$", weight, gathered=gathered))
+        rules.append(Rule(rf"{_ANY_PREFIX}{path}\.bias$", bias, gathered=gathered))
+        rules.append(Rule(rf"{_ANY_PREFIX}{path}(\.[^.]+)?$", weight, gathered=gathered))
         rules += _per_expert_rules(path, style)
     rules.append(Rule("", Replicate(), implicit=True))
     return Plan(NAME, tuple(rules))
@@ -148,9 +99,9 @@ def _per_expert_rules(path: str, style: str) -> list[Rule]:
     """
     experts = r"experts\.gate_up_proj", r"experts\.down_proj"
     if path.endswith(experts[0]) and style == "packed_colwise":
-        return [Rule(rf"(^|\.){path[: -len(experts[0])]}experts\.\d+\.(gate|up)_proj\.weight$", Shard(0))]
+        return [Rule(rf"{_ANY_PREFIX}{path[: -len(experts[0])]}experts\.\d+\.(gate|up)_proj\.weight$", Shard(0))]
     if path.endswith(experts[1]) and style in ROWWISE:
-        return [Rule(rf"(^|\.){path[: -len(experts[1])]}experts\.\d+\.down_proj\.weight$", Shard(1))]
+        return [Rule(rf"{_ANY_PREFIX}{path[: -len(experts[1])]}experts\.\d+\.down_proj\.weight$", Shard(1))]
     return []
 
 

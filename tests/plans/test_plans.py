@@ -6,7 +6,7 @@ import pytest
 
 from reshard.config import ModelConfig
 from reshard.errors import AmbiguousPartitionError, ReshardError
-from reshard.partition import Replicate, Shard, Vocab
+from reshard.partition import Replicate, ReplicatedHeads, Shard, Vocab
 from reshard.plans import detect_family, infer_partition, load_plan_file, select_plan
 from reshard.plans.llama import LLAMA_PLAN
 
@@ -28,7 +28,7 @@ CONFIG = ModelConfig(
         ("model.embed_tokens.weight", Vocab(0)),
         ("lm_head.weight", Vocab(0)),
         ("model.layers.3.self_attn.q_proj.weight", Shard(0, unit=8)),
-        ("model.layers.3.self_attn.k_proj.bias", Shard(0, unit=8)),
+        ("model.layers.3.self_attn.k_proj.bias", ReplicatedHeads(0, heads=2)),  # 2 KV heads
         ("model.layers.3.self_attn.o_proj.weight", Shard(1, unit=8)),
         ("model.layers.3.mlp.gate_proj.weight", Shard(0)),
         ("model.layers.3.mlp.down_proj.weight", Shard(1)),

@@ -95,13 +95,19 @@ def _per_expert_rules(path: str, style: str) -> list[Rule]:
     """Saved checkpoints hold one tensor per expert where transformers fuses them in memory.
 
     The loader slices each expert's ``gate_proj`` / ``up_proj`` ``[I, H]`` on dim 0 and ``down_proj``
-    ``[H, I]`` on dim 1 before stacking them into ``experts.gate_up_proj`` / ``experts.down_proj``.
+    ``[H, I]`` on dim 1 before stacking them into ``experts.gate_up_proj`` / ``experts.down_proj``; Mixtral
+    saves them as ``block_sparse_moe.experts.N.w1`` / ``w3`` (gate, up) and ``w2`` (down).
     """
     experts = r"experts\.gate_up_proj", r"experts\.down_proj"
-    if path.endswith(experts[0]) and style == "packed_colwise":
-        return [Rule(rf"{_ANY_PREFIX}{path[: -len(experts[0])]}experts\.\d+\.(gate|up)_proj\.weight$", Shard(0))]
-    if path.endswith(experts[1]) and style in ROWWISE:
-        return [Rule(rf"{_ANY_PREFIX}{path[: -len(experts[1])]}experts\.\d+\.down_proj\.weight$", Shard(1))]
+    for fused, style_ok, names, partition in (
+        (experts[0], style == "packed_colwise", r"(gate_proj|up_proj|w1|w3)", Shard(0)),
+        (experts[1], style in ROWWISE, r"(down_proj|w2)", Shard(1)),
+    ):
+        if path.endswith(fused) and style_ok:
+            block = path[: -len(fused)]
+            if block.endswith(r"mlp\."):
+                block = block[: -len(r"mlp\.")] + r"(mlp|block_sparse_moe)\."
+            return [Rule(rf"{_ANY_PREFIX}{block}experts\.\d+\.{names}\.weight$", partition)]
     return []
 
 

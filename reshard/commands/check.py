@@ -57,13 +57,17 @@ class CheckReport:
     uneven: bool
     tensors: list[CheckedTensor]
     problems: list[Problem]
+    model_class: str | None = None  # the class transformers built from a bare config (None for a checkpoint)
 
     @property
     def ok(self) -> bool:
         return not any(p.severity == ERROR for p in self.problems)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"ok": self.ok}
+        data = asdict(self) | {"ok": self.ok}
+        if self.model_class is None:
+            del data["model_class"]
+        return data
 
 
 def check_model(
@@ -132,15 +136,17 @@ def check_model(
     problems += vocab_problems(partitions, shapes, vocab, tp, multiple, uneven)
     if skeleton is not None:
         problems += _transformers_plan_notes(skeleton)
-    return CheckReport(source, kind, config.model_type if config else None, plan.name, tp, uneven, tensors, problems)
+    model_type = config.model_type if config else None
+    model_class = skeleton.model_class if skeleton is not None else None
+    return CheckReport(source, kind, model_type, plan.name, tp, uneven, tensors, problems, model_class)
 
 
 def _where(name: str, scoped: ModelConfig | None, skeleton: ModelSkeleton | None) -> str:
     """`` (sub-model thinker.model.audio_tower: Qwen2_5OmniAudioEncoder)`` for a tensor of a sub-model, named from
     the model transformers built or, from checkpoint headers, by the sub-config that sizes it."""
-    sub = skeleton.sub_model_of(name) if skeleton is not None else None
-    if sub is not None:
-        return f" (sub-model {sub.prefix}: {sub.model_class})"
+    if skeleton is not None:
+        sub = skeleton.sub_model_of(name)
+        return f" (sub-model {sub.prefix}: {sub.model_class})" if sub is not None else ""
     return f" (sub-model {scoped.scope})" if scoped is not None and scoped.scope else ""
 
 

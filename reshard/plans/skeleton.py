@@ -8,6 +8,7 @@ bare model. A model without a plan (``_tp_plan`` None, as Qwen2.5-Omni had) has 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,7 +72,7 @@ def build_skeleton(config: ModelConfig | None) -> ModelSkeleton:
     try:
         hf_config = CONFIG_MAPPING[config.model_type].from_dict(dict(config.raw))
         model_class = model_class_for(transformers, hf_config, config.architectures)
-        with torch.device("meta"):
+        with torch.device("meta"), _no_init_weights():  # shapes only: no initialising of meta tensors
             model = model_class(hf_config)
     except ReshardError:
         raise
@@ -93,6 +94,15 @@ def build_skeleton(config: ModelConfig | None) -> ModelSkeleton:
         if own_config and any(shape_name.startswith(name + ".") for shape_name in shapes):
             subs.append(SubModel(name, type(module).__name__, has_plan))
     return ModelSkeleton(None if plan is None else dict(plan), shapes, model_class.__name__, tuple(subs))
+
+
+def _no_init_weights() -> contextlib.AbstractContextManager:
+    """transformers' own switch that skips weight initialisation (most of the time a meta build takes)."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # pragma: no cover - transformers before 5
+        return contextlib.nullcontext()
+    return no_init_weights()
 
 
 def model_class_for(transformers: Any, hf_config: Any, architectures: list[str]) -> type:

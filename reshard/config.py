@@ -55,6 +55,7 @@ class ModelConfig:
     path: Path | None = None
     scope: str = ""
     parents: tuple[dict[str, Any], ...] = field(default=(), repr=False)
+    _scopes: dict[str, str] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def get(self, key: str, default: Any = None) -> Any:
         """A value from the language model's config if it has one (``text_config``, ``thinker_config.
@@ -78,8 +79,14 @@ class ModelConfig:
         """
         if self.scope:
             return self
+        module = name.rpartition(".")[0]  # a parameter's own name is no sub-model; checks ask for thousands
+        if module not in self._scopes:
+            self._scopes[module] = self._scope_of(module)
+        return self.sub_config(self._scopes[module])
+
+    def _scope_of(self, module: str) -> str:
         raw, keys = self.raw, []
-        for segment in name.split("."):
+        for segment in module.split("."):
             for key in (f"{segment}_config", *SUB_MODELS.get(segment, ())):
                 if isinstance(raw.get(key), dict):
                     raw = raw[key]
@@ -88,7 +95,7 @@ class ModelConfig:
         while isinstance(raw.get(TEXT), dict):
             raw = raw[TEXT]
             keys.append(TEXT)
-        return self.sub_config(".".join(keys))
+        return ".".join(keys)
 
     def sub_config(self, scope: str) -> ModelConfig:
         """The sub-config at ``scope`` (a :attr:`scope` that :meth:`for_tensor` gave); the whole one for ""."""

@@ -41,7 +41,7 @@ from reshard.plans.skeleton import ModelSkeleton, build_skeleton
 from reshard.plans.transformers_plan import plan_from_tp_plan
 
 __all__ = ["ERROR", "HEAD_COUNTS", "NOTE", "WARNING", "CheckOptions", "CheckReport", "CheckedTensor", "Problem"]
-__all__ += ["check", "check_model"]
+__all__ += ["check", "check_built", "check_model", "plan_for"]
 Shape = tuple[int, ...]
 
 
@@ -189,33 +189,55 @@ def check(path: Path, options: CheckOptions) -> CheckReport:
         ReshardError: unreadable input, rank shapes that do not join, or a config transformers cannot build.
     """
     path = Path(path)
-    skeleton = None
     if path.is_file() and path.suffix == ".json":
-        kind, config = "config", load_config(options.config or path)
-        skeleton = build_skeleton(config)
-        shapes = skeleton.shapes
-        if options.plan == TRANSFORMERS:  # the model is built already: its plan, not a second build
-            plan = with_lora(plan_from_tp_plan(skeleton.tp_plan, config))
-        else:
-            plan = select_plan(config, shapes, plan_file=options.plan)
-        vocab = config.vocab_size
-    else:
-        read = ReadOptions(config=options.config, plan=options.plan, trust_pickle=options.trust_pickle)
-        opened = open_checkpoint(path, read, target_tp=options.tp, read_bytes=False)
-        kind, config, plan, vocab = "checkpoint", opened.source.config, opened.plan, opened.vocab.original
-        shapes = _full_shapes(opened)
+        config = load_config(options.config or path)
+        return check_built(config, build_skeleton(config), options, source=str(path))
+    read = ReadOptions(config=options.config, plan=options.plan, trust_pickle=options.trust_pickle)
+    opened = open_checkpoint(path, read, target_tp=options.tp, read_bytes=False)
+    config = opened.source.config
     report = check_model(
-        shapes,
+        _full_shapes(opened),
         config,
-        plan,
+        opened.plan,
         options.tp,
-        vocab_size=vocab,
+        vocab_size=opened.vocab.original,
         uneven=options.uneven,
         pad_multiple=options.pad_multiple,
         source=str(path),
-        kind=kind,
+    )
+    return _note_family(report, config, opened.plan, options)
+
+
+def check_built(
+    config: ModelConfig, skeleton: ModelSkeleton, options: CheckOptions, *, source: str = "", plan: Plan | None = None
+) -> CheckReport:
+    """:func:`check` of the model transformers built from ``config`` (``skeleton``): build once, check at many tps
+    (``plan``, when given, is the one ``options.plan`` selects, chosen once too)."""
+    plan = plan or plan_for(config, skeleton, options)
+    report = check_model(
+        skeleton.shapes,
+        config,
+        plan,
+        options.tp,
+        vocab_size=config.vocab_size,
+        uneven=options.uneven,
+        pad_multiple=options.pad_multiple,
+        source=source,
+        kind="config",
         skeleton=skeleton,
     )
+    return _note_family(report, config, plan, options)
+
+
+def plan_for(config: ModelConfig, skeleton: ModelSkeleton, options: CheckOptions) -> Plan:
+    """The plan ``options.plan`` names for a model built from ``config``."""
+    if options.plan == TRANSFORMERS:  # the model is built already: its plan, not a second build
+        return with_lora(plan_from_tp_plan(skeleton.tp_plan, config))
+    return select_plan(config, skeleton.shapes, plan_file=options.plan)
+
+
+def _note_family(report: CheckReport, config: ModelConfig | None, plan: Plan, options: CheckOptions) -> CheckReport:
+    """Say so when no family claims the config's model_type and the plan was chosen by tensor names."""
     model_type = config.model_type if config is not None else None
     if options.plan is None and model_type and plan.rules and not any(model_type in f.model_types for f in FAMILIES):
         report.problems.insert(

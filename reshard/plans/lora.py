@@ -26,6 +26,7 @@ from reshard.partition import Packed, Partition, Replicate, ReplicatedHeads, Sha
 from reshard.plans.base import Plan, Rule
 
 BASE, A, B = "base", "A", "B"
+_MARKERS = re.compile(r"\.(original|base_layer|matrix_[AB]|lora_[AB])\.")  # what every LoRA name below holds
 _PATTERNS = (
     (re.compile(r"^(?P<layer>.+)\.original\.(?P<param>weight|bias)$"), BASE),
     (re.compile(r"^(?P<layer>.+)\.base_layer\.(?P<param>weight|bias)$"), BASE),
@@ -111,7 +112,7 @@ class LoraPlan(Plan):
     """
 
     def match(self, name: str) -> Rule | None:
-        lora = parse_lora_name(name)
+        lora = parse_lora_name(name) if _MARKERS.search(name) else None
         if lora is None:
             return super().match(name)
         base_rule = super().match(f"{lora.layer}.weight" if lora.role != BASE else lora.base)

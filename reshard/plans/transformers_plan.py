@@ -19,6 +19,7 @@ tower's ``encoder.layers.N.self_attn`` is not the language model's ``layers.N.se
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from reshard.config import ModelConfig
 from reshard.errors import AmbiguousPartitionError
@@ -111,8 +112,9 @@ def _per_expert_rules(path: str, style: str) -> list[Rule]:
     return []
 
 
-def _style_partitions(style: str, key: str, config: ModelConfig | None) -> tuple[Partition | None, Partition | None]:
-    """``(weight, bias)`` partitions of a style; ``(None, None)`` for a style reshard does not know."""
+def _style_partitions(style: str, key: str, config: ModelConfig | None) -> tuple[Any, Any]:
+    """``(weight, bias)`` partitions (or functions of the tensor's own sub-config) of a style; ``(None, None)``
+    for a style reshard does not know."""
     vocab = key.endswith(("lm_head", "embed_tokens"))
     if style in COLWISE:
         return (Vocab(0) if vocab else Shard(-2)), Shard(-1)
@@ -123,18 +125,34 @@ def _style_partitions(style: str, key: str, config: ModelConfig | None) -> tuple
     if style == "embedding_colwise":
         return Shard(1), Replicate()
     if style in ("packed_colwise", "packed_rowwise"):
-        size = _intermediate(config, key)
         dim = -2 if style == "packed_colwise" else -1
-        weight = Packed(dim, (size, size)) if size else Shard(dim)
-        return weight, (Packed(-1, (size, size)) if size and style == "packed_colwise" else Replicate())
+
+        def weight(config: ModelConfig | None) -> Partition:
+            size = _intermediate(config, key)
+            return Packed(dim, (size, size)) if size else Shard(dim)
+
+        def bias(config: ModelConfig | None) -> Partition:
+            size = _intermediate(config, key)
+            return Packed(-1, (size, size)) if size and style == "packed_colwise" else Replicate()
+
+        return weight, bias
     if style in REPLICATED:
         return Replicate(), Replicate()
     return None, None
 
 
 def _intermediate(config: ModelConfig | None, key: str) -> int:
-    """The size of one half of a packed gate/up: the expert or the dense intermediate size."""
+    """The size of one half of a packed gate/up: the expert or the dense intermediate size (0: unknown).
+
+    Raises:
+        AmbiguousPartitionError: the config gives several sizes (ERNIE-4.5-VL: one per kind of expert).
+    """
     if config is None:
         return 0
-    value = config.get("moe_intermediate_size") if "expert" in key else None
-    return int(value or config.get("intermediate_size") or 0)
+    name = "moe_intermediate_size" if "expert" in key and config.get("moe_intermediate_size") else "intermediate_size"
+    value = config.get(name)
+    if value is not None and not isinstance(value, int):
+        raise AmbiguousPartitionError(
+            f"{name} is {value!r}, not one size: the packed gate/up halves of {key} are unknown"
+        )
+    return value or 0

@@ -160,6 +160,8 @@ def test_engine_gathers_and_splits_as_slicing_does(tmp_path, case, fmt):
     plan = TensorPlan(SourceTensor("w", refs_of(tmp_path, slices, fmt), kv, "test", shape), targets)
     work = engine_gather.plan_work(plan, target_tp=target_tp)
     assert work.buffer_shape == shape  # one copy of each head, never tp / heads of them
+    slice_bytes = max(ref.header.nbytes for ref in plan.source.refs)
+    assert work.cost <= full.nbytes + slice_bytes  # near one tensor: the buffer and one slice-sized temporary
     _, canonical, pieces = engine_gather.gather_and_split(
         work, target_tp=target_tp, uneven=False, allow_divergent=False
     )
@@ -280,3 +282,22 @@ def test_sat_output_refuses_copied_heads_in_one_line(qwen3_kv2, cli):
         "--layout hf-ranks)"
     )
     assert cli("convert", path / "full", "--tp", 2, "--layout", "sat", "-o", out, "-q").exit_code == 0
+
+
+def test_megatron_output_refuses_copied_heads_in_one_line(cli, tmp_path):
+    """A plan file may declare copies on a Megatron source; the megatron layout cannot hold them."""
+    plan = tmp_path / "plan.toml"
+    plan.write_text(
+        "extends = \"megatron\"\n[[rules]]\npattern = 'linear_qkv\\.layer_norm_weight$'\n"
+        'kind = "replicated_heads"\ndim = 0\nheads = 1\n'
+    )
+    sample = Path(__file__).resolve().parents[1] / "sample_ckpts" / "tiny-megatron-tp8"
+    out = tmp_path / "out"
+    result = cli("convert", sample, "--tp", 2, "--plan", plan, "-o", out)
+    assert result.exit_code == 2 and not out.exists()
+    (line,) = result.stderr.strip().splitlines()
+    assert (
+        "tp=2 copies KV heads (decoder.layers.0.self_attention.linear_qkv.layer_norm_weight and 1 more), but "
+        "Megatron stores KV heads as query groups and cannot load copies of a KV head" in line
+    )
+    assert cli("convert", sample, "--tp", 2, "--plan", plan, "--layout", "hf-ranks", "-o", out, "-q").exit_code == 0

@@ -180,3 +180,21 @@ def test_each_tensor_is_sized_by_the_sub_config_of_the_module_that_owns_it(name)
         if ours.for_tensor(param).scope != expected:
             wrong.append((param, ours.for_tensor(param).scope, expected))
     assert wrong == []
+
+
+def test_a_model_whose_tp_plan_is_none_is_reported_not_a_crash():
+    """Qwen2.5-Omni once had ``_tp_plan = None`` (no post_init), which crashed transformers' own loader."""
+    from reshard.commands.check import check_model
+    from reshard.plans.skeleton import ModelSkeleton, SubModel
+    from reshard.plans.transformers_plan import plan_from_tp_plan
+
+    skeleton = ModelSkeleton(None, {"talker.lm.weight": (8, 4)}, "OmniLike", (SubModel("talker", "Talker", False),))
+    report = check_model(skeleton.shapes, None, plan_from_tp_plan(skeleton.tp_plan, None), 2, skeleton=skeleton)
+    assert [(p.severity, p.message) for p in report.problems] == [
+        ("error", "no TP plan for this model: nothing says how to split it (pass --plan FILE)"),
+        (
+            "note",
+            'transformers\' OmniLike has no TP plan (_tp_plan is None): from_pretrained(tp_plan="auto") cannot '
+            "split it",
+        ),
+    ]

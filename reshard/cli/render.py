@@ -126,6 +126,7 @@ def render_fix(report: FixReport) -> str:
 def render_check(report: CheckReport) -> str:
     lines = [
         f"{report.input}  {report.source}" + (f" (model_type {report.model_type})" if report.model_type else ""),
+        *([f"model       {report.model_class} (built on the meta device)"] if report.model_class else []),
         f"plan        {report.plan}, tp={report.tp}" + (", uneven" if report.uneven else ""),
         "",
     ]

@@ -19,6 +19,7 @@ from reshard.io.staging import check_output, staged_output
 from reshard.layouts import TargetSpec, writer_class
 from reshard.manifest import Manifest, TensorEntry, VocabRecord, write_manifest
 from reshard.options import ConvertOptions
+from reshard.partition import at_tp
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ def convert_opened(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
                 t.name: TensorEntry(
                     t.shape,
                     name_of(t.code),
-                    t.partition,
+                    at_tp(t.partition, t.shape, options.tp),
                     hashes[t.name],
                     finite[t.name],
                     divergent=any(s.name in divergent for s in plan.sources),

@@ -12,7 +12,7 @@ from reshard.engine.target import preview_mapping
 from reshard.hub.source import HubCheckpoint
 from reshard.layouts import SourceCheckpoint
 from reshard.options import ConvertOptions, ReadOptions
-from reshard.partition import partition_to_dict
+from reshard.partition import at_tp, partition_to_dict
 from reshard.vocab import source_padded_rows
 
 
@@ -118,7 +118,7 @@ def inspect_checkpoint(
                 rank_shapes=[list(r.shape) for r in t.refs],
                 dtype=name_of(t.code),
                 bytes=sum(r.header.nbytes for r in t.refs),
-                partition=partition_to_dict(t.partition) if t.partition else None,
+                partition=partition_to_dict(at_tp(t.partition, t.shape or (), source.tp)) if t.partition else None,
                 reason=t.reason,
                 shape=list(t.shape) if t.shape else None,
                 problem=t.problem.one_line() if t.problem else None,

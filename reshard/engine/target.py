@@ -17,7 +17,7 @@ from reshard.layouts.megatron_args import arg, config_from_args
 from reshard.mappings import MappingChoice, choose_mapping, naming_of, require_true_vocab
 from reshard.mappings.megatron_gpt import MEGATRON
 from reshard.options import ConvertOptions, Layout
-from reshard.partition import Vocab
+from reshard.partition import Vocab, head_replicas
 from reshard.plans import select_plan
 from reshard.vocab import megatron_pad_multiple, padded_sizes_possible, source_padded_rows
 
@@ -83,7 +83,27 @@ def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> TargetPlan
         groups=groups,
         problems=problems,
     )
+    _refuse_copied_heads(conversion, layout, source)
     return TargetPlan(conversion, layout, _config(opened, choice), choice, dropped, meta)
+
+
+def _refuse_copied_heads(conversion: ConversionPlan, layout: Layout, source: SourceCheckpoint) -> None:
+    """KV heads copied over ranks (tp a multiple of their count) are what vLLM runs; a layout whose runtime
+    cannot load copies says why (``replicated_heads_refusal``)."""
+    refusal = writer_class(layout).replicated_heads_refusal
+    copied = [
+        t.name
+        for plan in conversion.tensors
+        for t in plan.targets
+        if head_replicas(t.partition, conversion.target_tp) > 1
+    ]
+    if refusal and copied:
+        more = f" and {len(copied) - 1} more" if len(copied) > 1 else ""
+        raise ReshardError(
+            f"tp={conversion.target_tp} copies KV heads ({copied[0]}{more}), but {refusal}",
+            path=source.path,
+            hint="choose a tp that divides the KV heads, or --layout hf-ranks",
+        )
 
 
 def _mapped(

@@ -177,6 +177,10 @@ class CheckpointWriter:
         """The multiple the vocab is padded to for ``tp`` ranks when the user does not say (None: tp)."""
         return None
 
+    # Why the layout's runtime cannot load copies of a KV head on several ranks (``replicated_heads`` at a tp
+    # above the head count); None when it can.
+    replicated_heads_refusal: str | None = None
+
     # True when :meth:`write_unordered` may be called from several threads at once, in any order
     # (the writer knows every tensor's place up front), so the callers' threads write in parallel.
     concurrent: bool = False

@@ -32,6 +32,7 @@ class MegatronWriter(TorchRanksWriter):
     source rank whose rows the target rank starts with."""
 
     pickle_module = PICKLE_MODULE
+    replicated_heads_refusal = "Megatron stores KV heads as query groups and cannot load copies of a KV head"
 
     def __init__(self, out_dir: Path, spec: TargetSpec) -> None:
         self._args = megatron_args_of(spec.source, spec.meta)

@@ -131,15 +131,16 @@ def test_output_inside_the_input_is_refused(broken, cli):
     assert sorted(p.relative_to(broken) for p in broken.rglob("*")) == before
 
 
-def test_fewer_kv_heads_than_ranks_is_reported_not_cut(tmp_path, cli):
+def test_kv_heads_a_tp_neither_divides_nor_copies_are_reported_not_cut(tmp_path, cli):
+    """2 KV heads at tp 3: no whole heads per rank, and 3 is no multiple of 2 to copy them (tp 4 copies them)."""
     tiny_qwen3(tmp_path / "orig", num_key_value_heads=2)
     out = tmp_path / "out"
-    result = cli("convert", tmp_path / "orig", "--tp", 4, "-o", out)
+    result = cli("convert", tmp_path / "orig", "--tp", 3, "-o", out)
     assert result.exit_code == 2 and not out.exists()
-    assert "4 problems:" in result.stderr
     assert (
-        "model.layers.0.self_attn.k_proj.weight: shard(dim=0, unit=8) of [16, 64] cannot be split 4 ways: "
-        "dim 0 has 2 blocks of 8, which do not divide by tp=4 (choose a tp that divides it)" in result.stderr
+        "model.layers.0.self_attn.k_proj.weight: replicated_heads(dim=0, heads=2) of [16, 64] cannot be split 3 "
+        "ways: dim 0 holds 2 heads: tp=3 neither divides them nor is a multiple of them (each head copied onto "
+        "tp/heads ranks) (choose a tp that divides the 2 heads or is a multiple of them)" in result.stderr
     )
 
 

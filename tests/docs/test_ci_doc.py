@@ -51,7 +51,7 @@ def test_pytest_example_passes_on_a_real_model(tmp_path: Path, monkeypatch: pyte
 
 
 def test_pytest_example_fails_on_a_model_that_cannot_be_split(tmp_path: Path, monkeypatch) -> None:
-    tiny_llama(tmp_path / "ckpt", vocab=1001, num_key_value_heads=2)  # 2 KV heads: tp 4 cannot split them
+    tiny_llama(tmp_path / "ckpt", vocab=1001, hidden_size=48, num_attention_heads=6, num_key_value_heads=2)  # 6 heads
     monkeypatch.setenv("CKPT", str(tmp_path / "ckpt"))
     module = load_example(tmp_path)
     with pytest.raises(AssertionError, match=r"round trip through tp=4: 4 difference\(s\)"):

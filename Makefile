@@ -9,7 +9,7 @@ SAMPLE := sample_ckpts/tiny-llama-tp2
 $(BIN)/reshard: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -c constraints.txt -e '.[test]'
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[test,oracle]'
 	touch $@
 
 install: $(BIN)/reshard

@@ -19,9 +19,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from reshard.commands.check import CheckOptions, check
-from reshard.io.safetensors_writer import header_bytes
-from reshard.layouts.readers import TensorHeader
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tensor names of the tests' builders
+
+from fixtures.shapes import qwen3_5_shapes  # noqa: E402
+
+from reshard.commands.check import CheckOptions, check  # noqa: E402
+from reshard.io.safetensors_writer import header_bytes  # noqa: E402
+from reshard.layouts.readers import TensorHeader  # noqa: E402
 
 CONFIG = {
     "architectures": ["Qwen3_5ForCausalLM"],
@@ -43,48 +47,9 @@ CONFIG = {
 }
 
 
-def shapes(c: dict) -> dict[str, tuple[int, ...]]:
-    h, key_dim, value_dim = c["hidden_size"], 16 * 128, 32 * 128
-    out = {"model.embed_tokens.weight": (c["vocab_size"], h), "lm_head.weight": (c["vocab_size"], h)}
-    out["model.norm.weight"] = (h,)
-    for i, kind in enumerate(c["layer_types"]):
-        p = f"model.layers.{i}."
-        if kind == "linear_attention":
-            a = p + "linear_attn."
-            out |= {
-                a + "in_proj_qkv.weight": (2 * key_dim + value_dim, h),
-                a + "in_proj_z.weight": (value_dim, h),
-                a + "in_proj_b.weight": (32, h),
-                a + "in_proj_a.weight": (32, h),
-                a + "conv1d.weight": (2 * key_dim + value_dim, 1, 4),
-                a + "A_log": (32,),
-                a + "dt_bias": (32,),
-                a + "norm.weight": (128,),
-                a + "out_proj.weight": (h, value_dim),
-            }
-        else:
-            a = p + "self_attn."
-            out |= {
-                a + "q_proj.weight": (2 * 16 * 256, h),
-                a + "k_proj.weight": (4 * 256, h),
-                a + "v_proj.weight": (4 * 256, h),
-                a + "o_proj.weight": (h, 16 * 256),
-                a + "q_norm.weight": (256,),
-                a + "k_norm.weight": (256,),
-            }
-        out |= {
-            p + "mlp.gate_proj.weight": (c["intermediate_size"], h),
-            p + "mlp.up_proj.weight": (c["intermediate_size"], h),
-            p + "mlp.down_proj.weight": (h, c["intermediate_size"]),
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-        }
-    return out
-
-
 def main() -> None:
     folder = Path(tempfile.mkdtemp(prefix="reshard-bench-"))
-    headers = {n: TensorHeader(s, "BF16") for n, s in shapes(CONFIG).items()}
+    headers = {n: TensorHeader(s, "BF16") for n, s in qwen3_5_shapes(CONFIG).items()}
     header = header_bytes(headers, {"format": "pt"})
     data = sum(h.nbytes for h in headers.values())
     with open(folder / "model.safetensors", "wb") as f:

@@ -31,60 +31,57 @@ from pathlib import Path
 
 import torch
 
-from reshard.io.safetensors_writer import FORMAT_METADATA, header_bytes, ordered
-from reshard.layouts.readers import TensorHeader
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the checkpoint builders of the tests
 
-HIDDEN = 4096
-INTERMEDIATE = 11008
-HEADS = 32
-VOCAB = 32000
+from fixtures.megatron import Sizes, megatron_args, part_shapes, rank_state  # noqa: E402
+from fixtures.shapes import llama_7b_config, llama_shapes  # noqa: E402
+from fixtures.trainer import rank_states  # noqa: E402
+
+from reshard.io.safetensors_writer import FORMAT_METADATA, header_bytes, ordered  # noqa: E402
+from reshard.layouts.readers import TensorHeader  # noqa: E402
+
+LLAMA_7B = llama_7b_config(1)
+HIDDEN, INTERMEDIATE = LLAMA_7B["hidden_size"], LLAMA_7B["intermediate_size"]
 DTYPE = torch.bfloat16
 POOL_BYTES = 64 << 20
 MEGATRON_DIVISIBLE_BY = 128
+Shapes = dict[str, tuple[tuple[int, ...], bool]]
 
 
-def round_up(size: int, multiple: int) -> int:
-    return -(-size // multiple) * multiple
+def _rank_shapes(rank0: dict[str, torch.Tensor]) -> Shapes:
+    """Name -> (shape, replicated?) of one rank's (meta) state dict: the norms are on every rank."""
+    return {name: (tuple(tensor.shape), "norm" in name) for name, tensor in rank0.items()}
 
 
-def hf_rank_shapes(layers: int, tp: int) -> dict[str, tuple[tuple[int, ...], bool]]:
+def _meta(shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """Tensors of these shapes that hold no memory: the builders cut them, only the shapes are kept."""
+    return {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
+
+
+def hf_rank_shapes(layers: int, tp: int) -> Shapes:
     """HF Llama names -> (per-rank shape, replicated?) for ``tp`` ranks (vocab padded to a multiple of tp)."""
-    vocab = round_up(VOCAB, tp)
-    shapes: dict[str, tuple[tuple[int, ...], bool]] = {
-        "model.embed_tokens.weight": ((vocab // tp, HIDDEN), False),
-        "lm_head.weight": ((vocab // tp, HIDDEN), False),
-        "model.norm.weight": ((HIDDEN,), True),
-    }
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        for proj in ("q_proj", "k_proj", "v_proj"):
-            shapes[f"{p}self_attn.{proj}.weight"] = ((HIDDEN // tp, HIDDEN), False)
-        shapes[f"{p}self_attn.o_proj.weight"] = ((HIDDEN, HIDDEN // tp), False)
-        shapes[f"{p}mlp.gate_proj.weight"] = ((INTERMEDIATE // tp, HIDDEN), False)
-        shapes[f"{p}mlp.up_proj.weight"] = ((INTERMEDIATE // tp, HIDDEN), False)
-        shapes[f"{p}mlp.down_proj.weight"] = ((HIDDEN, INTERMEDIATE // tp), False)
-        shapes[f"{p}input_layernorm.weight"] = ((HIDDEN,), True)
-        shapes[f"{p}post_attention_layernorm.weight"] = ((HIDDEN,), True)
-    return shapes
+    state = _meta(llama_shapes(llama_7b_config(layers)))
+    return _rank_shapes(rank_states(state, tp, pad_multiple=1, junk_seed=None)[0])
 
 
-def megatron_rank_shapes(layers: int, tp: int) -> dict[str, tuple[tuple[int, ...], bool]]:
+def megatron_sizes(layers: int) -> Sizes:
+    c = LLAMA_7B
+    return Sizes(
+        hidden=HIDDEN,
+        heads=c["num_attention_heads"],
+        groups=c["num_key_value_heads"],
+        head_dim=c["head_dim"],
+        ffn=INTERMEDIATE,
+        layers=layers,
+        vocab=c["vocab_size"],
+        multiple=MEGATRON_DIVISIBLE_BY,
+    )
+
+
+def megatron_rank_shapes(layers: int, tp: int) -> Shapes:
     """mcore GPTModel (TE spec) names -> (per-rank shape, replicated?)."""
-    vocab = round_up(VOCAB, MEGATRON_DIVISIBLE_BY * tp)
-    shapes: dict[str, tuple[tuple[int, ...], bool]] = {
-        "embedding.word_embeddings.weight": ((vocab // tp, HIDDEN), False)
-    }
-    for i in range(layers):
-        p = f"decoder.layers.{i}."
-        shapes[f"{p}self_attention.linear_qkv.layer_norm_weight"] = ((HIDDEN,), True)
-        shapes[f"{p}self_attention.linear_qkv.weight"] = ((3 * HIDDEN // tp, HIDDEN), False)
-        shapes[f"{p}self_attention.linear_proj.weight"] = ((HIDDEN, HIDDEN // tp), False)
-        shapes[f"{p}mlp.linear_fc1.layer_norm_weight"] = ((HIDDEN,), True)
-        shapes[f"{p}mlp.linear_fc1.weight"] = ((2 * INTERMEDIATE // tp, HIDDEN), False)
-        shapes[f"{p}mlp.linear_fc2.weight"] = ((HIDDEN, INTERMEDIATE // tp), False)
-    shapes["decoder.final_layernorm.weight"] = ((HIDDEN,), True)
-    shapes["output_layer.weight"] = ((vocab // tp, HIDDEN), False)
-    return shapes
+    sizes = megatron_sizes(layers)
+    return _rank_shapes(rank_state(_meta(part_shapes(sizes)), sizes, tp, 0, pad_fill=0.0))
 
 
 def layers_for_size(size_gb: float) -> int:
@@ -128,24 +125,6 @@ class RandomBytes:
         return out
 
 
-def llama_config(layers: int) -> dict:
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": HIDDEN,
-        "intermediate_size": INTERMEDIATE,
-        "num_attention_heads": HEADS,
-        "num_key_value_heads": HEADS,
-        "num_hidden_layers": layers,
-        "vocab_size": VOCAB,
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-5,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-    }
-
-
 def write_hf_ranks(out: Path, layers: int, tp: int, seed: int) -> None:
     shapes = hf_rank_shapes(layers, tp)
     headers = {name: TensorHeader.of(shape, DTYPE) for name, (shape, _) in shapes.items()}
@@ -164,35 +143,7 @@ def write_hf_ranks(out: Path, layers: int, tp: int, seed: int) -> None:
                 else:
                     for chunk in source.chunks(_nbytes(shape)):
                         handle.write(chunk)
-    (out / "config.json").write_text(json.dumps(llama_config(layers), indent=2) + "\n")
-
-
-def megatron_args(layers: int, tp: int) -> argparse.Namespace:
-    return argparse.Namespace(
-        num_layers=layers,
-        hidden_size=HIDDEN,
-        ffn_hidden_size=INTERMEDIATE,
-        num_attention_heads=HEADS,
-        num_query_groups=HEADS,
-        group_query_attention=False,
-        kv_channels=HIDDEN // HEADS,
-        seq_length=4096,
-        max_position_embeddings=4096,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=1,
-        make_vocab_size_divisible_by=MEGATRON_DIVISIBLE_BY,
-        padded_vocab_size=round_up(VOCAB, MEGATRON_DIVISIBLE_BY * tp),
-        vocab_size=VOCAB,
-        swiglu=True,
-        normalization="RMSNorm",
-        position_embedding_type="rope",
-        untie_embeddings_and_output_weights=True,
-        add_bias_linear=False,
-        bf16=True,
-        params_dtype=torch.bfloat16,
-        transformer_impl="transformer_engine",
-        iteration=1,
-    )
+    (out / "config.json").write_text(json.dumps(llama_7b_config(layers), indent=2) + "\n")
 
 
 def write_megatron(out: Path, layers: int, tp: int, seed: int) -> None:
@@ -200,12 +151,23 @@ def write_megatron(out: Path, layers: int, tp: int, seed: int) -> None:
     shapes = megatron_rank_shapes(layers, tp)
     replicated = RandomBytes(seed + 1000)
     norms = {name: replicated.tensor(shape) for name, (shape, rep) in shapes.items() if rep}
+    args = megatron_args(
+        megatron_sizes(layers),
+        tp,
+        dtype=DTYPE,
+        record_vocab=True,
+        seq_length=4096,
+        max_position_embeddings=4096,
+        bf16=True,
+        transformer_impl="transformer_engine",
+        iteration=1,
+    )
     for rank in range(tp):
         source = RandomBytes(seed + rank)
         model = {name: norms[name].clone() if rep else source.tensor(shape) for name, (shape, rep) in shapes.items()}
         folder = out / "iter_0000001" / f"mp_rank_{rank:02d}"
         folder.mkdir(parents=True)
-        checkpoint = {"args": megatron_args(layers, tp), "checkpoint_version": 3.0, "iteration": 1, "model": model}
+        checkpoint = {"args": args, "checkpoint_version": 3.0, "iteration": 1, "model": model}
         torch.save(checkpoint, folder / "model_optim_rng.pt")
         del model, checkpoint
     (out / "latest_checkpointed_iteration.txt").write_text("1")

@@ -16,31 +16,37 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-HF_DIM = [
-    (r"(embed_tokens|lm_head)\.weight$", 0),
-    (r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.weight$", 0),
-    (r"\.(o_proj|down_proj)\.weight$", 1),
-    (r"norm\.weight$", None),
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the TP cuts of the tests' builders
+
+from fixtures.tp import Kind, gather_pieces, pad_rows, padded_rows, rank_piece  # noqa: E402
+
+HF_CUT = [
+    (r"(embed_tokens|lm_head)\.weight$", "col"),
+    (r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.weight$", "col"),
+    (r"\.(o_proj|down_proj)\.weight$", "row"),
+    (r"norm\.weight$", "rep"),
 ]
-MEGATRON_DIM = [
-    (r"(word_embeddings|output_layer)\.weight$", 0),
-    (r"linear_qkv\.weight$", 0),
-    (r"linear_fc1\.weight$", "packed"),
-    (r"(linear_proj|linear_fc2)\.weight$", 1),
-    (r"(layer_norm_weight|layernorm\.weight)$", None),
+MEGATRON_CUT = [
+    (r"(word_embeddings|output_layer)\.weight$", "col"),
+    (r"linear_qkv\.weight$", "col"),
+    (r"linear_fc1\.weight$", "glu"),  # each rank holds [gate_r; up_r]
+    (r"(linear_proj|linear_fc2)\.weight$", "row"),
+    (r"(layer_norm_weight|layernorm\.weight)$", "rep"),
 ]
 VOCAB = re.compile(r"(embed_tokens|lm_head|word_embeddings|output_layer)\.weight$")
 
 
-def split_dim(name: str, rules: list) -> int | str | None:
-    for pattern, dim in rules:
+def cut(name: str, rules: list, rows: int) -> Kind:
+    """How ``name`` is split; ``rows``: its full row count (a GLU's gate and up halves)."""
+    for pattern, kind in rules:
         if re.search(pattern, name):
-            return dim
+            return ("packed", (rows // 2, rows // 2)) if kind == "glu" else kind
     raise SystemExit(f"naive: no rule for {name}")
 
 
@@ -48,14 +54,7 @@ def merge(ranks: list[dict[str, torch.Tensor]], rules: list, vocab: int) -> dict
     full = {}
     for name in list(ranks[0]):
         parts = [rank.pop(name) for rank in ranks]
-        dim = split_dim(name, rules)
-        if dim is None:
-            full[name] = parts[0]
-        elif dim == "packed":  # each rank holds [gate_r; up_r]
-            halves = [p.chunk(2, dim=0) for p in parts]
-            full[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-        else:
-            full[name] = torch.cat(parts, dim=dim)
+        full[name] = gather_pieces(parts, cut(name, rules, parts[0].shape[0] * len(parts)))
         if VOCAB.search(name):
             full[name] = full[name][:vocab]
         del parts
@@ -65,17 +64,9 @@ def merge(ranks: list[dict[str, torch.Tensor]], rules: list, vocab: int) -> dict
 def rank_slice(full: dict[str, torch.Tensor], rules: list, tp: int, rank: int, multiple: int) -> dict:
     out = {}
     for name, tensor in full.items():
-        dim = split_dim(name, rules)
-        if VOCAB.search(name) and tensor.shape[0] % multiple:
-            pad = tensor.new_zeros((multiple - tensor.shape[0] % multiple, *tensor.shape[1:]))
-            tensor = torch.cat([tensor, pad])
-        if dim is None:
-            out[name] = tensor
-        elif dim == "packed":
-            gate, up = tensor.chunk(2, dim=0)
-            out[name] = torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]]).contiguous()
-        else:
-            out[name] = tensor.chunk(tp, dim=dim)[rank].contiguous()
+        if VOCAB.search(name):
+            tensor = pad_rows(tensor, padded_rows(tensor.shape[0], multiple))
+        out[name] = rank_piece(tensor, cut(name, rules, tensor.shape[0]), tp, rank).contiguous()
     return out
 
 
@@ -83,13 +74,13 @@ def hf_ranks(src: Path, out: Path, tp: int) -> None:
     config = json.loads((src / "config.json").read_text())
     folders = sorted(src.glob("rank_*"))
     ranks = [load_file(folder / "model.safetensors") for folder in folders]
-    full = merge(ranks, HF_DIM, config["vocab_size"])
+    full = merge(ranks, HF_CUT, config["vocab_size"])
     out.mkdir(parents=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     for rank in range(tp):
         folder = out if tp == 1 else out / f"rank_{rank:02d}"
         folder.mkdir(exist_ok=True)
-        save_file(rank_slice(full, HF_DIM, tp, rank, tp), folder / "model.safetensors", metadata={"format": "pt"})
+        save_file(rank_slice(full, HF_CUT, tp, rank, tp), folder / "model.safetensors", metadata={"format": "pt"})
 
 
 def megatron(src: Path, out: Path, tp: int) -> None:
@@ -97,13 +88,13 @@ def megatron(src: Path, out: Path, tp: int) -> None:
     folders = sorted((src / f"iter_{int(iteration):07d}").glob("mp_rank_*"))
     loaded = [torch.load(f / "model_optim_rng.pt", map_location="cpu", weights_only=False) for f in folders]
     args = loaded[0]["args"]
-    full = merge([c["model"] for c in loaded], MEGATRON_DIM, args.vocab_size)
+    full = merge([c["model"] for c in loaded], MEGATRON_CUT, args.vocab_size)
     multiple = args.make_vocab_size_divisible_by * tp
     for rank in range(tp):
         folder = out / f"iter_{int(iteration):07d}" / f"mp_rank_{rank:02d}"
         folder.mkdir(parents=True)
         args.tensor_model_parallel_size = tp
-        checkpoint = dict(loaded[0], model=rank_slice(full, MEGATRON_DIM, tp, rank, multiple), args=args)
+        checkpoint = dict(loaded[0], model=rank_slice(full, MEGATRON_CUT, tp, rank, multiple), args=args)
         torch.save(checkpoint, folder / "model_optim_rng.pt")
     (out / "latest_checkpointed_iteration.txt").write_text(iteration)
 

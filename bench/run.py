@@ -36,11 +36,16 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))  # the model sizes of the tests' builders
+
+from fixtures.shapes import llama_7b_config  # noqa: E402
+
 OUT = HERE / "out"
 RESULTS_JSON = OUT / "results.json"
 RESULTS_MD = HERE / "RESULTS.md"
 OBSERVATIONS = "## Observations"
-LARGEST_TENSOR = 32000 * 4096 * 2  # the bf16 embedding (and lm_head) of Llama-7B
+LLAMA_7B = llama_7b_config(1)
+LARGEST_TENSOR = LLAMA_7B["vocab_size"] * LLAMA_7B["hidden_size"] * 2  # the bf16 embedding (and lm_head) of Llama-7B
 BOUND = 2 * LARGEST_TENSOR + 600 * 10**6
 TIME = Path("/usr/bin/time")
 

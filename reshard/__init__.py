@@ -25,6 +25,7 @@ _EXPORTS = {
     "Partition": "reshard.partition",
     "Plan": "reshard.plans",
     "Replicate": "reshard.partition",
+    "ReplicatedHeads": "reshard.partition",
     "ReshardError": "reshard.errors",
     "Rule": "reshard.plans",
     "Shard": "reshard.partition",
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
     from reshard.errors import ReshardError
     from reshard.manifest import Manifest, read_manifest
     from reshard.options import ConvertOptions
-    from reshard.partition import Grouped, Packed, Partition, Replicate, Shard, Vocab
+    from reshard.partition import Grouped, Packed, Partition, Replicate, ReplicatedHeads, Shard, Vocab
     from reshard.plans import Plan, Rule
     from reshard.slicing import gather, split
 
@@ -80,6 +81,7 @@ __all__ = [
     "Partition",
     "Plan",
     "Replicate",
+    "ReplicatedHeads",
     "ReshardError",
     "Rule",
     "Shard",

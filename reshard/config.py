@@ -17,22 +17,96 @@ from reshard.schema import check_config_sizes
 CONFIG_NAME = "config.json"
 
 
+TEXT = "text_config"
+# Module names under which composite models keep a sub-model, and the config keys that size it (besides
+# ``<name>_config``, which is tried first: ``thinker`` -> ``thinker_config``).
+SUB_MODELS: dict[str, tuple[str, ...]] = {
+    "language_model": (TEXT,),
+    "text_model": (TEXT,),
+    "llm": (TEXT,),
+    "visual": ("vision_config",),
+    "vision_tower": ("vision_config",),
+    "vision_model": ("vision_config",),
+    "vision_encoder": ("vision_config",),
+    "audio_tower": ("audio_config",),
+    "audio_model": ("audio_config",),
+    "audio_encoder": ("audio_config",),
+    "code2wav_dit_model": ("dit_config",),
+    "code2wav_bigvgan_model": ("bigvgan_config",),
+}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """A model config: the raw mapping plus the derived sizes reshard needs.
 
-    Multimodal configs keep the language model under ``text_config``; sizes are looked up there first.
+    Composite (multimodal) configs nest one config per sub-model (``text_config``, ``vision_config``,
+    ``thinker_config.text_config``, ...): :meth:`for_tensor` gives the one that sizes a tensor, chosen by the
+    sub-model names in its path. Sizes asked of the whole config come from the language model's.
+
+    Attributes:
+        raw: the mapping (for a sub-config, that sub-config's).
+        path: the ``config.json`` it came from.
+        scope: where ``raw`` sits in the file, e.g. ``thinker_config.text_config`` ("" for the whole file).
+        parents: the enclosing mappings a language-model scope falls back to (published configs repeat
+            some text sizes at the top level, older ones keep them only there).
     """
 
     raw: dict[str, Any] = field(repr=False)
     path: Path | None = None
+    scope: str = ""
+    parents: tuple[dict[str, Any], ...] = field(default=(), repr=False)
+    _scopes: dict[str, str] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def get(self, key: str, default: Any = None) -> Any:
-        """A value from ``text_config`` if present there, else from the top level."""
-        text = self.raw.get("text_config")
-        if isinstance(text, dict) and key in text:
-            return text[key]
-        return self.raw.get(key, default)
+        """A value from the language model's config if it has one (``text_config``, ``thinker_config.
+        text_config``), else from this mapping, else from the enclosing ones of a language-model scope."""
+        for mapping in (*_text_chain(self.raw), self.raw, *self.parents):
+            if key in mapping:
+                return mapping[key]
+        return default
+
+    def for_tensor(self, name: str) -> ModelConfig:
+        """The sub-config that sizes tensor ``name``: each sub-model name in its path (``thinker``, ``visual``,
+        ``audio_tower``, ``language_model``, ...) enters that sub-model's config; what is under none of them
+        belongs to the language model (``lm_head``, ``model.layers``).
+
+        Example:
+            >>> config = ModelConfig({"text_config": {"hidden_size": 8}, "vision_config": {"hidden_size": 4}})
+            >>> config.for_tensor("model.visual.blocks.0.attn.qkv.weight").scope
+            'vision_config'
+            >>> config.for_tensor("lm_head.weight").get("hidden_size")
+            8
+        """
+        if self.scope:
+            return self
+        module = name.rpartition(".")[0]  # a parameter's own name is no sub-model; checks ask for thousands
+        if module not in self._scopes:
+            self._scopes[module] = self._scope_of(module)
+        return self.sub_config(self._scopes[module])
+
+    def _scope_of(self, module: str) -> str:
+        raw, keys = self.raw, []
+        for segment in module.split("."):
+            for key in (f"{segment}_config", *SUB_MODELS.get(segment, ())):
+                if isinstance(raw.get(key), dict):
+                    raw = raw[key]
+                    keys.append(key)
+                    break
+        while isinstance(raw.get(TEXT), dict):
+            raw = raw[TEXT]
+            keys.append(TEXT)
+        return ".".join(keys)
+
+    def sub_config(self, scope: str) -> ModelConfig:
+        """The sub-config at ``scope`` (a :attr:`scope` that :meth:`for_tensor` gave); the whole one for ""."""
+        if not scope or self.scope:
+            return self
+        raw, parents = self.raw, []
+        for key in scope.split("."):
+            parents.insert(0, raw)
+            raw = raw[key]
+        return ModelConfig(raw, self.path, scope, tuple(parents) if scope.endswith(TEXT) else ())
 
     @property
     def model_type(self) -> str | None:
@@ -92,12 +166,25 @@ class ModelConfig:
     def with_vocab_size(self, vocab_size: int) -> dict[str, Any]:
         """A copy of the raw config with ``vocab_size`` set wherever the config keeps it."""
         raw = json.loads(json.dumps(self.raw))
-        text = raw.get("text_config")
-        if isinstance(text, dict) and "vocab_size" in text:
+        chain = _text_chain(raw)
+        text = next((mapping for mapping in chain if "vocab_size" in mapping), None)
+        if text is not None:
             text["vocab_size"] = vocab_size
-        if "vocab_size" in raw or not isinstance(text, dict):
+        if "vocab_size" in raw or not chain:
             raw["vocab_size"] = vocab_size
         return raw
+
+
+def _text_chain(raw: dict[str, Any]) -> list[dict[str, Any]]:
+    """The language model's configs inside ``raw``, innermost first (``thinker_config.text_config``, then
+    ``thinker_config``), for a whole composite config; empty when ``raw`` holds no ``text_config``."""
+    chain = []
+    if isinstance(raw.get("thinker_config"), dict):
+        raw = raw["thinker_config"]
+        chain.insert(0, raw)
+    if isinstance(raw.get(TEXT), dict):
+        chain.insert(0, raw[TEXT])
+    return chain
 
 
 def load_config(path: Path) -> ModelConfig:

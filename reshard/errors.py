@@ -64,6 +64,11 @@ class OutputExistsError(ReshardError, FileExistsError):
     """The output path exists and is not empty, and ``--overwrite`` was not given."""
 
 
+class HubError(ReshardError):
+    """A Hub repo, revision or file that cannot be had: unknown, gated or private without a token, missing at
+    that revision, not in the cache offline, or a push the Hub refused."""
+
+
 class MappingError(ReshardError, ValueError):
     """Source names a mapping does not know, a fused group with a part missing, or two sources for one name."""
 

@@ -12,7 +12,7 @@ from reshard.errors import ReshardError
 
 
 class Layout(str, enum.Enum):
-    """How a checkpoint sits on disk (docs/layouts.md). ``loose`` and ``dcp`` are read only."""
+    """How a checkpoint sits on disk (docs/layouts.md); ``writer_class`` says which are written."""
 
     HF = "hf"
     HF_RANKS = "hf-ranks"
@@ -20,6 +20,7 @@ class Layout(str, enum.Enum):
     SAT = "sat"
     LOOSE = "loose"
     DCP = "dcp"
+    TORCH_DIST = "torch_dist"
 
     def __str__(self) -> str:
         return self.value
@@ -86,6 +87,7 @@ class ConvertOptions:
 
     Attributes:
         tp: target number of ranks (1: a canonical full checkpoint).
+        pp: pipeline stages to write (``megatron`` layout only).
         layout: target layout (``hf``, ``hf-ranks``, ``megatron``, ``sat``); None picks from the source.
         vocab: the true vocab size; None takes it from the manifest, then the config.
         pad_multiple: pad the vocab to a multiple of this (default: the target tp, or the layout's rule).
@@ -106,6 +108,7 @@ class ConvertOptions:
     """
 
     tp: int = 1
+    pp: int = 1
     layout: Layout | str | None = None
     vocab: int | None = None
     pad_multiple: int | None = None

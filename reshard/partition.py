@@ -10,11 +10,13 @@ A :data:`Partition` says how the full (canonical) tensor ``T`` relates to the ``
   the pad rows are not data and are cut off when gathering.
 * :class:`Packed` - ``T`` is the concatenation along ``dim`` of parts (q, k, v; gate, up); each part is
   split on its own and a rank holds the concatenation of its piece of every part.
+* :class:`ReplicatedHeads` - ``T`` is ``heads`` heads along ``dim`` (the KV heads of grouped-query attention):
+  split in whole heads while ``tp`` divides them, and when ``tp`` is a multiple of them each head is copied onto
+  the ``tp / heads`` ranks whose query heads use it (vLLM's ``QKVParallelLinear``).
 
-Everything here is pure shape arithmetic (no torch: ``check`` plans from headers with it); the tensor
-functions that move between views are in :mod:`reshard.slicing`. No file is opened. Functions
-that validate shapes raise :class:`~reshard.errors.ShapeMismatchError` with a message that says what
-does not add up; callers add the file and tensor name.
+Pure shape arithmetic (no torch, no file: ``check`` plans from headers with it); the tensor functions are in
+:mod:`reshard.slicing`. Validation raises :class:`~reshard.errors.ShapeMismatchError` saying what does not add
+up; callers add the file and tensor name.
 """
 
 from __future__ import annotations
@@ -51,13 +53,9 @@ class Shard:
 
 @dataclass(frozen=True)
 class Grouped:
-    """Even split along ``dim`` of a tensor made of ``groups`` equal blocks (fused QKV query groups).
-
-    Valid when every rank holds whole groups (``groups % tp == 0``) or when every group is spread evenly
-    over ``tp / groups`` ranks (``tp % groups == 0``: Megatron core stores a plain contiguous ``1/tp`` row
-    chunk then, and each rank all-gathers and picks its group at run time). Any other tp would put
-    pieces of two groups on one rank, which Megatron cannot run, so it is refused.
-    """
+    """Even split along ``dim`` of ``groups`` equal blocks (fused QKV query groups): valid when every rank holds
+    whole groups or every group is spread evenly over ``tp / groups`` ranks (Megatron core stores a contiguous
+    ``1/tp`` row chunk then, and each rank all-gathers and picks its group); any other tp is refused."""
 
     dim: int
     groups: int
@@ -101,7 +99,20 @@ class Packed:
         return self.units if self.units is not None else (1,) * len(self.parts)
 
 
-Partition = Replicate | Shard | Grouped | Vocab | Packed
+@dataclass(frozen=True)
+class ReplicatedHeads:
+    """``heads`` equal heads along ``dim``. At a tp that is a larger multiple of ``heads``, rank r holds head
+    ``r // (tp / heads)``, as vLLM replicates KV heads (``num_kv_head_replicas``, ``tp_rank // replicas``);
+    at any other tp it is the plain split in whole heads, and is recorded as that ``Shard`` (:func:`at_tp`)."""
+
+    dim: int
+    heads: int
+
+    def describe(self) -> str:
+        return f"replicated_heads(dim={self.dim}, heads={self.heads})"
+
+
+Partition = Replicate | Shard | Grouped | Vocab | Packed | ReplicatedHeads
 
 
 # ---------------------------------------------------------------- (de)serialisation, the string boundary
@@ -120,6 +131,8 @@ def partition_to_dict(partition: Partition) -> dict[str, Any]:
             return {"kind": "grouped", "dim": dim, "groups": groups}
         case Packed(dim, parts, units):
             return {"kind": "packed", "dim": dim, "parts": list(parts)} | ({"units": list(units)} if units else {})
+        case ReplicatedHeads(dim, heads):
+            return {"kind": "replicated_heads", "dim": dim, "heads": heads}
     raise TypeError(f"not a partition: {partition!r}")
 
 
@@ -139,12 +152,40 @@ def partition_from_dict(data: dict[str, Any]) -> Partition:
             case "packed":
                 units = data.get("units")
                 return Packed(int(data["dim"]), tuple(data["parts"]), None if units is None else tuple(units))
+            case "replicated_heads":
+                return ReplicatedHeads(int(data["dim"]), int(data["heads"]))
     except KeyError as err:
         raise ValueError(f"partition {kind!r} needs the field {err.args[0]!r}") from err
-    raise ValueError(f"unknown partition kind {kind!r} (replicate, shard, grouped, vocab or packed)")
+    raise ValueError(f"unknown partition kind {kind!r} (replicate, shard, grouped, vocab, packed or replicated_heads)")
 
 
 # ---------------------------------------------------------------- sizes
+
+
+def head_replicas(partition: Partition, tp: int) -> int:
+    """How many ranks hold each head: ``tp / heads`` for replicated heads at a tp that is a larger multiple of
+    them, else 1 (every rank holds its own slice)."""
+    if isinstance(partition, ReplicatedHeads) and tp > partition.heads > 0 and tp % partition.heads == 0:
+        return tp // partition.heads
+    return 1
+
+
+def at_tp(partition: Partition, full_shape: Sequence[int], tp: int) -> Partition:
+    """The partition as it cuts a tensor of ``full_shape`` at ``tp``: replicated heads that are not replicated
+    there are a plain split in whole heads (what a manifest records and a report shows)."""
+    if not isinstance(partition, ReplicatedHeads) or head_replicas(partition, tp) > 1:
+        return partition
+    try:
+        unit = _head_size(full_shape[norm_dim(partition.dim, len(full_shape))], partition.heads, "the dim")
+    except ShapeMismatchError:
+        return partition  # sizes that do not fit are reported by rank_shapes
+    return Shard(partition.dim, unit=unit)
+
+
+def _head_size(size: int, heads: int, what: str) -> int:
+    if heads < 1 or size % heads:
+        raise ShapeMismatchError(f"{what} size {size} is not {heads} equal heads")
+    return size // heads
 
 
 def split_sizes(total: int, tp: int, *, uneven: bool = False) -> list[int]:
@@ -230,6 +271,17 @@ def rank_shapes(
                 raise ShapeMismatchError(f"packed parts {list(parts)} add up to {sum(parts)}, not {full_shape[dim]}")
             per_part = packed_piece_sizes(partition, tp, uneven=uneven)
             return [with_size(full_shape, dim, sum(p[r] for p in per_part)) for r in range(tp)]
+        case ReplicatedHeads(dim, heads):
+            dim = norm_dim(dim, len(full_shape))
+            unit = _head_size(full_shape[dim], heads, f"dim {dim}")
+            if head_replicas(partition, tp) > 1:
+                return [with_size(full_shape, dim, unit)] * tp
+            if heads % tp and not uneven:
+                raise ShapeMismatchError(
+                    f"dim {dim} holds {heads} heads: tp={tp} neither divides them nor is a multiple of them "
+                    "(each head copied onto tp/heads ranks)"
+                )
+            return rank_shapes(Shard(dim, unit), full_shape, tp, uneven=uneven)
     raise TypeError(f"not a partition: {partition!r}")
 
 
@@ -275,6 +327,8 @@ def canonical_shape(
         raise ShapeMismatchError(f"rank shapes {shapes} differ outside dim {dim}")
     total = sum(s[dim] for s in shapes)
     full = with_size(first, dim, total)
+    if head_replicas(partition, tp) > 1:  # one copy of every head is the full tensor
+        full = with_size(first, dim, partition.heads * first[dim])
     padded = None
     if isinstance(partition, Vocab):
         full = with_size(first, dim, total if vocab_size is None else vocab_size)

@@ -17,9 +17,11 @@ from reshard.partition import (
     Packed,
     Partition,
     Replicate,
+    ReplicatedHeads,
     Shard,
     Vocab,
     canonical_shape,
+    head_replicas,
     norm_dim,
     packed_piece_sizes,
     rank_shapes,
@@ -74,6 +76,12 @@ def split(
                 )
             ]
             return [torch.cat([p[r] for p in pieces], dim=dim) for r in range(tp)]
+        case ReplicatedHeads(dim, _):
+            sizes = [s[dim] for s in rank_shapes(partition, full.shape, tp, uneven=uneven)]
+            replicas = head_replicas(partition, tp)
+            if replicas == 1:
+                return list(torch.split(full, sizes, dim=dim))
+            return [full.narrow(dim, (r // replicas) * sizes[r], sizes[r]) for r in range(tp)]
     raise TypeError(f"not a partition: {partition!r}")
 
 
@@ -92,12 +100,13 @@ def gather(
         partition: how they were split.
         vocab_size: for :class:`Vocab`, the true size to cut the padded dim back to.
         uneven: accept ``torch.chunk``-style uneven pieces.
-        allow_divergent: for :class:`Replicate`, take rank 0 even when ranks differ.
+        allow_divergent: for :class:`Replicate` (and the copies of :class:`ReplicatedHeads`), take the first
+            copy even when ranks differ.
 
     Raises:
         ShapeMismatchError: the slices do not fit the partition.
-        DivergentReplicaError: a replicated tensor differs between ranks (the message gives the max
-            absolute difference and the first differing rank).
+        DivergentReplicaError: a replicated tensor (or a replicated head) differs between ranks (the message
+            gives the max absolute difference and the ranks).
 
     Example:
         >>> gather([torch.tensor([0, 2]), torch.tensor([1, 3])], Packed(0, (2, 2))).tolist()
@@ -120,6 +129,16 @@ def gather(
             return torch.cat(
                 [torch.cat([pieces[i] for pieces in rank_pieces], dim=dim) for i in range(len(per_part))], dim=dim
             )
+        case ReplicatedHeads(dim, heads):
+            replicas = head_replicas(partition, len(slices))
+            if replicas == 1:
+                return slices[0] if len(slices) == 1 else torch.cat(list(slices), dim=dim)
+            if not allow_divergent:
+                for rank, other in enumerate(slices):
+                    first, what = rank - rank % replicas, f"replicated KV head {rank // replicas}"
+                    if rank != first:
+                        check_replica(slices[first], other, rank, first_rank=first, what=what)
+            return torch.cat([slices[h * replicas] for h in range(heads)], dim=dim)
     raise TypeError(f"not a partition: {partition!r}")
 
 
@@ -138,11 +157,14 @@ def check_replicas(slices: Sequence[torch.Tensor]) -> None:
         check_replica(slices[0], other, rank)
 
 
-def check_replica(first: torch.Tensor, other: torch.Tensor, rank: int) -> None:
-    """Raise :class:`DivergentReplicaError` unless rank ``rank``'s copy ``other`` equals rank 0's ``first``."""
+def check_replica(
+    first: torch.Tensor, other: torch.Tensor, rank: int, *, first_rank: int = 0, what: str = "replicated tensor"
+) -> None:
+    """Raise :class:`DivergentReplicaError` unless rank ``rank``'s copy ``other`` equals rank ``first_rank``'s
+    ``first``; ``what`` names the copy (``head 1 of`` a tensor with replicated heads)."""
     if not bitwise_equal(first, other):
         diff = (first.double() - other.double()).abs().max().item() if first.is_floating_point() else math.nan
         raise DivergentReplicaError(
-            f"replicated tensor differs between rank 0 and rank {rank} (max abs diff {diff:.3g})",
-            hint="pass --allow-divergent-replicas to take rank 0",
+            f"{what} differs between rank {first_rank} and rank {rank} (max abs diff {diff:.3g})",
+            hint=f"pass --allow-divergent-replicas to take rank {first_rank}",
         )

@@ -95,6 +95,20 @@ def megatron_pad_multiple(divisible_by: int | None, tp: int) -> int:
     return int(divisible_by or DEFAULT_MEGATRON_MULTIPLE) * tp
 
 
+def padded_sizes_possible(rows: int, source_multiple: int, target_multiple: int) -> dict[int, range]:
+    """For a table padded to ``rows`` (a multiple of ``source_multiple``) from an unknown true size: every
+    size it could be padded to at the target, with the true sizes that give it.
+
+    Example:
+        >>> padded_sizes_possible(1008, 16, 8)
+        {1000: range(993, 1001), 1008: range(1001, 1009)}
+    """
+    out: dict[int, list[int]] = {}
+    for size in range(max(1, rows - source_multiple + 1), rows + 1):
+        out.setdefault(round_up(size, target_multiple), []).append(size)
+    return {padded: range(sizes[0], sizes[-1] + 1) for padded, sizes in sorted(out.items())}
+
+
 def is_padded_vocab(size: int, vocab_size: int | None, tp: int) -> bool:
     """``size`` is the vocab, or the vocab padded the way TP frameworks pad it."""
     return vocab_size is not None and vocab_size <= size < vocab_size + MAX_VOCAB_PAD_PER_RANK * max(tp, 1)

@@ -1,4 +1,9 @@
-"""Shared fixtures: an offline, quiet environment and a CLI runner."""
+"""Shared fixtures: an offline, quiet environment and a CLI runner.
+
+pytest puts ``tests/`` (this file's folder, which has no ``__init__.py``) on ``sys.path``, so every test module
+imports the checkpoint builders of ``tests/fixtures/`` as ``fixtures``. The test folders have no ``__init__.py``
+either: test module basenames are unique across them.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +12,16 @@ import os
 import pytest
 from click.testing import CliRunner, Result
 from hub.fixture import hub  # noqa: F401 - the local Hugging Face Hub server (tests/hub/)
+from oracles import keep_megatron_out_of_process, mcore_oracle  # noqa: F401 - the Megatron-Core oracle fixture
 
 from reshard.cli import main
 
 # tqdm reads TQDM_DISABLE once, when it is first imported, and test modules that import huggingface_hub at
 # collection import it before any fixture runs: set it here too, not only in the autouse fixture below.
 os.environ.setdefault("TQDM_DISABLE", "1")
+# Megatron-Core is installed for the oracle (tests/oracles/), which runs it in subprocesses; importing it here would
+# change what torch.load returns for every later test.
+keep_megatron_out_of_process()
 
 
 @pytest.fixture(autouse=True)

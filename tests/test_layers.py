@@ -7,9 +7,10 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "reshard"
 # docs/ARCHITECTURE.md, "Layers", top to bottom.
-LAYERS = ["domain", "slicing", "io", "layouts", "plans", "mappings", "engine", "commands", "front"]
+LAYERS = ["domain", "slicing", "io", "layouts", "hub", "plans", "mappings", "engine", "commands", "front"]
 DOMAIN = {"errors", "dtypes", "partition", "config", "manifest", "vocab", "options", "progress", "sizes", "schema"}
-PACKAGES = {"io": "io", "layouts": "layouts", "plans": "plans", "mappings": "mappings", "engine": "engine"}
+PACKAGES = {"io": "io", "layouts": "layouts", "hub": "hub", "plans": "plans", "mappings": "mappings"}
+PACKAGES |= {"engine": "engine"}
 PACKAGES |= {"commands": "commands", "cli": "front", "testing": "front", "slicing": "slicing"}
 
 

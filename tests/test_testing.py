@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import load_folder, tiny_llama, tiny_qwen3
-from safetensors.torch import save_file
+from fixtures.hf import load_folder, write_hf
+from fixtures.models import tiny_llama, tiny_qwen3
+from fixtures.trainer import write_rank_files
 
 from reshard.testing import assert_roundtrip, assert_same_checkpoint, assert_same_logits
 
@@ -19,8 +19,6 @@ MODELS = {
     "llama": lambda path: tiny_llama(path, vocab=1001),
     "qwen3": lambda path: tiny_qwen3(path, vocab=1001),
 }
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
-ROW = ("o_proj", "down_proj")
 
 
 @pytest.mark.parametrize("family", sorted(MODELS))
@@ -51,22 +49,10 @@ def test_assertions_raise_the_cli_report(cli, tmp_path: Path) -> None:
 
 
 def real_tp_ranks(full: Path, out: Path, tp: int) -> None:
-    """Rank files as Megatron-style TP holds them: column-parallel split on dim 0, row-parallel on dim 1.
-
-    Written directly with torch.chunk (not by reshard), so the test does not trust the code it checks.
-    """
-    state = load_folder(full)
-    for rank in range(tp):
-        piece = {}
-        for name, tensor in state.items():
-            if any(f"{k}." in name for k in COLUMN):
-                tensor = tensor.chunk(tp, dim=0)[rank]
-            elif any(f"{k}." in name for k in ROW):
-                tensor = tensor.chunk(tp, dim=1)[rank]
-            piece[name] = tensor.contiguous()
-        (out / f"rank_{rank:02d}").mkdir(parents=True)
-        save_file(piece, out / f"rank_{rank:02d}" / "model.safetensors", metadata={"format": "pt"})
-    shutil.copy(full / "config.json", out / "config.json")
+    """Rank files as Megatron-style TP holds them (``rank_NN/model.safetensors``): column-parallel split on dim 0,
+    row-parallel on dim 1, written by the fixtures (not by reshard), so the test does not trust the code it checks."""
+    config = json.loads((full / "config.json").read_text())
+    write_rank_files(out, load_folder(full), config, tp, name="rank_{r:02d}/model.safetensors", pad_multiple=1)
 
 
 BROKEN_PLANS = {
@@ -102,9 +88,7 @@ def test_same_logits_sees_small_changes(tmp_path: Path) -> None:
     state = load_folder(tmp_path / "full")
     state = {k: v.clone() for k, v in state.items()}
     state["model.norm.weight"] *= 1.01
-    (tmp_path / "scaled").mkdir()
-    save_file(state, tmp_path / "scaled" / "model.safetensors", metadata={"format": "pt"})
-    shutil.copy(tmp_path / "full" / "config.json", tmp_path / "scaled" / "config.json")
+    write_hf(tmp_path / "scaled", json.loads((tmp_path / "full" / "config.json").read_text()), state)
     with pytest.raises(AssertionError, match=r"logits differ .* max abs difference"):
         assert_same_logits(tmp_path / "full", tmp_path / "scaled")
     assert_same_logits(tmp_path / "full", tmp_path / "scaled", atol=1.0, rtol=0.1)

@@ -18,9 +18,11 @@ from typing import Any
 import click
 
 from reshard import __version__
+from reshard.cli.hub import CKPT, ArgvGroup, for_display, hub_input, publish, push_options
 from reshard.cli.output import emit
 from reshard.cli.render import render_check, render_convert, render_fix, render_inspect, render_verify
 from reshard.errors import ReshardError
+from reshard.hub.source import HubCheckpoint
 from reshard.io.interrupts import Interrupted, handled
 from reshard.io.vectored import return_large_frees_to_os
 from reshard.options import WRITABLE_LAYOUTS, ConvertOptions, default_jobs
@@ -113,11 +115,13 @@ writing_options = option_group(
 )
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(cls=ArgvGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="reshard")
 @click.option("-v", "--verbose", is_flag=True, help="Log what reshard does.")
 def main(verbose: bool) -> None:
     """Repair and re-slice tensor-parallel checkpoints.
+
+    CKPT is a folder or file, or a Hugging Face Hub repo: org/name, org/name@revision, hf://org/name/folder.
 
     \b
     Examples:
@@ -125,19 +129,26 @@ def main(verbose: bool) -> None:
       reshard fix ckpt/ --vocab 65535
       reshard convert ckpt/ --tp 4 -o ckpt-tp4/
       reshard verify ckpt-tp4/ --roundtrip 2,8
+      reshard fix acme/llama-tp2 --vocab 65535 -o fixed/ --push-to-hub acme/llama-fixed
     """
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(message)s")
     return_large_frees_to_os()
 
 
 @main.command("inspect")
-@click.argument("ckpt", type=EXISTING)
+@click.argument("ckpt", type=CKPT)
 @common_read_options
 @click.option("--vocab", type=click.IntRange(min=1), help="True vocab size (default: reshard.json, then config).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
 @reports_errors
+@hub_input(download=False)
 def inspect_command(
-    ckpt: Path, config: Path | None, plan: Path | str | None, trust_pickle: bool, vocab: int | None, as_json: bool
+    ckpt: Path | HubCheckpoint,
+    config: Path | None,
+    plan: Path | str | None,
+    trust_pickle: bool,
+    vocab: int | None,
+    as_json: bool,
 ) -> None:
     """Show layout, tp, files and how every tensor is split, and why.
 
@@ -145,6 +156,7 @@ def inspect_command(
     Examples:
       reshard inspect sample_ckpts/tiny-llama-tp2
       reshard inspect ckpt/ --json | jq '.tensors[0]'
+      reshard inspect Qwen/Qwen3-8B            (a Hub repo: reads its safetensors headers only)
     """
     from reshard.commands.inspect import inspect_checkpoint
 
@@ -153,8 +165,9 @@ def inspect_command(
 
 
 @main.command("convert")
-@click.argument("ckpt", type=EXISTING)
+@click.argument("ckpt", type=CKPT)
 @click.option("--tp", type=click.IntRange(min=1), required=True, help="Target number of ranks (1: full).")
+@click.option("--pp", type=click.IntRange(min=1), default=1, show_default=True, help="Pipeline stages (megatron).")
 @click.option("-o", "--output", "out", type=PATH, required=True, help="Output folder.")
 @click.option("--vocab", type=click.IntRange(min=1), help="True vocab size (default: reshard.json, then config).")
 @click.option("--pad-multiple", type=click.IntRange(min=1), help="Pad the vocab to a multiple of K (default: tp).")
@@ -188,13 +201,16 @@ def inspect_command(
 @writing_options
 @common_read_options
 @reports_errors
-def convert_command(ckpt: Path, out: Path, as_json: bool, quiet: bool, **options: Any) -> None:
+@push_options
+@hub_input(download=True)
+def convert_command(ckpt: Path, out: Path, as_json: bool, quiet: bool, push: Any, **options: Any) -> None:
     """Re-slice CKPT for --tp ranks into OUTPUT, with a reshard.json manifest.
 
     \b
     Examples:
       reshard convert sample_ckpts/tiny-llama-tp2 --tp 1 -o tiny-full
       reshard convert tiny-full --tp 4 --layout hf-ranks -o tiny-tp4
+      reshard convert acme/tiny-tp2 --tp 1 -o tiny-full --push-to-hub acme/tiny
     """
     from reshard.commands.convert import convert
 
@@ -202,40 +218,52 @@ def convert_command(ckpt: Path, out: Path, as_json: bool, quiet: bool, **options
         raise click.UsageError("--lora-alpha only applies with --merge-lora")
     options["lora_alpha"] = 1.0 if options["lora_alpha"] is None else options["lora_alpha"]
     report = convert(ckpt, out, ConvertOptions(progress=not (quiet or as_json), **options))
-    emit(report, render_convert, as_json=as_json, quiet=quiet)
+    report, render = publish(report, render_convert, push, progress=not (quiet or as_json))
+    emit(report, render, as_json=as_json, quiet=quiet)
 
 
 @main.command("fix")
-@click.argument("ckpt", type=EXISTING)
+@click.argument("ckpt", type=CKPT)
 @click.option("--vocab", type=click.IntRange(min=1), help="True vocab size (default: reshard.json, then config).")
-@click.option("-o", "--output", "out", type=PATH, help="Output folder (default: CKPT.fixed beside the input).")
+@click.option(
+    "-o",
+    "--output",
+    "out",
+    type=PATH,
+    help="Output folder (default: CKPT.fixed beside it; NAME.fixed here for a repo).",
+)
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="Ranks to write (1: full).")
 @writing_options
 @common_read_options
 @reports_errors
-def fix_command(ckpt: Path, out: Path | None, as_json: bool, quiet: bool, **options: Any) -> None:
+@push_options
+@hub_input(download=True)
+def fix_command(ckpt: Path, out: Path | None, as_json: bool, quiet: bool, push: Any, **options: Any) -> None:
     """Gather and unpad CKPT into a canonical checkpoint (CKPT.fixed unless -o), with a reshard.json.
 
     \b
     Examples:
       reshard fix sample_ckpts/tiny-llama-65535-tp2 --vocab 65535 -o tiny-fixed
       reshard fix ckpt/ --vocab 65535 --tp 4 -o ckpt-tp4/
+      reshard fix acme/llama-tp2 --vocab 65535 --push-to-hub acme/llama   (writes llama-tp2.fixed/ here)
     """
     from reshard.commands.fix import fix
 
     report = fix(ckpt, out, ConvertOptions(progress=not (quiet or as_json), **options))
-    emit(report, render_fix, as_json=as_json, quiet=quiet)
+    report, render = publish(report, render_fix, push, progress=not (quiet or as_json))
+    emit(report, render, as_json=as_json, quiet=quiet)
 
 
 @main.command("check")
-@click.argument("target", metavar="CKPT|CONFIG", type=EXISTING)
+@click.argument("target", metavar="CKPT|CONFIG", type=CKPT)
 @click.option("--tp", type=click.IntRange(min=1), required=True, help="Number of ranks to check for.")
 @click.option("--uneven", is_flag=True, help="Allow torch.chunk-style uneven splits (transformers' convention).")
 @click.option("--pad-multiple", type=click.IntRange(min=1), help="Pad the vocab to a multiple of K (default: tp).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
 @common_read_options
 @reports_errors
-def check_command(target: Path, as_json: bool, **options: Any) -> None:
+@hub_input(download=False)
+def check_command(target: Path | HubCheckpoint, as_json: bool, **options: Any) -> None:
     """Can this model be split --tp ways? Reads headers (or a config.json) only, never tensor data.
 
     Exit code 0: it can; 1: it cannot (the problems say why); 2: bad input.
@@ -266,8 +294,8 @@ def parse_tps(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 
 
 @main.command("verify")
-@click.argument("ckpt", type=EXISTING)
-@click.argument("other", type=EXISTING, required=False)
+@click.argument("ckpt", type=CKPT)
+@click.argument("other", type=CKPT, required=False)
 @click.option("--roundtrip", callback=parse_tps, metavar="2,4,8", help="Convert to each tp and back; compare.")
 @click.option("--atol", type=click.FloatRange(min=0), default=0.0, help="Absolute tolerance for CKPT vs OTHER.")
 @click.option("--rtol", type=click.FloatRange(min=0), default=0.0, help="Relative tolerance for CKPT vs OTHER.")
@@ -275,6 +303,7 @@ def parse_tps(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON document.")
 @common_read_options
 @reports_errors
+@hub_input(download=True)
 def verify_command(ckpt: Path, other: Path | None, quiet: bool, as_json: bool, **options: Any) -> None:
     """Check CKPT against its reshard.json, or against OTHER, and/or round-trip it through other tp sizes.
 
@@ -287,7 +316,7 @@ def verify_command(ckpt: Path, other: Path | None, quiet: bool, as_json: bool, *
     """
     from reshard.commands.verify import VerifyOptions, verify
 
-    result = verify(ckpt, other, VerifyOptions(progress=not (quiet or as_json), **options))
+    result = for_display(verify(ckpt, other, VerifyOptions(progress=not (quiet or as_json), **options)))
     emit(result, render_verify, as_json=as_json, quiet=quiet)
     click.get_current_context().exit(0 if result.ok else 1)
 

@@ -23,6 +23,7 @@ def render_inspect(report: InspectReport) -> str:
         f"config      {report.config or 'none found'}"
         + (f" (model_type {report.model_type})" if report.model_type else ""),
         f"plan        {report.plan}",
+        *([_hub_line(report.hub)] if report.hub else []),
         f"vocab       {vocab['original'] or 'unknown'} (from {vocab['origin']})"
         + (
             f", {vocab['padded_in_source']} rows in the source ({vocab['padding_rows']} padding)"
@@ -32,6 +33,7 @@ def render_inspect(report: InspectReport) -> str:
     ]
     if report.mapping:
         lines.append(f"names       {report.mapping} under --layout hf (the 'hf name' column)")
+    stored = any(t.stored for t in report.tensors)
     lines.append("")
     rows = [
         [
@@ -43,14 +45,25 @@ def render_inspect(report: InspectReport) -> str:
             t.problem or t.reason,
         ]
         + ([", ".join(t.targets or ["(dropped)"])] if report.mapping else [])
+        + ([t.stored or "-"] if stored else [])
         for t in report.tensors
     ]
     header = ["tensor", "rank shapes", "dtype", "bytes", "partition", "why"] + (["hf name"] if report.mapping else [])
+    header += ["stored as"] if stored else []
     lines.append(table(rows, header))
     lines += [f"note: {n}" for n in report.notes] + [f"not a tensor: {e}" for e in report.extras]
     if report.problems:
         lines.append(f"{len(report.problems)} tensor(s) cannot be gathered as they are")
     return "\n".join(lines)
+
+
+def _hub_line(hub: dict[str, Any]) -> str:
+    """Where a Hub checkpoint was read, and what reading its headers took."""
+    asked = f" ({hub['revision']})" if hub.get("revision") else ""
+    line = f"hub         {hub['repo']} at {hub['commit']}{asked}"
+    if "bytes_transferred" in hub:
+        line += f": headers only, {human_bytes(hub['bytes_transferred'])} in {hub['requests']} requests"
+    return line
 
 
 def _partition_args(partition: dict[str, Any] | None) -> str:
@@ -113,6 +126,7 @@ def render_fix(report: FixReport) -> str:
 def render_check(report: CheckReport) -> str:
     lines = [
         f"{report.input}  {report.source}" + (f" (model_type {report.model_type})" if report.model_type else ""),
+        *([f"model       {report.model_class} (built on the meta device)"] if report.model_class else []),
         f"plan        {report.plan}, tp={report.tp}" + (", uneven" if report.uneven else ""),
         "",
     ]

@@ -10,50 +10,40 @@ device) and never tensor data.
 
 from __future__ import annotations
 
-import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from reshard.commands.check_findings import (
+    ERROR,
+    HEAD_COUNTS,
+    NOT_IN_PLAN,
+    NOTE,
+    WARNING,
+    CheckedTensor,
+    HeadKey,
+    Problem,
+    check_convs,
+    head_keys,
+    head_problems,
+    padded_vocab,
+    tensor_problems,
+    vocab_problems,
+)
 from reshard.config import ModelConfig, load_config
 from reshard.engine.open import OpenedCheckpoint, open_checkpoint
 from reshard.errors import AmbiguousPartitionError, ReshardError, ShapeMismatchError
+from reshard.hub.source import HubCheckpoint
 from reshard.options import ReadOptions, check_tp
-from reshard.partition import Partition, Replicate, Vocab, partition_to_dict, rank_shapes
-from reshard.plans import Plan, Rule, select_plan
-from reshard.plans.transformers_plan import build_skeleton
-from reshard.vocab import padded_size
+from reshard.partition import Partition, Replicate, at_tp, partition_to_dict, rank_shapes
+from reshard.plans import FAMILIES, TRANSFORMERS, Plan, Rule, select_plan
+from reshard.plans.lora import with_lora
+from reshard.plans.skeleton import ModelSkeleton, build_skeleton
+from reshard.plans.transformers_plan import plan_from_tp_plan
 
+__all__ = ["ERROR", "HEAD_COUNTS", "NOTE", "WARNING", "CheckOptions", "CheckReport", "CheckedTensor", "Problem"]
+__all__ += ["check", "check_built", "check_model", "plan_for"]
 Shape = tuple[int, ...]
-ERROR, WARNING = "error", "warning"
-
-# Which head count a split tensor is cut by: (name pattern, config keys; "vision." reads vision_config).
-HEAD_COUNTS = (
-    (r"visual\..*attn\.(qkv|proj)\.", ("vision.num_heads",)),
-    (r"self_attn\.(q_proj|o_proj)\.", ("num_attention_heads",)),
-    (r"self_attn\.[kv]_proj\.", ("num_key_value_heads",)),
-    (r"linear_attn\.(in_proj_qkv\.|conv1d\.)", ("linear_num_key_heads", "linear_num_value_heads")),
-    (r"linear_attn\.(in_proj_qkvz|in_proj_ba)\.", ("linear_num_key_heads",)),
-    (r"linear_attn\.(in_proj_[zab]\.|out_proj\.|A_log|dt_bias)", ("linear_num_value_heads",)),
-)
-FUSED_INPUTS = ("in_proj_qkv.weight", "in_proj_qkvz.weight")
-
-
-@dataclass
-class Problem:
-    severity: str  # "error": cannot be split so; "warning": can, but read this
-    message: str
-    tensors: list[str] = field(default_factory=list)
-
-
-@dataclass
-class CheckedTensor:
-    name: str
-    shape: list[int]
-    rule: str | None
-    partition: dict[str, Any] | None
-    rank_shape: list[int] | None  # rank 0's shape at the target tp (None when it cannot be split)
-    problems: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -68,13 +58,17 @@ class CheckReport:
     uneven: bool
     tensors: list[CheckedTensor]
     problems: list[Problem]
+    model_class: str | None = None  # the class transformers built from a bare config (None for a checkpoint)
 
     @property
     def ok(self) -> bool:
         return not any(p.severity == ERROR for p in self.problems)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"ok": self.ok}
+        data = asdict(self) | {"ok": self.ok}
+        if self.model_class is None:
+            del data["model_class"]
+        return data
 
 
 def check_model(
@@ -88,8 +82,12 @@ def check_model(
     pad_multiple: int | None = None,
     source: str = "",
     kind: str = "checkpoint",
+    skeleton: ModelSkeleton | None = None,
 ) -> CheckReport:
     """Check every parameter of ``shapes`` (full, unpadded shapes) against ``plan`` at ``tp`` ranks.
+
+    Sizes come from the sub-config that owns each tensor; ``skeleton`` (the model transformers builds for a
+    bare config) names the sub-models a problem falls in, and those transformers' own plan leaves out.
 
     Example:
         >>> from reshard.plans.llama import LLAMA_PLAN
@@ -102,147 +100,74 @@ def check_model(
         problems.append(Problem(ERROR, f"no TP plan for {what}: nothing says how to split it (pass --plan FILE)"))
     vocab = vocab_size if vocab_size is not None else config.vocab_size if config else None
     multiple = pad_multiple or tp
-    tensors, heads, partitions = [], {}, {}
+    tensors: list[CheckedTensor] = []
+    heads: dict[HeadKey, list[str]] = {}
+    partitions: dict[str, tuple[Rule, Partition]] = {}
     for name, shape in shapes.items():
+        scoped = config.for_tensor(name) if config is not None else None
         rule = plan.match(name)
         label = None if rule is None else "(not in the plan: replicated)" if rule.implicit else rule.pattern
         row = CheckedTensor(name, list(shape), label, None, None)
         tensors.append(row)
         if rule is None:
             if plan.rules:
-                row.problems.append("no rule covers it")
+                row.problems.append("no rule covers it" + _where(name, scoped, skeleton))
             continue
         try:
-            partition = rule.resolve(config)
+            partition = rule.resolve(scoped)
         except AmbiguousPartitionError as err:
             row.problems.append(err.detail)
             continue
         partitions[name] = (rule, partition)
-        row.partition = partition_to_dict(partition)
+        row.partition = partition_to_dict(at_tp(partition, shape, tp))
         if rule.implicit and len(shape) >= 2:
-            row.problems.append(f"not in the {plan.name} plan: every rank holds it whole")
-        padded = _padded_vocab(partition, shape, vocab, multiple, uneven)
+            where = _where(name, scoped, skeleton)
+            row.problems.append(f"{NOT_IN_PLAN} {plan.name} plan{where}: every rank holds it whole")
+        padded = padded_vocab(partition, shape, vocab, multiple, uneven)
         try:
             row.rank_shape = list(rank_shapes(partition, shape, tp, padded=padded, uneven=uneven)[0])
         except ShapeMismatchError as err:
             row.problems.append(f"{partition.describe()} cannot be split {tp} ways: {err.detail}")
         if not isinstance(partition, Replicate) and not rule.gathered:  # gathered: computed whole after
-            for key in _head_keys(name):
-                heads.setdefault(key, []).append(name)
-    problems += _head_problems(heads, config, tp)
-    _check_convs(shapes, partitions, tp, uneven, tensors)
-    problems += _tensor_problems(tensors, heads, config, tp)
-    problems += _vocab_problems(partitions, shapes, vocab, tp, multiple, uneven)
-    return CheckReport(source, kind, config.model_type if config else None, plan.name, tp, uneven, tensors, problems)
+            for key in head_keys(name):
+                heads.setdefault((scoped.scope if scoped else "", key), []).append(name)
+    problems += head_problems(heads, partitions, config, tp)
+    check_convs(shapes, partitions, tp, uneven, tensors)
+    problems += tensor_problems(tensors, heads, config, tp)
+    problems += vocab_problems(partitions, shapes, vocab, tp, multiple, uneven)
+    if skeleton is not None:
+        problems += _transformers_plan_notes(skeleton)
+    model_type = config.model_type if config else None
+    model_class = skeleton.model_class if skeleton is not None else None
+    return CheckReport(source, kind, model_type, plan.name, tp, uneven, tensors, problems, model_class)
 
 
-def _padded_vocab(partition: Partition, shape: Shape, vocab: int | None, multiple: int, uneven: bool) -> int | None:
-    """The vocab rows after padding (a tensor already longer than the config's vocab keeps its rows)."""
-    if not isinstance(partition, Vocab):
-        return None
-    return padded_size(max(vocab or 0, shape[partition.dim]), multiple, uneven=uneven)
+def _where(name: str, scoped: ModelConfig | None, skeleton: ModelSkeleton | None) -> str:
+    """`` (sub-model thinker.model.audio_tower: Qwen2_5OmniAudioEncoder)`` for a tensor of a sub-model, named from
+    the model transformers built or, from checkpoint headers, by the sub-config that sizes it."""
+    if skeleton is not None:
+        sub = skeleton.sub_model_of(name)
+        return f" (sub-model {sub.prefix}: {sub.model_class})" if sub is not None else ""
+    return f" (sub-model {scoped.scope})" if scoped is not None and scoped.scope else ""
 
 
-def _head_keys(name: str) -> tuple[str, ...]:
-    for pattern, keys in HEAD_COUNTS:
-        if re.search(pattern, name):
-            return keys
-    return ()
-
-
-def head_count(config: ModelConfig | None, key: str) -> int | None:
-    """A head count from the config; ``vision.K`` reads ``vision_config.K``."""
-    if config is None:
-        return None
-    if key.startswith("vision."):
-        return (config.raw.get("vision_config") or {}).get(key.removeprefix("vision."))
-    return config.get(key)
-
-
-def _head_problems(heads: dict[str, list[str]], config: ModelConfig | None, tp: int) -> list[Problem]:
-    out = []
-    for key, names in heads.items():
-        count = head_count(config, key)
-        if isinstance(count, int) and count % tp:
-            fewer = f" (fewer than the {tp} ranks)" if count < tp else ""
-            out.append(
-                Problem(ERROR, f"{key}={count} heads do not divide by tp={tp}{fewer}: a head would be cut", names)
+def _transformers_plan_notes(skeleton: ModelSkeleton) -> list[Problem]:
+    """What transformers' own TP plan covers of the model it builds: nothing, or all but some sub-models."""
+    if not skeleton.tp_plan:
+        what = "None" if skeleton.tp_plan is None else "empty"
+        return [
+            Problem(
+                NOTE,
+                f"transformers' {skeleton.model_class} has no TP plan (_tp_plan is {what}): "
+                'from_pretrained(tp_plan="auto") cannot split it',
             )
-    return out
-
-
-def _tensor_problems(
-    tensors: list[CheckedTensor], heads: dict[str, list[str]], config: ModelConfig | None, tp: int
-) -> list[Problem]:
-    """One problem per tensor problem, except splits already explained by a head count."""
-    explained = {n for key, names in heads.items() if (head_count(config, key) or tp) % tp for n in names}
-    grouped: dict[str, list[str]] = {}
-    for row in tensors:
-        for message in row.problems:
-            if not (row.name in explained and "cannot be split" in message):
-                grouped.setdefault(message, []).append(row.name)
-    return [Problem(WARNING if m.startswith("not in the") else ERROR, m, names) for m, names in grouped.items()]
-
-
-def _check_convs(
-    shapes: dict[str, Shape],
-    partitions: dict[str, tuple[Rule, Partition]],
-    tp: int,
-    uneven: bool,
-    tensors: list[CheckedTensor],
-) -> None:
-    """A depthwise ``conv1d`` has one channel per group: each rank's conv must hold exactly the channels
-    its fused input projection hands it (all of them when that output is gathered or replicated)."""
-    rows = {row.name: row for row in tensors}
-    for name in shapes:
-        if not name.endswith("linear_attn.conv1d.weight") or name not in partitions or rows[name].rank_shape is None:
-            continue
-        prefix = name[: -len("conv1d.weight")]
-        proj = next((prefix + p for p in FUSED_INPUTS if prefix + p in partitions), None)
-        if proj is None or rows[proj].rank_shape is None:
-            continue
-        (proj_rule, proj_partition), (_, conv_partition) = partitions[proj], partitions[name]
-        channels, rows_total = shapes[name][0], shapes[proj][0]
-        if proj_rule.gathered or isinstance(proj_partition, Replicate):
-            fed = [channels] * tp
-        else:
-            per_rank = rank_shapes(proj_partition, shapes[proj], tp, uneven=uneven)
-            fed = [s[0] * channels // rows_total for s in per_rank]
-        held = [s[0] for s in rank_shapes(conv_partition, shapes[name], tp, uneven=uneven)]
-        if held != fed:
-            rows[name].problems.append(
-                f"holds {held[0]} channels per rank but {proj.rsplit('.', 2)[-2]} hands it {fed[0]}: "
-                "a depthwise conv needs the same channels (split it as its input projection)"
-            )
-        elif proj.endswith(FUSED_INPUTS[0]) and not proj_rule.gathered and proj_partition != conv_partition:
-            rows[name].problems.append(
-                f"split as {conv_partition.describe()} but its input in_proj_qkv as {proj_partition.describe()}: "
-                "each rank would filter other channels than it holds"
-            )
-
-
-def _vocab_problems(
-    partitions: dict[str, tuple[Rule, Partition]],
-    shapes: dict[str, Shape],
-    vocab: int | None,
-    tp: int,
-    multiple: int,
-    uneven: bool,
-) -> list[Problem]:
-    names = [n for n, (_, p) in partitions.items() if isinstance(p, Vocab)]
-    if not names:
+        ]
+    missing = skeleton.without_plan()
+    if not missing:
         return []
-    size = max(vocab or 0, shapes[names[0]][partitions[names[0]][1].dim])
-    if uneven:
-        if size % tp:
-            return [Problem(WARNING, f"vocab {size} splits unevenly over tp={tp} (torch.chunk)", names)]
-        return []
-    padded = padded_size(size, multiple)
-    if padded == size:
-        return []
-    return [
-        Problem(WARNING, f"vocab {size} needs padding to {padded} rows (a multiple of {multiple}) for tp={tp}", names)
-    ]
+    listed = ", ".join(f"{s.prefix} ({s.model_class})" for s in missing)
+    message = f"transformers' TP plan leaves out {len(missing)} sub-model(s), held whole on every rank: {listed}"
+    return [Problem(NOTE, message)]
 
 
 # ---------------------------------------------------------------- reading the input (headers only)
@@ -261,34 +186,70 @@ class CheckOptions:
         check_tp(self.tp)
 
 
-def check(path: Path, options: CheckOptions) -> CheckReport:
-    """Check a checkpoint (its headers) or a bare ``config.json`` (its model built on ``meta``).
+def check(path: Path | HubCheckpoint, options: CheckOptions) -> CheckReport:
+    """Check a checkpoint (its headers: a Hub repo's over HTTP) or a bare ``config.json`` (its model built on
+    ``meta``).
 
     Raises:
         ReshardError: unreadable input, rank shapes that do not join, or a config transformers cannot build.
     """
-    path = Path(path)
-    if path.is_file() and path.suffix == ".json":
-        kind, config = "config", load_config(options.config or path)
-        shapes = build_skeleton(config).shapes
-        plan = select_plan(config, shapes, plan_file=options.plan)
-        vocab = config.vocab_size
-    else:
-        read = ReadOptions(config=options.config, plan=options.plan, trust_pickle=options.trust_pickle)
-        opened = open_checkpoint(path, read, target_tp=options.tp, read_bytes=False)
-        kind, config, plan, vocab = "checkpoint", opened.source.config, opened.plan, opened.vocab.original
-        shapes = _full_shapes(opened)
-    return check_model(
-        shapes,
+    path = path if isinstance(path, HubCheckpoint) else Path(path)
+    if isinstance(path, Path) and path.is_file() and path.suffix == ".json":
+        config = load_config(options.config or path)
+        return check_built(config, build_skeleton(config), options, source=str(path))
+    read = ReadOptions(config=options.config, plan=options.plan, trust_pickle=options.trust_pickle)
+    opened = open_checkpoint(path, read, target_tp=options.tp, read_bytes=False)
+    path = opened.path  # a Hub repo: at the commit read
+    config = opened.source.config
+    report = check_model(
+        _full_shapes(opened),
         config,
-        plan,
+        opened.plan,
         options.tp,
-        vocab_size=vocab,
+        vocab_size=opened.vocab.original,
         uneven=options.uneven,
         pad_multiple=options.pad_multiple,
         source=str(path),
-        kind=kind,
     )
+    return _note_family(report, config, opened.plan, options)
+
+
+def check_built(
+    config: ModelConfig, skeleton: ModelSkeleton, options: CheckOptions, *, source: str = "", plan: Plan | None = None
+) -> CheckReport:
+    """:func:`check` of the model transformers built from ``config`` (``skeleton``): build once, check at many tps
+    (``plan``, when given, is the one ``options.plan`` selects, chosen once too)."""
+    plan = plan or plan_for(config, skeleton, options)
+    report = check_model(
+        skeleton.shapes,
+        config,
+        plan,
+        options.tp,
+        vocab_size=config.vocab_size,
+        uneven=options.uneven,
+        pad_multiple=options.pad_multiple,
+        source=source,
+        kind="config",
+        skeleton=skeleton,
+    )
+    return _note_family(report, config, plan, options)
+
+
+def plan_for(config: ModelConfig, skeleton: ModelSkeleton, options: CheckOptions) -> Plan:
+    """The plan ``options.plan`` names for a model built from ``config``."""
+    if options.plan == TRANSFORMERS:  # the model is built already: its plan, not a second build
+        return with_lora(plan_from_tp_plan(skeleton.tp_plan, config))
+    return select_plan(config, skeleton.shapes, plan_file=options.plan)
+
+
+def _note_family(report: CheckReport, config: ModelConfig | None, plan: Plan, options: CheckOptions) -> CheckReport:
+    """Say so when no family claims the config's model_type and the plan was chosen by tensor names."""
+    model_type = config.model_type if config is not None else None
+    if options.plan is None and model_type and plan.rules and not any(model_type in f.model_types for f in FAMILIES):
+        report.problems.insert(
+            0, Problem(NOTE, f"no built-in plan for model_type {model_type}: the {plan.name} plan matches its names")
+        )
+    return report
 
 
 def _full_shapes(opened: OpenedCheckpoint) -> dict[str, Shape]:

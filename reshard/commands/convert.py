@@ -14,10 +14,12 @@ from reshard.engine.lora_merge import check_lora_replicas
 from reshard.engine.open import OpenedCheckpoint, open_checkpoint
 from reshard.engine.planner import ConversionPlan, TargetTensor, TensorPlan
 from reshard.engine.target import TargetPlan, plan_target
+from reshard.hub.source import source_record
 from reshard.io.staging import check_output, staged_output
 from reshard.layouts import TargetSpec, writer_class
 from reshard.manifest import Manifest, TensorEntry, VocabRecord, write_manifest
 from reshard.options import ConvertOptions
+from reshard.partition import at_tp
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +92,7 @@ def convert_opened(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
         max_shard_size=options.max_shard_size,
         source=source,
         meta=target.meta,
+        pp=options.pp,
     )
     with staged_output(out, overwrite=options.overwrite) as staging:
         writer = writer_class(layout)(staging, spec)
@@ -109,7 +112,7 @@ def convert_opened(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
             shutil.copy2(side, staging / side.name)
             files.append(side.name)
         manifest = Manifest(
-            source={"path": str(ckpt), "layout": source.layout, "tp": source.tp},
+            source={**source_record(ckpt), "layout": source.layout, "tp": source.tp},
             target={"layout": layout, "tp": options.tp},
             vocab=VocabRecord(
                 vocab.original,
@@ -122,7 +125,7 @@ def convert_opened(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
                 t.name: TensorEntry(
                     t.shape,
                     name_of(t.code),
-                    t.partition,
+                    at_tp(t.partition, t.shape, options.tp),
                     hashes[t.name],
                     finite[t.name],
                     divergent=any(s.name in divergent for s in plan.sources),

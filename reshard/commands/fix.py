@@ -19,6 +19,7 @@ from typing import Any
 from reshard.commands.convert import Route, convert_opened
 from reshard.engine.open import open_checkpoint
 from reshard.engine.planner import SourceTensor
+from reshard.hub.source import hub_origin
 from reshard.io.staging import check_output
 from reshard.layouts import SourceCheckpoint
 from reshard.layouts.loose import rank_template
@@ -45,8 +46,12 @@ class FixReport(Route):
 def default_output(ckpt: Path) -> Path:
     """``CKPT.fixed`` beside the input: ``run/ckpt`` -> ``run/ckpt.fixed``, ``x/model.bin`` -> ``x/model.bin.fixed``.
 
-    The output is always a folder (an HF checkpoint), also for a single input file.
+    The output is always a folder (an HF checkpoint), also for a single input file. A Hub download is never
+    written beside (inside the Hugging Face cache): its output is ``NAME.fixed`` in the working folder.
     """
+    origin = hub_origin(ckpt)
+    if origin is not None:
+        return Path(origin["repo"].split("/")[-1] + SUFFIX)
     base = ckpt if ckpt.name not in ("", ".", "..") else ckpt.resolve()
     return base.with_name(base.name + SUFFIX)
 

@@ -9,9 +9,10 @@ from typing import Any
 from reshard.dtypes import name_of
 from reshard.engine.open import open_checkpoint
 from reshard.engine.target import preview_mapping
+from reshard.hub.source import HubCheckpoint
 from reshard.layouts import SourceCheckpoint
 from reshard.options import ConvertOptions, ReadOptions
-from reshard.partition import partition_to_dict
+from reshard.partition import at_tp, partition_to_dict
 from reshard.vocab import source_padded_rows
 
 
@@ -26,6 +27,7 @@ class TensorReport:
     shape: list[int] | None
     problem: str | None
     targets: list[str] | None = None  # its names under the mapping to transformers, when there is one
+    stored: str | None = None  # how it is stored, when not as a tensor of its own (a box of a global tensor)
 
 
 @dataclass
@@ -44,6 +46,7 @@ class InspectReport:
     tensors: list[TensorReport] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     extras: list[str] = field(default_factory=list)
+    hub: dict[str, Any] | None = None  # a Hub repo: repo, revision, commit, bytes_transferred, requests
 
     @property
     def problems(self) -> list[str]:
@@ -51,6 +54,8 @@ class InspectReport:
 
     def to_dict(self) -> dict[str, Any]:
         data = dict(self.__dict__)
+        if data["hub"] is None:  # a local checkpoint's report stays as it was
+            del data["hub"]
         data["tensors"] = [t.__dict__ for t in self.tensors]
         data["problems"] = self.problems
         return data
@@ -73,15 +78,17 @@ def _not_tensors(source: SourceCheckpoint) -> list[str]:
     return [f"{key}, {_ranks_text(ranks, source.tp)}" for key, ranks in sorted(found.items())]
 
 
-def inspect_checkpoint(ckpt: Path, options: ReadOptions | ConvertOptions | None = None) -> InspectReport:
+def inspect_checkpoint(
+    ckpt: Path | HubCheckpoint, options: ReadOptions | ConvertOptions | None = None
+) -> InspectReport:
     """Describe ``ckpt``: layout, tp, files, and for every tensor its rank shapes, partition and why.
 
     A tensor that cannot be gathered is reported with its problem rather than raised, so one bad
-    tensor does not hide the rest.
+    tensor does not hide the rest. A Hub repo is described from its safetensors headers alone.
     """
     if isinstance(options, ConvertOptions):
         options = options.read
-    opened = open_checkpoint(Path(ckpt), options or ReadOptions())
+    opened = open_checkpoint(ckpt if isinstance(ckpt, HubCheckpoint) else Path(ckpt), options or ReadOptions())
     source, vocab, tensors = opened.source, opened.vocab, opened.tensors
     padded = source_padded_rows(tensors)
     mapping, targets, why_not = preview_mapping(opened)
@@ -102,6 +109,7 @@ def inspect_checkpoint(ckpt: Path, options: ReadOptions | ConvertOptions | None 
         mapping=mapping,
         notes=list(source.notes) + ([why_not] if why_not else []),
         extras=_not_tensors(source),
+        hub=source.meta.get("hub"),
     )
     for t in tensors:
         report.tensors.append(
@@ -110,11 +118,12 @@ def inspect_checkpoint(ckpt: Path, options: ReadOptions | ConvertOptions | None 
                 rank_shapes=[list(r.shape) for r in t.refs],
                 dtype=name_of(t.code),
                 bytes=sum(r.header.nbytes for r in t.refs),
-                partition=partition_to_dict(t.partition) if t.partition else None,
+                partition=partition_to_dict(at_tp(t.partition, t.shape or (), source.tp)) if t.partition else None,
                 reason=t.reason,
                 shape=list(t.shape) if t.shape else None,
                 problem=t.problem.one_line() if t.problem else None,
                 targets=targets.get(t.name) if mapping else None,
+                stored=t.refs[0].describe(),
             )
         )
     return report

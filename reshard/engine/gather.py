@@ -7,6 +7,8 @@
   ``replicate`` tensor, is then a view of that buffer, written from its rows: nothing is gathered twice.
   Pad rows for a bigger target vocab are zeroed in the buffer, not concatenated; pad rows of the source
   are cut by :func:`reshard.vocab.cut_pad_rows`.
+* **Replicated KV heads** (``replicated_heads`` at a tp above the head count): the first copy of every head is
+  read into its place, every other copy into one slice-sized temporary and compared with it, bit for bit.
 * **Same bytes as the reference.** The gather here is :func:`reshard.slicing.gather` done in place;
   ``tests/engine/test_gather.py`` checks both agree on every partition kind.
 """
@@ -23,7 +25,7 @@ from reshard.engine.planner import SourceTensor, TargetTensor, TensorPlan, ident
 from reshard.errors import ReshardError
 from reshard.io.direct import Batch
 from reshard.layouts.base import TensorRef
-from reshard.partition import Grouped, Packed, Replicate, Shard, Vocab, split_sizes
+from reshard.partition import Grouped, Packed, Replicate, ReplicatedHeads, Shard, Vocab, head_replicas, split_sizes
 from reshard.slicing import bitwise_equal, check_replica, split
 from reshard.vocab import cut_pad_rows
 
@@ -41,14 +43,19 @@ class Copy:
 
 
 def copy_plan(
-    partition: Shard | Grouped | Vocab | Packed, shapes: Sequence[Shape], *, uneven: bool
+    partition: Shard | Grouped | Vocab | Packed | ReplicatedHeads, shapes: Sequence[Shape], *, uneven: bool
 ) -> tuple[list[Copy], int]:
     """Where every piece of every rank slice lands in the gathered buffer, and the buffer's size along dim.
 
-    Pure: the in-place equivalent of the ``cat`` in :func:`reshard.partition.gather`.
+    Pure: the in-place equivalent of the ``cat`` in :func:`reshard.slicing.gather`. Of replicated heads only
+    the first copy of each head is placed (the others are compared with it, see :func:`gather_into`).
     """
     dim = partition.dim % len(shapes[0])
     sizes = [shape[dim] for shape in shapes]
+    replicas = head_replicas(partition, len(shapes))
+    if replicas > 1:
+        firsts = range(0, len(shapes), replicas)
+        return [Copy(r, 0, (r // replicas) * sizes[r], sizes[r]) for r in firsts], partition.heads * sizes[0]
     if isinstance(partition, Packed):
         per_part = [split_sizes(part, len(shapes), uneven=uneven) for part in partition.parts]
         copies, part_start = [], 0
@@ -98,12 +105,14 @@ def _buffer(source: SourceTensor, target_shapes: Sequence[Shape], target_tp: int
         return shape, 2 * nbytes if len(source.refs) > 1 else nbytes
     dim = partition.dim % len(shape)
     rows = sum(ref.shape[dim] for ref in source.refs)
+    if head_replicas(partition, len(source.refs)) > 1:
+        rows = shape[dim]  # one copy of each head; the others go through one slice-sized temporary
     if isinstance(partition, Vocab) and target_shapes:
         rows = max(rows, sum(s[dim] for s in target_shapes))
     buffer_shape = shape[:dim] + (max(rows, shape[dim]),) + shape[dim + 1 :]
     cost = math.prod(buffer_shape) * itemsize
-    if math.prod(shape[:dim]) != 1:
-        cost += slice_bytes  # packed parts, or short rows, go through one slice-sized temporary
+    if math.prod(shape[:dim]) != 1 or head_replicas(partition, len(source.refs)) > 1:
+        cost += slice_bytes  # packed parts, short rows or copies of a head go through one slice-sized temporary
     if target_tp > 1 and isinstance(partition, Packed):
         cost += nbytes  # split() concatenates each target rank's parts
     return buffer_shape, cost
@@ -160,7 +169,35 @@ def gather_into(
             for c in mine:
                 buffer.narrow(dim, c.dst, c.length).copy_(whole.narrow(dim, c.src, c.length))
             del whole
+    if head_replicas(partition, len(refs)) > 1 and not (allow_divergent and divergent is None):
+        _compare_head_copies(source.name, refs, partition, buffer, allow_divergent, divergent)
     return buffer
+
+
+def _compare_head_copies(
+    name: str,
+    refs: Sequence[TensorRef],
+    partition: ReplicatedHeads,
+    buffer: torch.Tensor,
+    allow_divergent: bool,
+    divergent: set[str] | None,
+) -> None:
+    """Every copy of a replicated head against the first one, already in ``buffer``; raise naming both ranks
+    (or, with ``allow_divergent``, add ``name`` to ``divergent`` and keep the first copies)."""
+    dim, replicas = partition.dim % buffer.dim(), head_replicas(partition, len(refs))
+    other = torch.empty(refs[0].shape, dtype=buffer.dtype)
+    for rank, ref in enumerate(refs):
+        first = rank - rank % replicas
+        if rank == first:
+            continue
+        with Batch():
+            ref.read_into(other)
+        head = buffer.narrow(dim, (rank // replicas) * other.shape[dim], other.shape[dim])
+        if not allow_divergent:
+            check_replica(head, other, rank, first_rank=first, what=f"replicated KV head {rank // replicas}")
+        elif not bitwise_equal(head, other):
+            divergent.add(name)
+            return
 
 
 Piece = tuple[str, "torch.Tensor", list["torch.Tensor"]]

@@ -17,6 +17,7 @@ from reshard.config import find_config
 from reshard.engine.lora_merge import merge_lora_source
 from reshard.engine.planner import SourceTensor, plan_sources
 from reshard.errors import ReshardError
+from reshard.hub.source import HubCheckpoint
 from reshard.layouts import SourceCheckpoint, TensorRef, discover
 from reshard.layouts.rank_checks import check_manifest_tp
 from reshard.manifest import Manifest, find_manifest, written_uneven
@@ -57,7 +58,7 @@ class OpenedCheckpoint:
 
 
 def open_checkpoint(
-    ckpt: Path,
+    ckpt: Path | HubCheckpoint,
     options: ReadOptions,
     *,
     target_tp: int | None = None,
@@ -67,25 +68,31 @@ def open_checkpoint(
     """Open and plan ``ckpt`` (see the module docstring).
 
     Args:
-        ckpt: the checkpoint folder or file.
+        ckpt: the checkpoint folder or file, or a Hub repo (read from its safetensors headers only; see
+            :mod:`reshard.hub.remote`).
         options: how to read it.
         target_tp: the tp it will be split for (a tp=1 tensor no rule covers can only stay whole at tp 1);
             None: its own tp.
         recorded_plan: read tensors the way its ``reshard.json`` recorded them, when it has one and no
             ``--plan`` is given (``verify`` judges a checkpoint as it was written).
         read_bytes: whether inference may read rank slices to tell replicated from split tensors
-            (``check`` reads headers only).
+            (``check`` reads headers only, and so does any command on a Hub repo).
 
     Raises:
         ReshardError: the checkpoint cannot be read (no checkpoint, a missing rank, a corrupt header, ...).
     """
-    ckpt = Path(ckpt)
-    source = discover(ckpt, options)
+    if isinstance(ckpt, HubCheckpoint):
+        from reshard.hub.remote import open_headers
+
+        source, manifest = open_headers(ckpt, options)
+        ckpt, read_bytes = source.path, False
+    else:
+        ckpt = Path(ckpt)
+        source, manifest = discover(ckpt, options), find_manifest(ckpt)
     if options.config is not None:
         source.config = find_config(ckpt, options.config)
     if options.merge_lora:
         source = merge_lora_source(source, alpha=options.lora_alpha)
-    manifest = find_manifest(ckpt)
     check_manifest_tp(source, manifest)
     vocab = resolve_vocab(options.vocab, manifest, source.config)
     plan = select_plan(source.config, source.names(), plan_file=options.plan)

@@ -17,7 +17,7 @@ from reshard.config import ModelConfig
 from reshard.dtypes import TensorHeader, safetensors_order
 from reshard.errors import AmbiguousPartitionError, PlanError, ReshardError, ShapeMismatchError
 from reshard.layouts.base import SourceCheckpoint, TensorRef
-from reshard.partition import Packed, Partition, Replicate, canonical_shape, rank_shapes
+from reshard.partition import Packed, Partition, Replicate, ReplicatedHeads, canonical_shape, rank_shapes
 from reshard.plans import Plan, infer_partition
 from reshard.vocab import VocabPlan, padded_size, source_padded_rows
 
@@ -160,6 +160,7 @@ def _plan_one(
         )
         return SourceTensor(name, refs, None, "", None, problem)
     rule = plan.match(name)
+    config = config.for_tensor(name) if config is not None else None  # a composite's sub-model sizes it
     try:
         if rule is not None:
             partition, reason = rule.resolve(config), f"rule '{rule.pattern}' ({plan.name})"
@@ -228,7 +229,8 @@ def mapped_plans(
             try:
                 if rule is None and target_tp > 1:
                     raise AmbiguousPartitionError(f"the {target_plan.name} plan has no rule for it")
-                partition = Replicate() if rule is None else rule.resolve(target_config)
+                config = target_config.for_tensor(name) if target_config is not None else None
+                partition = Replicate() if rule is None else rule.resolve(config)
             except AmbiguousPartitionError as err:
                 problems.append(AmbiguousPartitionError(err.detail, tensor=name, hint="add a rule with --plan FILE"))
                 continue
@@ -290,8 +292,7 @@ def plan_conversion(
                         f"{err.detail}",
                         path=group.sources[0].refs[0].file,
                         tensor=target.name,
-                        hint="choose a tp that divides it"
-                        + ("" if _whole_blocks(target.partition) else ", or --uneven"),
+                        hint=_tp_hint(target.partition),
                     )
                 )
                 continue
@@ -302,6 +303,12 @@ def plan_conversion(
         raise PlanError(problems)
     planned.sort(key=lambda t: safetensors_order(t.name, t.code))
     return ConversionPlan(source, target_tp, tuple(planned), vocab, uneven)
+
+
+def _tp_hint(partition: Partition) -> str:
+    if isinstance(partition, ReplicatedHeads):
+        return f"choose a tp that divides the {partition.heads} heads or is a multiple of them"
+    return "choose a tp that divides it" + ("" if _whole_blocks(partition) else ", or --uneven")
 
 
 def _whole_blocks(partition: Partition) -> bool:

@@ -13,12 +13,13 @@ from reshard.engine.open import OpenedCheckpoint
 from reshard.engine.planner import ConversionPlan, TensorPlan, mapped_plans, plan_conversion
 from reshard.errors import MappingError, PlanError, ReshardError
 from reshard.layouts import SourceCheckpoint, writer_class
-from reshard.layouts.megatron_args import config_from_args
+from reshard.layouts.megatron_args import arg, config_from_args
 from reshard.mappings import MappingChoice, choose_mapping, naming_of, require_true_vocab
 from reshard.mappings.megatron_gpt import MEGATRON
 from reshard.options import ConvertOptions, Layout
-from reshard.partition import Vocab
+from reshard.partition import Vocab, head_replicas
 from reshard.plans import select_plan
+from reshard.vocab import megatron_pad_multiple, padded_sizes_possible, source_padded_rows
 
 HEAD = "lm_head.weight"
 
@@ -58,6 +59,8 @@ def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> TargetPlan
     if source.meta.get("cannot_convert"):  # a layout read it for inspect, but cannot convert it
         raise source.meta["cannot_convert"]
     layout = options.layout or default_layout(source, options.tp)
+    if options.pp > 1 and layout != Layout.MEGATRON:
+        raise ReshardError(f"the {layout} layout has no pipeline stages", hint="--pp applies to --layout megatron")
     choice = choose_mapping(
         source, layout, vocab_size=opened.vocab.original, dtype=_dtype(opened), keep_names=options.keep_names
     )
@@ -67,17 +70,40 @@ def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> TargetPlan
     groups, dropped, problems = None, (), []
     if choice is not None:
         groups, dropped, problems = _mapped(opened, choice, layout, options.tp)
+    pad_multiple = options.pad_multiple or writer_class(layout).pad_multiple(options.tp, source, meta)
+    if layout == Layout.MEGATRON and opened.vocab.original is None:
+        problems += _unknown_megatron_vocab(opened, pad_multiple or options.tp)
     conversion = plan_conversion(
         source,
         opened.tensors,
         vocab=opened.vocab,
         target_tp=options.tp,
-        pad_multiple=options.pad_multiple or writer_class(layout).pad_multiple(options.tp, source, meta),
+        pad_multiple=pad_multiple,
         uneven=opened.uneven,
         groups=groups,
         problems=problems,
     )
+    _refuse_copied_heads(conversion, layout, source)
     return TargetPlan(conversion, layout, _config(opened, choice), choice, dropped, meta)
+
+
+def _refuse_copied_heads(conversion: ConversionPlan, layout: Layout, source: SourceCheckpoint) -> None:
+    """KV heads copied over ranks (tp a multiple of their count) are what vLLM runs; a layout whose runtime
+    cannot load copies says why (``replicated_heads_refusal``)."""
+    refusal = writer_class(layout).replicated_heads_refusal
+    copied = [
+        t.name
+        for plan in conversion.tensors
+        for t in plan.targets
+        if head_replicas(t.partition, conversion.target_tp) > 1
+    ]
+    if refusal and copied:
+        more = f" and {len(copied) - 1} more" if len(copied) > 1 else ""
+        raise ReshardError(
+            f"tp={conversion.target_tp} copies KV heads ({copied[0]}{more}), but {refusal}",
+            path=source.path,
+            hint="choose a tp that divides the KV heads, or --layout hf-ranks",
+        )
 
 
 def _mapped(
@@ -89,13 +115,36 @@ def _mapped(
     except PlanError as err:
         return [], (), list(err.problems)
     target_config = choice.target_config
-    if layout == Layout.MEGATRON:
-        target_config = config_from_args(choice.args, None)
+    if layout == Layout.MEGATRON:  # Megatron's names: the args' sizes (a mapped source's, or the source's own)
+        target_config = config_from_args(choice.args, None) if choice.args is not None else opened.source.config
     names = [name for group in groups for name in group.targets]
     plan = select_plan(target_config, names)
     plans, problems = mapped_plans(opened.tensors, groups, plan, target_config, target_tp=tp)
     problems += _tie_problems(choice, names)
     return plans, tuple(dropped), problems
+
+
+def _unknown_megatron_vocab(opened: OpenedCheckpoint, target_multiple: int) -> list[ReshardError]:
+    """Megatron pads the vocab from the true size at start-up (``make_vocab_size_divisible_by * tp``): when
+    nothing records the true size and the rows found could pad to different sizes at the target tp, the
+    output would not load (``size mismatch for embedding.word_embeddings.weight``). Refuse, saying which."""
+    rows = source_padded_rows(opened.tensors)
+    source = opened.source
+    if rows is None or not source.meta.get("megatron"):
+        return []
+    divisible_by = arg(source.meta.get("args"), "make_vocab_size_divisible_by")
+    possible = padded_sizes_possible(rows, megatron_pad_multiple(divisible_by, source.tp), target_multiple)
+    if len(possible) > 1:
+        sizes = "; ".join(f"{padded} rows for a true size of {r.start}-{r.stop - 1}" for padded, r in possible.items())
+        return [
+            ReshardError(
+                f"the true vocab size is unknown and Megatron pads it for the target tp: the {rows} rows here "
+                f"could become {sizes}",
+                path=source.path,
+                hint="pass --vocab N (the tokenizer's size, which Megatron-LM recomputes at start-up)",
+            )
+        ]
+    return []
 
 
 def _tie_problems(choice: MappingChoice, names: list[str]) -> list[ReshardError]:

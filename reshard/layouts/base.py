@@ -53,6 +53,10 @@ class TensorRef:
         in between where the reader can."""
         self.reader.read_into(self.key, out, start=start)
 
+    def describe(self) -> str | None:
+        """How this slice is stored, when it is not one tensor of one file (a box of a global tensor)."""
+        return self.reader.describe(self.key)
+
     def prefetch(self) -> None:
         """Let the OS start reading this slice from disk in the background."""
         self.reader.prefetch(self.key)
@@ -151,6 +155,7 @@ class TargetSpec:
         max_shard_size: for safetensors outputs, the largest file before a new shard starts.
         source: the checkpoint being converted (layout writers read its ``meta``, ``extras``, ``top_level``).
         meta: facts the plan decided for the writer (``args`` of a Megatron target whose source has none).
+        pp: pipeline stages to write (layouts without stages refuse more than one).
     """
 
     tp: int
@@ -161,6 +166,7 @@ class TargetSpec:
     max_shard_size: int | str
     source: SourceCheckpoint
     meta: dict[str, Any] = field(default_factory=dict)
+    pp: int = 1
 
 
 class CheckpointWriter:
@@ -178,6 +184,10 @@ class CheckpointWriter:
     def pad_multiple(cls, tp: int, source: SourceCheckpoint, meta: dict[str, Any]) -> int | None:
         """The multiple the vocab is padded to for ``tp`` ranks when the user does not say (None: tp)."""
         return None
+
+    # Why the layout's runtime cannot load copies of a KV head on several ranks (``replicated_heads`` at a tp
+    # above the head count); None when it can.
+    replicated_heads_refusal: str | None = None
 
     # True when :meth:`write_unordered` may be called from several threads at once, in any order
     # (the writer knows every tensor's place up front), so the callers' threads write in parallel.

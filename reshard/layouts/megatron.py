@@ -4,45 +4,43 @@
     <root>/iter_{iteration:07d}/ (or release/)
         mp_rank_{tp:02d}/model_optim_rng.pt         pipeline stages: mp_rank_{tp:02d}_{pp:03d}/
 
+    expert parallelism appends _{ep:03d}: mp_rank_{tp:02d}[_{pp:03d}]_{ep:03d}/ (which of the suffixes is
+    which is read from the args: pipeline_model_parallel_size, expert_model_parallel_size)
+
 Each file is a pickled dict: ``model`` (the state dict; ``model0``, ``model1``, ... with virtual
 pipeline stages), ``args`` (an ``argparse.Namespace``), ``checkpoint_version``, ``iteration``, and
-optimizer / rng state. The root or the iteration folder may be given. Pipeline stages and virtual
-stages are read and reported (names prefixed ``stage{p}.`` / ``model{i}.``), but converting them
-is refused: their layer numbers are stage-local, and merging stages is not implemented.
+optimizer / rng state. The root or the iteration folder may be given. Pipeline stages, virtual chunks
+and expert-parallel ranks are merged into one model with global layer and expert numbers
+(:mod:`reshard.layouts.megatron_stages`), so every tp rank is one state dict like any other layout's.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from reshard.config import ModelConfig
 from reshard.errors import CorruptFileError, MissingRankError, ReshardError
-from reshard.layouts.base import SourceCheckpoint, TargetSpec, TensorRef
-from reshard.layouts.megatron_args import (
-    PICKLE_MODULE,
-    SAFE_GLOBALS,
-    arg,
-    config_from_args,
-    retarget_args,
-)
+from reshard.layouts.base import SourceCheckpoint
+from reshard.layouts.megatron_args import SAFE_GLOBALS, arg, config_from_args, vocab_from_tokenizer_files
+from reshard.layouts.megatron_merge import merge_stages
 from reshard.layouts.rank_checks import SHOWN, listed
 from reshard.layouts.readers import FileReader, TensorHeader, load_torch_file, torch_header
-from reshard.layouts.torch_ranks import TorchRanksWriter
 from reshard.options import Layout, ReadOptions
-from reshard.vocab import megatron_pad_multiple
+from reshard.schema import check_int
 
 if TYPE_CHECKING:
     import torch
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FILE_NAME = "model_optim_rng.pt"
-RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 CHUNK_KEY = re.compile(r"^model(\d+)$")
 KEPT_KEYS = ("args", "checkpoint_version", "iteration")
-CHECKPOINT_VERSION = 3.0  # what Megatron-LM writes today (QKV interleaved per query group)
 
 
 @dataclass
@@ -58,12 +56,12 @@ class MegatronFile(FileReader):
 
     path: Path
     trust_pickle: bool = False
-    prefix: str = ""
     headers: dict[str, TensorHeader] = field(init=False, default_factory=dict)
     extras: dict[str, Any] = field(init=False, default_factory=dict)
     top_level: dict[str, Any] = field(init=False, default_factory=dict)
     paths: dict[str, tuple[str, ...]] = field(init=False, default_factory=dict)
     chunks: int = field(init=False, default=1)
+    chunk_of: dict[str, int] = field(init=False, default_factory=dict)
     notes: list[str] = field(init=False, default_factory=list)
     _tensors: dict[str, torch.Tensor] = field(init=False, repr=False, default_factory=dict)
 
@@ -81,11 +79,12 @@ class MegatronFile(FileReader):
             raise CorruptFileError("no 'model' state dict in this Megatron file", path=self.path)
         self.chunks = len(keys)
         self.top_level = {k: v for k, v in obj.items() if k not in keys}
-        for key in keys:
+        for chunk, key in enumerate(keys):
             chunk_prefix = f"{key}." if len(keys) > 1 else ""
             for path, value in _walk(obj[key]):
-                name = self.prefix + chunk_prefix + ".".join(path)
+                name = chunk_prefix + ".".join(path)
                 self.paths[name] = path
+                self.chunk_of[name] = chunk
                 if isinstance(value, torch.Tensor) and not name.endswith("_extra_state"):
                     self._tensors[name] = value
                     self.headers[name] = torch_header(value, path=self.path, key=name)
@@ -107,14 +106,14 @@ def _walk(state: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> Iterator[tu
 # ---------------------------------------------------------------- finding the files
 
 
-def _rank_dirs(folder: Path) -> dict[tuple[int, int | None], Path]:
+def _rank_dirs(folder: Path) -> dict[tuple[int, ...], Path]:
+    """``{(tp, suffixes...): folder}`` for every ``mp_rank_*`` folder."""
     found = {}
     if folder.is_dir():
         for child in folder.iterdir():
             match = RANK_DIR.match(child.name)
             if match and child.is_dir():
-                stage = None if match.group(2) is None else int(match.group(2))
-                found[(int(match.group(1)), stage)] = child
+                found[tuple(int(g) for g in match.groups() if g is not None)] = child
     return found
 
 
@@ -142,54 +141,90 @@ def detect(path: Path) -> bool:
 
 
 def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
-    """Read every ``mp_rank_*`` file of the iteration (all tp ranks and pipeline stages)."""
+    """Read every ``mp_rank_*`` file of the iteration, merging pipeline stages, virtual chunks and
+    expert-parallel ranks into one state dict per tp rank with global layer and expert numbers."""
     folder = iteration_folder(path)
     if folder is None or not folder.is_dir():
         raise MissingRankError("no Megatron iteration folder with mp_rank_* folders", path=folder or path)
     dirs = _rank_dirs(folder)
     if not dirs:
         raise MissingRankError("no mp_rank_* folders in the iteration folder", path=folder)
-    tp = max(r for r, _ in dirs) + 1
-    stages = sorted({p for _, p in dirs}, key=lambda p: -1 if p is None else p)
-    if None in stages and len(stages) > 1:
-        raise CorruptFileError("mixes mp_rank_XX and mp_rank_XX_YYY folders", path=folder)
-    pp = 1 if stages == [None] else max(stages) + 1
-    wanted = [(r, p) for r in range(tp) for p in ([None] if pp == 1 and None in stages else range(pp))]
-    missing = [_dir_name(r, p) for r, p in wanted if (r, p) not in dirs or not (dirs[(r, p)] / FILE_NAME).is_file()]
+    if len({len(key) for key in dirs}) > 1:
+        raise CorruptFileError("mixes mp_rank_XX, mp_rank_XX_YYY and mp_rank_XX_YYY_ZZZ folders", path=folder)
+    first = MegatronFile(dirs[min(dirs)] / FILE_NAME, options.trust_pickle)
+    grid = _grid(dirs, first, folder)
+    tp, pp, ep = (max(key[i] for key in grid) + 1 for i in range(3))
+    present = {key for key, child in grid.items() if (child / FILE_NAME).is_file()}
+    absent = (
+        _dir_name(r, p, e, pp, ep) for r in range(tp) for p in range(pp) for e in range(ep) if (r, p, e) not in present
+    )  # lazily: the numbers come from folder names, up to 100 x 1000 x 1000 of them
+    missing = [f"{name}/{FILE_NAME}" for name in itertools.islice(absent, SHOWN)]
     if missing:
         raise MissingRankError(
-            f"missing {listed([f'{m}/{FILE_NAME}' for m in missing[:SHOWN]], len(missing))} (tp={tp}, pp={pp})",
+            f"missing {listed(missing, tp * pp * ep - len(present))} (tp={tp}, pp={pp}, ep={ep})",
             path=folder,
             hint="every rank file must be present to gather",
         )
+    files = {
+        key: first
+        if grid[key] / FILE_NAME == first.path
+        else MegatronFile(grid[key] / FILE_NAME, options.trust_pickle)
+        for key in sorted(grid)
+    }
     source = SourceCheckpoint(path, Layout.MEGATRON, [])
-    first: MegatronFile | None = None
+    merged = merge_stages(files, tp=tp, pp=pp, ep=ep, tied=_tied(first))
     for rank in range(tp):
-        refs: dict[str, TensorRef] = {}
-        extras: dict[str, Any] = {}
-        for _, stage in (w for w in wanted if w[0] == rank):
-            prefix = f"stage{stage}." if pp > 1 else ""
-            reader = MegatronFile(dirs[(rank, stage)] / FILE_NAME, options.trust_pickle, prefix)
-            first = first or reader
-            refs.update({n: TensorRef(n, rank, reader, n, h) for n, h in reader.headers.items()})
-            extras.update(reader.extras)
-            source.notes.extend(reader.notes)
+        refs, extras = merged.ranks[rank]
         source.ranks.append(refs)
         source.extras.append(extras)
-        source.top_level.append(dict(reader.top_level))
-    _describe(source, first, folder, pp)
+        source.top_level.append(dict(files[(rank, pp - 1, 0)].top_level))
+    for file in files.values():
+        source.notes.extend(file.notes)
+    source.notes.extend(merged.notes)
+    _describe(source, first, folder, pp=pp, ep=ep, paths=merged.paths)
     return source
 
 
-def _dir_name(rank: int, stage: int | None) -> str:
-    return f"mp_rank_{rank:02d}" + ("" if stage is None else f"_{stage:03d}")
+def _grid(dirs: dict[tuple[int, ...], Path], first: MegatronFile, folder: Path) -> dict[tuple[int, int, int], Path]:
+    """``{(tp, pp, ep): folder}``: which suffix is a stage and which an expert rank, from the args."""
+    args = first.top_level.get("args")
+    pp, ep = (
+        check_int(arg(args, key, 1), path=first.path, key=f"args.{key}")
+        for key in ("pipeline_model_parallel_size", "expert_model_parallel_size")
+    )
+    grid = {}
+    for key, child in dirs.items():
+        if len(key) == 3:
+            grid[(key[0], key[1], key[2])] = child
+        elif len(key) == 2 and ep > 1 and pp == 1:
+            grid[(key[0], 0, key[1])] = child
+        elif len(key) == 2:
+            grid[(key[0], key[1], 0)] = child
+        else:
+            grid[(key[0], 0, 0)] = child
+    return grid
 
 
-def _describe(source: SourceCheckpoint, first: MegatronFile, folder: Path, pp: int) -> None:
+def _tied(first: MegatronFile) -> bool:
+    return not arg(first.top_level.get("args"), "untie_embeddings_and_output_weights", False)
+
+
+def _dir_name(rank: int, stage: int, expert: int, pp: int, ep: int) -> str:
+    """Megatron-LM's ``get_checkpoint_name``: the stage suffix with pipelines, the expert suffix with experts."""
+    return f"mp_rank_{rank:02d}" + (f"_{stage:03d}" if pp > 1 else "") + (f"_{expert:03d}" if ep > 1 else "")
+
+
+def _describe(
+    source: SourceCheckpoint, first: MegatronFile, folder: Path, *, pp: int, ep: int, paths: dict[str, tuple]
+) -> None:
     """Config from the args, the facts the writer needs, notes, and why a conversion would be refused."""
     top = first.top_level
     args = top.get("args")
-    for key, found in (("tensor_model_parallel_size", source.tp), ("pipeline_model_parallel_size", pp)):
+    for key, found in (
+        ("tensor_model_parallel_size", source.tp),
+        ("pipeline_model_parallel_size", pp),
+        ("expert_model_parallel_size", ep),
+    ):
         expected = arg(args, key)
         if isinstance(expected, int) and expected > found:
             raise MissingRankError(
@@ -205,6 +240,11 @@ def _describe(source: SourceCheckpoint, first: MegatronFile, folder: Path, pp: i
                 hint="remove the extra mp_rank_* folders, or correct the args",
             )
     source.config = config_from_args(args, first.path) if args is not None else None
+    from_tokenizer = vocab_from_tokenizer_files(args) if source.config and source.config.vocab_size is None else None
+    if from_tokenizer is not None:
+        size, vocab_file = from_tokenizer
+        source.config = ModelConfig({**source.config.raw, "vocab_size": size}, source.config.path)
+        source.notes.append(f"the true vocab size {size} comes from the tokenizer's vocab file {vocab_file}")
     version = top.get("checkpoint_version")
     source.meta.update(
         megatron=True,
@@ -212,8 +252,9 @@ def _describe(source: SourceCheckpoint, first: MegatronFile, folder: Path, pp: i
         checkpoint_version=version,
         iteration=top.get("iteration"),
         release=folder.name == "release",
-        paths=first.paths,
+        paths=paths,
         pp=pp,
+        ep=ep,
         chunks=first.chunks,
     )
     if source.config is None:
@@ -229,93 +270,15 @@ def _describe(source: SourceCheckpoint, first: MegatronFile, folder: Path, pp: i
             f"not carried over by convert: {', '.join(dropped)} "
             "(load the output with --no-load-optim --no-load-rng, or --finetune)"
         )
+    if pp > 1 or ep > 1 or first.chunks > 1:
+        source.notes.append(
+            f"merged {pp} pipeline stage(s), {first.chunks} virtual chunk(s) per stage and {ep} expert-parallel "
+            "rank(s) into global layer and expert numbers"
+        )
     problems = []
-    if pp > 1:
-        problems.append(f"{pp} pipeline stages (mp_rank_XX_YYY): merging stages is not supported yet")
-    if int(arg(args, "expert_model_parallel_size", 1) or 1) > 1:
-        problems.append("expert-parallel ranks (an extra _YYY in mp_rank_*): not supported yet")
-    if first.chunks > 1:
-        problems.append(f"{first.chunks} virtual pipeline chunks (model0..): not supported yet")
     if isinstance(version, (int, float)) and version < 2.0:
         problems.append(f"checkpoint_version {version} stores QKV in an older order: load and re-save it in Megatron")
     for problem in problems:
         source.notes.append(problem)
     if problems:
         source.meta["cannot_convert"] = ReshardError("; ".join(problems), path=folder)
-
-
-# ---------------------------------------------------------------- writing
-
-
-class MegatronWriter(TorchRanksWriter):
-    """Writes ``iter_XXXXXXX/mp_rank_XX/model_optim_rng.pt`` (model, args, version, iteration) and the tracker.
-
-    ``args`` is the source's (or, for a checkpoint of another framework, the plan's ``spec.meta["args"]``),
-    with the new ``tensor_model_parallel_size`` and ``padded_vocab_size``; non-tensor entries
-    (``_extra_state``) come from the source rank whose rows the target rank starts with. A checkpoint of
-    another framework is written as Megatron's converters write one: in ``release/``.
-    """
-
-    pickle_module = PICKLE_MODULE
-
-    def __init__(self, out_dir: Path, spec: TargetSpec) -> None:
-        self._args = megatron_args_of(spec.source, spec.meta)
-        uneven = sorted(
-            {n for h in spec.rank_headers for n, t in h.items() if t.shape != spec.rank_headers[0][n].shape}
-        )
-        if uneven:
-            raise ReshardError(
-                f"Megatron needs every rank to hold equal shapes, but {uneven[0]} would differ between ranks",
-                hint="drop --uneven: the megatron layout pads the vocab the Megatron way",
-            )
-        meta = spec.source.meta
-        self._release = meta.get("release") or not meta.get("megatron")
-        self._folder = "release" if self._release else f"iter_{int(meta.get('iteration') or 0):07d}"
-        super().__init__(out_dir, spec)  # lays out every rank file (rank_file needs the folder)
-
-    @classmethod
-    def pad_multiple(cls, tp: int, source: SourceCheckpoint, meta: dict[str, Any]) -> int | None:
-        """Megatron pads the vocab to ``make_vocab_size_divisible_by * tp`` (128 * tp by default)."""
-        return megatron_pad_multiple(arg(megatron_args_of(source, meta), "make_vocab_size_divisible_by"), tp)
-
-    def rank_file(self, rank: int, state_dict: dict[str, Any]) -> tuple[Path, Any]:
-        source, meta = self.spec.source, self.spec.source.meta
-        extras = source.extras[rank * source.tp // self.spec.tp] if meta.get("megatron") else {}
-        paths = meta.get("paths", {})
-        model: dict[str, Any] = {}
-        for name, path in paths.items():
-            if name in state_dict or name in extras:
-                _put(model, path, state_dict[name] if name in state_dict else extras[name])
-        for name in state_dict.keys() - paths.keys():
-            _put(model, (name,), state_dict[name])
-        obj = {
-            "args": retarget_args(self._args, self.spec.tp, self.spec.padded_vocab_size),
-            "checkpoint_version": meta.get("checkpoint_version", CHECKPOINT_VERSION),
-            "iteration": meta.get("iteration", 0),
-            "model": model,
-        }
-        return Path(self._folder) / _dir_name(rank, None) / FILE_NAME, obj
-
-    def finish(self) -> list[Path]:
-        meta = self.spec.source.meta
-        tracker = "release" if self._release else str(int(meta.get("iteration") or 0))
-        (self.out_dir / TRACKER).write_text(tracker + "\n")
-        return [Path(TRACKER)]
-
-
-def _put(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
-    for key in path[:-1]:
-        tree = tree.setdefault(key, {})
-    tree[path[-1]] = value
-
-
-def megatron_args_of(source: SourceCheckpoint, meta: dict[str, Any]) -> Any:
-    """The args to write: the plan's (a checkpoint of another framework mapped to Megatron), else the source's."""
-    args = meta.get("args") or (source.meta.get("args") if source.meta.get("megatron") else None)
-    if args is None:
-        raise ReshardError(
-            "the megatron layout needs Megatron args: from a Megatron source, or a transformers model reshard maps",
-            path=source.path,
-            hint="convert a Megatron or transformers Llama-family checkpoint, or choose --layout hf / hf-ranks",
-        )
-    return args

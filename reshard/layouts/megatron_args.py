@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,6 +126,20 @@ def true_vocab_size(args: Any) -> int | None:
     return None
 
 
+def vocab_from_tokenizer_files(args: Any) -> tuple[int, Path] | None:
+    """The true vocab size from the tokenizer file the args name, when it is there and tells it: a GPT-2 BPE
+    ``vocab_file`` (a JSON object of tokens, whose length Megatron-LM's ``GPT2BPETokenizer`` takes)."""
+    vocab_file = arg(args, "vocab_file")
+    if not isinstance(vocab_file, str) or not vocab_file.endswith(".json"):
+        return None
+    path = Path(vocab_file)
+    try:
+        tokens = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return (len(tokens), path) if isinstance(tokens, dict) and tokens else None
+
+
 def config_from_args(args: Any, path: Path) -> ModelConfig | None:
     """The model shape as a :class:`ModelConfig` (HF key names, so inference and plans read it alike).
 
@@ -147,6 +162,11 @@ def config_from_args(args: Any, path: Path) -> ModelConfig | None:
         "padded_vocab_size": arg(args, "padded_vocab_size"),
         "make_vocab_size_divisible_by": arg(args, "make_vocab_size_divisible_by", DEFAULT_MEGATRON_MULTIPLE),
         "tensor_model_parallel_size": arg(args, "tensor_model_parallel_size"),
+        "num_experts": arg(args, "num_experts"),
+        "moe_intermediate_size": (arg(args, "moe_ffn_hidden_size") or arg(args, "ffn_hidden_size"))
+        if arg(args, "num_experts")
+        else None,
+        "shared_expert_intermediate_size": arg(args, "moe_shared_expert_intermediate_size"),
     }
     vocab = true_vocab_size(args)
     if vocab is not None:
@@ -154,9 +174,14 @@ def config_from_args(args: Any, path: Path) -> ModelConfig | None:
     return ModelConfig({k: v for k, v in raw.items() if v is not None}, path)
 
 
-def retarget_args(args: Any, tp: int, padded_vocab_size: int | None) -> Any:
-    """A copy of ``args`` with the new tensor-parallel size and padded vocab size."""
-    updates = {"tensor_model_parallel_size": tp}
+def retarget_args(args: Any, tp: int, padded_vocab_size: int | None, *, pp: int = 1) -> Any:
+    """A copy of ``args`` with the new tensor- and pipeline-parallel sizes and padded vocab size (experts and
+    virtual chunks merged: one each)."""
+    updates: dict[str, Any] = {"tensor_model_parallel_size": tp}
+    merged = {"pipeline_model_parallel_size": pp, "expert_model_parallel_size": 1}
+    merged["virtual_pipeline_model_parallel_size"] = None
+    present = args.keys() if isinstance(args, dict) else vars(args).keys()
+    updates |= {key: value for key, value in merged.items() if key in present or (key.startswith("pipe") and pp > 1)}
     if padded_vocab_size is not None:
         updates["padded_vocab_size"] = padded_vocab_size
     if isinstance(args, dict):

@@ -161,6 +161,8 @@ class SatWriter(TorchRanksWriter):
     """Writes ``<iteration>/mp_rank_XX_model_states.pt`` (``{"module": ...}``), ``latest`` and
     ``model_config.json`` with ``model_parallel_size`` set to the target tp."""
 
+    replicated_heads_refusal = "SAT splits every head count exactly (mpu divide) and cannot load copies of a KV head"
+
     def __init__(self, out_dir: Path, spec: TargetSpec) -> None:
         source = spec.source
         self.iteration = str(source.meta.get("iteration", DEFAULT_ITERATION)) if source.layout == Layout.SAT else "1"

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from reshard.io.torch_zip import TensorSlot, TorchZipWriter
 from reshard.layouts.base import RankFilesWriter, TargetSpec
+
+if TYPE_CHECKING:
+    import torch
 
 
 class TorchRanksWriter(RankFilesWriter):
@@ -29,21 +32,27 @@ class TorchRanksWriter(RankFilesWriter):
     pickle_module: Any = pickle
 
     def __init__(self, out_dir: Path, spec: TargetSpec) -> None:
-        self.out_dir, self.spec = out_dir, spec  # rank_file reads them
+        self.out_dir, self.spec = out_dir, spec  # rank_files reads them
         order = {name: i for i, name in enumerate(spec.source.names())}
         self._files: list[Path] = []
         writers = []
         for rank, headers in enumerate(spec.rank_headers):
             names = sorted(headers, key=lambda n: order.get(n, len(order)))
-            relative, template = self.rank_file(rank, {name: TensorSlot(name, headers[name]) for name in names})
-            (out_dir / relative).parent.mkdir(parents=True, exist_ok=True)
-            writers.append(TorchZipWriter(out_dir / relative, template, pickle_module=self.pickle_module))
-            self._files.append(relative)
+            zips = []
+            for relative, template in self.rank_files(rank, {name: TensorSlot(name, headers[name]) for name in names}):
+                (out_dir / relative).parent.mkdir(parents=True, exist_ok=True)
+                zips.append(TorchZipWriter(out_dir / relative, template, pickle_module=self.pickle_module))
+                self._files.append(relative)
+            writers.append(_RankFiles(zips))
         super().__init__(out_dir, spec, writers)
 
+    def rank_files(self, rank: int, state_dict: dict[str, TensorSlot]) -> list[tuple[Path, Any]]:
+        """Rank ``rank``'s files (paths relative to the output folder) and the object to save in each, with
+        the slots of ``state_dict`` inside them (a slot may stand in several files: each gets the tensor)."""
+        return [self.rank_file(rank, state_dict)]
+
     def rank_file(self, rank: int, state_dict: dict[str, TensorSlot]) -> tuple[Path, Any]:
-        """The path (relative to the output folder) of rank ``rank``'s file and the object to save there,
-        with ``state_dict`` (slots standing for the tensors) inside it."""
+        """The path (relative to the output folder) of rank ``rank``'s one file and the object to save there."""
         raise NotImplementedError
 
     def finish(self) -> list[Path]:
@@ -54,3 +63,24 @@ class TorchRanksWriter(RankFilesWriter):
         for writer in self.rank_writers:
             writer.close()
         return [*self._files, *self.finish()]
+
+
+class _RankFiles:
+    """One target rank's torch files: a tensor goes to every file whose template has a slot for it."""
+
+    def __init__(self, files: list[TorchZipWriter]) -> None:
+        self._files = files
+        self._by_key: dict[str, list[TorchZipWriter]] = {}
+        for file in files:
+            for key in file.keys:
+                self._by_key.setdefault(key, []).append(file)
+
+    def write_unordered(self, name: str, tensor: torch.Tensor) -> None:
+        for file in self._by_key[name]:
+            file.write(name, tensor)
+
+    write = write_unordered
+
+    def close(self) -> None:
+        for file in self._files:
+            file.close()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
-from reshard.plans import llama, megatron, qwen2_vl, qwen3_5, qwen3_next, sat
+from reshard.plans import deepseek, gemma, glm4, llama, megatron, moe, phi3, qwen2_vl, qwen3_5, qwen3_next, sat
 from reshard.plans.base import EMPTY_PLAN, Plan, Rule
 from reshard.plans.infer import infer_partition
 from reshard.plans.lora import plain_name, with_lora
@@ -43,12 +43,17 @@ class Family:
         return self.plan.name
 
 
-# Signatures are tried in order: the hybrid and multimodal families (which also have Llama-like
-# attention names) come before Llama.
+# Signatures are tried in order: the hybrid, multimodal, MLA, fused and MoE families (which also have
+# Llama-like attention names) come before Llama.
 FAMILIES: list[Family] = [
     Family(qwen3_next.QWEN3_NEXT_PLAN, qwen3_next.MODEL_TYPES, qwen3_next.SIGNATURE),
     Family(qwen3_5.QWEN3_5_PLAN, qwen3_5.MODEL_TYPES, qwen3_5.SIGNATURE),
     Family(qwen2_vl.QWEN2_VL_PLAN, qwen2_vl.MODEL_TYPES, qwen2_vl.SIGNATURE),
+    Family(deepseek.DEEPSEEK_PLAN, deepseek.MODEL_TYPES, deepseek.SIGNATURE),
+    Family(phi3.PHI3_PLAN, phi3.MODEL_TYPES, phi3.SIGNATURE),
+    Family(glm4.GLM4_PLAN, glm4.MODEL_TYPES, glm4.SIGNATURE),
+    Family(gemma.GEMMA_PLAN, gemma.MODEL_TYPES, gemma.SIGNATURE),
+    Family(moe.MOE_PLAN, moe.MODEL_TYPES, moe.SIGNATURE),
     Family(llama.LLAMA_PLAN, llama.MODEL_TYPES, llama.SIGNATURE),
     Family(megatron.MEGATRON_PLAN, megatron.MODEL_TYPES, megatron.SIGNATURE),
     Family(sat.SAT_PLAN, sat.MODEL_TYPES, sat.SIGNATURE),

@@ -9,7 +9,8 @@ Names recognised (``X`` is the wrapped layer, ``X.weight`` is what a plan knows)
 The rule (peft ``LoraParallelLinear``, SAT ``LoraLinear``): for a column-parallel base (``shard`` on
 dim 0 or ``packed``), A ``[r, in]`` is replicated and B ``[out, r]`` is split like the base's rows (SAT's
 ``matrix_B.i`` is a shard of part ``i``); for a row-parallel base (``shard`` on dim 1), A ``[r, in]`` is
-split on dim 1 and B is replicated. A replicated base keeps both replicated.
+split on dim 1 and B is replicated. A replicated base keeps both replicated; B of a base with replicated KV
+heads has the base's heads.
 
 Pure: names and partitions in, partitions out.
 """
@@ -21,10 +22,11 @@ from dataclasses import dataclass
 
 from reshard.config import ModelConfig
 from reshard.errors import AmbiguousPartitionError
-from reshard.partition import Packed, Partition, Replicate, Shard
+from reshard.partition import Packed, Partition, Replicate, ReplicatedHeads, Shard
 from reshard.plans.base import Plan, Rule
 
 BASE, A, B = "base", "A", "B"
+_MARKERS = re.compile(r"\.(original|base_layer|matrix_[AB]|lora_[AB])\.")  # what every LoRA name below holds
 _PATTERNS = (
     (re.compile(r"^(?P<layer>.+)\.original\.(?P<param>weight|bias)$"), BASE),
     (re.compile(r"^(?P<layer>.+)\.base_layer\.(?P<param>weight|bias)$"), BASE),
@@ -90,6 +92,8 @@ def lora_partition(base: Partition, lora: LoraName) -> Partition:
             return Replicate() if lora.role == A else Shard(0, unit)
         case Shard(1, unit):
             return Shard(1, unit) if lora.role == A else Replicate()
+        case ReplicatedHeads(0, _) if lora.index in (None, 0):  # B's rows are the base's KV heads
+            return Replicate() if lora.role == A else base
         case Packed(0, parts, _):
             if lora.role == A:
                 return Replicate()
@@ -108,7 +112,7 @@ class LoraPlan(Plan):
     """
 
     def match(self, name: str) -> Rule | None:
-        lora = parse_lora_name(name)
+        lora = parse_lora_name(name) if _MARKERS.search(name) else None
         if lora is None:
             return super().match(name)
         base_rule = super().match(f"{lora.layer}.weight" if lora.role != BASE else lora.base)

@@ -14,13 +14,19 @@ from reshard.partition import Packed, Replicate, Shard
 from reshard.plans.base import Plan, Rule
 from reshard.plans.llama import LLAMA_PLAN
 
-MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen2_vl_text", "qwen2_5_vl_text")
 SIGNATURE = r"visual\.blocks\.\d+\.attn\.qkv\.weight$"
 
 
 def vision_sizes(config: ModelConfig | None) -> tuple[int, int]:
-    """``(embed_dim, head_dim)`` of the vision tower (``(1, 1)``-safe when the config does not say)."""
-    vision = (config.raw.get("vision_config") if config else None) or {}
+    """``(embed_dim, head_dim)`` of the vision tower, from its ``vision_config`` (``(0, 1)`` when there is none).
+
+    Qwen2-VL names the tower's width ``embed_dim`` (its ``hidden_size`` is the language model's), Qwen2.5-VL
+    and Qwen3.5 name it ``hidden_size``.
+    """
+    vision = config.for_tensor("visual.") if config is not None else None
+    if vision is None or not vision.scope.endswith("vision_config"):
+        return 0, 1
     embed = vision.get("embed_dim") or vision.get("hidden_size") or 0
     heads = vision.get("num_heads") or 0
     return int(embed), int(embed // heads) if embed and heads else 1

@@ -9,7 +9,8 @@ not divide by tp are reported instead of being split mid-head:
 - ``in_proj_z`` (value_dim rows), ``in_proj_b`` / ``in_proj_a`` / ``A_log`` / ``dt_bias`` (one entry per
   value head) split on dim 0; ``out_proj`` on dim 1 in whole value heads; the gated ``norm`` replicated;
 - full attention: ``q_proj`` holds query and gate per head (``2 * head_dim`` rows a head), ``k_proj`` /
-  ``v_proj`` by heads, ``o_proj`` on dim 1, ``q_norm`` / ``k_norm`` replicated;
+  ``v_proj`` by KV heads (copied onto several ranks past their count, as vLLM runs Qwen3-Next's 2 KV heads at
+  tp 4 and 8), ``o_proj`` on dim 1, ``q_norm`` / ``k_norm`` replicated;
 - MoE: router and shared-expert gate replicated, experts (one tensor per expert, or transformers'
   fused ``experts.gate_up_proj`` ``[E, 2I, H]`` / ``experts.down_proj`` ``[E, H, I]``) column/row-parallel.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 from reshard.config import ModelConfig
 from reshard.partition import Packed, Replicate, Shard, Vocab
 from reshard.plans.base import Plan, Rule
+from reshard.plans.llama import kv_heads
 from reshard.plans.qwen2_vl import VISION_RULES
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
@@ -80,7 +82,7 @@ LINEAR_ATTENTION_RULES = (
 
 GATED_ATTENTION_RULES = (
     Rule(r"self_attn\.q_proj\.(weight|bias)$", heads(0, factor=2)),
-    Rule(r"self_attn\.[kv]_proj\.(weight|bias)$", heads(0)),
+    Rule(r"self_attn\.[kv]_proj\.(weight|bias)$", kv_heads(0)),
     Rule(r"self_attn\.o_proj\.weight$", heads(1)),
     Rule(r"self_attn\.(o_proj\.bias|[qk]_norm\.weight)$", Replicate()),
 )

@@ -9,21 +9,25 @@ halves split on their own, ``embedding_rowwise`` (and ``lm_head``) -> the vocab 
 replicating styles -> replicate. transformers splits sizes that do not divide as ``torch.chunk`` does:
 convert with ``--uneven`` to get the same per-rank tensors.
 
-A plan is matched by suffix (from ``layers.``), since saved checkpoints and the model in memory name
-the language model differently (``model.layers.`` vs ``model.language_model.layers.``). A missing plan
+A plan key is matched after the language model's optional prefixes (``model.``, ``language_model.``, peft's
+``base_model.model.``), since saved checkpoints and the model in memory name the language model differently
+(``model.layers.`` vs ``model.language_model.layers.``), but never inside another sub-model: a vision
+tower's ``encoder.layers.N.self_attn`` is not the language model's ``layers.N.self_attn``. A missing plan
 (``_tp_plan`` None, as Qwen2.5-Omni had) is an empty plan, never an error.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any
 
 from reshard.config import ModelConfig
-from reshard.errors import AmbiguousPartitionError, ReshardError
+from reshard.errors import AmbiguousPartitionError
 from reshard.partition import Packed, Partition, Replicate, Shard, Vocab
 from reshard.plans.base import Plan, Rule
+from reshard.plans.skeleton import ModelSkeleton, build_skeleton
+
+__all__ = ["NAME", "ModelSkeleton", "build_skeleton", "plan_from_tp_plan", "transformers_plan"]
 
 NAME = "transformers"
 COLWISE = {"colwise", "colwise_rep", "colwise_gather_output", "local_colwise"}
@@ -39,65 +43,13 @@ REPLICATED = {
     "moe_identity_expert",
     "all_reduce",
     "all_reduce_output",
+    "mla_kv_a_proj",  # DeepSeek's kv_a_proj_with_mqa: kept whole, only its gradient is reduced
+    "local_params",  # runs its module on the parameters' own entries; slices nothing itself
 }
 GATHERED = {"colwise_rep", "colwise_gather_output"}
 # Prefixes of the model in memory that saved checkpoints may lack (or spell otherwise).
 _PREFIX = re.compile(r"^(model\.)?(language_model\.)?")
-
-
-@dataclass(frozen=True)
-class ModelSkeleton:
-    """The model transformers would build for a config: its TP plan and parameter shapes (no data)."""
-
-    tp_plan: dict[str, str]
-    shapes: dict[str, tuple[int, ...]]
-    model_class: str
-
-
-def build_skeleton(config: ModelConfig | None) -> ModelSkeleton:
-    """Instantiate the config's model on the ``meta`` device (no memory, no data) for its plan and shapes.
-
-    Raises:
-        ReshardError: transformers is missing, or does not know the model type.
-    """
-    if config is None or not config.model_type:
-        raise ReshardError("the transformers plan needs a config.json with a model_type", hint="pass --config FILE")
-    try:
-        import torch
-        import transformers
-        from transformers import CONFIG_MAPPING
-    except ImportError as err:  # pragma: no cover - transformers is a test dependency
-        raise ReshardError(f"the transformers plan needs transformers installed ({err})") from err
-    if config.model_type not in CONFIG_MAPPING:
-        raise ReshardError(
-            f"transformers {transformers.__version__} does not know model_type {config.model_type!r}", path=config.path
-        )
-    try:
-        hf_config = CONFIG_MAPPING[config.model_type].from_dict(dict(config.raw))
-        model_class = _model_class(transformers, hf_config, config.architectures)
-        with torch.device("meta"):
-            model = model_class(hf_config)
-    except Exception as err:  # transformers raises many types for a config it cannot build
-        raise ReshardError(
-            f"transformers cannot build {config.model_type!r} from it: {err}", path=config.path
-        ) from err
-    plan = getattr(model, "_tp_plan", None) or {}  # None means no plan: an empty one
-    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    return ModelSkeleton(dict(plan), shapes, model_class.__name__)
-
-
-def _model_class(transformers: Any, hf_config: Any, architectures: list[str]) -> type:
-    for name in architectures:
-        cls = getattr(transformers, name, None)
-        if isinstance(cls, type):
-            return cls
-    from transformers import AutoModel, AutoModelForCausalLM
-
-    for auto in (AutoModelForCausalLM, AutoModel):
-        mapping = auto._model_mapping
-        if type(hf_config) in mapping:
-            return mapping[type(hf_config)]
-    raise ReshardError(f"transformers has no model class for {type(hf_config).__name__}")
+_ANY_PREFIX = r"^(base_model\.model\.)?(model\.)?(language_model\.)?(model\.)?"
 
 
 def transformers_plan(config: ModelConfig | None) -> Plan:
@@ -124,8 +76,8 @@ def plan_from_tp_plan(tp_plan: dict[str, str] | None, config: ModelConfig | None
             weight = bias = _unsupported(style)
         path = re.escape(_PREFIX.sub("", key)).replace(r"\*", r"\d+")
         gathered = style in GATHERED
-        rules.append(Rule(rf"(^|\.){path}\.bias$", bias, gathered=gathered))
-        rules.append(Rule(rf"(^|\.){path}(\.[^.]+)?$", weight, gathered=gathered))
+        rules.append(Rule(rf"{_ANY_PREFIX}{path}\.bias$", bias, gathered=gathered))
+        rules.append(Rule(rf"{_ANY_PREFIX}{path}(\.[^.]+)?$", weight, gathered=gathered))
         rules += _per_expert_rules(path, style)
     rules.append(Rule("", Replicate(), implicit=True))
     return Plan(NAME, tuple(rules))
@@ -144,18 +96,25 @@ def _per_expert_rules(path: str, style: str) -> list[Rule]:
     """Saved checkpoints hold one tensor per expert where transformers fuses them in memory.
 
     The loader slices each expert's ``gate_proj`` / ``up_proj`` ``[I, H]`` on dim 0 and ``down_proj``
-    ``[H, I]`` on dim 1 before stacking them into ``experts.gate_up_proj`` / ``experts.down_proj``.
+    ``[H, I]`` on dim 1 before stacking them into ``experts.gate_up_proj`` / ``experts.down_proj``; Mixtral
+    saves them as ``block_sparse_moe.experts.N.w1`` / ``w3`` (gate, up) and ``w2`` (down).
     """
     experts = r"experts\.gate_up_proj", r"experts\.down_proj"
-    if path.endswith(experts[0]) and style == "packed_colwise":
-        return [Rule(rf"(^|\.){path[: -len(experts[0])]}experts\.\d+\.(gate|up)_proj\.weight$", Shard(0))]
-    if path.endswith(experts[1]) and style in ROWWISE:
-        return [Rule(rf"(^|\.){path[: -len(experts[1])]}experts\.\d+\.down_proj\.weight$", Shard(1))]
+    for fused, style_ok, names, partition in (
+        (experts[0], style == "packed_colwise", r"(gate_proj|up_proj|w1|w3)", Shard(0)),
+        (experts[1], style in ROWWISE, r"(down_proj|w2)", Shard(1)),
+    ):
+        if path.endswith(fused) and style_ok:
+            block = path[: -len(fused)]
+            if block.endswith(r"mlp\."):
+                block = block[: -len(r"mlp\.")] + r"(mlp|block_sparse_moe)\."
+            return [Rule(rf"{_ANY_PREFIX}{block}experts\.\d+\.{names}\.weight$", partition)]
     return []
 
 
-def _style_partitions(style: str, key: str, config: ModelConfig | None) -> tuple[Partition | None, Partition | None]:
-    """``(weight, bias)`` partitions of a style; ``(None, None)`` for a style reshard does not know."""
+def _style_partitions(style: str, key: str, config: ModelConfig | None) -> tuple[Any, Any]:
+    """``(weight, bias)`` partitions (or functions of the tensor's own sub-config) of a style; ``(None, None)``
+    for a style reshard does not know."""
     vocab = key.endswith(("lm_head", "embed_tokens"))
     if style in COLWISE:
         return (Vocab(0) if vocab else Shard(-2)), Shard(-1)
@@ -166,18 +125,34 @@ def _style_partitions(style: str, key: str, config: ModelConfig | None) -> tuple
     if style == "embedding_colwise":
         return Shard(1), Replicate()
     if style in ("packed_colwise", "packed_rowwise"):
-        size = _intermediate(config, key)
         dim = -2 if style == "packed_colwise" else -1
-        weight = Packed(dim, (size, size)) if size else Shard(dim)
-        return weight, (Packed(-1, (size, size)) if size and style == "packed_colwise" else Replicate())
+
+        def weight(config: ModelConfig | None) -> Partition:
+            size = _intermediate(config, key)
+            return Packed(dim, (size, size)) if size else Shard(dim)
+
+        def bias(config: ModelConfig | None) -> Partition:
+            size = _intermediate(config, key)
+            return Packed(-1, (size, size)) if size and style == "packed_colwise" else Replicate()
+
+        return weight, bias
     if style in REPLICATED:
         return Replicate(), Replicate()
     return None, None
 
 
 def _intermediate(config: ModelConfig | None, key: str) -> int:
-    """The size of one half of a packed gate/up: the expert or the dense intermediate size."""
+    """The size of one half of a packed gate/up: the expert or the dense intermediate size (0: unknown).
+
+    Raises:
+        AmbiguousPartitionError: the config gives several sizes (ERNIE-4.5-VL: one per kind of expert).
+    """
     if config is None:
         return 0
-    value = config.get("moe_intermediate_size") if "expert" in key else None
-    return int(value or config.get("intermediate_size") or 0)
+    name = "moe_intermediate_size" if "expert" in key and config.get("moe_intermediate_size") else "intermediate_size"
+    value = config.get(name)
+    if value is not None and not isinstance(value, int):
+        raise AmbiguousPartitionError(
+            f"{name} is {value!r}, not one size: the packed gate/up halves of {key} are unknown"
+        )
+    return value or 0

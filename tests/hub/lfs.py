@@ -70,7 +70,8 @@ def _store(call: Call, oid: str, data: bytes, size: int) -> None:
         raise HubError(
             400, "<Error><Code>BadDigest</Code><Message>The content does not match its oid</Message></Error>"
         )
-    call.hub.store.get(call.params["repo"]).add_lfs(oid, size, data)
+    with call.hub.store.lock:  # uploads run in parallel: repo.json is rewritten by one of them at a time
+        call.hub.store.get(call.params["repo"]).add_lfs(oid, size, data)
 
 
 @route("PUT", "/lfs-upload/{repo}/{oid}", host="cdn")

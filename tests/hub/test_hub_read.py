@@ -259,7 +259,7 @@ print(json.dumps(out))
 
 
 def test_hf_download_cli_then_from_pretrained_gives_the_same_logits(hub, tmp_path):
-    from helpers import logits, tiny_llama
+    from fixtures.models import logits, tiny_llama
     from transformers import LlamaForCausalLM
 
     model = tiny_llama(tmp_path / "tiny")

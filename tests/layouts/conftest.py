@@ -6,12 +6,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from dcp_fixtures import fixture_key, write_fixtures
+from fixtures.dcp import fixture_key, write_fixtures
 
 
 @pytest.fixture(scope="session")
 def dcp_root(pytestconfig: pytest.Config) -> Path:
-    """Every DCP variant of ``dcp_writer.py``, written once and kept in pytest's cache between sessions.
+    """Every DCP variant of ``fixtures/dcp_writer.py``, written once and kept in pytest's cache between sessions.
 
     It runs before the per-test environment (``tests/conftest.py``) is set, so it sets the same quiet, offline one.
     """

@@ -1,17 +1,17 @@
-"""The ``dcp`` layout on checkpoints written by ``torch.distributed.checkpoint`` itself (``dcp_writer.py``): the
+"""The ``dcp`` layout on checkpoints written by ``torch.distributed.checkpoint`` itself (``fixtures/dcp_writer``): the
 assembled global tensors equal what DCP loads, bit for bit, and inspect / convert / check work on them."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from dcp_fixtures import LLAMA_VARIANTS, VARIANTS, expected
-from helpers import load_folder, logits
+from fixtures.checks import check_in_a_fresh_interpreter
+from fixtures.dcp import LLAMA_VARIANTS, VARIANTS, expected
+from fixtures.hf import load_folder
+from fixtures.models import logits
 from safetensors.torch import load_file
 
 from reshard.layouts import discover
@@ -166,25 +166,14 @@ def test_any_box_reads_as_the_slice_of_the_global_tensor(dcp_root):
 
 
 def test_check_reads_dcp_headers_without_importing_torch(dcp_root):
-    probe = (
-        "import sys\n"
-        "from reshard.cli import main\n"
-        "try:\n"
-        f"    main(['check', {str(dcp_root / 'tp2')!r}, '--tp', '2', '--json'])\n"
-        "except SystemExit as done:\n"
-        "    assert done.code == 0, done.code\n"
-        "print('torch' in sys.modules)\n"
-    )
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    report, imported_torch = done.stdout.rsplit("\n", 2)[:2]
-    assert json.loads(report)["ok"]
-    assert imported_torch == "False"
+    report, imported_torch = check_in_a_fresh_interpreter(dcp_root / "tp2", 2)
+    assert report["ok"] and not imported_torch
 
 
 def test_metadata_carrying_save_plans_is_read(dcp_copy):
     """Megatron-Core's ``.metadata`` also pickles DCP planner classes (SavePlan, WriteItem, TensorWriteData,
     WriteItemType): they are on the allow-list, so such a file reads without --trust-pickle."""
-    from dcp_fixtures import rewrite_metadata
+    from fixtures.dcp import rewrite_metadata
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
     ckpt = dcp_copy("tp2")

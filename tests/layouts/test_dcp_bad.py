@@ -11,24 +11,12 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
-from dcp_fixtures import rewrite_metadata, storage_key
+from fixtures.checks import assert_refused
+from fixtures.dcp import rewrite_metadata, storage_key
 
 from reshard.layouts.dcp_metadata import read_index
 
 EMBED = "model.embed_tokens.weight"
-
-
-def assert_refused(result, out: Path | None, *fragments: str) -> str:
-    assert result.exit_code == 2, result.output
-    assert result.stdout == ""
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
-    if out is not None:
-        assert not out.exists()
-        assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")], "temporary output left"
-    return lines[0]
 
 
 def refused_everywhere(cli, ckpt: Path, tmp_path: Path, *fragments: str) -> None:

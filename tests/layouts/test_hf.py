@@ -1,4 +1,5 @@
-"""Reading every HF on-disk form lazily: safetensors single/sharded, .bin single/sharded, nested torch files."""
+"""``reshard.layouts.hf``: every HF on-disk form read lazily: safetensors single/sharded, .bin single/sharded,
+nested torch files."""
 
 from __future__ import annotations
 
@@ -6,10 +7,9 @@ import json
 
 import pytest
 import torch
-from helpers import tiny_llama
+from fixtures.models import tiny_llama
 
 from reshard.layouts import discover
-from reshard.options import ReadOptions
 
 
 @pytest.fixture(scope="module")
@@ -108,14 +108,3 @@ def test_nested_dicts_are_flattened_and_non_tensors_kept_aside(tmp_path):
     source = discover(tmp_path / "m.pt")
     assert list(source.ranks[0]) == ["language_model.embedding.word_embeddings.weight"]
     assert source.extras[0] == {"layer._extra_state": None}
-
-
-def test_hf_ranks_folders(tmp_path):
-    from safetensors.torch import save_file
-
-    for rank in range(2):
-        (tmp_path / f"rank_{rank:02d}").mkdir()
-        save_file({"w": torch.full((2, 3), float(rank))}, tmp_path / f"rank_{rank:02d}" / "model.safetensors")
-    source = discover(tmp_path, ReadOptions())
-    assert (source.layout, source.tp) == ("hf-ranks", 2)
-    assert [source.ranks[r]["w"].read()[0, 0].item() for r in range(2)] == [0.0, 1.0]

@@ -1,4 +1,4 @@
-"""The loose rank-files layout: grouping by the rank number in file and folder names."""
+"""``reshard.layouts.loose``: loose rank files, grouped by the rank number in file and folder names."""
 
 from __future__ import annotations
 
@@ -7,60 +7,25 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import load_folder
+from fixtures.hf import llama_state_dict, load_folder, write_config
+from fixtures.shapes import one_layer_llama
+from fixtures.trainer import rank_states, write_rank_files
 from huggingface_hub import save_torch_state_dict
-from trainer_ckpt import rank_states
 
 from reshard.errors import MissingRankError, ReshardError
 from reshard.layouts import discover
 from reshard.layouts.loose import rank_template
 
-CONFIG = {
-    "model_type": "llama",
-    "architectures": ["LlamaForCausalLM"],
-    "vocab_size": 1001,
-    "hidden_size": 8,
-    "intermediate_size": 16,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 2,
-    "head_dim": 4,
-}
+# one layer of hidden 8, 2 heads of 4, vocab 1001: a state dict filled from arange, so a misplaced row cannot pass
+CONFIG = one_layer_llama()
 
 
 def tiny_state() -> dict[str, torch.Tensor]:
-    """A one-layer Llama state dict filled from arange, so a misplaced row cannot pass."""
-    shapes = {
-        "model.embed_tokens.weight": (1001, 8),
-        "lm_head.weight": (1001, 8),
-        "model.norm.weight": (8,),
-        "model.layers.0.input_layernorm.weight": (8,),
-        "model.layers.0.post_attention_layernorm.weight": (8,),
-        "model.layers.0.self_attn.q_proj.weight": (8, 8),
-        "model.layers.0.self_attn.k_proj.weight": (8, 8),
-        "model.layers.0.self_attn.v_proj.weight": (8, 8),
-        "model.layers.0.self_attn.o_proj.weight": (8, 8),
-        "model.layers.0.mlp.gate_proj.weight": (16, 8),
-        "model.layers.0.mlp.up_proj.weight": (16, 8),
-        "model.layers.0.mlp.down_proj.weight": (8, 16),
-    }
-    state, start = {}, 0
-    for name, shape in shapes.items():
-        numel = torch.Size(shape).numel()
-        state[name] = torch.arange(start, start + numel, dtype=torch.float32).reshape(shape)
-        start += numel
-    return state
+    return llama_state_dict(CONFIG)
 
 
 def write_folder(folder: Path, tp: int = 2, *, name: str = "pytorch_model_rank{r}.bin", ranks=None) -> Path:
-    folder.mkdir()
-    for r, state in enumerate(rank_states(tiny_state(), tp, pad_multiple=1)):
-        if ranks is None or r in ranks:
-            path = folder / name.format(r=r)
-            path.parent.mkdir(exist_ok=True)
-            torch.save(state, path)
-    (folder / "config.json").write_text(json.dumps(CONFIG))
-    return folder
+    return write_rank_files(folder, tiny_state(), CONFIG, tp, name=name, ranks=ranks, pad_multiple=1)
 
 
 @pytest.mark.parametrize(
@@ -98,7 +63,7 @@ def save_rank_shards(ckpt: Path) -> None:
         save_torch_state_dict(
             state, ckpt, filename_pattern=f"model_rank{r}{{suffix}}.safetensors", max_shard_size=20_000
         )
-    (ckpt / "config.json").write_text(json.dumps(CONFIG))
+    write_config(ckpt, CONFIG)
 
 
 def test_several_shard_files_per_rank_group_by_rank(tmp_path, cli):
@@ -169,23 +134,21 @@ def test_rank_sub_folders(tmp_path, cli):
     assert "(rank 0: tp_rank_0/; rank 1: tp_rank_1/)" in result.stdout
 
 
-def test_optimizer_files_are_skipped_with_a_note(tmp_path, cli):
-    ckpt = write_folder(tmp_path / "ckpt", 2, name="model_rank{r}.pt")
-    torch.save({"state": {}}, ckpt / "optimizer_rank0.pt")
+@pytest.mark.parametrize(
+    ("name", "optimizer"),
+    [
+        ("model_rank{r}.pt", "optimizer_rank0.pt"),
+        ("mp_rank_{r:02d}_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"),  # a DeepSpeed-saved HF model
+    ],
+    ids=["optimizer", "deepspeed"],
+)
+def test_optimizer_files_are_skipped_with_a_note(tmp_path, cli, name, optimizer):
+    ckpt = write_folder(tmp_path / "ckpt", 2, name=name)
+    torch.save({"state": {}}, ckpt / optimizer)
     result = cli("inspect", ckpt)
     assert result.exit_code == 0, result.output
     assert "layout      loose, tp=2" in result.stdout
-    assert "note: skipped optimizer state: optimizer_rank0.pt" in result.stdout
-
-
-def test_deepspeed_saved_hf_model_is_loose_and_skips_optimizer_files(tmp_path, cli):
-    ckpt = write_folder(tmp_path / "ckpt", 2, name="mp_rank_{r:02d}_model_states.pt")
-    assert (ckpt / "config.json").is_file()
-    torch.save({"state": {}}, ckpt / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
-    result = cli("inspect", ckpt)
-    assert result.exit_code == 0, result.output
-    assert "layout      loose, tp=2" in result.stdout
-    assert "note: skipped optimizer state: zero_pp_rank_0_mp_rank_00_optim_states.pt" in result.stdout
+    assert f"note: skipped optimizer state: {optimizer}" in result.stdout
 
 
 def test_pipeline_ranks_are_refused(tmp_path):

@@ -1,4 +1,5 @@
-"""SAT (CogVLM / CogAgent) checkpoints: TP=8 -> 4, 2, 1 and back, LoRA kept or merged, bad inputs."""
+"""``reshard.layouts.sat``: SAT (CogVLM / CogAgent) checkpoints, TP=8 -> 4, 2, 1 and back with their LoRA
+adapters kept, and bad inputs (LoRA merging is in ``tests/engine/test_lora_merge.py``)."""
 
 from __future__ import annotations
 
@@ -7,23 +8,30 @@ from pathlib import Path
 
 import pytest
 import torch
-from sat_fixture import RANK, config, full_tensors, layout, read_sat, split_rank, write_sat
+from fixtures.checks import assert_refused
+from fixtures.sat import full_tensors, layout, read_sat, sat_config, write_sat
+from fixtures.sat import split_rank as expected_rank
 
 from reshard import ConvertOptions, convert
-from reshard.errors import DivergentReplicaError, MissingRankError, PlanError
+from reshard.errors import MissingRankError
+
+CFG = sat_config()  # hidden 32, 16 heads of 2 in 8 KV groups, one layer, tp 8
 
 
-def expected_rank(full: torch.Tensor, kind: tuple, tp: int, rank: int) -> torch.Tensor:
-    """The test's own per-part computation (independent of reshard): e.g. qkv rank r = cat(q_r, k_r, v_r)."""
-    return split_rank(full, kind, tp, rank)
-
-
-@pytest.fixture(params=[True, False], ids=["gqa", "mha"])
+@pytest.fixture(params=[8, 0], ids=["gqa", "mha"])
 def tp8(request, tmp_path: Path):
-    cfg = config(gqa=request.param)
+    """The model with KV groups or multi-head attention, at tp 8: (folder, config, full tensors, rank states)."""
+    cfg = sat_config(multi_query_heads=request.param)
     full = full_tensors(cfg)
     ranks = write_sat(tmp_path / "cogagent-tp8", cfg, full, 8)
     return tmp_path / "cogagent-tp8", cfg, full, ranks
+
+
+@pytest.fixture
+def src(tmp_path: Path) -> Path:
+    """The default model at tp 8 in ``tmp_path / "src"`` (iteration 400)."""
+    write_sat(tmp_path / "src", CFG, full_tensors(CFG), 8)
+    return tmp_path / "src"
 
 
 @pytest.mark.parametrize("tp", [4, 2, 1])
@@ -76,143 +84,35 @@ def test_qkv_rank_is_cat_of_its_q_k_v_pieces(tp8, tmp_path: Path) -> None:
 
 
 def test_bf16_tp8_to_tp4_moves_bytes_exactly(tmp_path: Path) -> None:
-    cfg = config()
-    full = full_tensors(cfg, torch.bfloat16)
-    write_sat(tmp_path / "src", cfg, full, 8)
+    full = full_tensors(CFG, torch.bfloat16)
+    write_sat(tmp_path / "src", CFG, full, 8)
     convert(tmp_path / "src", tmp_path / "tp4", ConvertOptions(tp=4, layout="sat", progress=False))
     _, files = read_sat(tmp_path / "tp4")
-    kinds = layout(cfg)
+    kinds = layout(CFG)
     for rank, obj in enumerate(files):
         for name, tensor in obj["module"].items():
             assert tensor.dtype == torch.bfloat16
             assert torch.equal(tensor, expected_rank(full[name], kinds[name][1], 4, rank)), name
 
 
-def merged_expected(cfg: dict, full: dict, ranks: list[dict], alpha: float = 1.0) -> dict[str, torch.Tensor]:
-    """Per source rank W_r + alpha/r * cat_i(B_i A_i) in float32, cast back, then gathered by the base's rule."""
-    kinds = layout(cfg)
-    tp = len(ranks)
-    merged: dict[str, torch.Tensor] = {}
-    for name, (_, kind) in kinds.items():
-        if ".matrix_" in name:
-            continue
-        if ".original." not in name:
-            merged[name] = full[name]
-            continue
-        layer, param = name.split(".original.")
-        plain = f"{layer}.{param}"
-        per_rank = []
-        for sd in ranks:
-            w = sd[name]
-            if param == "weight":
-                parts = 1 if kind[0] != "packed" else len(kind[1])
-                pairs = [(sd[f"{layer}.matrix_B.{i}"], sd[f"{layer}.matrix_A.{i}"]) for i in range(parts)]
-                delta = torch.cat([b.float() @ a.float() for b, a in pairs])
-                w = (w.float() + alpha / RANK * delta).to(w.dtype)
-            per_rank.append(w)
-        merged[plain] = gather_by_kind(per_rank, kind, tp)
-    return merged
+def test_missing_rank_file_is_named(src: Path, tmp_path: Path, cli) -> None:
+    (src / "400" / "mp_rank_05_model_states.pt").unlink()
+    result = cli("convert", src, "--tp", 4, "-o", tmp_path / "out")
+    assert_refused(result, tmp_path / "out", "mp_rank_05_model_states.pt", "model_parallel_size is 8")
+    with pytest.raises(MissingRankError, match="mp_rank_05_model_states.pt"):
+        convert(src, tmp_path / "out", ConvertOptions(tp=4, progress=False))
 
 
-def gather_by_kind(slices: list[torch.Tensor], kind: tuple, tp: int) -> torch.Tensor:
-    match kind[0]:
-        case "rep":
-            return slices[0]
-        case "col":
-            return torch.cat(slices, 0)
-        case "row":
-            return torch.cat(slices, 1)
-        case "packed":
-            sizes = [p // tp for p in kind[1]]
-            pieces = [s.split(sizes, 0) for s in slices]
-            return torch.cat([torch.cat([p[i] for p in pieces], 0) for i in range(len(sizes))], 0)
-    raise ValueError(kind)
-
-
-def test_divergent_row_lora_b_is_refused_without_merge(tmp_path: Path, cli) -> None:
-    cfg = config()
-    write_sat(tmp_path / "src", cfg, full_tensors(cfg), 8, divergent_b=True)
-    out = tmp_path / "out"
-    result = cli("convert", tmp_path / "src", "--tp", 4, "--layout", "sat", "-o", out)
-    assert result.exit_code == 2
-    assert "--merge-lora" in result.stderr
-    assert "transformer.layers.0.attention.dense.matrix_B.0" in result.stderr
-    assert "mp_rank_01_model_states.pt" in result.stderr
-    assert "Traceback" not in result.output
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
-    with pytest.raises(PlanError) as err:
-        convert(tmp_path / "src", out, ConvertOptions(tp=4, layout="sat", progress=False))
-    assert all(isinstance(p, DivergentReplicaError) for p in err.value.problems)
-    assert len(err.value.problems) == 3  # attention.dense, cross_attention.dense, EVA attention.dense
-
-
-@pytest.mark.parametrize(
-    ("tp", "dtype"), [(4, torch.float32), (1, torch.float32), (4, torch.bfloat16)], ids=["tp4", "tp1", "tp4-bf16"]
-)
-def test_merge_lora_is_exact(tmp_path: Path, cli, tp: int, dtype: torch.dtype) -> None:
-    cfg = config()
-    full = full_tensors(cfg, dtype)
-    ranks = write_sat(tmp_path / "src", cfg, full, 8, divergent_b=True)
-    out = tmp_path / "merged"
-    result = cli("convert", tmp_path / "src", "--tp", tp, "--layout", "sat", "--merge-lora", "-o", out)
-    assert result.exit_code == 0, result.output
-    assert "merged 7 LoRA adapters" in result.stdout
-    want = merged_expected(cfg, full, ranks)
-    kinds = layout(cfg)
-    _, files = read_sat(out)
-    for rank, obj in enumerate(files):
-        sd = obj["module"]
-        assert not any(".original." in n or ".matrix_" in n for n in sd)
-        assert set(sd) == set(want)
-        for name, tensor in sd.items():
-            source_name = (
-                name
-                if name in kinds
-                else name.replace(".weight", ".original.weight").replace(".bias", ".original.bias")
-            )
-            kind = kinds[source_name][1]
-            assert torch.equal(tensor, expected_rank(want[name], kind, tp, rank)), (name, rank)
-
-
-def test_lora_alpha_scales_the_merge(tmp_path: Path) -> None:
-    cfg = config()
-    full = full_tensors(cfg)
-    ranks = write_sat(tmp_path / "src", cfg, full, 8)
-    options = ConvertOptions(tp=1, layout="sat", merge_lora=True, lora_alpha=4.0, progress=False)
-    convert(tmp_path / "src", tmp_path / "m", options)
-    _, files = read_sat(tmp_path / "m")
-    want = merged_expected(cfg, full, ranks, alpha=4.0)
-    for name in ("transformer.layers.0.cross_attention.query.weight", "transformer.layers.0.attention.dense.weight"):
-        assert torch.equal(files[0]["module"][name], want[name])
-        assert not torch.equal(want[name], merged_expected(cfg, full, ranks)[name])
-
-
-def test_missing_rank_file_is_named(tmp_path: Path, cli) -> None:
-    cfg = config()
-    write_sat(tmp_path / "src", cfg, full_tensors(cfg), 8)
-    (tmp_path / "src" / "400" / "mp_rank_05_model_states.pt").unlink()
-    result = cli("convert", tmp_path / "src", "--tp", 4, "-o", tmp_path / "out")
-    assert result.exit_code == 2
-    assert "mp_rank_05_model_states.pt" in result.stderr and "model_parallel_size is 8" in result.stderr
-    assert not (tmp_path / "out").exists()
-    with pytest.raises(MissingRankError):
-        convert(tmp_path / "src", tmp_path / "out", ConvertOptions(tp=4, progress=False))
-
-
-def test_model_parallel_size_disagreeing_with_files_is_reported(tmp_path: Path, cli) -> None:
-    cfg = config()
-    write_sat(tmp_path / "src", cfg, full_tensors(cfg), 8)
-    (tmp_path / "src" / "model_config.json").write_text(json.dumps(cfg | {"model_parallel_size": 4}))
-    result = cli("inspect", tmp_path / "src")
+def test_model_parallel_size_disagreeing_with_files_is_reported(src: Path, cli) -> None:
+    (src / "model_config.json").write_text(json.dumps(CFG | {"model_parallel_size": 4}))
+    result = cli("inspect", src)
     assert result.exit_code == 2
     assert "model_config.json" in result.stderr
     assert "model_parallel_size is 4" in result.stderr and "mp_rank_07_model_states.pt" in result.stderr
 
 
 def test_iteration_folder_and_release_tag(tmp_path: Path, cli) -> None:
-    cfg = config()
-    full = full_tensors(cfg)
-    write_sat(tmp_path / "src", cfg, full, 8, iteration="release")
+    write_sat(tmp_path / "src", CFG, full_tensors(CFG), 8, iteration="release")
     result = cli("inspect", tmp_path / "src" / "release", "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
@@ -226,32 +126,20 @@ def test_iteration_folder_and_release_tag(tmp_path: Path, cli) -> None:
     assert (out / "latest").read_text() == "release" and (out / "release" / "mp_rank_01_model_states.pt").is_file()
 
 
-def test_tp_that_splits_a_head_is_refused(tmp_path: Path, cli) -> None:
-    cfg = config()
-    write_sat(tmp_path / "src", cfg, full_tensors(cfg), 8)
-    result = cli("convert", tmp_path / "src", "--tp", 16, "-o", tmp_path / "out")
+def test_tp_that_splits_a_head_is_refused(src: Path, tmp_path: Path, cli) -> None:
+    result = cli("convert", src, "--tp", 16, "-o", tmp_path / "out")
     assert result.exit_code == 2
     assert "query_key_value" in result.stderr and "tp=16" in result.stderr
     assert not (tmp_path / "out").exists()
 
 
-def test_hf_ranks_from_sat_keeps_names(tmp_path: Path) -> None:
-    cfg = config()
-    full = full_tensors(cfg)
-    write_sat(tmp_path / "src", cfg, full, 8)
-    convert(tmp_path / "src", tmp_path / "ranks", ConvertOptions(tp=2, layout="hf-ranks", progress=False))
+def test_hf_ranks_from_sat_keeps_names(src: Path, tmp_path: Path) -> None:
+    full = full_tensors(CFG)
+    convert(src, tmp_path / "ranks", ConvertOptions(tp=2, layout="hf-ranks", progress=False))
     convert(tmp_path / "ranks", tmp_path / "back", ConvertOptions(tp=1, layout="sat", progress=False))
     _, files = read_sat(tmp_path / "back")
     for name, tensor in files[0]["module"].items():
         assert torch.equal(tensor, full[name]), name
-
-
-def test_lora_alpha_needs_merge_lora(tmp_path: Path, cli) -> None:
-    cfg = config()
-    write_sat(tmp_path / "src", cfg, full_tensors(cfg), 8)
-    result = cli("convert", tmp_path / "src", "--tp", 4, "--lora-alpha", 2, "-o", tmp_path / "out")
-    assert result.exit_code == 2 and "--merge-lora" in result.stderr
-    assert not (tmp_path / "out").exists()
 
 
 class Trainer:
@@ -263,17 +151,14 @@ def _resave(path: Path, **extra) -> None:
     torch.save(obj | extra, path)
 
 
-def test_deepspeed_rank_files_with_rng_state_load_safely(tmp_path: Path, cli) -> None:
+def test_deepspeed_rank_files_with_rng_state_load_safely(src: Path, tmp_path: Path, cli) -> None:
     """DeepSpeed saves (sat/training/model_io.py) add rng and scheduler state; they load without
     --trust-pickle, are reported, and only ``iteration`` is carried over."""
     import random
 
     import numpy as np
 
-    cfg = config()
-    full = full_tensors(cfg)
-    write_sat(tmp_path / "src", cfg, full, 8)
-    for file in (tmp_path / "src" / "400").iterdir():
+    for file in (src / "400").iterdir():
         _resave(
             file,
             random_rng_state=random.getstate(),
@@ -282,53 +167,43 @@ def test_deepspeed_rank_files_with_rng_state_load_safely(tmp_path: Path, cli) ->
             client_lr_scheduler={"num_iters": 400},
             mp_world_size=8,
         )
-    result = cli("convert", tmp_path / "src", "--tp", 2, "-o", tmp_path / "out")
+    result = cli("convert", src, "--tp", 2, "-o", tmp_path / "out")
     assert result.exit_code == 0, result.output
     assert "not carried over" in result.stdout and "np_rng_state" in result.stdout
     _, files = read_sat(tmp_path / "out")
     assert set(files[0]) == {"module", "iteration"}
 
 
-def test_unknown_pickled_object_needs_trust_pickle(tmp_path: Path, cli) -> None:
-    cfg = config()
-    write_sat(tmp_path / "src", cfg, full_tensors(cfg), 8)
-    _resave(tmp_path / "src" / "400" / "mp_rank_03_model_states.pt", trainer=Trainer())
-    result = cli("convert", tmp_path / "src", "--tp", 4, "-o", tmp_path / "out")
-    assert result.exit_code == 2
-    assert "mp_rank_03_model_states.pt" in result.stderr and "Trainer" in result.stderr
-    assert "--trust-pickle" in result.stderr
-    assert not (tmp_path / "out").exists()
+def test_unknown_pickled_object_needs_trust_pickle(src: Path, tmp_path: Path, cli) -> None:
+    _resave(src / "400" / "mp_rank_03_model_states.pt", trainer=Trainer())
+    result = cli("convert", src, "--tp", 4, "-o", tmp_path / "out")
+    assert_refused(result, tmp_path / "out", "mp_rank_03_model_states.pt", "Trainer", "--trust-pickle")
 
 
-def test_missing_model_config_is_reported_per_tensor(tmp_path: Path, cli) -> None:
-    cfg = config()
-    write_sat(tmp_path / "src", cfg, full_tensors(cfg), 8)
-    (tmp_path / "src" / "model_config.json").unlink()
-    result = cli("convert", tmp_path / "src", "--tp", 4, "-o", tmp_path / "out")
+def test_missing_model_config_is_reported_per_tensor(src: Path, tmp_path: Path, cli) -> None:
+    (src / "model_config.json").unlink()
+    result = cli("convert", src, "--tp", 4, "-o", tmp_path / "out")
     assert result.exit_code == 2
     line = next(x for x in result.stderr.splitlines() if "layers.0.attention.query_key_value.original.weight" in x)
     assert "mp_rank_00_model_states.pt" in line and "needs its model_config.json" in line and "--config" in line
     assert not (tmp_path / "out").exists()
     config_file = tmp_path / "model_config.json"
-    config_file.write_text(json.dumps(cfg))
-    result = cli("convert", tmp_path / "src", "--tp", 4, "--config", config_file, "-o", tmp_path / "out", "-q")
+    config_file.write_text(json.dumps(CFG))
+    result = cli("convert", src, "--tp", 4, "--config", config_file, "-o", tmp_path / "out", "-q")
     assert result.exit_code == 0, result.output
 
 
-def test_latest_naming_a_missing_iteration_is_reported(tmp_path: Path, cli) -> None:
-    cfg = config()
-    write_sat(tmp_path / "src", cfg, full_tensors(cfg), 8)
-    (tmp_path / "src" / "latest").write_text("500")
-    result = cli("inspect", tmp_path / "src")
+def test_latest_naming_a_missing_iteration_is_reported(src: Path, cli) -> None:
+    (src / "latest").write_text("500")
+    result = cli("inspect", src)
     assert result.exit_code == 2
     assert "latest" in result.stderr and "'500'" in result.stderr
 
 
 def test_several_iterations_without_latest_ask_for_one(tmp_path: Path, cli) -> None:
-    cfg = config()
-    full = full_tensors(cfg)
-    write_sat(tmp_path / "src", cfg, full, 8, iteration="100")
-    write_sat(tmp_path / "src", cfg, full, 8, iteration="200")
+    full = full_tensors(CFG)
+    write_sat(tmp_path / "src", CFG, full, 8, iteration="100")
+    write_sat(tmp_path / "src", CFG, full, 8, iteration="200")
     (tmp_path / "src" / "latest").unlink()
     result = cli("inspect", tmp_path / "src")
     assert result.exit_code == 2

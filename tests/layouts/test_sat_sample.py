@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from sat_fixture import read_sat
+from fixtures import SAMPLES
+from fixtures.sat import read_sat
 
-SAMPLE = Path(__file__).resolve().parents[2] / "sample_ckpts" / "tiny-cogagent-sat-tp8"
+SAMPLE = SAMPLES / "tiny-cogagent-sat-tp8"
 
 
 def test_readme_tp8_to_tp4_and_back(tmp_path: Path, cli) -> None:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from megatron_fixtures import FullModel, write_megatron
-from sat_fixture import config, full_tensors, write_sat
+from fixtures.megatron import TINY, full_model, write_megatron
+from fixtures.sat import full_tensors, sat_config, write_sat
 
 from reshard.layouts.megatron_args import PICKLE_MODULE, SAFE_GLOBALS
 from reshard.layouts.readers import load_torch_file
@@ -17,13 +17,13 @@ from reshard.layouts.readers import load_torch_file
 
 @pytest.fixture(scope="module")
 def megatron_tp8(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_megatron(tmp_path_factory.mktemp("megatron") / "tp8", FullModel.build(), 8)
+    return write_megatron(tmp_path_factory.mktemp("megatron") / "tp8", full_model(TINY), 8)
 
 
 @pytest.fixture(scope="module")
 def sat_tp8(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("sat") / "tp8"
-    cfg = config()
+    cfg = sat_config()
     write_sat(root, cfg, full_tensors(cfg, torch.bfloat16), 8)
     return root
 
@@ -42,7 +42,10 @@ def test_megatron_rank_files_are_torch_save_files(cli, megatron_tp8: Path, tmp_p
     outputs = []
     for jobs in (1, 4):
         out = tmp_path / f"tp{tp}-jobs{jobs}"
-        assert cli("convert", megatron_tp8, "--tp", tp, "--jobs", jobs, "-o", out, "-q").exit_code == 0
+        assert (
+            cli("convert", megatron_tp8, "--tp", tp, "--vocab", TINY.vocab, "--jobs", jobs, "-o", out, "-q").exit_code
+            == 0
+        )
         outputs.append(sorted(out.rglob("model_optim_rng.pt")))
         assert not list(out.rglob("*.safetensors")), "nothing is spooled"
     for one, other in zip(*outputs, strict=True):

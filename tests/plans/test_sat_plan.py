@@ -1,9 +1,9 @@
-"""The SAT plan: which rule each CogAgent tensor name gets, with part sizes from model_config.json."""
+"""``reshard.plans.sat``: which rule each CogAgent tensor name gets, with part sizes from model_config.json."""
 
 from __future__ import annotations
 
 import pytest
-from sat_fixture import config
+from fixtures.sat import sat_config
 
 from reshard.config import ModelConfig
 from reshard.errors import AmbiguousPartitionError
@@ -12,7 +12,7 @@ from reshard.plans import detect_family, select_plan
 
 L = "transformer.layers.3."
 E = "mixins.eva.vit_model.transformer.layers.0."
-CFG = ModelConfig(config(gqa=True))  # hidden 32, 16 heads of 2, 8 KV groups; cross 32 = 16 x 2; EVA 16 = 8 x 2
+CFG = ModelConfig(sat_config())  # hidden 32, 16 heads of 2, 8 KV groups; cross 32 = 16 x 2; EVA 16 = 8 x 2
 
 
 @pytest.mark.parametrize(
@@ -59,13 +59,13 @@ def test_sat_rules(name: str, expected) -> None:
 
 
 def test_multi_head_qkv_has_three_equal_parts() -> None:
-    cfg = ModelConfig(config(gqa=False))
+    cfg = ModelConfig(sat_config(multi_query_heads=0))
     plan = select_plan(cfg, [L + "attention.query_key_value.weight"])
     assert plan.match(L + "attention.query_key_value.weight").resolve(cfg) == Packed(0, (32, 32, 32), (2, 2, 2))
 
 
 def test_small_vocab_embedding_is_replicated() -> None:
-    cfg = ModelConfig(config() | {"vocab_size": 999})
+    cfg = ModelConfig(sat_config() | {"vocab_size": 999})
     plan = select_plan(cfg, [L + "attention.query_key_value.weight"])
     assert plan.match("transformer.word_embeddings.weight").resolve(cfg) == Replicate()
 

@@ -1,0 +1,146 @@
+"""Which files of a repo a command needs, from the repo's file list alone (pure: names in, names out).
+
+Weights are chosen per folder the way the layouts read a folder (``layouts/hf.py`` ``weight_files``): the
+files an index names, else ``model.safetensors`` / ``pytorch_model.bin``, else every ``*.safetensors``, else
+every torch file that is not optimizer state. The folders are the checkpoint's own and, below it, the iteration
+a tracker names (Megatron, SAT), else those named for a rank. So a repo holding both ``*.safetensors`` and
+``*.bin`` copies, ``consolidated.safetensors`` beside indexed shards, or an ``original/`` folder of ``.pth``
+files is downloaded once, without the copies. Planning needs only small files (configs, indexes,
+``reshard.json``); a conversion also copies what sits beside the weights (tokenizer, generation config, chat
+template, remote code, licence, card).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import posixpath
+import re
+from collections.abc import Callable, Iterable, Sequence
+
+from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE_FILE
+
+from reshard.errors import HubError
+from reshard.layouts.loose import RANK_TOKEN
+
+TENSOR_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+BIN_INDEX, BIN_SINGLE = "pytorch_model.bin.index.json", "pytorch_model.bin"
+# Files naming the iteration folder to read: Megatron's (``iter_{n:07d}`` or ``release``) and SAT's (the name).
+TRACKERS = ("latest_checkpointed_iteration.txt", "latest")
+# Optimizer state saved beside the weights: DeepSpeed ``*optim_states.pt``, ColossalAI ``pytorch_optim*``,
+# Megatron's distributed optimizer ``distrib_optim.pt`` (not ``model_optim_rng.pt``, which holds the model).
+OPTIMIZER = re.compile(r"optim_states|optimizer|pytorch_optim|distrib_optim", re.I)
+# What is copied beside the weights: configs, tokenizers, chat templates, remote code, licence, card.
+SIDE_PATTERNS = ("*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py", "*.md", "LICENSE*", "NOTICE*")
+CONFIG_LEVELS = 3  # config.json is looked for in the checkpoint folder and up to 3 above (config.find_config)
+
+
+def literal(path: str) -> str:
+    """``path`` as an fnmatch pattern matching only itself (``allow_patterns`` are fnmatch patterns)."""
+    return re.sub(r"([\[\]*?])", r"[\1]", path)
+
+
+def under(path: str, root: str) -> bool:
+    return not root or path == root or path.startswith(root + "/")
+
+
+def _folder(root: str) -> str:
+    """The folder of a checkpoint named by a folder, by one of its weight files, or by its config."""
+    return posixpath.dirname(root) if root.endswith((*TENSOR_SUFFIXES, ".json")) else root
+
+
+def config_candidates(root: str) -> list[str]:
+    """``config.json`` in the checkpoint's folder and up to :data:`CONFIG_LEVELS` folders above, inside the repo."""
+    folder, found = _folder(root), []
+    for _ in range(CONFIG_LEVELS + 1):
+        found.append(posixpath.join(folder, "config.json") if folder else "config.json")
+        if not folder:
+            break
+        folder = posixpath.dirname(folder)
+    return found
+
+
+def plan_patterns(root: str) -> list[str]:
+    """``allow_patterns`` for what planning reads: configs, every index under the checkpoint, its manifest and
+    Megatron tracker (fnmatch's ``*`` crosses ``/``: rank folders' indexes match too)."""
+    folder = _folder(root)
+    prefix = literal(folder + "/") if folder else ""
+    small = [prefix + "*.index.json", prefix + "reshard.json", *(prefix + t for t in TRACKERS)]
+    return [*map(literal, config_candidates(root)), *small]
+
+
+def side_patterns(root: str, files: Iterable[str]) -> list[str]:
+    """``allow_patterns`` for the small files directly in the checkpoint's folder that a conversion copies
+    beside its output (tokenizer, generation config, chat template, remote code, licence, card)."""
+    folder = _folder(root)
+    return [
+        literal(f)
+        for f in files
+        if posixpath.dirname(f) == folder
+        and not f.endswith(TENSOR_SUFFIXES)
+        and any(fnmatch.fnmatchcase(posixpath.basename(f), p) for p in SIDE_PATTERNS)
+    ]
+
+
+def weight_files(files: Sequence[str], root: str, read_text: Callable[[str], str], *, where: str = "") -> list[str]:
+    """The weight files under ``root`` (a folder, or one weight file) that reading the checkpoint takes.
+
+    Folders read are ``root`` itself and, below it, the iteration a tracker names (Megatron, SAT), else folders
+    named for a rank (``rank_00/``, ``tp_rank_1/``, ``mp_rank_00/``): ``original/`` or ``onnx/`` beside the
+    weights are not the checkpoint. ``read_text(path)`` returns a small file already fetched; ``where`` names
+    the repo in errors.
+
+    Raises:
+        HubError: an index that names a file the repo does not hold, or nothing at ``root``.
+    """
+    present = set(files)
+    if root in present:
+        return [root] if root.endswith(TENSOR_SUFFIXES) else []
+    inside = [f for f in files if under(f, root)]
+    if not inside:
+        raise HubError(f"no file or folder {root!r} at this revision", path=where or None)
+    trackers = [(t, posixpath.join(root, t) if root else t) for t in TRACKERS]
+    iteration = next((_iteration(t, read_text(path)) for t, path in trackers if path in present), None)
+    folders: dict[str, list[str]] = {}
+    for f in inside:
+        folders.setdefault(posixpath.dirname(f), []).append(posixpath.basename(f))
+    chosen: list[str] = []
+    for folder, names in sorted(folders.items()):
+        below = folder[len(root) :].strip("/").split("/") if folder != root else []
+        if below and not (below[0] == iteration if iteration else any(RANK_TOKEN.search(p) for p in below)):
+            continue
+        join = (lambda n, folder=folder: posixpath.join(folder, n)) if folder else (lambda n: n)
+        index = next((i for i in (SAFETENSORS_INDEX_FILE, BIN_INDEX) if i in names), None)
+        if index is not None:
+            named = _index_files(read_text(join(index)))
+            missing = [n for n in named if n not in names]
+            if missing:
+                raise HubError(
+                    f"{join(index)} names {missing[0]}, which is not in the repo at this revision", path=where or None
+                )
+            chosen += [join(n) for n in named]
+            continue
+        single = [n for n in (SAFETENSORS_SINGLE_FILE, BIN_SINGLE) if n in names][:1]
+        safetensors = sorted(n for n in names if n.endswith(".safetensors"))
+        torch = sorted(n for n in names if n.endswith(TENSOR_SUFFIXES) and not OPTIMIZER.search(n))
+        chosen += [join(n) for n in (single or safetensors or torch)]
+    return chosen
+
+
+def _index_files(text: str) -> list[str]:
+    try:
+        weight_map = json.loads(text)["weight_map"]
+        return list(dict.fromkeys(str(f) for f in weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return []  # a corrupt index is reported when the layout reads it
+
+
+def _iteration(tracker: str, text: str) -> str | None:
+    """The iteration folder a tracker names: Megatron's ``iter_0000100`` (or ``release``), SAT's name as written."""
+    value = text.strip()
+    if tracker == TRACKERS[0] and value.isdigit():
+        return f"iter_{int(value):07d}"
+    return value or None
+
+
+__all__ = ["config_candidates", "literal", "plan_patterns", "side_patterns", "weight_files"]

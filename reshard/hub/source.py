@@ -1,0 +1,147 @@
+"""What a CKPT argument names: a local path, or a Hugging Face Hub repo at a revision (and a folder in it).
+
+A local path that exists wins. Otherwise ``org/name``, ``org/name@revision`` (``@refs/pr/3`` too), an
+``hf://`` URI or a Hub web URL is a repo, parsed by huggingface_hub's own :func:`~huggingface_hub.parse_hf_uri`;
+a folder or file inside the repo follows the revision (``org/name@main/tp2``). Anything else is a path that
+does not exist. The revision is resolved once to a commit (:func:`resolve`) and every later request names that
+commit, so a repo that moves during a run cannot mix two versions.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from reshard.errors import HubError, ReshardError
+
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+_URL = ("hf://", "http://", "https://", "huggingface.co/", "hf.co/")
+
+
+@dataclass(frozen=True)
+class HubCheckpoint:
+    """A checkpoint in a Hub model repo: ``repo_id`` at ``revision`` (None: the default branch), in ``path``.
+
+    Attributes:
+        repo_id: ``org/name``.
+        revision: what the user asked for (a branch, tag, PR ref or commit); None for the default branch.
+        path: a folder or file inside the repo ("" for its root).
+        commit: the 40-hex commit ``revision`` resolved to (None until :func:`resolve`).
+        cache_dir: the Hugging Face cache to use (None: huggingface_hub's, ``HF_HUB_CACHE``).
+    """
+
+    repo_id: str
+    revision: str | None = None
+    path: str = ""
+    commit: str | None = None
+    cache_dir: Path | None = None
+
+    def __str__(self) -> str:
+        """``org/name@commit/path`` once resolved (``@revision`` before): itself a valid CKPT argument."""
+        return self.at + (f"/{self.path}" if self.path else "")
+
+    @property
+    def at(self) -> str:
+        """``org/name@commit`` (``@revision`` before :func:`resolve`): the repo at the commit read."""
+        at = self.commit or self.revision
+        return self.repo_id + (f"@{at}" if at else "")
+
+
+def checkpoint_argument(text: str) -> Path | HubCheckpoint:
+    """A CKPT argument as a local path (when it exists) or a Hub checkpoint.
+
+    Raises:
+        ReshardError: neither an existing path nor a repo id.
+
+    Example:
+        >>> checkpoint_argument("acme/llama@v1.0/tp2")
+        HubCheckpoint(repo_id='acme/llama', revision='v1.0', path='tp2', commit=None, cache_dir=None)
+    """
+    if os.path.exists(text):
+        return Path(text)
+    from huggingface_hub import constants, parse_hf_uri
+    from huggingface_hub.errors import HfUriError
+
+    if text.startswith(_URL):
+        uri_text = text
+    elif not text.startswith(("/", ".", "~")) and text.split("@", 1)[0].count("/") == 1:
+        uri_text = "hf://" + text  # org/name[@revision][/path]
+    else:
+        raise ReshardError("no such file or folder", path=text)
+    try:
+        uri = parse_hf_uri(uri_text, endpoint=constants.ENDPOINT)
+    except HfUriError as err:
+        if uri_text is text:
+            raise ReshardError(f"not a Hub repo: {str(err).splitlines()[0]}", path=text) from None
+        raise ReshardError("no such file or folder, nor a Hub repo id (org/name[@revision])", path=text) from None
+    if uri.type != "model":
+        raise ReshardError(f"a {uri.type} repo: reshard reads checkpoints from model repos", path=text)
+    return HubCheckpoint(uri.id, uri.revision, uri.path_in_repo.strip("/"))
+
+
+def with_cache(ckpt: Path | HubCheckpoint, cache_dir: Path | None) -> Path | HubCheckpoint:
+    """``ckpt`` with ``cache_dir`` set when it is a Hub checkpoint (``--cache-dir``)."""
+    if isinstance(ckpt, HubCheckpoint) and cache_dir is not None:
+        return replace(ckpt, cache_dir=Path(cache_dir))
+    return ckpt
+
+
+def resolve(ckpt: HubCheckpoint) -> HubCheckpoint:
+    """``ckpt`` with its revision resolved to a commit, online, or from the cache's ``refs/`` when offline.
+
+    Raises:
+        HubError: unknown repo or revision, no access, or (offline) a revision the cache does not know.
+    """
+    if ckpt.commit is not None:
+        return ckpt
+    from huggingface_hub import constants
+
+    from reshard.hub.api import hub_api, hub_errors
+
+    with hub_errors(ckpt):
+        resolved = hub_api().resolve_revision(
+            ckpt.repo_id,
+            revision=ckpt.revision,
+            cache_dir=ckpt.cache_dir,
+            local_files_only=constants.is_offline_mode(),  # the cache's refs/, without a warning per call
+        )
+    return replace(ckpt, commit=resolved.resolved)
+
+
+def hub_origin(path: Path) -> dict[str, str] | None:
+    """``{"repo", "commit"[, "path_in_repo"]}`` when ``path`` lies in a Hugging Face cache snapshot, else None.
+
+    The cache keeps ``models--{org}--{name}/snapshots/{commit}/{path in repo}`` (repo ids cannot hold ``--``),
+    so a download's provenance is read from where it lies, however it got there.
+
+    Example:
+        >>> hub_origin(Path("/c/hub/models--acme--tiny/snapshots/" + "a" * 40 + "/tp2"))["repo"]
+        'acme/tiny'
+    """
+    parts = Path(os.path.abspath(path)).parts  # not resolve(): a cached file is a symlink into blobs/
+    for i in range(1, len(parts) - 1):
+        if parts[i] == "snapshots" and parts[i - 1].startswith("models--") and _COMMIT.match(parts[i + 1]):
+            origin = {"repo": parts[i - 1][len("models--") :].replace("--", "/"), "commit": parts[i + 1]}
+            inside = "/".join(parts[i + 2 :])
+            return origin | ({"path_in_repo": inside} if inside else {})
+    return None
+
+
+def source_record(path: Path) -> dict[str, Any]:
+    """The ``source`` of a manifest: the path read, plus the repo and commit when it is a Hub download."""
+    return {"path": str(path), **(hub_origin(path) or {})}
+
+
+def require_token(what: str) -> None:
+    """Fail before any work when ``what`` needs a token and huggingface_hub finds none (``HF_TOKEN``, the login
+    file)."""
+    from huggingface_hub import get_token
+
+    if get_token() is None:
+        raise HubError(f"{what} needs a Hugging Face token", hint="set HF_TOKEN or run `hf auth login`")
+
+
+__all__ = ["HubCheckpoint", "checkpoint_argument", "hub_origin", "resolve", "source_record", "with_cache"]

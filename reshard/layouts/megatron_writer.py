@@ -1,0 +1,130 @@
+"""Writing Megatron-LM's ``torch`` format: ``iter_XXXXXXX/mp_rank_XX[_PPP]/model_optim_rng.pt`` and the tracker.
+
+Each rank file holds ``model`` (the state dict, in the source's nesting: mcore's flat names, or the legacy
+``language_model -> encoder -> ...`` dicts), ``args`` (the source's, or those the plan built for a
+checkpoint of another framework, with the new tensor-, pipeline- and expert-parallel sizes and padded vocab),
+``checkpoint_version`` and ``iteration``. With ``--pp N`` the layers are split evenly into N stages the
+way Megatron-LM assigns them (the embedding on the first stage, the final norm and output layer on the
+last; tied embeddings also on the last, as ``output_layer.weight``, the copy Megatron keeps there), each
+stage numbering its layers from 0. Experts are written unsharded (expert-parallel size 1).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from reshard.errors import ReshardError
+from reshard.layouts.base import SourceCheckpoint, TargetSpec
+from reshard.layouts.megatron import FILE_NAME, TRACKER
+from reshard.layouts.megatron_args import PICKLE_MODULE, arg, retarget_args
+from reshard.layouts.megatron_stages import LAYER, layer_of, stage_of, stage_of_layers, with_layer
+from reshard.layouts.torch_ranks import TorchRanksWriter
+from reshard.vocab import megatron_pad_multiple
+
+CHECKPOINT_VERSION = 3.0  # what Megatron-LM writes today (QKV interleaved per query group)
+EMBEDDING = ("embedding.word_embeddings.weight", "language_model.embedding.word_embeddings.weight")
+
+
+class MegatronWriter(TorchRanksWriter):
+    """Writes the ``megatron`` layout (see the module docstring); a checkpoint of another framework is written
+    as Megatron's converters write one, in ``release/``; non-tensor entries (``_extra_state``) come from the
+    source rank whose rows the target rank starts with."""
+
+    pickle_module = PICKLE_MODULE
+    replicated_heads_refusal = "Megatron stores KV heads as query groups and cannot load copies of a KV head"
+
+    def __init__(self, out_dir: Path, spec: TargetSpec) -> None:
+        self._args = megatron_args_of(spec.source, spec.meta)
+        uneven = sorted(
+            {n for h in spec.rank_headers for n, t in h.items() if t.shape != spec.rank_headers[0][n].shape}
+        )
+        if uneven:
+            raise ReshardError(
+                f"Megatron needs every rank to hold equal shapes, but {uneven[0]} would differ between ranks",
+                hint="drop --uneven: the megatron layout pads the vocab the Megatron way",
+            )
+        self._stages = stage_of_layers(int(arg(self._args, "num_layers", 0) or _layers(spec)), spec.pp)
+        meta = spec.source.meta
+        self._release = meta.get("release") or not meta.get("megatron")
+        self._folder = "release" if self._release else f"iter_{int(meta.get('iteration') or 0):07d}"
+        super().__init__(out_dir, spec)  # lays out every rank file (rank_files needs the above)
+
+    @classmethod
+    def pad_multiple(cls, tp: int, source: SourceCheckpoint, meta: dict[str, Any]) -> int | None:
+        """Megatron pads the vocab to ``make_vocab_size_divisible_by * tp`` (128 * tp by default)."""
+        return megatron_pad_multiple(arg(megatron_args_of(source, meta), "make_vocab_size_divisible_by"), tp)
+
+    def rank_files(self, rank: int, state_dict: dict[str, Any]) -> list[tuple[Path, Any]]:
+        source, meta = self.spec.source, self.spec.source.meta
+        extras = source.extras[rank * source.tp // self.spec.tp] if meta.get("megatron") else {}
+        paths, pp = meta.get("paths", {}), len(self._stages)
+        args = retarget_args(self._args, self.spec.tp, self.spec.padded_vocab_size, pp=pp)
+        files = []
+        for stage, layers in enumerate(self._stages):
+            model: dict[str, Any] = {}
+            for name in _stage_names(state_dict.keys() | extras.keys(), list(paths), self._stages, stage):
+                value = state_dict[name] if name in state_dict else extras[name]
+                _put(model, _local_path(paths.get(name, (name,)), layers.start), value)
+            if pp > 1 and stage == pp - 1 and not arg(self._args, "untie_embeddings_and_output_weights", False):
+                _put_tied_head(model, state_dict)
+            obj = {
+                "args": args,
+                "checkpoint_version": meta.get("checkpoint_version", CHECKPOINT_VERSION),
+                "iteration": meta.get("iteration", 0),
+                "model": model,
+            }
+            folder = f"mp_rank_{rank:02d}" + (f"_{stage:03d}" if pp > 1 else "")
+            files.append((Path(self._folder) / folder / FILE_NAME, obj))
+        return files
+
+    def finish(self) -> list[Path]:
+        meta = self.spec.source.meta
+        tracker = "release" if self._release else str(int(meta.get("iteration") or 0))
+        (self.out_dir / TRACKER).write_text(tracker + "\n")
+        return [Path(TRACKER)]
+
+
+def _layers(spec: TargetSpec) -> int:
+    numbers = [layer_of(name) for name in spec.rank_headers[0]]
+    return max((n for n in numbers if n is not None), default=-1) + 1
+
+
+def _stage_names(names: set[str], order: list[str], stages: list[range], stage: int) -> list[str]:
+    """The global names that belong to one stage, in the source's order (``order``), then any others."""
+    known = [name for name in order if name in names]
+    ordered = known + sorted(names - set(known))
+    return [name for name in ordered if stage_of(name, stages) == stage]
+
+
+def _local_path(path: tuple[str, ...], first_layer: int) -> tuple[str, ...]:
+    """A key path with its layer number made stage-local."""
+    return tuple(with_layer(part, layer_of(part) - first_layer) if LAYER.search(part) else part for part in path)
+
+
+def _put_tied_head(model: dict[str, Any], state_dict: dict[str, Any]) -> None:
+    """The last stage's copy of tied embeddings, under the name Megatron gives it there (mcore's flat
+    ``output_layer.weight``, legacy ``word_embeddings_for_head -> weight``)."""
+    mcore, legacy = EMBEDDING
+    if mcore in state_dict:
+        _put(model, ("output_layer.weight",), state_dict[mcore])
+    elif legacy in state_dict:
+        _put(model, ("word_embeddings_for_head", "weight"), state_dict[legacy])
+
+
+def _put(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def megatron_args_of(source: SourceCheckpoint, meta: dict[str, Any]) -> Any:
+    """The args to write: the plan's (a checkpoint of another framework mapped to Megatron), else the source's."""
+    args = meta.get("args") or (source.meta.get("args") if source.meta.get("megatron") else None)
+    if args is None:
+        raise ReshardError(
+            "the megatron layout needs Megatron args: from a Megatron source, or a transformers model reshard maps",
+            path=source.path,
+            hint="convert a Megatron or transformers Llama-family checkpoint, or choose --layout hf / hf-ranks",
+        )
+    return args

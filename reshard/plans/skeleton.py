@@ -1,0 +1,118 @@
+"""The model transformers builds for a config, on the ``meta`` device: its parameters, its TP plan and which
+of its sub-models (vision tower, audio encoder, talker, ...) the plan leaves out. No memory, no data.
+
+The class is the one ``architectures`` names, else the auto class for the config: image-text-to-text and
+multimodal first (a composite config builds its whole model, towers included), then causal LM, then the
+bare model. A model without a plan (``_tp_plan`` None, as Qwen2.5-Omni had) has an empty one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+from reshard.config import ModelConfig
+from reshard.errors import ReshardError
+
+AUTO_CLASSES = ("AutoModelForImageTextToText", "AutoModelForMultimodalLM", "AutoModelForCausalLM", "AutoModel")
+
+
+@dataclass(frozen=True)
+class SubModel:
+    """A sub-model of a composite model (a module with a config of its own): its module path, class, and
+    whether transformers' TP plan covers it."""
+
+    prefix: str
+    model_class: str
+    has_plan: bool
+
+
+@dataclass(frozen=True)
+class ModelSkeleton:
+    """The model transformers would build for a config: its TP plan and parameter shapes (no data).
+
+    ``tp_plan`` is None when the model has no plan at all; ``sub_models`` lists the sub-models the plan
+    leaves out (outermost first: a sub-model without a plan hides its own sub-models).
+    """
+
+    tp_plan: dict[str, str] | None
+    shapes: dict[str, tuple[int, ...]]
+    model_class: str
+    sub_models: tuple[SubModel, ...] = ()
+
+    def without_plan(self) -> list[SubModel]:
+        return [s for s in self.sub_models if not s.has_plan]
+
+    def sub_model_of(self, name: str) -> SubModel | None:
+        """The innermost listed sub-model whose path ``name`` is under."""
+        found = [s for s in self.sub_models if name.startswith(s.prefix + ".")]
+        return max(found, key=lambda s: len(s.prefix), default=None)
+
+
+def build_skeleton(config: ModelConfig | None) -> ModelSkeleton:
+    """Instantiate the config's model on the ``meta`` device for its plan, shapes and sub-models.
+
+    Raises:
+        ReshardError: transformers is missing, does not know the model type, or cannot build the model
+            from this config (the message gives transformers' own reason).
+    """
+    if config is None or not config.model_type:
+        raise ReshardError("the transformers plan needs a config.json with a model_type", hint="pass --config FILE")
+    try:
+        import torch
+        import transformers
+        from transformers import CONFIG_MAPPING, PreTrainedModel
+    except ImportError as err:  # pragma: no cover - transformers is a test dependency
+        raise ReshardError(f"the transformers plan needs transformers installed ({err})") from err
+    if config.model_type not in CONFIG_MAPPING:
+        raise ReshardError(
+            f"transformers {transformers.__version__} does not know model_type {config.model_type!r}", path=config.path
+        )
+    try:
+        hf_config = CONFIG_MAPPING[config.model_type].from_dict(dict(config.raw))
+        model_class = model_class_for(transformers, hf_config, config.architectures)
+        with torch.device("meta"), _no_init_weights():  # shapes only: no initialising of meta tensors
+            model = model_class(hf_config)
+    except ReshardError:
+        raise
+    except Exception as err:  # transformers raises many types for a config it cannot build
+        detail = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+        raise ReshardError(
+            f"transformers cannot build {config.model_type!r} from it: {detail}", path=config.path
+        ) from err
+    plan = getattr(model, "_tp_plan", None)
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    subs, hidden = [], []
+    for name, module in model.named_modules():
+        if not name or not isinstance(module, PreTrainedModel) or any(name.startswith(h + ".") for h in hidden):
+            continue
+        has_plan = bool(getattr(module, "_tp_plan", None))
+        if not has_plan:
+            hidden.append(name)
+        own_config = module.config is not model.config  # not the base model a head class wraps
+        if own_config and any(shape_name.startswith(name + ".") for shape_name in shapes):
+            subs.append(SubModel(name, type(module).__name__, has_plan))
+    return ModelSkeleton(None if plan is None else dict(plan), shapes, model_class.__name__, tuple(subs))
+
+
+def _no_init_weights() -> contextlib.AbstractContextManager:
+    """transformers' own switch that skips weight initialisation (most of the time a meta build takes)."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # pragma: no cover - transformers before 5
+        return contextlib.nullcontext()
+    return no_init_weights()
+
+
+def model_class_for(transformers: Any, hf_config: Any, architectures: list[str]) -> type:
+    """The class ``architectures`` names, else the first auto class of :data:`AUTO_CLASSES` that maps the config."""
+    for name in architectures:
+        cls = getattr(transformers, name, None)
+        if isinstance(cls, type):
+            return cls
+    for auto_name in AUTO_CLASSES:
+        mapping = getattr(getattr(transformers, auto_name, None), "_model_mapping", None)
+        if mapping is not None and type(hf_config) in mapping:
+            return mapping[type(hf_config)]
+    raise ReshardError(f"transformers has no model class for {type(hf_config).__name__}")

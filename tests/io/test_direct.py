@@ -1,0 +1,247 @@
+"""``reshard.io.direct``: ranges written from several threads with O_DIRECT (whole blocks) and the page
+cache (the edges) make exactly the file their bytes say; ranges read in blocks land exactly where their
+views say; a file system that refuses O_DIRECT still works; errors on the I/O threads reach the caller."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from reshard.io import direct as direct_io
+from reshard.io.direct import ALIGN, Batch, DirectFile, DirectSource
+
+
+def ranges_of(size: int, seed: int) -> list[tuple[int, int]]:
+    """Cut ``[0, size)`` into ranges of every kind: inside one block, across a block edge, many blocks
+    long, starting and ending off the block grid."""
+    rng = random.Random(seed)
+    cuts, position = [], 0
+    lengths = [1, 7, ALIGN - 1, ALIGN, ALIGN + 1, 3 * ALIGN, 5 * ALIGN + 123, 40 * ALIGN + 5, 2]
+    while position < size:
+        length = min(rng.choice(lengths), size - position)
+        cuts.append((position, position + length))
+        position += length
+    return cuts
+
+
+def write_in_threads(file: DirectFile, data: bytes, cuts: list[tuple[int, int]], seed: int) -> None:
+    order = list(cuts)
+    random.Random(seed).shuffle(order)
+
+    def write(cut: tuple[int, int]) -> None:
+        start, stop = cut
+        middle = (start + stop) // 2  # two views per range: the writer must stitch them
+        file.write([memoryview(data)[start:middle], memoryview(data)[middle:stop]], start)
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(write, order))
+    file.close()
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "page-cache"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_ranges_from_threads_make_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool, seed: int
+) -> None:
+    monkeypatch.setattr(direct_io, "STAGING_BYTES", 2 * ALIGN)  # long ranges take several direct writes
+    size = 300 * ALIGN + 77
+    data = random.Random(seed).randbytes(size)
+    file = DirectFile(tmp_path / "out.bin", size, direct=direct)
+    supported = file._direct
+    write_in_threads(file, data, ranges_of(size, seed), seed)
+    assert (tmp_path / "out.bin").read_bytes() == data
+    if direct and supported:
+        assert 0 < file.direct_bytes < size and file.direct_bytes % ALIGN == 0
+    else:
+        assert file.direct_bytes == 0
+
+
+@pytest.fixture
+def no_o_direct(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file system that refuses to open files with O_DIRECT (tmpfs before Linux 6.6, some FUSE)."""
+    real_open = os.open
+
+    def refuse_direct(path, flags, *args):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(direct_io.os, "open", refuse_direct)
+
+
+def fail_direct_calls(
+    monkeypatch: pytest.MonkeyPatch,
+    name: str,
+    fd: int,
+    *,
+    after: int,
+    short_at: int | None = None,
+    error: tuple[int, str] = (errno.EINVAL, "Invalid argument"),
+) -> list[int]:
+    """Make ``os.<name>`` (pwrite or preadv) on descriptor ``fd`` fail with ``error`` once it was called ``after``
+    times, as a file system that accepts the O_DIRECT open and then refuses the I/O does; the call numbered
+    ``short_at`` moves only its first block (a short, aligned transfer). Returns the positions of the calls."""
+    real, calls = getattr(os, name), []
+
+    def failing(call_fd, data, position):
+        if call_fd == fd:
+            calls.append(position)
+            if len(calls) == short_at:
+                return real(call_fd, data[:ALIGN], position)
+            if len(calls) > after:
+                raise OSError(*error)
+        return real(call_fd, data, position)
+
+    monkeypatch.setattr(direct_io.os, name, failing)
+    return calls
+
+
+@pytest.mark.usefixtures("no_o_direct")
+def test_a_file_system_without_o_direct_is_written_through_the_page_cache(tmp_path: Path) -> None:
+    size = 50 * ALIGN + 3
+    data = random.Random(2).randbytes(size)
+    file = DirectFile(tmp_path / "out.bin", size)
+    write_in_threads(file, data, ranges_of(size, 2), 2)
+    assert (tmp_path / "out.bin").read_bytes() == data and file.direct_bytes == 0
+
+
+def test_direct_writes_refused_midway_fall_back_without_losing_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file system may accept the O_DIRECT open and refuse the writes (EINVAL), or write short."""
+    monkeypatch.setattr(direct_io, "STAGING_BYTES", 4 * ALIGN)
+    size = 64 * ALIGN + 9
+    data = random.Random(3).randbytes(size)
+    file = DirectFile(tmp_path / "out.bin", size)
+    if not file._direct:
+        pytest.skip("this file system has no O_DIRECT")
+    fail_direct_calls(monkeypatch, "pwrite", file._direct_fd, after=3, short_at=2)  # the short write is resumed
+    file.write([memoryview(data)[: size // 2]], 0)
+    file.write([memoryview(data)[size // 2 :]], size // 2)
+    file.close()
+    assert (tmp_path / "out.bin").read_bytes() == data
+    assert not file._direct and 0 < file.direct_bytes < size
+
+
+def test_a_failed_block_write_is_raised_not_lost(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks are written on other threads; a disk error there (here ENOSPC) must reach the caller."""
+    monkeypatch.setattr(direct_io, "STAGING_BYTES", 2 * ALIGN)
+    file = DirectFile(tmp_path / "out.bin", 64 * ALIGN)
+    if not file._direct:
+        pytest.skip("this file system has no O_DIRECT")
+    fail_direct_calls(monkeypatch, "pwrite", file._direct_fd, after=0, error=(errno.ENOSPC, "No space left on device"))
+    with pytest.raises(OSError, match="No space left"):
+        file.write([memoryview(bytes(64 * ALIGN))], 0)
+    file.close()
+
+
+class Unreadable(Exception):
+    """The error a reader asks for when a read fails (reshard's own readers pass CorruptFileError)."""
+
+
+def read_ranges(source: DirectSource, size: int, seed: int, *, batched: bool) -> bytearray:
+    """Read ``[0, size)`` back range by range, each range into two views of one output buffer, in a
+    shuffled order from four threads; with ``batched``, each thread's reads are waited for together."""
+    out = bytearray(size)
+    cuts = ranges_of(size, seed)
+    random.Random(seed).shuffle(cuts)
+
+    def read(part: list[tuple[int, int]]) -> None:
+        with Batch() if batched else contextlib.nullcontext():
+            for start, stop in part:
+                middle = (start + stop) // 2
+                views = [memoryview(out)[start:middle], memoryview(out)[middle:stop]]
+                source.read(views, start, error=Unreadable)
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(read, [cuts[k::4] for k in range(4)]))
+    return out
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "one-by-one"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_ranges_read_in_blocks_land_where_their_views_say(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batched: bool, seed: int
+) -> None:
+    monkeypatch.setattr(direct_io, "STAGING_BYTES", 2 * ALIGN)  # long ranges take several blocks
+    size = 300 * ALIGN + 77  # the file ends off the block grid: the last block reads short
+    data = random.Random(seed).randbytes(size)
+    (tmp_path / "in.bin").write_bytes(data)
+    source = DirectSource(tmp_path / "in.bin")
+    direct = source.direct
+    assert read_ranges(source, size, seed, batched=batched) == data
+    assert source.direct == direct  # reading the file's short last block does not count as a refusal
+    source.close()
+
+
+@pytest.mark.usefixtures("no_o_direct")
+def test_reads_refused_at_open_go_through_the_page_cache(tmp_path: Path) -> None:
+    size = 50 * ALIGN + 3
+    data = random.Random(5).randbytes(size)
+    (tmp_path / "in.bin").write_bytes(data)
+    source = DirectSource(tmp_path / "in.bin")
+    assert not source.direct
+    assert read_ranges(source, size, 5, batched=True) == data
+
+
+def test_reads_refused_midway_fall_back_without_losing_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file system may accept the O_DIRECT open and refuse the reads (EINVAL)."""
+    monkeypatch.setattr(direct_io, "STAGING_BYTES", 2 * ALIGN)
+    size = 80 * ALIGN + 5
+    data = random.Random(4).randbytes(size)
+    (tmp_path / "in.bin").write_bytes(data)
+    source = DirectSource(tmp_path / "in.bin")
+    if not source.direct:
+        pytest.skip("this file system has no O_DIRECT")
+    calls = fail_direct_calls(monkeypatch, "preadv", source._direct_fd, after=10)
+    assert read_ranges(source, size, 4, batched=True) == data
+    assert not source.direct and len(calls) > 10
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "one-by-one"])
+def test_a_file_shorter_than_its_ranges_is_the_callers_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batched: bool
+) -> None:
+    """Headers are checked against the file size up front, but a file can still shrink under us."""
+    monkeypatch.setattr(direct_io, "STAGING_BYTES", 2 * ALIGN)
+    (tmp_path / "in.bin").write_bytes(bytes(10 * ALIGN))
+    source = DirectSource(tmp_path / "in.bin")
+    out = bytearray(12 * ALIGN)
+    with pytest.raises(Unreadable, match="file ends before"):
+        with Batch() if batched else contextlib.nullcontext():
+            source.read([memoryview(out)], 100, error=Unreadable)
+
+
+def test_a_failed_block_read_is_raised_after_every_block_has_landed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An I/O error on one block reaches the caller as its error; leaving the batch first waits for the
+    other blocks, so none is still being copied into a buffer the caller reuses next."""
+    monkeypatch.setattr(direct_io, "STAGING_BYTES", 2 * ALIGN)
+    data = random.Random(6).randbytes(64 * ALIGN)
+    (tmp_path / "in.bin").write_bytes(data)
+    source = DirectSource(tmp_path / "in.bin")
+    real_read_block, finished = source.read_block, []
+
+    def failing_block(staging, position):
+        if position == 8 * ALIGN:
+            raise OSError(errno.EIO, "Input/output error")
+        time.sleep(0.001)
+        count = real_read_block(staging, position)
+        finished.append(position)
+        return count
+
+    monkeypatch.setattr(source, "read_block", failing_block)
+    out = bytearray(len(data))
+    with pytest.raises(Unreadable, match="Input/output error"):
+        with Batch():
+            source.read([memoryview(out)], 0, error=Unreadable)
+    assert len(finished) == 31  # every other block of the 32 had landed when the error was raised
+    assert out[: 8 * ALIGN] == data[: 8 * ALIGN] and out[10 * ALIGN :] == data[10 * ALIGN :]

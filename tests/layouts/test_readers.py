@@ -1,0 +1,54 @@
+"""``reshard.layouts.readers``: a file cut after it was opened is a named error; reading a torch file into a
+buffer lets go of the pages its memory map brought in."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from fixtures.tp import arange
+from safetensors.torch import save_file
+
+from reshard.errors import CorruptFileError
+from reshard.io.vectored import release_mapped
+from reshard.layouts.readers import SafetensorsReader, TorchReader
+
+
+def test_read_into_a_file_cut_after_opening_is_a_corrupt_file_error(tmp_path: Path) -> None:
+    path = tmp_path / "cut.safetensors"
+    save_file({"w": arange((64, 64))}, path)
+    reader = SafetensorsReader(path)
+    with path.open("r+b") as handle:
+        handle.truncate(path.stat().st_size - 100)
+    with pytest.raises(CorruptFileError, match=r"cut\.safetensors.*w.*file ends"):
+        reader.read_into("w", torch.empty(64, 64))
+
+
+def _mapped_rss_kb(path: Path) -> int:
+    """Resident kB of this process's mappings of ``path`` (from /proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:  # a mapping's header line
+            inside = len(fields) == 6 and fields[5] == str(path.resolve())
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc")
+def test_reading_a_torch_file_lets_go_of_its_mapped_pages(tmp_path: Path) -> None:
+    path = tmp_path / "big.pt"
+    torch.save({"w": arange((1024, 2048))}, path)  # 8 MB
+    reader = TorchReader(path)
+    out = torch.empty(1024, 2048)
+    out.copy_(reader.get("w"))  # a plain read leaves the pages mapped and resident
+    assert _mapped_rss_kb(path) > 4000
+    reader.read_into("w", out)
+    assert torch.equal(out, arange((1024, 2048)))
+    assert _mapped_rss_kb(path) < 100
+    assert torch.equal(reader.get("w"), arange((1024, 2048)))  # read again from the page cache
+    anonymous = arange((1024, 2048))
+    release_mapped(anonymous, [(0, 4096)])  # memory outside the file's mappings is never dropped
+    assert torch.equal(anonymous, arange((1024, 2048)))

@@ -1,0 +1,125 @@
+"""The tiny Megatron-Core GPT models the oracle builds, as plain data (importable without megatron or torch).
+
+Both sides use this module: the torchrun script (``mcore_gpt.py``) builds the model from a ``Variant``, and
+the pytest side (``oracles/__init__.py``) names checkpoints by it and passes overrides as ``--set key=value``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+SEED = 1234  # the writer's weights
+BATCH_SEED = 4321  # the fixed batch of input ids
+BATCH, SEQ = 2, 12
+ITERATION = 10  # iter_0000010/
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Sizes and switches of one tiny GPT, with Megatron-LM's meaning (``args`` names in the comments).
+
+    Every size divides by tp in {1, 2, 4} and every layer count by pp in {1, 2}.
+    """
+
+    name: str
+    hidden: int = 64  # hidden_size
+    layers: int = 4  # num_layers
+    heads: int = 8  # num_attention_heads
+    groups: int = 2  # num_query_groups (GQA: 4 query heads per group)
+    head_dim: int = 8  # kv_channels
+    ffn: int = 96  # ffn_hidden_size (per half of the SwiGLU fc1)
+    vocab: int = 1000  # vocab_size (true); the tables hold padded_vocab_size rows
+    divisible_by: int = 128  # make_vocab_size_divisible_by
+    tied: bool = False  # not untie_embeddings_and_output_weights
+    qkv_bias: bool = False  # add_qkv_bias (Qwen2-style); add_bias_linear stays False
+    experts: int = 0  # num_experts (0: dense MLP)
+    topk: int = 2  # moe_router_topk
+    moe_ffn: int = 32  # moe_ffn_hidden_size
+    shared_ffn: int = 0  # moe_shared_expert_intermediate_size (0: no shared expert)
+    shared_gate: bool = False  # moe_shared_expert_gate (a sigmoid gate on the shared expert, as Qwen2-MoE has)
+    qk_norm: bool = False  # qk_layernorm (Qwen3-style RMSNorm of each head's queries and keys)
+    max_seq: int = 64  # max_position_embeddings, seq_length
+    rotary_base: int = 10000
+    norm_eps: float = 1e-5
+    init_std: float = 0.05  # larger than Megatron's 0.02 so the logits are far from zero
+
+    def padded_vocab(self, tp: int) -> int:
+        """Megatron-LM's ``vocab_size_with_padding``: a multiple of ``make_vocab_size_divisible_by * tp``."""
+        step = self.divisible_by * tp
+        return -(-self.vocab // step) * step
+
+    def with_overrides(self, overrides: dict[str, str]) -> Variant:
+        """This variant with ``--set key=value`` overrides, each value parsed as its field's type."""
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        changes: dict[str, object] = {}
+        for key, text in overrides.items():
+            if key not in fields or key == "name":
+                raise ValueError(f"unknown variant field {key!r}; known: {', '.join(sorted(set(fields) - {'name'}))}")
+            default = getattr(self, key)
+            if isinstance(default, bool):
+                changes[key] = text.lower() in ("1", "true", "yes")
+            else:
+                changes[key] = type(default)(text)
+        return dataclasses.replace(self, **changes)
+
+
+VARIANTS: dict[str, Variant] = {
+    # Llama-like: GQA 8 heads / 2 query groups, SwiGLU, RMSNorm, RoPE, no biases, untied, vocab 1000 -> 1024.
+    "llama": Variant("llama"),
+    "llama-tied": Variant("llama-tied", tied=True),
+    # Mixtral-like: 4 experts, top-2, router, SequentialMLP (the local spec); 2 layers keep it cheap.
+    "moe": Variant("moe", layers=2, experts=4),
+    # The same plus a shared expert next to the routed ones (no gate: no transformers family has that).
+    "moe-shared": Variant("moe-shared", layers=2, experts=4, shared_ffn=48),
+    # Qwen2-MoE-like: a gated shared expert and QKV biases.
+    "moe-shared-gate": Variant("moe-shared-gate", layers=2, experts=4, shared_ffn=48, shared_gate=True, qkv_bias=True),
+    # Qwen3-like: query/key norms, tied embeddings.
+    "qk-norm": Variant("qk-norm", layers=2, qk_norm=True, tied=True),
+}
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, str]:
+    """``["vocab=1000", "tied=true"]`` -> ``{"vocab": "1000", "tied": "true"}``."""
+    out: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ValueError(f"--set wants key=value, got {pair!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One model at one parallel layout: a variant name, its ``--set`` overrides, tp, pp and virtual stages."""
+
+    variant: str = "llama"
+    tp: int = 1
+    pp: int = 1
+    overrides: tuple[tuple[str, str], ...] = ()
+    vpp: int = 1  # model chunks per pipeline rank (Megatron's virtual pipeline: model0, model1, ...)
+
+    def model(self) -> Variant:
+        return VARIANTS[self.variant].with_overrides(dict(self.overrides))
+
+    @property
+    def slug(self) -> str:
+        """A directory name: ``llama-tp2-pp1`` (+ ``-vpp2``, ``-divisible_by8`` for virtual stages, overrides)."""
+        parts = [self.variant, f"tp{self.tp}", f"pp{self.pp}"] + ([f"vpp{self.vpp}"] if self.vpp > 1 else [])
+        return "-".join(parts + [f"{k}{v}" for k, v in self.overrides])
+
+    def to_json(self) -> dict:
+        return {
+            "variant": self.variant,
+            "tp": self.tp,
+            "pp": self.pp,
+            "vpp": self.vpp,
+            "overrides": dict(self.overrides),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> Spec:
+        overrides = tuple(sorted((str(k), str(v)) for k, v in data.get("overrides", {}).items()))
+        tp, pp, vpp = (int(data.get(k, 1)) for k in ("tp", "pp", "vpp"))
+        return cls(data.get("variant", "llama"), tp, pp, overrides, vpp)

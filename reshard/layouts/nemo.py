@@ -46,8 +46,8 @@ def nemo_args(checkpoint: Path) -> argparse.Namespace | None:
         return None
     try:
         data = yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
-        raise CorruptFileError(f"unreadable model config: {err}", path=path) from err
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError) as err:
+        raise CorruptFileError(f"unreadable model config: {str(err) or type(err).__name__}", path=path) from err
     config = data.get("config") if isinstance(data, dict) else None
     if not isinstance(config, dict):
         raise CorruptFileError("no 'config' mapping (NeMo writes the model's config there)", path=path)

@@ -49,6 +49,7 @@ HALVES = re.compile(r"^(?P<key>.+)_(?P<half>[wv])$")
 SKIPPED = re.compile(r"^(optimizer|rng_state|rerun_state_machine)\b|/")
 PREFIXES = ("module.",)
 FUSED_NORM = re.compile(r"^(decoder\.layers\.\d+\.)(self_attention\.linear_qkv|mlp\.linear_fc1)\.layer_norm_(\w+)$")
+MAX_STACKED = 1 << 16  # layers (or experts) on a stacked tensor's leading axis; more is damage, not a model
 ROUTER = re.compile(r"^(decoder\.layers\.\d+\.)mlp\.router\.")
 
 
@@ -60,10 +61,12 @@ def folder_of(path: Path) -> Path | None:
     candidates = [path, path / NEMO_WEIGHTS]
     tracker = path / TRACKER
     if tracker.is_file():
-        text = tracker.read_text().strip()
-        candidates.append(
-            path / ("release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else text)
-        )
+        try:
+            text = tracker.read_text().strip()
+        except (OSError, UnicodeDecodeError) as err:
+            raise CorruptFileError(f"cannot read the tracker: {err}", path=tracker) from err
+        if text == "release" or text.isdigit():  # anything else (a path) is not followed
+            candidates.append(path / ("release" if text == "release" else f"iter_{int(text):07d}"))
     for folder in candidates:
         config = folder / CONFIG
         if config.is_file() and (folder / ".metadata").is_file():
@@ -151,8 +154,8 @@ def _spec_names(views: dict[str, BoxView | StackedView], args: Any) -> dict[str,
 def _backend(path: Path) -> str | None:
     try:
         data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as err:
-        raise CorruptFileError(f"unreadable: {err}", path=path) from err
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise CorruptFileError(f"unreadable: {str(err) or type(err).__name__}", path=path) from err
     return data.get("sharded_backend") if isinstance(data, dict) else None
 
 
@@ -213,6 +216,13 @@ def _place(name: str, view: BoxView | StackedView, views: dict, layered: dict[in
 
 def _split(fqn: str, view: BoxView) -> list[tuple[str, BoxView]]:
     """``(name, view)`` per layer of a stacked tensor and per expert of a stacked expert tensor, else itself."""
+    stacked = STACKED.match(fqn) or EXPERTS in fqn
+    if stacked and (not view.shape or not 0 < view.shape[0] <= MAX_STACKED):
+        raise CorruptFileError(
+            f"a stacked tensor of shape {list(view.shape)}: no leading layer or expert axis of 1 to {MAX_STACKED}",
+            path=view.tensor.declared_in,
+            tensor=fqn,
+        )
     if STACKED.match(fqn):
         rest = fqn[len("decoder.layers.") :]
         return [

@@ -76,9 +76,20 @@ def edit_json(path: Path, change: Callable[[Any], Any]) -> None:
 # ---------------------------------------------------------------- torch files
 
 
-def torch_edit(path: Path, change: Callable[[Any], Any], **save: Any) -> None:
-    """Load a (trusted, test-made) torch file fully, let ``change`` edit it, save it back with torch.save."""
-    obj = torch.load(path, weights_only=False)
+def torch_edit(path: Path, change: Callable[[Any], Any], *, megatron: bool = False, **save: Any) -> None:
+    """Load a (trusted, test-made) torch file fully, let ``change`` edit it, save it back with torch.save.
+
+    ``megatron``: its args pickle Megatron's enums, read through reshard's stand-ins and written back as the
+    same globals (Megatron is kept out of the tests' process).
+    """
+    if megatron:
+        from reshard.layouts.megatron_args import PICKLE_MODULE, SAFE_GLOBALS
+        from reshard.layouts.readers import load_torch_file
+
+        obj = load_torch_file(path, trust_pickle=True, notes=[], allowed=SAFE_GLOBALS)
+        save = {"pickle_module": PICKLE_MODULE, **save}
+    else:
+        obj = torch.load(path, weights_only=False)
     new = change(obj)
     fresh = path.with_name(path.name + ".new")  # never rewrite a file its own tensors may map
     torch.save(obj if new is None else new, fresh, **save)
@@ -126,12 +137,23 @@ def zip_with_pickle(root: str, pickled: bytes, records: dict[str, bytes]) -> byt
 # ---------------------------------------------------------------- DCP metadata
 
 
+class _TorchClasses(pickle.Unpickler):
+    """Megatron-Core's ``MCoreMetadata`` read as DCP's ``Metadata`` (Megatron is kept out of the tests' process)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module.startswith("megatron.") and name == "MCoreMetadata":
+            from torch.distributed.checkpoint.metadata import Metadata
+
+            return Metadata
+        return super().find_class(module, name)
+
+
 def rewrite_metadata(folder: Path, change: Callable[[Any], Any]) -> None:
     """Load ``.metadata`` with torch's own classes, let ``change`` damage it, and pickle it back."""
     import torch.distributed.checkpoint  # noqa: F401  (the pickled classes)
 
     path = folder / ".metadata"
-    metadata = pickle.loads(path.read_bytes())
+    metadata = _TorchClasses(io.BytesIO(path.read_bytes())).load()
     change(metadata)
     path.write_bytes(pickle.dumps(metadata))
 

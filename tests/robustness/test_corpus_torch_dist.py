@@ -1,0 +1,132 @@
+"""The corpus's ``torch_dist`` cases: a checkpoint Megatron-Core 0.16.1 wrote (the oracle, ``tests/oracles/``), damaged
+one thing at a time and run through every command, with the promises of ``test_corpus.py``."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from damage import deep_json, payload, rewrite_metadata, torch_edit, truncate
+from harness import COMMANDS, Workspace, clear_outputs, judge, run, snapshot
+from oracles.variants import Spec
+
+pytestmark = pytest.mark.oracle
+
+ARGS = {
+    "inspect": [],
+    "check": ["--tp", "2"],
+    "convert": ["--tp", "2"],
+    "fix": [],
+    "verify": [],  # against itself (below): a round trip would compare transformers names with Megatron's
+}
+QKV = "decoder.layers.self_attention.linear_qkv.weight"
+
+
+@pytest.fixture(scope="module")
+def torch_dist(mcore_oracle) -> Path:
+    """The tiny Llama Megatron-Core saved at tp 2 in its ``torch_dist`` format (root with the tracker)."""
+    (checkpoint,) = mcore_oracle.checkpoints(Spec("llama", tp=2))
+    return checkpoint.torch_dist
+
+
+def iteration(ckpt: Path) -> Path:
+    return next(p for p in ckpt.iterdir() if p.is_dir() and (p / "metadata.json").is_file())
+
+
+def data_file(ckpt: Path) -> Path:
+    return sorted(iteration(ckpt).glob("*.distcp"))[0]
+
+
+def stacked_size(size: tuple[int, ...]) -> Callable[[object], None]:
+    """The stacked QKV declared with global ``size``, its one chunk at the origin covering it (others dropped)."""
+
+    def change(metadata) -> None:
+        entry = metadata.state_dict_metadata[QKV]
+        entry.chunks = [c for c in entry.chunks if not any(c.offsets)][:1]
+        entry.size = entry.chunks[0].sizes = torch.Size(size)
+
+    return change
+
+
+def zero_heads(common: dict) -> None:
+    common["args"].num_attention_heads = 0
+
+
+CASES: dict[str, tuple[Callable[[Path, Path], None], tuple[str, ...], dict[str, int]]] = {
+    "metadata-json-not-json": (lambda c, m: (iteration(c) / "metadata.json").write_text("{"), ("metadata.json",), {}),
+    "metadata-json-deep": (
+        lambda c, m: (iteration(c) / "metadata.json").write_bytes(deep_json(100_000)),
+        ("metadata.json",),
+        {},
+    ),
+    "backend-zarr": (
+        lambda c, m: (iteration(c) / "metadata.json").write_text(json.dumps({"sharded_backend": "zarr"})),
+        ("metadata.json", "zarr"),
+        {},
+    ),
+    "common-payload": (
+        lambda c, m: torch_edit(
+            iteration(c) / "common.pt", lambda o: o.__setitem__("evil", payload(m)), megatron=True
+        ),
+        ("common.pt", "posix.system"),
+        {},
+    ),
+    "common-heads-zero": (
+        lambda c, m: torch_edit(iteration(c) / "common.pt", zero_heads, megatron=True),
+        ("common.pt", "args.num_attention_heads"),
+        {},
+    ),
+    "tracker-not-text": (
+        lambda c, m: (c / "latest_checkpointed_iteration.txt").write_bytes(b"\xff\xfe"),
+        ("latest_checkpointed_iteration.txt",),
+        {},
+    ),
+    "metadata-payload": (
+        lambda c, m: rewrite_metadata(iteration(c), lambda md: setattr(md, "planner_data", {"evil": payload(m)})),
+        (".metadata", "posix.system"),
+        {},
+    ),
+    "data-truncated": (lambda c, m: truncate(data_file(c), 0.5), ("distcp", "truncated?"), {}),
+    "stacked-without-layers": (
+        lambda c, m: rewrite_metadata(iteration(c), stacked_size((0, 0, 64))),
+        (QKV,),
+        {},
+    ),
+    "stacked-a-million-layers": (
+        lambda c, m: rewrite_metadata(iteration(c), stacked_size((1_000_000, 0, 64))),
+        (QKV, "leading layer or expert axis"),
+        {},
+    ),
+}
+
+
+def arguments(command: str, ws: Workspace) -> list[str]:
+    return [str(ws.ckpt)] if command == "verify" else ARGS[command]
+
+
+def test_the_base_passes_every_command(torch_dist: Path, tmp_path: Path) -> None:
+    ws = Workspace(tmp_path)
+    shutil.copytree(torch_dist, ws.ckpt)
+    before = snapshot(ws.ckpt)
+    for command in COMMANDS:
+        assert judge(run(command, ws.ckpt, arguments(command, ws), ws), ws, before, exit_code=0) == []
+        clear_outputs(ws)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_damaged_torch_dist(torch_dist: Path, tmp_path: Path, name: str) -> None:
+    damage, names, exits = CASES[name]
+    ws = Workspace(tmp_path)
+    shutil.copytree(torch_dist, ws.ckpt)
+    damage(ws.ckpt, ws.marker)
+    before = snapshot(ws.ckpt)
+    broken = []
+    for command in COMMANDS:
+        outcome = run(command, ws.ckpt, arguments(command, ws), ws)
+        broken += judge(outcome, ws, before, exit_code=exits.get(command, 2), names=names)
+        clear_outputs(ws)
+    assert broken == []

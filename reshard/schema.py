@@ -17,6 +17,7 @@ from typing import Any
 from reshard.dtypes import code_from_name
 from reshard.errors import CorruptFileError
 from reshard.options import MAX_RANKS, Layout
+from reshard.partition import partition_from_dict
 
 MAX_SIZE = 1 << 48  # no dimension of a real tensor comes near it; a bigger one is damage, not a model
 MAX_NDIM = 64
@@ -53,7 +54,6 @@ COUNTS = (
 # Sub-configs whose sizes are read the same way (multimodal text and vision towers, SAT's EVA).
 NESTED = ("text_config", "vision_config", "eva_args")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
-_PARTITIONS = ("replicate", "shard", "vocab", "grouped", "packed")
 
 
 def is_int(value: Any) -> bool:
@@ -152,24 +152,25 @@ def _check_entry(entry: Any, path: Path, name: str) -> None:
 
 
 def check_partition(data: Any, *, path: Path | None, key: str) -> None:
-    """Refuse a partition record (``{"kind": "shard", "dim": 0}``) with a wrong kind, type or range."""
-    if not isinstance(data, dict) or data.get("kind") not in _PARTITIONS:
-        raise _fail(path, key, data, f"a partition (kind one of {', '.join(_PARTITIONS)})")
-    kind = data["kind"]
-    if kind == "replicate":
-        return
-    check_int(data.get("dim"), path=path, key=f"{key}.dim", low=-MAX_NDIM, high=MAX_NDIM - 1)
-    if kind == "shard" and "unit" in data:
-        check_int(data["unit"], path=path, key=f"{key}.unit")
-    if kind == "grouped":
-        check_int(data.get("groups"), path=path, key=f"{key}.groups")
-    if kind == "packed":
-        parts, units = data.get("parts"), data.get("units")
-        _int_list(parts, path=path, key=f"{key}.parts", low=0)
-        if units is not None:
-            _int_list(units, path=path, key=f"{key}.units", low=1)
-            if len(units) != len(parts):
-                raise _fail(path, f"{key}.units", units, f"one unit per part ({len(parts)})")
+    """Refuse a partition record (``{"kind": "shard", "dim": 0}``) of an unknown kind, or with fields of the wrong
+    type or range (a dim within 64 dims, positive unit / group / head counts, lists of part sizes)."""
+    if not isinstance(data, dict):
+        raise _fail(path, key, data, "a partition record (an object with a kind)")
+    try:
+        partition_from_dict(data)
+    except (ValueError, TypeError) as err:
+        raise _fail(path, key, data, f"a partition ({err})") from err
+    if "dim" in data:
+        check_int(data["dim"], path=path, key=f"{key}.dim", low=-MAX_NDIM, high=MAX_NDIM - 1)
+    for count in ("unit", "groups", "heads"):
+        if count in data:
+            check_int(data[count], path=path, key=f"{key}.{count}")
+    if "parts" in data:
+        _int_list(data["parts"], path=path, key=f"{key}.parts", low=0)
+    if data.get("units") is not None:
+        _int_list(data["units"], path=path, key=f"{key}.units", low=1)
+        if len(data["units"]) != len(data.get("parts") or []):
+            raise _fail(path, f"{key}.units", data["units"], f"one unit per part ({len(data.get('parts') or [])})")
 
 
 def _int_list(values: Any, *, path: Path | None, key: str, low: int) -> None:

@@ -90,8 +90,11 @@ def _locked(out: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def staged_output(out: Path, *, overwrite: bool = False) -> Iterator[Path]:
+def staged_output(out: Path, *, overwrite: bool = True) -> Iterator[Path]:
     """Yield a temporary folder beside ``out``; on success it becomes ``out``, on any error it is removed.
+
+    With ``overwrite`` (the default) a finished output replaces what is at ``out``; without it (``convert``
+    without ``--overwrite``) an ``out`` that is not empty, found now or when publishing, is left as it is.
 
     Raises:
         OutputExistsError: another run holds the output's lock, or finished it first (without ``overwrite``).

@@ -22,7 +22,7 @@ from typing import Any
 from reshard.dtypes import code_from_name, itemsize_of
 from reshard.errors import CorruptFileError, UnsafePickleError
 from reshard.layouts.boxes import Shape
-from reshard.layouts.dcp_pickle import DTYPE_NAMES, Dtype
+from reshard.layouts.dcp_pickle import DTYPE_NAMES, Dtype, PickleInput, load_restricted
 from reshard.layouts.safetensors_header import read_header
 
 ZIP_MAGIC = b"PK\x03\x04"
@@ -144,8 +144,11 @@ def torch_archive_layout(
         TypeError,
         AttributeError,
         IndexError,
+        RecursionError,
+        MemoryError,
+        OverflowError,
     ) as err:
-        raise corrupt(f"not a readable torch.save archive ({err})") from err
+        raise corrupt(f"not a readable torch.save archive ({str(err) or type(err).__name__})") from err
     if record.code != code or record.shape != shape:
         raise corrupt(f"holds {record.code} {list(record.shape)}, the metadata says {code} {list(shape)}")
     if len(local) < 30 or local[:4] != ZIP_MAGIC or data.compress_type != zipfile.ZIP_STORED:
@@ -210,7 +213,7 @@ class _StorageType(str):
 
 class _RecordUnpickler(pickle.Unpickler):
     def __init__(self, data: bytes, path: Path, tensor: str) -> None:
-        super().__init__(io.BytesIO(data))
+        super().__init__(PickleInput(data))
         self._path, self._tensor = path, tensor
 
     def find_class(self, module: str, name: str) -> Any:
@@ -244,7 +247,7 @@ class _RecordUnpickler(pickle.Unpickler):
 
 
 def _load_record(data: bytes, path: Path, tensor: str) -> _Record:
-    record = _RecordUnpickler(data, path, tensor).load()
+    record = load_restricted(_RecordUnpickler(data, path, tensor), data)
     if not isinstance(record, _Record):
         raise pickle.UnpicklingError(f"data.pkl holds a {type(record).__name__}, not one tensor")
     return record

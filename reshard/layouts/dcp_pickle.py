@@ -12,6 +12,7 @@ their types and turns them into reshard's own index.
 from __future__ import annotations
 
 import pickle
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -178,11 +179,79 @@ ALLOWED: dict[str, Any] = {
 }
 
 
+class PickleInput:
+    """Pickle bytes for an unpickler to read: ``read`` and ``readline`` only.
+
+    Without ``readinto`` the C unpickler reads counted bytes with ``read`` (a short read is "truncated"), not into
+    a view of a ``bytearray`` it allocated first: on a damaged length that view is left exported when the read
+    fails, and CPython prints ``SystemError: deallocated bytearray object has exported buffers`` on stderr.
+    A count larger than what is left is refused before anything is allocated for it.
+    """
+
+    def __init__(self, data: bytes) -> None:
+        self._data, self._position = data, 0
+
+    def read(self, size: int = -1) -> bytes:
+        left = len(self._data) - self._position
+        if size is None or size < 0:
+            size = left
+        if size > left:
+            raise pickle.UnpicklingError(f"pickle data was truncated ({size} bytes wanted, {left} left)")
+        chunk = self._data[self._position : self._position + size]
+        self._position += size
+        return chunk
+
+    def readline(self) -> bytes:
+        end = self._data.find(b"\n", self._position)
+        end = len(self._data) if end < 0 else end + 1
+        line = self._data[self._position : end]
+        self._position = end
+        return line
+
+
+class _PurePython(pickle._Unpickler):
+    """Python's own (pure-Python) unpickler, without ``BYTEARRAY8``, which no format reshard reads pickles."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
+    def _no_bytearray(self) -> None:
+        raise pickle.UnpicklingError("a bytearray (BYTEARRAY8) is not part of this format")
+
+    dispatch[pickle.BYTEARRAY8[0]] = _no_bytearray
+
+
+def load_restricted(unpickler: pickle.Unpickler, data: bytes) -> Any:
+    """``unpickler.load()`` of ``data`` (which it was made to read, as a :class:`PickleInput`), on Python's pure
+    unpickler instead when ``data`` may hold a ``BYTEARRAY8`` whose size cannot be right.
+
+    CPython's C unpickler allocates a ``BYTEARRAY8`` before reading it; when that allocation fails it prints
+    ``SystemError: deallocated bytearray object has exported buffers`` on stderr (a CPython bug). The pure
+    unpickler refuses the opcode (same ``find_class`` and ``persistent_load``); it is slower, and only used for
+    data with a ``0x96`` byte followed by an impossible size.
+    """
+    if not any(
+        int.from_bytes(data[at + 1 : at + 9], "little") > len(data) - at - 9
+        for at in _positions(data, pickle.BYTEARRAY8)
+    ):
+        return unpickler.load()
+    pure = _PurePython(PickleInput(data))
+    pure.find_class = unpickler.find_class  # type: ignore[method-assign]
+    pure.persistent_load = unpickler.persistent_load  # type: ignore[method-assign]
+    return pure.load()
+
+
+def _positions(data: bytes, byte: bytes) -> Iterator[int]:
+    at = data.find(byte)
+    while at >= 0:
+        yield at
+        at = data.find(byte, at + 1)
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Admits the :data:`ALLOWED` stand-ins and torch dtypes; anything else is refused (or, when the user
     trusts the file, imported as usual)."""
 
-    def __init__(self, file: BinaryIO, *, path: Path, trust_pickle: bool) -> None:
+    def __init__(self, file: BinaryIO | PickleInput, *, path: Path, trust_pickle: bool) -> None:
         super().__init__(file)
         self._path = path
         self._trust = trust_pickle
@@ -213,8 +282,8 @@ def load_metadata(path: Path, *, trust_pickle: bool = False) -> Any:
         CorruptFileError: it is not a readable pickle.
     """
     try:
-        with path.open("rb") as handle:
-            return _MetadataUnpickler(handle, path=path, trust_pickle=trust_pickle).load()
+        data = path.read_bytes()
+        return load_restricted(_MetadataUnpickler(PickleInput(data), path=path, trust_pickle=trust_pickle), data)
     except UnsafePickleError:
         raise
     except (
@@ -229,6 +298,7 @@ def load_metadata(path: Path, *, trust_pickle: bool = False) -> Any:
         ImportError,
         RecursionError,
         MemoryError,
+        OverflowError,
     ) as err:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise CorruptFileError(f"cannot read DCP metadata: {first}", path=path) from err

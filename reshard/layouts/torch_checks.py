@@ -19,7 +19,6 @@ runs no code here; ``torch.load`` with its own allow-list still decides what may
 
 from __future__ import annotations
 
-import io
 import math
 import os
 import pickle
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.errors import CorruptFileError
+from reshard.layouts.dcp_pickle import PickleInput, load_restricted
 
 ZIP_MAGIC = b"PK\x03\x04"
 _DTYPE_SIZES = {
@@ -270,10 +270,10 @@ class _StructureUnpickler(pickle.Unpickler):
 def _tensors(data: bytes, path: Path) -> list[tuple[str, _Tensor]]:
     """Every tensor the pickle rebuilds, by its dotted key path, without running anything it names."""
     try:
-        root = _StructureUnpickler(io.BytesIO(data)).load()
+        root = load_restricted(_StructureUnpickler(PickleInput(data)), data)
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as err:
         raise CorruptFileError(f"cannot read data.pkl: {err}", path=path) from err
-    except (RecursionError, MemoryError) as err:
+    except (RecursionError, MemoryError, OverflowError) as err:
         raise CorruptFileError(f"cannot read data.pkl: {type(err).__name__}", path=path) from err
     return list(_walk(root, ""))
 

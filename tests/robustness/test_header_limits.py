@@ -47,3 +47,16 @@ def test_a_header_over_the_limit_is_refused_without_reading_it(tmp_path: Path) -
     path.write_bytes(struct.pack("<Q", MAX_HEADER + 1) + b"{}")
     with pytest.raises(CorruptFileError, match=f"header too large \\({MAX_HEADER + 1} bytes announced"):
         read_header(path)
+
+
+@pytest.mark.parametrize("size", [1 << 62, 1 << 40, 7_959_382_690_968_147_026])
+def test_a_pickle_claiming_a_huge_bytearray_is_one_line(tmp_path: Path, capfd, cli, size: int) -> None:
+    """CPython's C unpickler prints a SystemError on stderr when a BYTEARRAY8 it cannot allocate is freed;
+    reshard reads such data with the pure unpickler, which refuses the opcode."""
+    ckpt = tmp_path / "dcp"
+    ckpt.mkdir()
+    (ckpt / ".metadata").write_bytes(b"\x80\x04\x96" + struct.pack("<Q", size) + b"\x00" * 16)
+    result = cli("inspect", ckpt)
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert ".metadata: cannot read DCP metadata: a bytearray (BYTEARRAY8) is not part of this format" in result.stderr
+    assert "SystemError" not in capfd.readouterr().err

@@ -247,6 +247,7 @@ def main() -> int:
     parser.add_argument("--count", type=int, default=300)
     parser.add_argument("--seed", type=int, default=7919)  # the corpus and the property tests use others
     parser.add_argument("--report", type=Path, help="write every case and its results as JSON here")
+    parser.add_argument("--progress", action="store_true", help="name each case on stderr as it is done")
     args = parser.parse_args()
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
     signal.signal(signal.SIGALRM, on_alarm)
@@ -257,7 +258,8 @@ def main() -> int:
         records = []
         for number in range(args.count):
             records.append(one_case(rng, bases, Path(work) / f"case{number:04d}"))
-            print(f"case {number}: {records[-1]['base']} {records[-1]['changes']}", file=sys.stderr, flush=True)
+            if args.progress:
+                print(f"case {number}: {records[-1]['base']} {records[-1]['changes']}", file=sys.stderr, flush=True)
             shutil.rmtree(Path(work) / f"case{number:04d}", ignore_errors=True)
     kinds = Counter(kind for r in records for kind, _, _ in r["problems"])
     exits = Counter(f"{c}={code}" for r in records for c, code in r["results"].items())

@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from reshard.dtypes import TensorHeader, name_of
-from reshard.engine.execute import execute
 from reshard.engine.lora_merge import check_lora_replicas
 from reshard.engine.open import OpenedCheckpoint, open_checkpoint
 from reshard.engine.planner import ConversionPlan, TargetTensor, TensorPlan
 from reshard.engine.target import TargetPlan, plan_target
+from reshard.engine.warmup import import_torch_in_background
 from reshard.hub.source import source_record
 from reshard.io.staging import check_output, staged_output
 from reshard.layouts import TargetSpec, writer_class
@@ -68,12 +68,15 @@ def convert(ckpt: Path, out: Path, options: ConvertOptions) -> ConvertReport:
         >>> convert(Path("ckpt"), Path("ckpt-tp4"), ConvertOptions(tp=4))  # doctest: +SKIP
     """
     ckpt, out = Path(ckpt), Path(out)
+    import_torch_in_background()
     check_output(out, source=ckpt, overwrite=options.overwrite)
     return convert_opened(open_checkpoint(ckpt, options.read, target_tp=options.tp), out, options)
 
 
 def convert_opened(opened: OpenedCheckpoint, out: Path, options: ConvertOptions) -> ConvertReport:
     """:func:`convert` of a checkpoint already opened (``fix`` opens it first to diagnose it)."""
+    from reshard.engine.execute import execute  # imports torch: after planning, which does without it
+
     ckpt, source = opened.path, opened.source
     target = plan_target(opened, options)
     conversion, layout = target.conversion, target.layout

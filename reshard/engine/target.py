@@ -189,6 +189,8 @@ def preview_mapping(opened: OpenedCheckpoint) -> tuple[str | None, dict[str, lis
         choice = choose_mapping(
             opened.source, Layout.HF, vocab_size=opened.vocab.original, dtype=_dtype(opened), shapes=shapes
         )
+        if choice is None:  # names that stay (a --keep-names output nothing describes)
+            return None, {}, None
         groups, _ = choice.mapping.plan(shapes, opened.source.config)
     except (MappingError, PlanError) as err:
         return None, {}, f"no mapping to transformers' names: {err.one_line()}"

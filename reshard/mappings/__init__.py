@@ -140,9 +140,16 @@ def _torchtitan_to_hf(
     vocab_size: int | None,
     dtype: str,
     shapes: MappingType[str, tuple[int, ...]] | None,
-) -> MappingChoice:
+) -> MappingChoice | None:
     """The mapping to transformers for the model ``--config`` describes (a transformers config.json, or a torchtitan
-    job TOML); torchtitan never pads its vocab, so the true size is the embedding's rows unless ``--vocab`` says."""
+    job TOML); torchtitan never pads its vocab, so the true size is the embedding's rows unless ``--vocab`` says.
+
+    None for torchtitan's names in a transformers layout (written with ``--keep-names``) that nothing describes.
+    """
+    config = source.config
+    described = config is not None and (config.model_type == "llama" or isinstance(config.raw.get("model"), dict))
+    if not described and source.layout in (Layout.HF, Layout.HF_RANKS):  # written with --keep-names: they stay
+        return None
     if shapes is None:
         if source.tp != 1:
             raise MappingError("torchtitan names across ranks: the whole shapes are unknown", path=source.path)
@@ -151,7 +158,6 @@ def _torchtitan_to_hf(
     mapping = torchtitan_to_hf(model.n_heads, model.n_kv_heads, model.head_dim, tied=model.tied)
     rows = shapes.get("tok_embeddings.weight", (None,))[0]
     vocab = vocab_size if vocab_size is not None else rows
-    config = source.config
     if config is not None and config.model_type == "llama":  # --config gave the target's
         return MappingChoice(mapping, config.raw if vocab is None else config.with_vocab_size(vocab))
     return MappingChoice(mapping, llama_config(model, vocab_size=vocab, dtype=dtype))

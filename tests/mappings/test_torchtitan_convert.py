@@ -165,3 +165,19 @@ def test_the_same_table_without_the_permutation_gives_other_logits(titan_root) -
 
 def _shapes(want: dict) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in want["state"].items()}
+
+
+def test_kept_names_split_by_torchtitan_s_plan_stay_then_map_when_described(titan_root, cli, tmp_path) -> None:
+    """``--keep-names`` at tp 2 splits torchtitan's tensors as its TP plan does (the fused wqkv by KV group); that
+    folder keeps its names when nothing describes the model, and maps from its rank files when ``--config`` does."""
+    want, kept, again, hf = expected(titan_root, "fused_tp2"), tmp_path / "kept", tmp_path / "again", tmp_path / "hf"
+    assert cli("convert", titan_root / "fused_tp2", "--tp", 2, "--keep-names", "-o", kept).exit_code == 0
+    wqkv = "layers.0.attention.qkv_linear.wqkv.weight"
+    halves = [load_rank(kept, r)[wqkv] for r in range(2)]
+    assert all(torch.equal(h, want["state"][wqkv][r * 64 : (r + 1) * 64]) for r, h in enumerate(halves))
+    assert cli("convert", kept, "--tp", 1, "-o", again).exit_code == 0
+    assert wqkv in load_folder(again)
+    job = job_file(tmp_path, "fused_tp2")
+    result = cli("convert", kept, "--tp", 1, "--layout", "hf", "--vocab", 1001, "--config", job, "-o", hf)
+    assert result.exit_code == 0, result.output
+    torch.testing.assert_close(hf_logits(hf, want["tokens"]), want["logits"], atol=1e-5, rtol=0)

@@ -34,6 +34,21 @@ _LAYER = re.compile(r"^layers\.(\d+)\.")
 _SCALINGS = ("llama", "none")
 
 
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+# The [model] keys read, and what a valid value is.
+_KEYS = {
+    "n_heads": lambda v: _positive(v) and isinstance(v, int),
+    "n_kv_heads": lambda v: _positive(v) and isinstance(v, int),
+    "max_seq_len": lambda v: _positive(v) and isinstance(v, int),
+    "rope_theta": _positive,
+    "norm_eps": _positive,
+    "enable_weight_tying": lambda v: isinstance(v, bool),
+}
+
+
 @dataclass(frozen=True)
 class FoundShapes:
     """What a torchtitan checkpoint's tensor shapes say about its model."""
@@ -169,6 +184,9 @@ def _from_job(section: dict[str, Any], found: FoundShapes, *, where: Any) -> Tit
     name = section.get("name", "llama3")
     if name != "llama3":
         raise MappingError(f"torchtitan model {name!r}: reshard maps llama3 only", path=where)
+    wrong = [f"{key} = {section[key]!r}" for key, valid in _KEYS.items() if key in section and not valid(section[key])]
+    if wrong:
+        raise MappingError(f"[model] has {', '.join(wrong)}", path=where, hint="counts are positive integers")
     base = None
     if "flavor" in section:
         base = flavor(str(section["flavor"]))

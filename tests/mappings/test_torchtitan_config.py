@@ -149,6 +149,8 @@ def test_other_models_flavors_and_scalings_are_refused() -> None:
         titan_model(job(flavor="7B"), TINY)
     with pytest.raises(MappingError, match="rope_scaling 'yarn' is not one of"):
         titan_model(job(flavor="debugmodel", rope_scaling="yarn"), DEBUG)
+    with pytest.raises(MappingError, match=r"\[model\] has n_heads = '4', rope_theta = 0"):
+        titan_model(job(n_heads="4", rope_theta=0, rope_scaling="none"), TINY)
 
 
 def test_no_output_layer_means_tied_and_a_tied_flavor_keeps_its_tie() -> None:

@@ -11,7 +11,7 @@ from reshard.errors import ReshardError
 
 
 class Layout(str, enum.Enum):
-    """How a checkpoint sits on disk (docs/layouts.md). ``loose`` and ``dcp`` are read only."""
+    """How a checkpoint sits on disk (docs/layouts.md); ``writer_class`` says which are written."""
 
     HF = "hf"
     HF_RANKS = "hf-ranks"
@@ -19,6 +19,7 @@ class Layout(str, enum.Enum):
     SAT = "sat"
     LOOSE = "loose"
     DCP = "dcp"
+    TORCH_DIST = "torch_dist"
 
     def __str__(self) -> str:
         return self.value

@@ -33,6 +33,7 @@ def render_inspect(report: InspectReport) -> str:
     ]
     if report.mapping:
         lines.append(f"names       {report.mapping} under --layout hf (the 'hf name' column)")
+    stored = any(t.stored for t in report.tensors)
     lines.append("")
     rows = [
         [
@@ -44,9 +45,11 @@ def render_inspect(report: InspectReport) -> str:
             t.problem or t.reason,
         ]
         + ([", ".join(t.targets or ["(dropped)"])] if report.mapping else [])
+        + ([t.stored or "-"] if stored else [])
         for t in report.tensors
     ]
     header = ["tensor", "rank shapes", "dtype", "bytes", "partition", "why"] + (["hf name"] if report.mapping else [])
+    header += ["stored as"] if stored else []
     lines.append(table(rows, header))
     lines += [f"note: {n}" for n in report.notes] + [f"not a tensor: {e}" for e in report.extras]
     if report.problems:

@@ -27,6 +27,7 @@ class TensorReport:
     shape: list[int] | None
     problem: str | None
     targets: list[str] | None = None  # its names under the mapping to transformers, when there is one
+    stored: str | None = None  # how it is stored, when not as a tensor of its own (a box of a global tensor)
 
 
 @dataclass
@@ -122,6 +123,7 @@ def inspect_checkpoint(
                 shape=list(t.shape) if t.shape else None,
                 problem=t.problem.one_line() if t.problem else None,
                 targets=targets.get(t.name) if mapping else None,
+                stored=t.refs[0].describe(),
             )
         )
     return report

@@ -109,8 +109,8 @@ def _mapped(
     except PlanError as err:
         return [], (), list(err.problems)
     target_config = choice.target_config
-    if layout == Layout.MEGATRON:
-        target_config = config_from_args(choice.args, None)
+    if layout == Layout.MEGATRON:  # Megatron's names: the args' sizes (a mapped source's, or the source's own)
+        target_config = config_from_args(choice.args, None) if choice.args is not None else opened.source.config
     names = [name for group in groups for name in group.targets]
     plan = select_plan(target_config, names)
     plans, problems = mapped_plans(opened.tensors, groups, plan, target_config, target_tp=tp)

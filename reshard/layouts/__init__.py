@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from reshard.errors import ReshardError
-from reshard.layouts import dcp, hf, hf_ranks, loose, megatron, sat
+from reshard.layouts import dcp, hf, hf_ranks, loose, megatron, sat, torch_dist
 from reshard.layouts.base import CheckpointWriter, SourceCheckpoint, TargetSpec, TensorRef
 from reshard.layouts.megatron_writer import MegatronWriter
 from reshard.options import Layout, ReadOptions
@@ -31,6 +31,8 @@ def discover(path: Path, options: ReadOptions | None = None) -> SourceCheckpoint
         raise ReshardError("no such file or folder", path=path)
     if path.is_file():
         return hf.discover(path, options)
+    if torch_dist.detect(path):  # before dcp (its data files are DCP) and megatron (the same tracker file)
+        return torch_dist.discover(path, options)
     if dcp.detect(path):
         return dcp.discover(path, options)
     if megatron.detect(path):
@@ -44,7 +46,8 @@ def discover(path: Path, options: ReadOptions | None = None) -> SourceCheckpoint
     if hf.is_hf_folder(path):
         return hf.discover(path, options)
     raise ReshardError(
-        "no checkpoint found (looked for DCP .metadata, Megatron iter_*/mp_rank_*, SAT mp_rank_XX_model_states.pt, "
+        "no checkpoint found (looked for Megatron-Core torch_dist metadata.json, DCP .metadata, "
+        "Megatron iter_*/mp_rank_*, SAT mp_rank_XX_model_states.pt, "
         "rank_NN/ folders, *rank{r}* files, model.safetensors, "
         "pytorch_model.bin, *.safetensors)",
         path=path,

@@ -52,6 +52,10 @@ class TensorRef:
         in between where the reader can."""
         self.reader.read_into(self.key, out, start=start)
 
+    def describe(self) -> str | None:
+        """How this slice is stored, when it is not one tensor of one file (a box of a global tensor)."""
+        return self.reader.describe(self.key)
+
     def prefetch(self) -> None:
         """Let the OS start reading this slice from disk in the background."""
         self.reader.prefetch(self.key)

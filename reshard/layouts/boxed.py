@@ -46,12 +46,29 @@ class BoxView:
         return cls(tensor, Box.whole(tensor.shape), tensor.shape)
 
 
+@dataclass(frozen=True)
+class StackedView:
+    """Views of equal trailing shape seen as one tensor, one after the other along dim 0 (Megatron-Core's
+    ``_w`` / ``_v`` halves of a SwiGLU fc1 seen as the fused ``[gate; up]``)."""
+
+    parts: tuple[BoxView, ...]
+
+    @property
+    def tensor(self) -> StoredTensor:
+        return self.parts[0].tensor
+
+    @property
+    def shape(self) -> Shape:
+        first = self.parts[0].shape
+        return (sum(p.shape[0] for p in self.parts), *first[1:])
+
+
 @dataclass
 class BoxedReader(FileReader):
     """Boxes of global tensors stored as chunks (see the module docstring); ``path`` is the checkpoint folder."""
 
     path: Path
-    views: Mapping[str, BoxView]
+    views: Mapping[str, BoxView | StackedView]
     headers: dict[str, TensorHeader] = field(init=False)
     extras: dict[str, Any] = field(init=False, default_factory=dict)
     notes: list[str] = field(init=False, default_factory=list)
@@ -62,8 +79,12 @@ class BoxedReader(FileReader):
     def __post_init__(self) -> None:
         self.headers = {}
         for key, view in self.views.items():
-            if view.tensor.code is None or view.box.numel != TensorHeader(view.shape, "U8").nbytes:
-                raise ValueError(f"{key}: a view of {view.box.sizes} cannot be seen as {view.shape}")
+            parts = view.parts if isinstance(view, StackedView) else (view,)
+            for part in parts:
+                if part.tensor.code is None or part.box.numel != TensorHeader(part.shape, "U8").nbytes:
+                    raise ValueError(f"{key}: a view of {part.box.sizes} cannot be seen as {part.shape}")
+            if len({(p.tensor.code, p.shape[1:]) for p in parts}) > 1:
+                raise ValueError(f"{key}: parts of different dtypes or trailing shapes cannot be stacked")
             self.headers[key] = TensorHeader(view.shape, view.tensor.code)
 
     def get(self, key: str) -> torch.Tensor:
@@ -80,22 +101,55 @@ class BoxedReader(FileReader):
         view = self.views[key]
         if out.numel() == 0:
             return
+        if isinstance(view, StackedView):
+            self._read_stacked(key, view, out, start)
+            return
         itemsize = out.element_size()
         if itemsize != itemsize_of(view.tensor.code) or start % itemsize:
             raise ValueError(f"{self.path.name}: {key}: read_into a {out.dtype} buffer at byte {start}")
         if out.is_contiguous():
-            first = start // itemsize
-            if first + out.numel() > view.box.numel:
+            if start // itemsize + out.numel() > view.box.numel:
                 raise ValueError(f"{self.path.name}: {key}: read_into past the end of the tensor")
-            flat, done = out.reshape(-1), 0
-            for piece in contiguous_pieces(view.box.sizes, first, first + out.numel()):
-                region = Box(tuple(a + b for a, b in zip(view.box.offsets, piece.offsets, strict=True)), piece.sizes)
-                self._fill(view.tensor, region, flat[done : done + piece.numel].view(piece.sizes))
-                done += piece.numel
+            self.read_into_view(view, out, start=start)
         elif start == 0 and tuple(out.shape) == view.shape:
             self._fill(view.tensor, view.box, out.view(view.box.sizes))
         else:
             raise ValueError(f"{self.path.name}: {key}: cannot read part of a tensor into a strided buffer")
+
+    def _read_stacked(self, key: str, view: StackedView, out: torch.Tensor, start: int) -> None:
+        """The parts' bytes in order: each part's share of ``[start, start + out.nbytes)``."""
+        if not out.is_contiguous():
+            if start or tuple(out.shape) != view.shape:
+                raise ValueError(f"{self.path.name}: {key}: cannot read part of a tensor into a strided buffer")
+            offset = 0
+            for part in view.parts:
+                self._fill(part.tensor, part.box, out.narrow(0, offset, part.shape[0]).view(part.box.sizes))
+                offset += part.shape[0]
+            return
+        flat, itemsize = out.reshape(-1), out.element_size()
+        first, last, begin = start // itemsize, start // itemsize + out.numel(), 0
+        for part in view.parts:
+            low, high = max(first, begin), min(last, begin + part.box.numel)
+            if low < high:
+                piece = flat[low - first : high - first]
+                self.read_into_view(part, piece, start=(low - begin) * itemsize)
+            begin += part.box.numel
+
+    def read_into_view(self, view: BoxView, out: torch.Tensor, *, start: int = 0) -> None:
+        """:meth:`read_into` of one box view (contiguous ``out`` from byte ``start`` of the view)."""
+        itemsize = out.element_size()
+        first = start // itemsize
+        flat, done = out.reshape(-1), 0
+        for piece in contiguous_pieces(view.box.sizes, first, first + out.numel()):
+            region = Box(tuple(a + b for a, b in zip(view.box.offsets, piece.offsets, strict=True)), piece.sizes)
+            self._fill(view.tensor, region, flat[done : done + piece.numel].view(piece.sizes))
+            done += piece.numel
+
+    def describe(self, key: str) -> str:
+        """The stored tensor(s) and the box: ``decoder.layers.linear_qkv.weight[3] of [4, 96, 64], 2 chunks``."""
+        view = self.views[key]
+        parts = view.parts if isinstance(view, StackedView) else (view,)
+        return " + ".join(_describe(part) for part in parts)
 
     def prefetch(self, key: str) -> None:
         self._advise(key, "POSIX_FADV_WILLNEED")
@@ -188,6 +242,14 @@ class BoxedReader(FileReader):
             while len(self._files) > OPEN_FILES:
                 self._files.popitem(last=False)
             return source
+
+
+def _describe(view: BoxView) -> str:
+    tensor, box = view.tensor, view.box
+    fixed = len(tensor.shape) - len(view.shape)  # leading stacked axes (layers, experts) fixed by the view
+    index = f"[{', '.join(str(o) for o in box.offsets[:fixed])}]" if fixed else ""
+    chunks = sum(1 for chunk in tensor.chunks if chunk.box.intersect(box) is not None)
+    return f"{tensor.name}{index} of {list(tensor.shape)}, {chunks} chunk{'s' if chunks != 1 else ''}"
 
 
 def _c_ordered(sizes: Shape, strides: Shape) -> bool:

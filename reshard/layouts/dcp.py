@@ -64,13 +64,7 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
     """
     index = read_index(path, trust_pickle=options.trust_pickle)
     model, skipped = _split(index)
-    problems = [problem for tensor in model.values() if (problem := check_tensor(tensor))]
-    if not problems:
-        problems, sizes = check_files(list(model.values()))
-    if not problems:
-        model = _resolve_formats(model, sizes, problems)
-    if problems:
-        raise problems[0] if len(problems) == 1 else PlanError(problems)
+    model, sizes = checked(model)
     names, prefix = _names(index, list(model))
     reader = BoxedReader(path, {names[fqn]: BoxView.whole(tensor) for fqn, tensor in model.items()})
     refs = {name: TensorRef(name, 0, reader, name, reader.headers[name]) for name in reader.headers}
@@ -118,6 +112,20 @@ def _names(index: DcpIndex, fqns: list[str]) -> tuple[dict[str, str], str | None
             }
             return {**names, **extra}, paths[0][0]
     return {fqn: fqn for fqn in fqns}, None
+
+
+def checked(model: dict[str, StoredTensor]) -> tuple[dict[str, StoredTensor], dict[Path, int]]:
+    """The tensors with their chunks located (torch.save archives or safetensors blobs), and the data files'
+    sizes, after checking the boxes and files; every problem is raised at once, naming file and tensor."""
+    problems = [problem for tensor in model.values() if (problem := check_tensor(tensor))]
+    sizes: dict[Path, int] = {}
+    if not problems:
+        problems, sizes = check_files(list(model.values()))
+    if not problems:
+        model = _resolve_formats(model, sizes, problems)
+    if problems:
+        raise problems[0] if len(problems) == 1 else PlanError(problems)
+    return model, sizes
 
 
 def _resolve_formats(

@@ -146,6 +146,11 @@ def config_from_args(args: Any, path: Path) -> ModelConfig | None:
         "padded_vocab_size": arg(args, "padded_vocab_size"),
         "make_vocab_size_divisible_by": arg(args, "make_vocab_size_divisible_by", DEFAULT_MEGATRON_MULTIPLE),
         "tensor_model_parallel_size": arg(args, "tensor_model_parallel_size"),
+        "num_experts": arg(args, "num_experts"),
+        "moe_intermediate_size": (arg(args, "moe_ffn_hidden_size") or arg(args, "ffn_hidden_size"))
+        if arg(args, "num_experts")
+        else None,
+        "shared_expert_intermediate_size": arg(args, "moe_shared_expert_intermediate_size"),
     }
     vocab = true_vocab_size(args)
     if vocab is not None:

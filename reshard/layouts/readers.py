@@ -72,6 +72,10 @@ class FileReader:
                 self._mapped = file_mappings(self.path)
             release_mapped(source, self._mapped)
 
+    def describe(self, key: str) -> str | None:
+        """How tensor ``key`` is stored, when it is not simply a tensor of the file (``inspect`` shows it)."""
+        return None
+
     def prefetch(self, key: str) -> None:
         """Ask the OS to start reading tensor ``key`` in the background (a hint; may do nothing)."""
 

@@ -52,6 +52,9 @@ class GPTShape:
     moe_router_topk: int = 2
     moe_ffn_hidden_size: int | None = None
     moe_shared_expert_intermediate_size: int | None = None
+    moe_shared_expert_gate: bool = False
+    moe_router_pre_softmax: bool = False  # softmax over every expert before the top-k (no renormalization)
+    moe_router_score_function: str = "softmax"
 
 
 def gpt_shape_from_args(args: Any) -> GPTShape:
@@ -96,6 +99,9 @@ def gpt_shape_from_args(args: Any) -> GPTShape:
         moe_router_topk=int(arg(args, "moe_router_topk", 2)),
         moe_ffn_hidden_size=arg(args, "moe_ffn_hidden_size"),
         moe_shared_expert_intermediate_size=arg(args, "moe_shared_expert_intermediate_size"),
+        moe_shared_expert_gate=bool(arg(args, "moe_shared_expert_gate", False)),
+        moe_router_pre_softmax=bool(arg(args, "moe_router_pre_softmax", False)),
+        moe_router_score_function=str(arg(args, "moe_router_score_function", "softmax")),
     )
 
 
@@ -105,20 +111,43 @@ def _rope_scaling(args: Any) -> float | None:
 
 
 def hf_family(shape: GPTShape) -> str:
-    """The transformers family that computes what this Megatron GPT computes."""
-    if shape.add_bias_linear and shape.num_experts:
-        raise MappingError(
-            "MoE with linear biases has no transformers family", hint="keep Megatron's names with --keep-names"
-        )
+    """The transformers family that computes what this Megatron GPT computes (refused, naming why, if none)."""
     if shape.num_experts:
-        if shape.moe_shared_expert_intermediate_size:
-            return "qwen2_moe"
-        return "qwen3_moe" if shape.qk_layernorm else "mixtral"
+        return _moe_family(shape)
     if shape.qk_layernorm:
+        if shape.add_qkv_bias or shape.add_bias_linear:
+            _no_family("query/key norms with linear biases")
         return "qwen3"
     if shape.add_qkv_bias and not shape.add_bias_linear:
         return "qwen2"
     return "llama"
+
+
+def _moe_family(shape: GPTShape) -> str:
+    if shape.add_bias_linear:
+        _no_family("MoE with linear biases")
+    if shape.moe_router_score_function != "softmax":
+        _no_family(f"a {shape.moe_router_score_function} router")
+    if shape.moe_shared_expert_intermediate_size:
+        if not shape.moe_shared_expert_gate:  # Qwen2-MoE always gates its shared expert
+            _no_family("shared experts without a gate")
+        if shape.qk_layernorm:
+            _no_family("shared experts with query/key norms")
+        return "qwen2_moe"
+    if shape.qk_layernorm:
+        return "qwen3_moe"
+    if shape.moe_router_pre_softmax:  # Mixtral renormalizes the top-k weights
+        _no_family("a router that takes the softmax before the top-k without query/key norms")
+    if shape.add_qkv_bias:
+        _no_family("MoE with QKV biases and no shared experts")
+    return "mixtral"
+
+
+def _no_family(what: str) -> None:
+    raise MappingError(
+        f"this Megatron model has no transformers family: {what}",
+        hint="keep Megatron's names with --keep-names, or convert to --layout megatron",
+    )
 
 
 def hf_config(shape: GPTShape, *, vocab_size: int | None, dtype: str, family: str | None = None) -> dict[str, Any]:
@@ -159,9 +188,18 @@ def hf_config(shape: GPTShape, *, vocab_size: int | None, dtype: str, family: st
         if family == "mixtral":
             config |= {"num_local_experts": shape.num_experts, "intermediate_size": expert_size}
         else:
-            config |= {"num_experts": shape.num_experts, "moe_intermediate_size": expert_size, "norm_topk_prob": False}
+            config |= {
+                "num_experts": shape.num_experts,
+                "moe_intermediate_size": expert_size,
+                "norm_topk_prob": not shape.moe_router_pre_softmax,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [],
+            }
         if family == "qwen2_moe":
-            config["shared_expert_intermediate_size"] = shape.moe_shared_expert_intermediate_size
+            config |= {
+                "shared_expert_intermediate_size": shape.moe_shared_expert_intermediate_size,
+                "qkv_bias": shape.add_qkv_bias,
+            }
     return config
 
 
@@ -196,6 +234,8 @@ def gpt_shape_from_hf(config: ModelConfig) -> GPTShape:
         moe_ffn_hidden_size=config.get("moe_intermediate_size")
         or (config.get("intermediate_size") if experts else None),
         moe_shared_expert_intermediate_size=config.get("shared_expert_intermediate_size"),
+        moe_shared_expert_gate=bool(config.get("shared_expert_intermediate_size")),
+        moe_router_pre_softmax=bool(experts) and not config.get("norm_topk_prob", family == "mixtral"),
     )
 
 
@@ -230,6 +270,8 @@ def megatron_args(
         moe_router_topk=shape.moe_router_topk,
         moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
         moe_shared_expert_intermediate_size=shape.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=shape.moe_shared_expert_gate,
+        moe_router_pre_softmax=shape.moe_router_pre_softmax,
         make_vocab_size_divisible_by=divisible_by,
         vocab_size=vocab_size,
         tensor_model_parallel_size=1,

@@ -8,6 +8,9 @@
 * ``linear_fc1`` / ``dense_h_to_4h`` with SwiGLU: each rank holds ``[gate_r; up_r]``, so it is
   ``Packed(0, (F, F))`` (re-pairs the halves; plain concatenation would mix gate and up rows).
 * Row-parallel (dim 1): ``linear_proj`` / ``dense`` (in whole heads), ``linear_fc2`` / ``dense_4h_to_h``.
+* MoE: every expert's (and the shared experts') fc1/fc2 like the dense MLP's, sized by
+  ``moe_ffn_hidden_size`` / ``moe_shared_expert_intermediate_size`` (expert tensor parallelism is the tp);
+  the router and the shared-expert gate replicated.
 * Replicated: norms (``*.layer_norm_weight`` fused by Transformer Engine included), row-parallel biases,
   position embeddings, tensor-valued ``_extra_state``.
 """
@@ -45,12 +48,20 @@ def proj_partition(config: ModelConfig | None) -> Partition:
     return Shard(1, unit=_need(config, "head_dim", "linear_proj (kv_channels)"))
 
 
-def fc1_partition(config: ModelConfig | None) -> Partition:
-    """``[gate; up]`` split part by part under SwiGLU, a plain dim-0 shard otherwise."""
-    if config is not None and config.get("swiglu"):
-        ffn = _need(config, "intermediate_size", "the SwiGLU linear_fc1 (ffn_hidden_size)")
-        return Packed(0, (ffn, ffn))
-    return Shard(0)
+def fc1_of(key: str, what: str):
+    """``[gate; up]`` of an MLP whose FFN size is the config's ``key``, split part by part under SwiGLU, a
+    plain dim-0 shard otherwise."""
+
+    def partition(config: ModelConfig | None) -> Partition:
+        if config is not None and config.get("swiglu"):
+            ffn = _need(config, key, f"the SwiGLU {what}")
+            return Packed(0, (ffn, ffn))
+        return Shard(0)
+
+    return partition
+
+
+fc1_partition = fc1_of("intermediate_size", "linear_fc1 (ffn_hidden_size)")
 
 
 MEGATRON_PLAN = Plan(
@@ -64,6 +75,16 @@ MEGATRON_PLAN = Plan(
         Rule(_QKV, qkv_partition),
         Rule(_PROJ + r"\.weight$", proj_partition),
         Rule(_PROJ + r"\.bias$", Replicate()),
+        Rule(
+            r"\.experts\.local_experts\.\d+" + _FC1,
+            fc1_of("moe_intermediate_size", "expert fc1 (moe_ffn_hidden_size)"),
+        ),
+        Rule(
+            r"\.shared_experts" + _FC1,
+            fc1_of("shared_expert_intermediate_size", "shared expert fc1 (moe_shared_expert_intermediate_size)"),
+        ),
+        Rule(r"\.mlp\.router\.(weight|bias|expert_bias)$", Replicate()),
+        Rule(r"\.shared_experts\.gate_weight$", Replicate()),
         Rule(_FC1, fc1_partition),
         Rule(_FC2 + r"\.weight$", Shard(1)),
         Rule(_FC2 + r"\.bias$", Replicate()),

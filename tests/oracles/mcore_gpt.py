@@ -113,6 +113,8 @@ def build(variant: Variant, spec: Spec, *, seed: int) -> list:
         moe_router_topk=variant.topk,
         moe_ffn_hidden_size=variant.moe_ffn if moe else None,
         moe_shared_expert_intermediate_size=variant.shared_ffn or None,
+        moe_shared_expert_gate=variant.shared_gate,
+        qk_layernorm=variant.qk_norm,
         moe_aux_loss_coeff=0.0,
         moe_token_dispatcher_type="allgather",
         tensor_model_parallel_size=spec.tp,
@@ -132,7 +134,9 @@ def build(variant: Variant, spec: Spec, *, seed: int) -> list:
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
     )
-    layer_spec = get_gpt_layer_local_spec(num_experts=variant.experts or None, normalization="RMSNorm")
+    layer_spec = get_gpt_layer_local_spec(
+        num_experts=variant.experts or None, normalization="RMSNorm", qk_layernorm=variant.qk_norm
+    )
     torch.manual_seed(seed)
     chunks = []
     for vp_stage in range(spec.vpp):

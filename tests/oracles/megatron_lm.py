@@ -103,6 +103,8 @@ def megatron_args(variant: Variant, spec: Spec, *, ckpt_format: str) -> argparse
         moe_router_topk=variant.topk,
         moe_ffn_hidden_size=variant.moe_ffn if moe else None,
         moe_shared_expert_intermediate_size=variant.shared_ffn or None,
+        moe_shared_expert_gate=variant.shared_gate,
+        qk_layernorm=variant.qk_norm,
         moe_grouped_gemm=False,
         moe_router_load_balancing_type="aux_loss",
         moe_token_dispatcher_type="allgather",

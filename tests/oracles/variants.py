@@ -37,6 +37,8 @@ class Variant:
     topk: int = 2  # moe_router_topk
     moe_ffn: int = 32  # moe_ffn_hidden_size
     shared_ffn: int = 0  # moe_shared_expert_intermediate_size (0: no shared expert)
+    shared_gate: bool = False  # moe_shared_expert_gate (a sigmoid gate on the shared expert, as Qwen2-MoE has)
+    qk_norm: bool = False  # qk_layernorm (Qwen3-style RMSNorm of each head's queries and keys)
     max_seq: int = 64  # max_position_embeddings, seq_length
     rotary_base: int = 10000
     norm_eps: float = 1e-5
@@ -68,8 +70,12 @@ VARIANTS: dict[str, Variant] = {
     "llama-tied": Variant("llama-tied", tied=True),
     # Mixtral-like: 4 experts, top-2, router, SequentialMLP (the local spec); 2 layers keep it cheap.
     "moe": Variant("moe", layers=2, experts=4),
-    # Qwen2-MoE-like: the same plus a shared expert next to the routed ones.
+    # The same plus a shared expert next to the routed ones (no gate: no transformers family has that).
     "moe-shared": Variant("moe-shared", layers=2, experts=4, shared_ffn=48),
+    # Qwen2-MoE-like: a gated shared expert and QKV biases.
+    "moe-shared-gate": Variant("moe-shared-gate", layers=2, experts=4, shared_ffn=48, shared_gate=True, qkv_bias=True),
+    # Qwen3-like: query/key norms, tied embeddings.
+    "qk-norm": Variant("qk-norm", layers=2, qk_norm=True, tied=True),
 }
 
 

@@ -1,0 +1,235 @@
+"""The ``torch_dist`` layout: Megatron-Core's ``dist_checkpointing`` format, also inside NeMo 2's ``weights/``.
+
+    <root>/latest_checkpointed_iteration.txt       (Megatron-LM) the iteration, or ``release``
+    <root>/iter_{iteration:07d}/                   metadata.json ({"sharded_backend": "torch_dist", ...}),
+                                                   .metadata + __{rank}_{n}.distcp (DCP), common.pt (args, ...)
+    <nemo>/weights/ + <nemo>/context/model.yaml    (NeMo 2) the same files under weights/, the config in context/
+
+The data files are PyTorch DCP: every tensor is stored with its global shape, so the checkpoint is read as a
+tp=1 checkpoint whose tensors are assembled from chunk boxes (:mod:`reshard.layouts.boxed`, shared with the
+``dcp`` layout). Megatron-Core stacks the layers of homogeneous models on a leading axis
+(``decoder.layers.<rest>`` of shape ``[L, ...]``, the global layer index, so pipeline stages need no merge)
+and the experts on the next (``decoder.layers.mlp.experts.experts.<rest>``, ``[L, E, ...]``): each layer and
+expert is presented as its own tensor under the names Megatron's ``torch`` format gives it
+(``decoder.layers.{i}.<rest>``, ``decoder.layers.{i}.mlp.experts.local_experts.{e}.<rest>``), so plans and
+mappings read both formats alike; it is read one layer (one expert) at a time. Non-homogeneous models keep
+``decoder.layers.{i}.`` keys; norms stored under Transformer Engine's names get the names the ``torch``
+format of the same model uses (``input_layernorm`` / ``pre_mlp_layernorm`` for the local layer spec and for
+a MoE layer's MLP norm); the ``_w`` / ``_v`` halves of a SwiGLU fc1 (``singleton_local_shards``) are seen
+as the fused ``[gate; up]``. The stored forms are canonical already: QKV interleaved per query group, fc1
+``[gate; up]``, the vocab padded (cut to the true size like everywhere else). NeMo's ``module.`` prefix is
+dropped. Optimizer state, rng state and Transformer Engine's ``_extra_state`` objects are skipped and reported.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from reshard.errors import CorruptFileError, ReshardError
+from reshard.layouts.base import SourceCheckpoint, TensorRef
+from reshard.layouts.boxed import BoxedReader, BoxView, StackedView
+from reshard.layouts.boxes import Box
+from reshard.layouts.dcp import checked
+from reshard.layouts.dcp_metadata import StoredTensor, read_index
+from reshard.layouts.megatron import TRACKER
+from reshard.layouts.megatron_args import SAFE_GLOBALS, arg, config_from_args
+from reshard.layouts.nemo import NEMO_WEIGHTS, nemo_args
+from reshard.layouts.readers import load_torch_file
+from reshard.options import Layout, ReadOptions
+from reshard.sizes import human_bytes
+
+CONFIG = "metadata.json"
+COMMON = "common.pt"
+STACKED = re.compile(r"^decoder\.layers\.(?!\d)")
+EXPERTS = ".mlp.experts.experts."
+HALVES = re.compile(r"^(?P<key>.+)_(?P<half>[wv])$")
+SKIPPED = re.compile(r"^(optimizer|rng_state|rerun_state_machine)\b|/")
+PREFIXES = ("module.",)
+FUSED_NORM = re.compile(r"^(decoder\.layers\.\d+\.)(self_attention\.linear_qkv|mlp\.linear_fc1)\.layer_norm_(\w+)$")
+ROUTER = re.compile(r"^(decoder\.layers\.\d+\.)mlp\.router\.")
+
+
+def folder_of(path: Path) -> Path | None:
+    """The folder holding ``metadata.json`` for ``path`` (an iteration folder, a Megatron-LM root following its
+    tracker, or a NeMo 2 checkpoint's ``weights/``), when it is a ``torch_dist`` checkpoint."""
+    if not path.is_dir():
+        return None
+    candidates = [path, path / NEMO_WEIGHTS]
+    tracker = path / TRACKER
+    if tracker.is_file():
+        text = tracker.read_text().strip()
+        candidates.append(
+            path / ("release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else text)
+        )
+    for folder in candidates:
+        config = folder / CONFIG
+        if config.is_file() and (folder / ".metadata").is_file():
+            return folder
+    return None
+
+
+def detect(path: Path) -> bool:
+    return folder_of(path) is not None
+
+
+def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
+    """Open a ``torch_dist`` checkpoint from its index: per-layer (and per-expert) views of the global tensors.
+
+    Raises:
+        CorruptFileError: a backend other than ``torch_dist`` (zarr), or an unreadable ``common.pt``.
+        ReshardError: the DCP index is inconsistent (see :mod:`reshard.layouts.dcp`).
+    """
+    folder = folder_of(path)
+    if folder is None:
+        raise ReshardError("not a torch_dist checkpoint (no metadata.json beside a .metadata)", path=path)
+    backend = _backend(folder / CONFIG)
+    if backend != "torch_dist":
+        raise CorruptFileError(f"sharded backend {backend!r}: only torch_dist is read", path=folder / CONFIG)
+    index = read_index(folder, trust_pickle=options.trust_pickle)
+    stored = {fqn: t for fqn, t in index.tensors.items() if not SKIPPED.search(_strip(fqn))}
+    model, sizes = checked(stored)
+    common, notes = _common(folder, options)
+    args = nemo_args(path) if folder.name == NEMO_WEIGHTS else common.get("args")
+    views = _spec_names(_views({_strip(fqn): tensor for fqn, tensor in model.items()}), args)
+    reader = BoxedReader(folder, views)
+    refs = {name: TensorRef(name, 0, reader, name, reader.headers[name]) for name in views}
+    source = SourceCheckpoint(path, Layout.TORCH_DIST, [refs], extras=[{}], top_level=[common])
+    source.config = (
+        config_from_args(args, folder / (COMMON if folder.name != NEMO_WEIGHTS else "..")) if args else None
+    )
+    skipped = [fqn for fqn in [*index.tensors, *index.values] if fqn not in model]
+    total = sum(index.tensors[f].stored_bytes for f in skipped if f in index.tensors)
+    total += sum(index.values[f] for f in skipped if f in index.values)
+    source.notes += notes + [
+        f"torch_dist: {len(model)} stored tensors read as {len(refs)} per-layer and per-expert tensors, "
+        f"{human_bytes(sum(sizes.values()))} in {len(sizes)} data files",
+    ]
+    if skipped:
+        source.notes.append(
+            f"skipped, not model weights: {len(skipped)} entries ({human_bytes(total)}), e.g. {skipped[0]}"
+        )
+    source.meta.update(
+        megatron=True,
+        torch_dist=True,
+        args=args,
+        iteration=common.get("iteration"),
+        checkpoint_version=common.get("checkpoint_version"),
+        release=folder.name == "release",
+        paths={},
+        chunks={name: len(v.tensor.chunks) for name, v in views.items() if isinstance(v, BoxView)},
+    )
+    if source.config is None:
+        source.notes.append("no Megatron args (common.pt) or NeMo config: model sizes must come from --config")
+    return source
+
+
+def _spec_names(views: dict[str, BoxView | StackedView], args: Any) -> dict[str, BoxView | StackedView]:
+    """The norms under the names the ``torch`` format of the same model gives them.
+
+    ``torch_dist`` stores every layer's norms under Transformer Engine's fused names, whatever the layer spec
+    (``sharded_state_dict_keys_map``); the ``torch`` format keeps the spec's own: ``input_layernorm`` and
+    ``pre_mlp_layernorm`` for ``--transformer-impl local``, and ``pre_mlp_layernorm`` in a MoE layer, which
+    has no ``linear_fc1``. Reading them so makes both formats of one model the same model.
+    """
+    local = arg(args, "transformer_impl", "transformer_engine") == "local"
+    moe_layers = {m.group(1) for name in views if (m := re.match(r"^(decoder\.layers\.\d+\.)mlp\.router\.", name))}
+    renamed = {}
+    for name, view in views.items():
+        match = re.match(
+            r"^(decoder\.layers\.\d+\.)(self_attention\.linear_qkv|mlp\.linear_fc1)\.layer_norm_(\w+)$", name
+        )
+        if match and (local or (match.group(2) == "mlp.linear_fc1" and match.group(1) in moe_layers)):
+            module = "input_layernorm" if match.group(2) == "self_attention.linear_qkv" else "pre_mlp_layernorm"
+            name = f"{match.group(1)}{module}.{match.group(3)}"
+        renamed[name] = view
+    return renamed
+
+
+def _backend(path: Path) -> str | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise CorruptFileError(f"unreadable: {err}", path=path) from err
+    return data.get("sharded_backend") if isinstance(data, dict) else None
+
+
+def _strip(fqn: str) -> str:
+    for prefix in PREFIXES:
+        if fqn.startswith(prefix):
+            return fqn[len(prefix) :]
+    return fqn
+
+
+def _common(folder: Path, options: ReadOptions) -> tuple[dict[str, Any], list[str]]:
+    """``common.pt``'s entries (``args``, ``iteration``, ``checkpoint_version``, ...), read with the Megatron
+    allow-list; newer Megatron-Core keeps them inside the DCP files instead (not read: sizes need --config)."""
+    path = folder / COMMON
+    if not path.is_file():
+        return {}, [f"no {COMMON}: newer Megatron-Core keeps args inside the data files, which reshard does not read"]
+    notes: list[str] = []
+    obj = load_torch_file(path, trust_pickle=options.trust_pickle, notes=notes, allowed=SAFE_GLOBALS)
+    if not isinstance(obj, dict):
+        raise CorruptFileError(f"holds a {type(obj).__name__}, not a dict", path=path)
+    return obj, notes
+
+
+def _views(stored: dict[str, StoredTensor]) -> dict[str, BoxView | StackedView]:
+    """Per-layer and per-expert views of the stored tensors, under Megatron's ``torch``-format names, in the
+    order a Megatron state dict lists them (embedding, layer by layer, the rest)."""
+    halves: dict[str, dict[str, StoredTensor]] = {}
+    whole: dict[str, StoredTensor] = {}
+    for fqn, tensor in stored.items():
+        match = HALVES.match(fqn)
+        if match and fqn.endswith(("weight_w", "weight_v", "bias_w", "bias_v")):
+            halves.setdefault(match.group("key"), {})[match.group("half")] = tensor
+        else:
+            whole[fqn] = tensor
+    views: dict[str, BoxView | StackedView] = {}
+    layered: dict[int, dict[str, BoxView | StackedView]] = {}
+    for fqn, tensor in whole.items():
+        for name, view in _split(fqn, BoxView.whole(tensor)):
+            _place(name, view, views, layered)
+    for key, pair in halves.items():
+        if set(pair) != {"w", "v"}:
+            raise CorruptFileError(
+                f"{key}: only the {set(pair)} half is stored", path=next(iter(pair.values())).declared_in
+            )
+        for (name, w), (_, v) in zip(
+            _split(key, BoxView.whole(pair["w"])), _split(key, BoxView.whole(pair["v"])), strict=True
+        ):
+            _place(name, StackedView((w, v)), views, layered)
+    head = {n: v for n, v in views.items() if "embedding" in n}
+    tail = {n: v for n, v in views.items() if n not in head}
+    return head | {n: v for layer in sorted(layered) for n, v in layered[layer].items()} | tail
+
+
+def _place(name: str, view: BoxView | StackedView, views: dict, layered: dict[int, dict]) -> None:
+    match = re.match(r"^decoder\.layers\.(\d+)\.", name)
+    (layered.setdefault(int(match.group(1)), {}) if match else views)[name] = view
+
+
+def _split(fqn: str, view: BoxView) -> list[tuple[str, BoxView]]:
+    """``(name, view)`` per layer of a stacked tensor and per expert of a stacked expert tensor, else itself."""
+    if STACKED.match(fqn):
+        rest = fqn[len("decoder.layers.") :]
+        return [
+            item
+            for layer in range(view.shape[0])
+            for item in _split(f"decoder.layers.{layer}.{rest}", _index(view, layer))
+        ]
+    if EXPERTS in fqn:
+        head, rest = fqn.split(EXPERTS, 1)
+        return [(f"{head}.mlp.experts.local_experts.{e}.{rest}", _index(view, e)) for e in range(view.shape[0])]
+    return [(fqn, view)]
+
+
+def _index(view: BoxView, i: int) -> BoxView:
+    """The ``i``-th entry along the view's leading axis (a unit dim of the box, dropped from the shape)."""
+    dims = len(view.tensor.shape) - len(view.shape)  # leading axes already fixed by enclosing views
+    offsets = list(view.box.offsets)
+    sizes = list(view.box.sizes)
+    offsets[dims], sizes[dims] = offsets[dims] + i, 1
+    return BoxView(view.tensor, Box(tuple(offsets), tuple(sizes)), view.shape[1:])

@@ -1,0 +1,85 @@
+"""Megatron-Core checkpoints converted to transformers compute what Megatron-Core computed.
+
+Megatron-Core 0.16.1 (the oracle, run in subprocesses) writes each model at its parallel layout, in both its
+formats (legacy ``torch`` and ``torch_dist``), and its logits on a fixed batch; reshard converts them to
+``--layout hf``; transformers' ``from_pretrained`` loads the output and must give the same logits (fp32, atol
+1e-5). Nothing here imports Megatron.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from oracles.variants import Spec
+
+pytestmark = pytest.mark.oracle
+
+CASES = {
+    "llama-tp2": (Spec("llama", tp=2), "llama"),
+    "llama-tied-tp2": (Spec("llama-tied", tp=2), "llama"),
+    "llama-pp2": (Spec("llama", pp=2), "llama"),
+    "llama-pp2-vpp2": (Spec("llama", pp=2, vpp=2), "llama"),
+    "moe-tp2": (Spec("moe", tp=2), "mixtral"),
+    "moe-shared-gate-tp2": (Spec("moe-shared-gate", tp=2), "qwen2_moe"),
+    "qk-norm-tp2": (Spec("qk-norm", tp=2), "qwen3"),
+}
+
+
+def transformers_logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    with torch.inference_mode():
+        return model.eval()(ids).logits
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_megatron_to_transformers_gives_megatron_s_logits(
+    cli, mcore_oracle, tmp_path: Path, case: str, fmt: str
+) -> None:
+    spec, family = CASES[case]
+    (ckpt,) = mcore_oracle.checkpoints(spec)
+    out = tmp_path / "hf"
+    result = cli("convert", getattr(ckpt, fmt), "--tp", 1, "--layout", "hf", "-o", out, "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["mapping"]["to"] == family
+    config = json.loads((out / "config.json").read_text())
+    assert config["vocab_size"] == ckpt.variant.vocab and config["tie_word_embeddings"] == ckpt.variant.tied
+    logits = transformers_logits(out, ckpt.input_ids)
+    torch.testing.assert_close(logits, ckpt.logits, rtol=0, atol=1e-5)
+
+
+def test_a_shared_expert_without_gate_has_no_transformers_family(cli, mcore_oracle, tmp_path: Path) -> None:
+    """Qwen2-MoE gates its shared expert; a Megatron model without the gate computes something no transformers
+    family computes: refused, not written as a model that loads and answers differently."""
+    (ckpt,) = mcore_oracle.checkpoints(Spec("moe-shared", tp=2))
+    out = tmp_path / "hf"
+    result = cli("convert", ckpt.torch, "--tp", 1, "--layout", "hf", "-o", out)
+    assert result.exit_code == 2 and not out.exists()
+    assert "no transformers family: shared experts without a gate" in result.output
+
+
+def test_torch_dist_to_the_legacy_format_at_other_tps_loads_in_megatron_core(
+    cli, mcore_oracle, tmp_path: Path
+) -> None:
+    """The modern format back to Megatron-LM's ``torch`` format at tp 4 and tp 1 (pp 2): Megatron-Core loads the
+    files strictly at that layout and computes the writer's logits."""
+    (ckpt,) = mcore_oracle.checkpoints(Spec("llama", tp=2))
+    layouts = {"tp4": ("--tp", 4), "pp2": ("--tp", 1, "--pp", 2)}
+    for name, args in layouts.items():
+        result = cli("convert", ckpt.torch_dist, *args, "--layout", "megatron", "-o", tmp_path / name)
+        assert result.exit_code == 0, result.output
+    loads = mcore_oracle.load_many(
+        [
+            (tmp_path / "tp4", "torch", Spec("llama", tp=4), "assume_ok_unexpected"),
+            (tmp_path / "pp2", "torch", Spec("llama", pp=2), "assume_ok_unexpected"),
+        ]
+    )
+    for loaded in loads:
+        torch.testing.assert_close(loaded["logits"][..., : ckpt.variant.vocab], ckpt.logits, rtol=0, atol=1e-5)

@@ -86,7 +86,12 @@ def option_group(*options: Callable[[Callable[..., Any]], Callable[..., Any]]) -
 
 # How to read any checkpoint.
 common_read_options = option_group(
-    click.option("--config", "config", type=EXISTING, help="config.json to use (default: in or above CKPT)."),
+    click.option(
+        "--config",
+        "config",
+        type=EXISTING,
+        help="config.json to use (default: in or above CKPT), or a torchtitan job .toml.",
+    ),
     click.option(
         "--plan",
         "plan",

@@ -4,7 +4,7 @@ tensor's partition and slices. Pure planning from an opened checkpoint; raises e
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from reshard.config import ModelConfig
@@ -16,6 +16,7 @@ from reshard.layouts import SourceCheckpoint, writer_class
 from reshard.layouts.megatron_args import arg, config_from_args
 from reshard.mappings import MappingChoice, choose_mapping, naming_of, require_true_vocab
 from reshard.mappings.megatron_gpt import MEGATRON
+from reshard.mappings.torchtitan_llama import TORCHTITAN
 from reshard.options import ConvertOptions, Layout
 from reshard.partition import Vocab, head_replicas
 from reshard.plans import select_plan
@@ -62,10 +63,19 @@ def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> TargetPlan
     if options.pp > 1 and layout != Layout.MEGATRON:
         raise ReshardError(f"the {layout} layout has no pipeline stages", hint="--pp applies to --layout megatron")
     choice = choose_mapping(
-        source, layout, vocab_size=opened.vocab.original, dtype=_dtype(opened), keep_names=options.keep_names
+        source,
+        layout,
+        vocab_size=opened.vocab.original,
+        dtype=_dtype(opened),
+        keep_names=options.keep_names,
+        shapes=_shapes(opened),
     )
+    vocab = opened.vocab
     if choice is not None and choice.config is not None:
-        require_true_vocab(source, opened.vocab.original)
+        if choice.config.get("vocab_size") is None:
+            require_true_vocab(source, vocab.original)
+        elif vocab.original is None:  # the mapping knows it (torchtitan never pads its vocab)
+            vocab = replace(vocab, original=choice.config["vocab_size"], origin=choice.mapping.name)
     meta = {"args": choice.args} if choice is not None and choice.args is not None else {}
     groups, dropped, problems = None, (), []
     if choice is not None:
@@ -76,7 +86,7 @@ def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> TargetPlan
     conversion = plan_conversion(
         source,
         opened.tensors,
-        vocab=opened.vocab,
+        vocab=vocab,
         target_tp=options.tp,
         pad_multiple=pad_multiple,
         uneven=opened.uneven,
@@ -106,12 +116,16 @@ def _refuse_copied_heads(conversion: ConversionPlan, layout: Layout, source: Sou
         )
 
 
+def _shapes(opened: OpenedCheckpoint) -> dict[str, tuple[int, ...]]:
+    """Every tensor's canonical shape, by name."""
+    return {t.name: t.shape for t in opened.tensors if t.shape is not None}
+
+
 def _mapped(
     opened: OpenedCheckpoint, choice: MappingChoice, layout: Layout, tp: int
 ) -> tuple[list[TensorPlan], tuple[str, ...], list[ReshardError]]:
-    shapes = {t.name: t.shape for t in opened.tensors if t.shape is not None}
     try:
-        groups, dropped = choice.mapping.plan(shapes, opened.source.config)
+        groups, dropped = choice.mapping.plan(_shapes(opened), opened.source.config)
     except PlanError as err:
         return [], (), list(err.problems)
     target_config = choice.target_config
@@ -175,8 +189,10 @@ def _config(opened: OpenedCheckpoint, choice: MappingChoice | None) -> dict[str,
 
 
 def _dtype(opened: OpenedCheckpoint) -> str:
-    """The dtype a transformers config states: that of the vocab tables (else of the first tensor)."""
-    tensors = [t for t in opened.tensors if isinstance(t.partition, Vocab)] or list(opened.tensors)
+    """The dtype a transformers config states: that of the vocab tables (else of the first floating tensor: not
+    torchtitan's complex ``freqs_cis``)."""
+    floating = [t for t in opened.tensors if t.code in ("F16", "BF16", "F32", "F64")]
+    tensors = [t for t in opened.tensors if isinstance(t.partition, Vocab)] or floating or list(opened.tensors)
     return name_of(tensors[0].code) if tensors else "float32"
 
 
@@ -186,11 +202,15 @@ def preview_mapping(opened: OpenedCheckpoint) -> tuple[str | None, dict[str, lis
     Returns the mapping's name, ``{source name: target names}`` and, when there is no mapping, why not
     (None when the names are transformers' already).
     """
-    if naming_of(opened.source) != MEGATRON:
+    if naming_of(opened.source) not in (MEGATRON, TORCHTITAN):
         return None, {}, None
+    shapes = _shapes(opened)
     try:
-        choice = choose_mapping(opened.source, Layout.HF, vocab_size=opened.vocab.original, dtype=_dtype(opened))
-        shapes = {t.name: t.shape for t in opened.tensors if t.shape is not None}
+        choice = choose_mapping(
+            opened.source, Layout.HF, vocab_size=opened.vocab.original, dtype=_dtype(opened), shapes=shapes
+        )
+        if choice is None:  # names that stay (a --keep-names output nothing describes)
+            return None, {}, None
         groups, _ = choice.mapping.plan(shapes, opened.source.config)
     except (MappingError, PlanError) as err:
         return None, {}, f"no mapping to transformers' names: {err.one_line()}"

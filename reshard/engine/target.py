@@ -14,6 +14,7 @@ from reshard.engine.planner import ConversionPlan, TensorPlan, mapped_plans, pla
 from reshard.errors import MappingError, PlanError, ReshardError
 from reshard.layouts import SourceCheckpoint, writer_class
 from reshard.layouts.megatron_args import arg, config_from_args
+from reshard.layouts.torch_dist_writer import RECORDED_TP
 from reshard.mappings import MappingChoice, choose_mapping, naming_of, require_true_vocab
 from reshard.mappings.megatron_gpt import MEGATRON
 from reshard.options import ConvertOptions, Layout
@@ -53,23 +54,32 @@ def default_layout(source: SourceCheckpoint, tp: int) -> Layout:
     return Layout.HF if tp == 1 else Layout.HF_RANKS
 
 
+def planned_tp(layout: Layout | None, tp: int) -> int:
+    """The tp a conversion is planned at: ``torch_dist`` holds global tensors whatever ``--tp`` says (it records
+    it in the args), so 1; else ``tp``."""
+    return 1 if layout == Layout.TORCH_DIST else tp
+
+
 def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> TargetPlan:
     """Plan the conversion of ``opened`` as ``options`` ask (raises every planning problem at once)."""
     source = opened.source
     if source.meta.get("cannot_convert"):  # a layout read it for inspect, but cannot convert it
         raise source.meta["cannot_convert"]
     layout = options.layout or default_layout(source, options.tp)
-    if options.pp > 1 and layout != Layout.MEGATRON:
+    if options.pp > 1 and layout not in (Layout.MEGATRON, Layout.TORCH_DIST):
         raise ReshardError(f"the {layout} layout has no pipeline stages", hint="--pp applies to --layout megatron")
+    tp = planned_tp(layout, options.tp)
     choice = choose_mapping(
         source, layout, vocab_size=opened.vocab.original, dtype=_dtype(opened), keep_names=options.keep_names
     )
     if choice is not None and choice.config is not None:
         require_true_vocab(source, opened.vocab.original)
     meta = {"args": choice.args} if choice is not None and choice.args is not None else {}
+    if layout == Layout.TORCH_DIST:
+        meta[RECORDED_TP] = options.tp
     groups, dropped, problems = None, (), []
     if choice is not None:
-        groups, dropped, problems = _mapped(opened, choice, layout, options.tp)
+        groups, dropped, problems = _mapped(opened, choice, layout, tp)
     pad_multiple = options.pad_multiple or writer_class(layout).pad_multiple(options.tp, source, meta)
     if layout == Layout.MEGATRON and opened.vocab.original is None:
         problems += _unknown_megatron_vocab(opened, pad_multiple or options.tp)
@@ -77,7 +87,7 @@ def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> TargetPlan
         source,
         opened.tensors,
         vocab=opened.vocab,
-        target_tp=options.tp,
+        target_tp=tp,
         pad_multiple=pad_multiple,
         uneven=opened.uneven,
         groups=groups,
@@ -95,7 +105,7 @@ def _mapped(
     except PlanError as err:
         return [], (), list(err.problems)
     target_config = choice.target_config
-    if layout == Layout.MEGATRON:
+    if layout in (Layout.MEGATRON, Layout.TORCH_DIST):
         target_config = config_from_args(choice.args, None)
     names = [name for group in groups for name in group.targets]
     plan = select_plan(target_config, names)

@@ -13,7 +13,7 @@ from reshard.engine.execute import execute
 from reshard.engine.lora_merge import check_lora_replicas
 from reshard.engine.open import OpenedCheckpoint, open_checkpoint
 from reshard.engine.planner import ConversionPlan, TargetTensor, TensorPlan
-from reshard.engine.target import TargetPlan, plan_target, planned_tp
+from reshard.engine.target import TargetPlan, plan_target, planned_tp, tp_is_recorded_only
 from reshard.hub.source import source_record
 from reshard.io.staging import check_output, staged_output
 from reshard.layouts import TargetSpec, writer_class
@@ -160,8 +160,19 @@ def convert_opened(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
             [f"replicated but different between ranks, rank 0's copy taken: {', '.join(sorted(divergent))}"]
             if divergent
             else []
-        ),
+        )
+        + _global_note(layout, options),
     )
+
+
+def _global_note(layout: str, options: ConvertOptions) -> list[str]:
+    """What --tp and --pp mean for a layout of global tensors."""
+    if tp_is_recorded_only(layout):
+        return [
+            f"torch_dist holds global tensors that Megatron-Core loads at any tp/pp; its args record "
+            f"tensor_model_parallel_size={options.tp}, pipeline_model_parallel_size={options.pp}"
+        ]
+    return []
 
 
 def _if_differs(size: int | None, original: int | None) -> int | None:

@@ -4,16 +4,18 @@ tensor's partition and slices. Pure planning from an opened checkpoint; raises e
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from reshard.config import ModelConfig
 from reshard.dtypes import name_of
 from reshard.engine.open import OpenedCheckpoint
-from reshard.engine.planner import ConversionPlan, TensorPlan, mapped_plans, plan_conversion
+from reshard.engine.planner import ConversionPlan, TensorPlan, identity_plan, mapped_plans, plan_conversion
 from reshard.errors import MappingError, PlanError, ReshardError
 from reshard.layouts import SourceCheckpoint, writer_class
 from reshard.layouts.megatron_args import arg, config_from_args
+from reshard.layouts.megatron_writer import megatron_args_of
+from reshard.layouts.torch_dist_keys import mcore_names, stored_names
 from reshard.layouts.torch_dist_writer import RECORDED_TP
 from reshard.mappings import MappingChoice, choose_mapping, naming_of, require_true_vocab
 from reshard.mappings.megatron_gpt import MEGATRON
@@ -54,10 +56,14 @@ def default_layout(source: SourceCheckpoint, tp: int) -> Layout:
     return Layout.HF if tp == 1 else Layout.HF_RANKS
 
 
-def planned_tp(layout: Layout | None, tp: int) -> int:
-    """The tp a conversion is planned at: ``torch_dist`` holds global tensors whatever ``--tp`` says (it records
-    it in the args), so 1; else ``tp``."""
-    return 1 if layout == Layout.TORCH_DIST else tp
+def tp_is_recorded_only(layout: Layout | str | None) -> bool:
+    """Whether the layout holds global tensors, whatever ``--tp`` says (``torch_dist`` records it in its args)."""
+    return layout == Layout.TORCH_DIST
+
+
+def planned_tp(layout: Layout | str | None, tp: int) -> int:
+    """The tp a conversion is planned at: 1 for a layout of global tensors, else ``tp``."""
+    return 1 if tp_is_recorded_only(layout) else tp
 
 
 def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> TargetPlan:
@@ -75,11 +81,12 @@ def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> TargetPlan
     if choice is not None and choice.config is not None:
         require_true_vocab(source, opened.vocab.original)
     meta = {"args": choice.args} if choice is not None and choice.args is not None else {}
-    if layout == Layout.TORCH_DIST:
-        meta[RECORDED_TP] = options.tp
     groups, dropped, problems = None, (), []
     if choice is not None:
         groups, dropped, problems = _mapped(opened, choice, layout, tp)
+    if layout == Layout.TORCH_DIST:
+        meta[RECORDED_TP] = options.tp
+        groups = _stored_as_torch_dist(opened, groups, meta)
     pad_multiple = options.pad_multiple or writer_class(layout).pad_multiple(options.tp, source, meta)
     if layout == Layout.MEGATRON and opened.vocab.original is None:
         problems += _unknown_megatron_vocab(opened, pad_multiple or options.tp)
@@ -112,6 +119,27 @@ def _mapped(
     plans, problems = mapped_plans(opened.tensors, groups, plan, target_config, target_tp=tp)
     problems += _tie_problems(choice, names)
     return plans, tuple(dropped), problems
+
+
+def _stored_as_torch_dist(
+    opened: OpenedCheckpoint, groups: list[TensorPlan] | None, meta: dict[str, Any]
+) -> list[TensorPlan]:
+    """The target tensors under the names Megatron-Core stores them by (Transformer Engine's norm names), so that
+    the manifest names what the output holds; Megatron-Core's names are needed (a Megatron source or a mapping)."""
+    plans = groups if groups is not None else [identity_plan(t) for t in opened.tensors if not t.problem]
+    names = [t.name for plan in plans for t in plan.targets]
+    legacy = mcore_names(names)
+    if legacy:
+        raise ReshardError(
+            f"torch_dist holds Megatron-Core's names (embedding., decoder., output_layer.), not {legacy[0]} "
+            f"and {len(legacy) - 1} more",
+            path=opened.source.path,
+            tensor=legacy[0],
+            hint="load the legacy model in Megatron-LM and save it again, or convert to --layout hf first",
+        )
+    args = megatron_args_of(opened.source, meta)
+    stored = stored_names(names, local_spec=arg(args, "transformer_impl") == "local")
+    return [replace(p, targets=tuple(replace(t, name=stored[t.name]) for t in p.targets)) for p in plans]
 
 
 def _unknown_megatron_vocab(opened: OpenedCheckpoint, target_multiple: int) -> list[ReshardError]:

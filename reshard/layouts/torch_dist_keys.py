@@ -117,7 +117,7 @@ def plan_global(
             tensor=f"decoder.layers.{absent[0]}",
             hint="every layer the args count must be present",
         )
-    rename = _Renamer({i for i, rest in layer_rests if rest.startswith(_MOE)}, local_spec)
+    rename = _Renamer(list(headers), local_spec)
     skipped = ("output_layer.weight",) if tied and "output_layer.weight" in headers else ()
     names = {rename(name): name for name in headers if name not in skipped}  # written name -> incoming name
     homogeneous = homogeneous and _regular(list(names), layers)
@@ -138,8 +138,8 @@ def plan_global(
     for tensor in tensors.values():
         _check_complete(tensor)
     with_extra = _EXTRA_LINEARS if local_spec else _EXTRA_LINEARS | _EXTRA_NORMS
-    # Modules by their own names: a norm renamed into a linear's keys is a local-spec norm, without extra state.
-    modules = [_module(name) for name, original in names.items() if name == original]
+    # Modules with a weight of their own (a norm stored in a linear's keys, ``layer_norm_weight``, is not one).
+    modules = [name.removesuffix(".weight") for name in names if name.endswith(".weight")]
     wanted = {f"{module}{EXTRA}": None for module in modules if module.rsplit(".", 1)[-1] in with_extra}
     given = {
         rename(n): value for n, value in extras.items() if n.endswith(EXTRA) and not n.startswith("output_layer.")
@@ -152,15 +152,20 @@ def plan_global(
     return GlobalPlan(list(tensors.values()), objects, skipped, homogeneous)
 
 
-def _module(name: str) -> str:
-    return name.rsplit(".", 1)[0]
+def stored_names(names: list[str], *, local_spec: bool) -> dict[str, str]:
+    """``{name: the name Megatron-Core stores it under}``: the layer's ``sharded_state_dict_keys_map`` (local-spec
+    norm names to Transformer Engine's, see the module docstring); other names stay."""
+    rename = _Renamer(names, local_spec)
+    return {name: rename(name) for name in names}
 
 
 class _Renamer:
-    """The layer's ``sharded_state_dict_keys_map``: local-spec norm names to Transformer Engine's."""
+    """The layer's ``sharded_state_dict_keys_map`` (idempotent: a stored name stays as it is)."""
 
-    def __init__(self, moe_layers: set[int], local_spec: bool) -> None:
-        self._moe_layers, self._local = moe_layers, local_spec
+    def __init__(self, names: list[str], local_spec: bool) -> None:
+        layers = [match.groups() for name in names if (match := _LAYER.match(name))]
+        self._moe_layers = {int(layer) for layer, rest in layers if rest.startswith(_MOE)}
+        self._local = local_spec
 
     def __call__(self, name: str) -> str:
         match = _LAYER.match(name)

@@ -13,12 +13,12 @@ import hashlib
 import io
 import json
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from fixtures.dcp_read import read_dcp
 from fixtures.megatron import (
     ITERATION,
     TINY,
@@ -31,7 +31,6 @@ from fixtures.megatron import (
 )
 from fixtures.models import tiny_llama
 from fixtures.tp import pad_rows
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 Full = dict[str, torch.Tensor]
 ITER = f"iter_{ITERATION:07d}"
@@ -46,21 +45,6 @@ def full() -> Full:
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory: pytest.TempPathFactory, full: Full) -> Path:
     return write_megatron(tmp_path_factory.mktemp("megatron") / "tp2", full, 2)
-
-
-def read_dcp(folder: Path) -> dict[str, object]:
-    """Every entry of a DCP checkpoint, loaded by torch.distributed.checkpoint itself (objects as unpickled)."""
-    md = dcp.FileSystemReader(folder).read_metadata()
-    state: dict[str, object] = {
-        key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
-        if isinstance(entry, TensorStorageMetadata)
-        else io.BytesIO()
-        for key, entry in md.state_dict_metadata.items()
-    }
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load(state, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
-    return state
 
 
 def stacked(flat: dict[str, torch.Tensor], layers: int) -> dict[str, torch.Tensor]:

@@ -15,7 +15,7 @@ from reshard.errors import MappingError, PlanError, ReshardError
 from reshard.layouts import SourceCheckpoint, writer_class
 from reshard.layouts.megatron_args import arg, config_from_args
 from reshard.layouts.megatron_writer import megatron_args_of
-from reshard.layouts.torch_dist_keys import mcore_names, stored_names
+from reshard.layouts.torch_dist_keys import check_names, stored_names
 from reshard.layouts.torch_dist_writer import RECORDED_TP
 from reshard.mappings import MappingChoice, choose_mapping, naming_of, require_true_vocab
 from reshard.mappings.megatron_gpt import MEGATRON
@@ -128,15 +128,7 @@ def _stored_as_torch_dist(
     the manifest names what the output holds; Megatron-Core's names are needed (a Megatron source or a mapping)."""
     plans = groups if groups is not None else [identity_plan(t) for t in opened.tensors if not t.problem]
     names = [t.name for plan in plans for t in plan.targets]
-    legacy = mcore_names(names)
-    if legacy:
-        raise ReshardError(
-            f"torch_dist holds Megatron-Core's names (embedding., decoder., output_layer.), not {legacy[0]} "
-            f"and {len(legacy) - 1} more",
-            path=opened.source.path,
-            tensor=legacy[0],
-            hint="load the legacy model in Megatron-LM and save it again, or convert to --layout hf first",
-        )
+    check_names(names, opened.source.path)
     args = megatron_args_of(opened.source, meta)
     stored = stored_names(names, local_spec=arg(args, "transformer_impl") == "local")
     return [replace(p, targets=tuple(replace(t, name=stored[t.name]) for t in p.targets)) for p in plans]

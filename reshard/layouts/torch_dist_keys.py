@@ -28,6 +28,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from reshard.dtypes import TensorHeader
@@ -37,6 +38,7 @@ Shape = tuple[int, ...]
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 _MOE = ("mlp.router.", "mlp.experts.")
+_GROUPED = re.compile(r"\.mlp\.experts\.(linear_fc[12]\.(weight|bias)\d+|weight[12])$")
 EXTRA = "._extra_state"
 # Modules with an ``_extra_state`` a loader asks for: the linears of both the local and the Transformer Engine
 # spec, and Transformer Engine's norms (its RMSNorm is an op with FP8 state; the local spec's are torch's).
@@ -79,10 +81,31 @@ class _Place:
     axes: Shape  # their sizes
 
 
-def mcore_names(names: list[str]) -> list[str]:
-    """The names that are not Megatron-Core's (legacy ``language_model.*`` and others), for a refusal."""
-    known = ("embedding.", "decoder.", "output_layer.")
-    return [name for name in names if not name.startswith(known)]
+def check_names(names: list[str], path: Path | None = None) -> None:
+    """Refuse what this writer cannot place: names that are not Megatron-Core's (legacy ``language_model.*``), and
+    grouped-GEMM experts (``experts.linear_fc1.weight0``, ``experts.weight1``: no oracle runs them to check how
+    Megatron-Core stores them).
+
+    Raises:
+        ReshardError: naming the first such tensor.
+    """
+    legacy = [name for name in names if not name.startswith(("embedding.", "decoder.", "output_layer."))]
+    if legacy:
+        raise ReshardError(
+            f"torch_dist holds Megatron-Core's names (embedding., decoder., output_layer.), not {legacy[0]} "
+            f"and {len(legacy) - 1} more",
+            path=path,
+            tensor=legacy[0],
+            hint="load the legacy model in Megatron-LM and save it again, or convert to --layout hf first",
+        )
+    grouped = [name for name in names if _GROUPED.search(name)]
+    if grouped:
+        raise ReshardError(
+            "grouped-GEMM experts (--moe-grouped-gemm) cannot be written as torch_dist by reshard yet",
+            path=path,
+            tensor=grouped[0],
+            hint="save the model with SequentialMLP experts (local_experts.N) in Megatron, or convert to --layout hf",
+        )
 
 
 def plan_global(

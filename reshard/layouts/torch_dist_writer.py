@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Any
 from huggingface_hub import split_state_dict_into_shards_factory
 
 from reshard.dtypes import TensorHeader, name_of
-from reshard.errors import ReshardError
 from reshard.io.direct import DirectFile
 from reshard.io.torch_zip import Region, TensorSlot, TorchZipWriter
 from reshard.layouts import dcp_metadata_write as dcp
@@ -43,7 +42,7 @@ from reshard.layouts.base import CheckpointWriter, SourceCheckpoint, TargetSpec
 from reshard.layouts.megatron import TRACKER
 from reshard.layouts.megatron_args import PICKLE_MODULE, arg, retarget_args
 from reshard.layouts.megatron_writer import CHECKPOINT_VERSION, megatron_args_of
-from reshard.layouts.torch_dist_keys import GlobalPlan, mcore_names, plan_global
+from reshard.layouts.torch_dist_keys import GlobalPlan, check_names, plan_global
 from reshard.vocab import megatron_pad_multiple
 
 if TYPE_CHECKING:
@@ -78,15 +77,7 @@ class TorchDistWriter(CheckpointWriter):
         if spec.tp != 1:
             raise ValueError(f"torch_dist holds global tensors: plan the conversion at tp 1, not {spec.tp}")
         source, headers = spec.source, spec.rank_headers[0]
-        legacy = mcore_names(list(headers))
-        if legacy:
-            raise ReshardError(
-                "torch_dist holds Megatron-Core's names (embedding., decoder., output_layer.), not "
-                f"{legacy[0]} and {len(legacy) - 1} more",
-                path=source.path,
-                tensor=legacy[0],
-                hint="load the legacy model in Megatron-LM and save it again, or convert to --layout hf first",
-            )
+        check_names(list(headers), source.path)
         args = megatron_args_of(source, spec.meta)
         self._args = _retarget(args, spec)
         self._plan = plan_global(

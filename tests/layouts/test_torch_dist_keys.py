@@ -10,7 +10,7 @@ import pytest
 
 from reshard.dtypes import TensorHeader
 from reshard.errors import ReshardError, ShapeMismatchError
-from reshard.layouts.torch_dist_keys import plan_global
+from reshard.layouts.torch_dist_keys import check_names, plan_global
 
 
 def headers(shapes: dict[str, tuple[int, ...]], code: str = "BF16") -> dict[str, TensorHeader]:
@@ -148,3 +148,12 @@ def test_a_missing_layer_or_a_layer_of_another_shape_is_refused() -> None:
     mixed = {**headers(dense(2)), "decoder.layers.1.mlp.linear_fc2.weight": TensorHeader((8, 12), "F32")}
     with pytest.raises(ShapeMismatchError, match="F32"):
         plan_global(mixed, {}, layers=2, experts=None, local_spec=False)
+
+
+def test_names_it_cannot_place_are_refused() -> None:
+    check_names(list(dense(1)))
+    with pytest.raises(ReshardError, match=r"Megatron-Core's names.*not language_model.encoder.final_norm.weight"):
+        check_names(["embedding.word_embeddings.weight", "language_model.encoder.final_norm.weight"])
+    with pytest.raises(ReshardError, match="grouped-GEMM experts") as err:
+        check_names(["decoder.layers.0.mlp.experts.linear_fc1.weight3"])
+    assert err.value.tensor == "decoder.layers.0.mlp.experts.linear_fc1.weight3"

@@ -10,10 +10,12 @@ from typing import Any
 from reshard.config import ModelConfig
 from reshard.dtypes import name_of
 from reshard.engine.open import OpenedCheckpoint
-from reshard.engine.planner import ConversionPlan, TensorPlan, mapped_plans, plan_conversion
+from reshard.engine.planner import ConversionPlan, TensorPlan, identity_plan, mapped_plans, plan_conversion
 from reshard.errors import MappingError, PlanError, ReshardError
 from reshard.layouts import SourceCheckpoint, writer_class
 from reshard.layouts.megatron_args import arg, config_from_args
+from reshard.layouts.torch_dist_keys import check_names
+from reshard.layouts.torch_dist_writer import RECORDED_TP
 from reshard.mappings import MappingChoice, choose_mapping, naming_of, require_true_vocab
 from reshard.mappings.megatron_gpt import MEGATRON
 from reshard.mappings.torchtitan_llama import TORCHTITAN
@@ -54,14 +56,25 @@ def default_layout(source: SourceCheckpoint, tp: int) -> Layout:
     return Layout.HF if tp == 1 else Layout.HF_RANKS
 
 
+def tp_is_recorded_only(layout: Layout | str | None) -> bool:
+    """Whether the layout holds global tensors, whatever ``--tp`` says (``torch_dist`` records it in its args)."""
+    return layout == Layout.TORCH_DIST
+
+
+def planned_tp(layout: Layout | str | None, tp: int) -> int:
+    """The tp a conversion is planned at: 1 for a layout of global tensors, else ``tp``."""
+    return 1 if tp_is_recorded_only(layout) else tp
+
+
 def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> TargetPlan:
     """Plan the conversion of ``opened`` as ``options`` ask (raises every planning problem at once)."""
     source = opened.source
     if source.meta.get("cannot_convert"):  # a layout read it for inspect, but cannot convert it
         raise source.meta["cannot_convert"]
     layout = options.layout or default_layout(source, options.tp)
-    if options.pp > 1 and layout != Layout.MEGATRON:
+    if options.pp > 1 and layout not in (Layout.MEGATRON, Layout.TORCH_DIST):
         raise ReshardError(f"the {layout} layout has no pipeline stages", hint="--pp applies to --layout megatron")
+    tp = planned_tp(layout, options.tp)
     choice = choose_mapping(
         source,
         layout,
@@ -79,7 +92,10 @@ def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> TargetPlan
     meta = {"args": choice.args} if choice is not None and choice.args is not None else {}
     groups, dropped, problems = None, (), []
     if choice is not None:
-        groups, dropped, problems = _mapped(opened, choice, layout, options.tp)
+        groups, dropped, problems = _mapped(opened, choice, layout, tp)
+    if layout == Layout.TORCH_DIST:
+        meta[RECORDED_TP] = options.tp
+        _check_torch_dist_names(opened, groups)
     pad_multiple = options.pad_multiple or writer_class(layout).pad_multiple(options.tp, source, meta)
     if layout == Layout.MEGATRON and opened.vocab.original is None:
         problems += _unknown_megatron_vocab(opened, pad_multiple or options.tp)
@@ -87,7 +103,7 @@ def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> TargetPlan
         source,
         opened.tensors,
         vocab=vocab,
-        target_tp=options.tp,
+        target_tp=tp,
         pad_multiple=pad_multiple,
         uneven=opened.uneven,
         groups=groups,
@@ -129,13 +145,24 @@ def _mapped(
     except PlanError as err:
         return [], (), list(err.problems)
     target_config = choice.target_config
-    if layout == Layout.MEGATRON:  # Megatron's names: the args' sizes (a mapped source's, or the source's own)
+    if layout in (Layout.MEGATRON, Layout.TORCH_DIST):  # Megatron's names: sized by the args (mapped or own)
         target_config = config_from_args(choice.args, None) if choice.args is not None else opened.source.config
     names = [name for group in groups for name in group.targets]
     plan = select_plan(target_config, names)
     plans, problems = mapped_plans(opened.tensors, groups, plan, target_config, target_tp=tp)
     problems += _tie_problems(choice, names)
     return plans, tuple(dropped), problems
+
+
+def _check_torch_dist_names(opened: OpenedCheckpoint, groups: list[TensorPlan] | None) -> None:
+    """Refuse, before any output exists, names Megatron-Core's ``torch_dist`` cannot hold (legacy, grouped GEMM).
+
+    The targets keep the names reshard reads a ``torch_dist`` checkpoint under (the ``torch`` format's, which
+    ``layouts/torch_dist.py`` gives the stored norms back), so the manifest and ``verify`` agree with the reader;
+    the writer stores them under Transformer Engine's names (``torch_dist_keys.plan_global``).
+    """
+    plans = groups if groups is not None else [identity_plan(t) for t in opened.tensors if not t.problem]
+    check_names([t.name for plan in plans for t in plan.targets], opened.source.path)
 
 
 def _unknown_megatron_vocab(opened: OpenedCheckpoint, target_multiple: int) -> list[ReshardError]:

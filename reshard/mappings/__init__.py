@@ -41,7 +41,7 @@ __all__ = ["Entry", "MappedGroup", "Mapping", "MappingChoice", "choose_mapping",
 
 HF = "hf"
 # The naming a layout's files use.
-_LAYOUT_NAMING = {Layout.HF: HF, Layout.HF_RANKS: HF, Layout.MEGATRON: MEGATRON}
+_LAYOUT_NAMING = {Layout.HF: HF, Layout.HF_RANKS: HF, Layout.MEGATRON: MEGATRON, Layout.TORCH_DIST: MEGATRON}
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,9 @@ That Megatron-Core itself loads the output at other tp/pp with the writer's logi
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import io
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,8 +20,8 @@ from fixtures.dcp_read import read_dcp
 from fixtures.megatron import (
     ITERATION,
     TINY,
-    fake_megatron_enums,
     full_model,
+    megatron_importable,
     megatron_qkv,
     rank_state,
     te_extra_state,
@@ -54,17 +52,6 @@ def stacked(flat: dict[str, torch.Tensor], layers: int) -> dict[str, torch.Tenso
     for rest in rests:
         out[f"decoder.layers.{rest}"] = torch.stack([flat[f"decoder.layers.{i}.{rest}"] for i in range(layers)])
     return out
-
-
-@contextlib.contextmanager
-def megatron_importable():
-    mods = fake_megatron_enums()
-    sys.modules.update(mods)
-    try:
-        yield
-    finally:
-        for name in mods:
-            sys.modules.pop(name, None)
 
 
 @pytest.mark.parametrize("tp", [1, 2])

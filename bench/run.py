@@ -8,7 +8,12 @@ and measures, each in a fresh process and ``--repeat`` times round-robin (the fa
 * the naive baseline (``naive.py``) ``--tp 4`` and ``--tp 1`` (skipped, with the reason, when the
   machine has not enough free memory for it),
 
-in both the ``hf-ranks`` (safetensors) and, when reshard can read it, the ``megatron`` layout. Before
+in the ``hf-ranks`` (safetensors) and ``megatron`` layouts; a ``torch_dist`` source (Megatron-Core's
+format, made from the megatron one by ``reshard convert --layout torch_dist``, untimed) is converted to
+``hf-ranks`` (transformers' names: the fused QKV and fc1 split) and to ``megatron`` at tp 4 and 1, against
+``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` (PyTorch's own converter, which loads the
+whole checkpoint) as the naive baseline. ``--startup`` times what every run pays before its first read:
+Python, ``import torch``, and ``reshard convert`` of a 16-tensor checkpoint. Before
 each measurement the page cache is dropped (``sync; echo 3 > /proc/sys/vm/drop_caches``) when the
 process may, so every run reads the checkpoint from the disk (Python and torch are then imported once,
 untimed, so the tool's own code is not counted); the wall time includes a final ``sync``, so every run
@@ -19,6 +24,8 @@ at different times) and ``bench/RESULTS.md`` is rewritten from all of them.
 Examples:
     python bench/run.py --sizes 2
     python bench/run.py --sizes 4 --layouts hf-ranks,megatron
+    python bench/run.py --sizes 2 --layouts torch_dist
+    python bench/run.py --startup
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from fixtures.shapes import llama_7b_config  # noqa: E402
 
 OUT = HERE / "out"
 RESULTS_JSON = OUT / "results.json"
+STARTUP_JSON = OUT / "startup.json"
 RESULTS_MD = HERE / "RESULTS.md"
 OBSERVATIONS = "## Observations"
 LLAMA_7B = llama_7b_config(1)
@@ -120,30 +128,69 @@ def mem_available() -> int:
     return 0
 
 
-def cases(src: Path, layout: str, naive_max_gb: float) -> list[tuple[str, list[str] | None, str | None]]:
-    """(name, command, reason it is skipped)."""
-    naive = [python(), str(HERE / "naive.py"), str(src)]
+Case = tuple[str, list[str] | None, str | None]  # name, command, the reason it is skipped
+
+
+def cases(src: Path, layout: str, naive_max_gb: float) -> list[Case]:
     out = OUT / "run-output"
-    rows: list[tuple[str, list[str] | None, str | None]] = [("cp -r", ["cp", "-r", str(src), str(out)], None)]
+    rows: list[Case] = [("cp -r", ["cp", "-r", str(src), str(out)], None)]
     unreadable = can_read(src)
-    for tp in (4, 1):
+    targets = TORCH_DIST_TARGETS if layout == "torch_dist" else [(f"8->{tp}", tp, None) for tp in (4, 1)]
+    for label, tp, target_layout in targets:
         command = [*reshard(), "convert", str(src), "--tp", str(tp), "-o", str(out), "-q"]
-        rows.append((f"reshard 8->{tp}", None if unreadable else command, unreadable and f"reshard: {unreadable}"))
+        command += ["--layout", target_layout] if target_layout else []
+        rows.append((f"reshard {label}", None if unreadable else command, unreadable and f"reshard: {unreadable}"))
     size = folder_bytes(src)
+    need = int(2.3 * size) + 2 * 10**9  # the model, one target rank, the bytes objects save_file makes
+    reason = None
+    if size > naive_max_gb * 1e9:
+        reason = f"above --naive-max-gb {naive_max_gb:g} (it needs ~{need / 1e9:.0f} GB of memory)"
+    elif need > mem_available():
+        reason = f"needs ~{need / 1e9:.0f} GB free, {mem_available() / 1e9:.0f} GB available"
+    if layout == "torch_dist":
+        dcp = (
+            "import sys; from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; "
+            "dcp_to_torch_save(sys.argv[1], sys.argv[2])"
+        )
+        folder = next(src.glob("iter_*"))
+        rows.append(("dcp_to_torch_save", [python(), "-c", dcp, str(folder), str(out)], reason))
+        return rows
+    naive = [python(), str(HERE / "naive.py"), str(src)]
     for tp in (4, 1):
-        need = int(2.3 * size) + 2 * 10**9  # the model, one target rank, the bytes objects save_file makes
-        reason = None
-        if size > naive_max_gb * 1e9:
-            reason = f"above --naive-max-gb {naive_max_gb:g} (it needs ~{need / 1e9:.0f} GB of memory)"
-        elif need > mem_available():
-            reason = f"needs ~{need / 1e9:.0f} GB free, {mem_available() / 1e9:.0f} GB available"
         rows.append((f"naive 8->{tp}", [*naive, str(out), "--tp", str(tp), "--layout", layout], reason))
     return rows
 
 
+# what a torch_dist checkpoint (global tensors) is converted to: a transformers tp 4 and Megatron tp 4 and 1
+TORCH_DIST_TARGETS = [
+    ("-> hf-ranks 4", 4, "hf-ranks"),
+    ("-> megatron 4", 4, "megatron"),
+    ("-> megatron 1", 1, "megatron"),
+]
+
+
+def make_source(src: Path, size_gb: float, layout: str) -> None:
+    """The synthetic checkpoint (``make_synthetic.py``); a torch_dist one converted from the megatron one."""
+    made = src.with_name(src.name + "-megatron") if layout == "torch_dist" else src
+    synthetic = [python(), str(HERE / "make_synthetic.py"), str(made), "--size-gb", str(size_gb)]
+    subprocess.run([*synthetic, "--layout", "megatron" if layout == "torch_dist" else layout], check=True)
+    if made != src:
+        to_torch_dist = [*reshard(), "convert", str(made), "--layout", "torch_dist", "--tp", "8", "-o", str(src), "-q"]
+        subprocess.run(to_torch_dist, check=True)
+        shutil.rmtree(made)
+
+
+def remove_output() -> None:
+    """Delete the last output: a folder, or the one file ``dcp_to_torch_save`` writes."""
+    out = OUT / "run-output"
+    if out.is_dir():
+        shutil.rmtree(out)
+    out.unlink(missing_ok=True)
+
+
 def clear_output() -> None:
     """Delete the last output and let the file system settle (the disk is mounted with online discard)."""
-    shutil.rmtree(OUT / "run-output", ignore_errors=True)
+    remove_output()
     os.sync()
     time.sleep(2)
 
@@ -152,10 +199,7 @@ def run_size(size_gb: float, layout: str, cold: bool, repeat: int, naive_max_gb:
     """Every case ``repeat`` times, round-robin (so each sees the same conditions); the fastest run of each."""
     src = OUT / f"{layout}-{size_gb:g}g-tp8"
     if not src.exists():
-        subprocess.run(
-            [python(), str(HERE / "make_synthetic.py"), str(src), "--size-gb", str(size_gb), "--layout", layout],
-            check=True,
-        )
+        make_source(src, size_gb, layout)
     size = folder_bytes(src)
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     todo = cases(src, layout, naive_max_gb)
@@ -198,6 +242,39 @@ def run_size(size_gb: float, layout: str, cold: bool, repeat: int, naive_max_gb:
     return rows
 
 
+STARTUP_CASES = {
+    "python -c pass": [python(), "-c", "pass"],
+    "python -c 'import torch'": [python(), "-c", "import torch"],
+    "reshard --version": [*reshard(), "--version"],
+    "reshard convert, 16 tensors": [
+        *reshard(),
+        *("convert", str(HERE.parent / "sample_ckpts" / "tiny-llama-tp2"), "--tp", "4", "-q"),
+        *("-o", str(OUT / "run-output")),
+    ],
+}
+
+
+def run_startup(repeat: int) -> list[dict]:
+    """What every run pays before its first read, each case ``repeat`` times round-robin (warm page cache)."""
+    when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    walls: dict[str, list[float]] = {name: [] for name in STARTUP_CASES}
+    for _ in range(repeat):
+        for name, command in STARTUP_CASES.items():
+            remove_output()
+            started = time.perf_counter()
+            subprocess.run(command, check=True, capture_output=True)
+            walls[name].append(time.perf_counter() - started)
+    remove_output()
+    rows = []
+    for name, runs in walls.items():
+        runs.sort()
+        row = {"case": name, "when": when, "load": load(), "walls": [round(w, 3) for w in runs]}
+        row |= {"best": runs[0], "median": runs[len(runs) // 2]}
+        rows.append(row)
+        print(f"startup {name:32s} best {runs[0]:.3f} s median {row['median']:.3f} s", flush=True)
+    return rows
+
+
 def machine() -> dict:
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
     cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if "model name" in line), platform.processor())
@@ -223,7 +300,7 @@ def kept_observations() -> str:
     return "\n" + text[start:] if start >= 0 else ""
 
 
-def render(rows: list[dict], info: dict, notes: list[str]) -> str:
+def render(rows: list[dict], startup: list[dict], info: dict, notes: list[str]) -> str:
     lines = [
         "# reshard benchmark results",
         "",
@@ -240,8 +317,7 @@ def render(rows: list[dict], info: dict, notes: list[str]) -> str:
         "",
         "## Results",
         "",
-        "Peak RSS bound for reshard writing safetensors (hf-ranks rows; a megatron output is written with "
-        "`torch.save`, which holds one target rank's state dict): "
+        "Peak RSS bound for reshard, every layout and tp: "
         f"2 x largest tensor ({LARGEST_TENSOR / 1e6:.0f} MB) + 600 MB = "
         f"{BOUND / 1e6:.0f} MB. Throughput = source bytes / wall time (wall includes a final `sync`); "
         "each case is run `--repeat` times and the fastest run is reported (all walls in `bench/out/results.json`); "
@@ -250,33 +326,48 @@ def render(rows: list[dict], info: dict, notes: list[str]) -> str:
         "| layout | size | case | wall s | GB/s | vs cp | peak RSS MB | in bound | cache | load 1/5/15 min | when |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in sorted(rows, key=lambda r: (r["layout"] != "hf-ranks", r["size_gb"], _order(r["case"]))):
+    layouts = ["hf-ranks", "megatron", "torch_dist"]
+    for r in sorted(rows, key=lambda r: (layouts.index(r["layout"]), r["size_gb"], _order(r["case"]))):
         if r.get("skipped"):
             lines.append(
                 f"| {r['layout']} | {r['bytes'] / 1e9:.2f} GB | {r['case']} | skipped: {r['skipped']} "
                 f"| | | | | | | {r['when']} |"
             )
             continue
-        bound = "yes" if r["rss"] <= BOUND else "no"
-        if r["layout"] == "megatron":  # torch.save needs one target rank's state dict: the bound is not claimed
-            bound = f"n/a ({bound})"
-        bound = bound if r["case"].startswith("reshard") else ""
+        bound = ("yes" if r["rss"] <= BOUND else "no") if r["case"].startswith("reshard") else ""
         lines.append(
             f"| {r['layout']} | {r['bytes'] / 1e9:.2f} GB | {r['case']} | {r['wall']:.1f} | {r['gbps']:.3f} | "
             f"{r['vs_cp'] or 0:.2f} | {r['rss'] / 1e6:.0f} | {bound} | {'cold' if r['cold'] else 'warm'} "
             f"| {r['load']} | {r['when']} |"
         )
+    if startup:
+        lines += [
+            "",
+            "## Start-up",
+            "",
+            "What every run pays before its first read (warm page cache; each case run round-robin, `walls` sorted).",
+            "",
+            "| case | best s | median s | walls | load 1/5/15 min | when |",
+            "|---|---|---|---|---|---|",
+            *[
+                f"| {r['case']} | {r['best']:.3f} | {r['median']:.3f} | {r['walls']} | {r['load']} | {r['when']} |"
+                for r in startup
+            ],
+        ]
     return "\n".join(lines) + "\n"
 
 
 def _order(case: str) -> int:
-    return ["cp -r", "reshard 8->4", "reshard 8->1", "naive 8->4", "naive 8->1"].index(case)
+    order = ["cp -r", "reshard 8->4", "reshard 8->1", *(f"reshard {label}" for label, _, _ in TORCH_DIST_TARGETS)]
+    order += ["naive 8->4", "naive 8->1", "dcp_to_torch_save"]
+    return order.index(case)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="4", help="comma-separated checkpoint sizes in GB (default 4)")
-    parser.add_argument("--layouts", default="hf-ranks,megatron", help="hf-ranks and/or megatron")
+    parser.add_argument("--layouts", default="hf-ranks,megatron", help="hf-ranks, megatron and/or torch_dist")
+    parser.add_argument("--startup", action="store_true", help="time the start-up only (no checkpoint)")
     parser.add_argument("--warm", action="store_true", help="do not drop the page cache between runs")
     parser.add_argument("--keep", action="store_true", help="keep the synthetic checkpoints in bench/out")
     parser.add_argument(
@@ -293,7 +384,11 @@ def main(argv: list[str] | None = None) -> int:
             notes.append(why)
             cold = False
     rows = json.loads(RESULTS_JSON.read_text()) if RESULTS_JSON.exists() else []
-    for size in (float(s) for s in args.sizes.split(",")):
+    startup = json.loads(STARTUP_JSON.read_text()) if STARTUP_JSON.exists() else []
+    if args.startup:
+        startup = run_startup(max(args.repeat, 5))
+        STARTUP_JSON.write_text(json.dumps(startup, indent=1))
+    for size in () if args.startup else (float(s) for s in args.sizes.split(",")):
         for layout in args.layouts.split(","):
             new = run_size(size, layout, cold, args.repeat, args.naive_max_gb)
             keys = {(r["layout"], r["size_gb"], r["case"]) for r in new}
@@ -308,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         f"walls of the same command varied by up to {spread:.1f}x between runs minutes apart "
         "(see `walls` in results.json)"
     )
-    RESULTS_MD.write_text(render(rows, machine(), notes) + kept_observations())
+    RESULTS_MD.write_text(render(rows, startup, machine(), notes) + kept_observations())
     print(f"wrote {RESULTS_MD}")
     return 0
 

@@ -188,15 +188,25 @@ def _text_chain(raw: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def load_config(path: Path) -> ModelConfig:
-    """Read a ``config.json``; a file that is not a JSON object is a :class:`CorruptFileError`."""
+    """Read a ``config.json`` (or a ``.toml`` job config: torchtitan's, whose ``[model]`` describes the model);
+    a file that is not a JSON object / TOML table is a :class:`CorruptFileError`."""
     try:
-        raw = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        text = path.read_text()
+        raw = _toml_loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:  # JSON/TOML decode errors are ValueErrors
         raise CorruptFileError(f"cannot read the config: {str(err) or type(err).__name__}", path=path) from err
     if not isinstance(raw, dict):
         raise CorruptFileError("the config is not a JSON object", path=path)
     check_config_sizes(raw, path=path)
     return ModelConfig(raw, path)
+
+
+def _toml_loads(text: str) -> dict[str, Any]:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    return tomllib.loads(text)
 
 
 def find_config(ckpt: Path, explicit: Path | None = None, *, levels: int = 3) -> ModelConfig | None:

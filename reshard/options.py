@@ -29,7 +29,7 @@ class Layout(str, enum.Enum):
         return format(self.value, spec)
 
 
-WRITABLE_LAYOUTS = (Layout.HF, Layout.HF_RANKS, Layout.MEGATRON, Layout.SAT)
+WRITABLE_LAYOUTS = (Layout.HF, Layout.HF_RANKS, Layout.MEGATRON, Layout.SAT, Layout.TORCH_DIST)
 # The most ranks reshard reads or writes: far above any tensor-parallel size in use (8-64), and low enough
 # that a rank number or tp from a damaged file (rank_999999999, "tp": 10**12) is refused, not enumerated.
 MAX_RANKS = 4096
@@ -87,8 +87,9 @@ class ConvertOptions:
 
     Attributes:
         tp: target number of ranks (1: a canonical full checkpoint).
-        pp: pipeline stages to write (``megatron`` layout only).
-        layout: target layout (``hf``, ``hf-ranks``, ``megatron``, ``sat``); None picks from the source.
+        pp: pipeline stages to write (``megatron``; ``torch_dist`` records it in the args).
+        layout: target layout (``hf``, ``hf-ranks``, ``megatron``, ``sat``, ``torch_dist``); None picks from the
+            source.
         vocab: the true vocab size; None takes it from the manifest, then the config.
         pad_multiple: pad the vocab to a multiple of this (default: the target tp, or the layout's rule).
         uneven: split sizes that do not divide as ``torch.chunk`` does instead of padding or refusing.

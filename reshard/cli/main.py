@@ -97,7 +97,12 @@ def option_group(*options: Callable[[Callable[..., Any]], Callable[..., Any]]) -
 
 # How to read any checkpoint.
 common_read_options = option_group(
-    click.option("--config", "config", type=EXISTING, help="config.json to use (default: in or above CKPT)."),
+    click.option(
+        "--config",
+        "config",
+        type=EXISTING,
+        help="config.json to use (default: in or above CKPT), or a torchtitan job .toml.",
+    ),
     click.option(
         "--plan",
         "plan",
@@ -166,7 +171,7 @@ def inspect_command(
 
 @main.command("convert")
 @click.argument("ckpt", type=CKPT)
-@click.option("--tp", type=click.IntRange(min=1), required=True, help="Target number of ranks (1: full).")
+@click.option("--tp", type=click.IntRange(min=1), required=True, help="Target ranks (1: full; torch_dist: its args).")
 @click.option("--pp", type=click.IntRange(min=1), default=1, show_default=True, help="Pipeline stages (megatron).")
 @click.option("-o", "--output", "out", type=PATH, required=True, help="Output folder.")
 @click.option("--vocab", type=click.IntRange(min=1), help="True vocab size (default: reshard.json, then config).")
@@ -182,7 +187,7 @@ def inspect_command(
     default="5GB",
     show_default=True,
     callback=parse_size,
-    help="Largest safetensors file before a new shard.",
+    help="Largest safetensors (or torch_dist .distcp) file before a new one.",
 )
 @click.option(
     "--jobs",

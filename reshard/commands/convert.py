@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from reshard.dtypes import TensorHeader, name_of
-from reshard.engine.execute import execute
 from reshard.engine.lora_merge import check_lora_replicas
 from reshard.engine.open import OpenedCheckpoint, open_checkpoint
 from reshard.engine.planner import ConversionPlan, TargetTensor, TensorPlan
-from reshard.engine.target import TargetPlan, plan_target
+from reshard.engine.target import TargetPlan, plan_target, planned_tp, tp_is_recorded_only
+from reshard.engine.warmup import import_torch_in_background
 from reshard.hub.source import source_record
 from reshard.io.staging import check_output, staged_output
 from reshard.layouts import TargetSpec, writer_class
@@ -68,23 +68,28 @@ def convert(ckpt: Path, out: Path, options: ConvertOptions) -> ConvertReport:
         >>> convert(Path("ckpt"), Path("ckpt-tp4"), ConvertOptions(tp=4))  # doctest: +SKIP
     """
     ckpt, out = Path(ckpt), Path(out)
+    import_torch_in_background()
     check_output(out, source=ckpt, overwrite=options.overwrite)
-    return convert_opened(open_checkpoint(ckpt, options.read, target_tp=options.tp), out, options)
+    target_tp = planned_tp(options.layout, options.tp)
+    return convert_opened(open_checkpoint(ckpt, options.read, target_tp=target_tp), out, options)
 
 
 def convert_opened(opened: OpenedCheckpoint, out: Path, options: ConvertOptions) -> ConvertReport:
     """:func:`convert` of a checkpoint already opened (``fix`` opens it first to diagnose it)."""
+    from reshard.engine.execute import execute  # imports torch: after planning, which does without it
+
     ckpt, source = opened.path, opened.source
     target = plan_target(opened, options)
     conversion, layout = target.conversion, target.layout
     if not (options.merge_lora or options.allow_divergent_replicas):
         check_lora_replicas(opened.tensors)
     vocab = conversion.vocab
+    tp = conversion.target_tp  # options.tp, but 1 for a layout of global tensors (torch_dist)
     spec = TargetSpec(
-        tp=options.tp,
+        tp=tp,
         rank_headers=[
             {t.name: TensorHeader(t.rank_shapes[r], t.code) for plan in conversion.tensors for t in plan.targets}
-            for r in range(options.tp)
+            for r in range(tp)
         ],
         config=target.config,
         vocab_size=vocab.original,
@@ -113,7 +118,7 @@ def convert_opened(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
             files.append(side.name)
         manifest = Manifest(
             source={**source_record(ckpt), "layout": source.layout, "tp": source.tp},
-            target={"layout": layout, "tp": options.tp},
+            target={"layout": layout, "tp": tp},
             vocab=VocabRecord(
                 vocab.original,
                 vocab.target_padded,
@@ -141,7 +146,7 @@ def convert_opened(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
         source_tp=source.tp,
         output=str(out),
         layout=layout,
-        tp=options.tp,
+        tp=tp,
         tensors=sum(len(plan.targets) for plan in conversion.tensors),
         bytes=sum(t.nbytes for t in conversion.tensors),
         vocab={
@@ -159,8 +164,19 @@ def convert_opened(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
             [f"replicated but different between ranks, rank 0's copy taken: {', '.join(sorted(divergent))}"]
             if divergent
             else []
-        ),
+        )
+        + _global_note(layout, options),
     )
+
+
+def _global_note(layout: str, options: ConvertOptions) -> list[str]:
+    """What --tp and --pp mean for a layout of global tensors."""
+    if tp_is_recorded_only(layout):
+        return [
+            f"torch_dist holds global tensors that Megatron-Core loads at any tp/pp; its args record "
+            f"tensor_model_parallel_size={options.tp}, pipeline_model_parallel_size={options.pp}"
+        ]
+    return []
 
 
 def _if_differs(size: int | None, original: int | None) -> int | None:

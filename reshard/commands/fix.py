@@ -19,6 +19,7 @@ from typing import Any
 from reshard.commands.convert import Route, convert_opened
 from reshard.engine.open import open_checkpoint
 from reshard.engine.planner import SourceTensor
+from reshard.engine.warmup import import_torch_in_background
 from reshard.hub.source import hub_origin
 from reshard.io.staging import check_output
 from reshard.layouts import SourceCheckpoint
@@ -82,6 +83,7 @@ def fix(ckpt: Path, out: Path | None = None, options: ConvertOptions | None = No
     """
     options = options or ConvertOptions()
     ckpt = Path(ckpt)
+    import_torch_in_background()
     out = Path(out) if out is not None else default_output(ckpt)
     check_output(out, source=ckpt, overwrite=options.overwrite)
     opened = open_checkpoint(ckpt, options.read, target_tp=options.tp)

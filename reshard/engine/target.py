@@ -4,18 +4,21 @@ tensor's partition and slices. Pure planning from an opened checkpoint; raises e
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from reshard.config import ModelConfig
 from reshard.dtypes import name_of
 from reshard.engine.open import OpenedCheckpoint
-from reshard.engine.planner import ConversionPlan, TensorPlan, mapped_plans, plan_conversion
+from reshard.engine.planner import ConversionPlan, TensorPlan, identity_plan, mapped_plans, plan_conversion
 from reshard.errors import MappingError, PlanError, ReshardError
 from reshard.layouts import SourceCheckpoint, writer_class
 from reshard.layouts.megatron_args import arg, config_from_args
+from reshard.layouts.torch_dist_keys import check_names
+from reshard.layouts.torch_dist_writer import RECORDED_TP
 from reshard.mappings import MappingChoice, choose_mapping, naming_of, require_true_vocab
 from reshard.mappings.megatron_gpt import MEGATRON
+from reshard.mappings.torchtitan_llama import TORCHTITAN
 from reshard.options import ConvertOptions, Layout
 from reshard.partition import Vocab, head_replicas
 from reshard.plans import select_plan
@@ -53,31 +56,54 @@ def default_layout(source: SourceCheckpoint, tp: int) -> Layout:
     return Layout.HF if tp == 1 else Layout.HF_RANKS
 
 
+def tp_is_recorded_only(layout: Layout | str | None) -> bool:
+    """Whether the layout holds global tensors, whatever ``--tp`` says (``torch_dist`` records it in its args)."""
+    return layout == Layout.TORCH_DIST
+
+
+def planned_tp(layout: Layout | str | None, tp: int) -> int:
+    """The tp a conversion is planned at: 1 for a layout of global tensors, else ``tp``."""
+    return 1 if tp_is_recorded_only(layout) else tp
+
+
 def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> TargetPlan:
     """Plan the conversion of ``opened`` as ``options`` ask (raises every planning problem at once)."""
     source = opened.source
     if source.meta.get("cannot_convert"):  # a layout read it for inspect, but cannot convert it
         raise source.meta["cannot_convert"]
     layout = options.layout or default_layout(source, options.tp)
-    if options.pp > 1 and layout != Layout.MEGATRON:
+    if options.pp > 1 and layout not in (Layout.MEGATRON, Layout.TORCH_DIST):
         raise ReshardError(f"the {layout} layout has no pipeline stages", hint="--pp applies to --layout megatron")
+    tp = planned_tp(layout, options.tp)
     choice = choose_mapping(
-        source, layout, vocab_size=opened.vocab.original, dtype=_dtype(opened), keep_names=options.keep_names
+        source,
+        layout,
+        vocab_size=opened.vocab.original,
+        dtype=_dtype(opened),
+        keep_names=options.keep_names,
+        shapes=_shapes(opened),
     )
+    vocab = opened.vocab
     if choice is not None and choice.config is not None:
-        require_true_vocab(source, opened.vocab.original)
+        if choice.config.get("vocab_size") is None:
+            require_true_vocab(source, vocab.original)
+        elif vocab.original is None:  # the mapping knows it (torchtitan never pads its vocab)
+            vocab = replace(vocab, original=choice.config["vocab_size"], origin=choice.mapping.name)
     meta = {"args": choice.args} if choice is not None and choice.args is not None else {}
     groups, dropped, problems = None, (), []
     if choice is not None:
-        groups, dropped, problems = _mapped(opened, choice, layout, options.tp)
+        groups, dropped, problems = _mapped(opened, choice, layout, tp)
+    if layout == Layout.TORCH_DIST:
+        meta[RECORDED_TP] = options.tp
+        _check_torch_dist_names(opened, groups)
     pad_multiple = options.pad_multiple or writer_class(layout).pad_multiple(options.tp, source, meta)
     if layout == Layout.MEGATRON and opened.vocab.original is None:
         problems += _unknown_megatron_vocab(opened, pad_multiple or options.tp)
     conversion = plan_conversion(
         source,
         opened.tensors,
-        vocab=opened.vocab,
-        target_tp=options.tp,
+        vocab=vocab,
+        target_tp=tp,
         pad_multiple=pad_multiple,
         uneven=opened.uneven,
         groups=groups,
@@ -106,22 +132,37 @@ def _refuse_copied_heads(conversion: ConversionPlan, layout: Layout, source: Sou
         )
 
 
+def _shapes(opened: OpenedCheckpoint) -> dict[str, tuple[int, ...]]:
+    """Every tensor's canonical shape, by name."""
+    return {t.name: t.shape for t in opened.tensors if t.shape is not None}
+
+
 def _mapped(
     opened: OpenedCheckpoint, choice: MappingChoice, layout: Layout, tp: int
 ) -> tuple[list[TensorPlan], tuple[str, ...], list[ReshardError]]:
-    shapes = {t.name: t.shape for t in opened.tensors if t.shape is not None}
     try:
-        groups, dropped = choice.mapping.plan(shapes, opened.source.config)
+        groups, dropped = choice.mapping.plan(_shapes(opened), opened.source.config)
     except PlanError as err:
         return [], (), list(err.problems)
     target_config = choice.target_config
-    if layout == Layout.MEGATRON:  # Megatron's names: the args' sizes (a mapped source's, or the source's own)
+    if layout in (Layout.MEGATRON, Layout.TORCH_DIST):  # Megatron's names: sized by the args (mapped or own)
         target_config = config_from_args(choice.args, None) if choice.args is not None else opened.source.config
     names = [name for group in groups for name in group.targets]
     plan = select_plan(target_config, names)
     plans, problems = mapped_plans(opened.tensors, groups, plan, target_config, target_tp=tp)
     problems += _tie_problems(choice, names)
     return plans, tuple(dropped), problems
+
+
+def _check_torch_dist_names(opened: OpenedCheckpoint, groups: list[TensorPlan] | None) -> None:
+    """Refuse, before any output exists, names Megatron-Core's ``torch_dist`` cannot hold (legacy, grouped GEMM).
+
+    The targets keep the names reshard reads a ``torch_dist`` checkpoint under (the ``torch`` format's, which
+    ``layouts/torch_dist.py`` gives the stored norms back), so the manifest and ``verify`` agree with the reader;
+    the writer stores them under Transformer Engine's names (``torch_dist_keys.plan_global``).
+    """
+    plans = groups if groups is not None else [identity_plan(t) for t in opened.tensors if not t.problem]
+    check_names([t.name for plan in plans for t in plan.targets], opened.source.path)
 
 
 def _unknown_megatron_vocab(opened: OpenedCheckpoint, target_multiple: int) -> list[ReshardError]:
@@ -175,8 +216,10 @@ def _config(opened: OpenedCheckpoint, choice: MappingChoice | None) -> dict[str,
 
 
 def _dtype(opened: OpenedCheckpoint) -> str:
-    """The dtype a transformers config states: that of the vocab tables (else of the first tensor)."""
-    tensors = [t for t in opened.tensors if isinstance(t.partition, Vocab)] or list(opened.tensors)
+    """The dtype a transformers config states: that of the vocab tables (else of the first floating tensor: not
+    torchtitan's complex ``freqs_cis``)."""
+    floating = [t for t in opened.tensors if t.code in ("F16", "BF16", "F32", "F64")]
+    tensors = [t for t in opened.tensors if isinstance(t.partition, Vocab)] or floating or list(opened.tensors)
     return name_of(tensors[0].code) if tensors else "float32"
 
 
@@ -186,11 +229,15 @@ def preview_mapping(opened: OpenedCheckpoint) -> tuple[str | None, dict[str, lis
     Returns the mapping's name, ``{source name: target names}`` and, when there is no mapping, why not
     (None when the names are transformers' already).
     """
-    if naming_of(opened.source) != MEGATRON:
+    if naming_of(opened.source) not in (MEGATRON, TORCHTITAN):
         return None, {}, None
+    shapes = _shapes(opened)
     try:
-        choice = choose_mapping(opened.source, Layout.HF, vocab_size=opened.vocab.original, dtype=_dtype(opened))
-        shapes = {t.name: t.shape for t in opened.tensors if t.shape is not None}
+        choice = choose_mapping(
+            opened.source, Layout.HF, vocab_size=opened.vocab.original, dtype=_dtype(opened), shapes=shapes
+        )
+        if choice is None:  # names that stay (a --keep-names output nothing describes)
+            return None, {}, None
         groups, _ = choice.mapping.plan(shapes, opened.source.config)
     except (MappingError, PlanError) as err:
         return None, {}, f"no mapping to transformers' names: {err.one_line()}"

@@ -32,7 +32,7 @@ from reshard.io.vectored import row_views
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["TensorSlot", "TorchZipWriter", "archive_name"]
+__all__ = ["Region", "TensorSlot", "TorchZipWriter", "archive_name"]
 
 FILE_FORMAT_VERSION = b"3\n"  # caffe2::serialize::kProducedFileFormatVersion, what torch.save's "version" says
 
@@ -48,6 +48,20 @@ def archive_name(path: Path) -> str:
     if not stem:
         raise ValueError(f"{path}: torch.save refuses this file name (nothing before its extension)")
     return stem
+
+
+class Region:
+    """The part of a shared :class:`~reshard.io.direct.DirectFile` from ``base`` on, where one archive goes (a DCP
+    data file is ``torch.save`` archives back to back); its owner closes the file once every archive is done."""
+
+    def __init__(self, file: DirectFile, base: int) -> None:
+        self.file, self.base = file, base
+
+    def write(self, views: list[memoryview], position: int) -> None:
+        self.file.write(views, self.base + position)
+
+    def close(self) -> None:
+        """Nothing to do: the file is shared."""
 
 
 def _options() -> tuple[int, bool]:
@@ -82,6 +96,10 @@ class TorchZipWriter:
         pickle_module: what ``torch.save`` would be given as ``pickle_module`` (its ``Pickler`` is used).
         pickle_protocol: as ``torch.save``'s.
         direct: write with ``O_DIRECT`` where the file system allows (:class:`~reshard.io.direct.DirectFile`).
+        archive: the archive's folder name (default: from ``path``; ``archive`` is what ``torch.save`` names it
+            when given a file object, as DCP does).
+        region: write into this part of a shared file instead of creating ``path`` (which then only names the
+            archive in messages); offsets inside the archive count from the region's start, as in torch's.
 
     Example:
         >>> from reshard.dtypes import TensorHeader
@@ -100,12 +118,15 @@ class TorchZipWriter:
         pickle_module: ModuleType = pickle,
         pickle_protocol: int = DEFAULT_PROTOCOL,
         direct: bool = True,
+        archive: str | None = None,
+        region: Region | None = None,
     ) -> None:
         self.path = Path(path)
         self.direct = direct
+        self._region = region
         pickled, storages = pickle_template(template, pickle_module=pickle_module, protocol=pickle_protocol)
         alignment, self._with_crc = _options()
-        self._prefix = archive_name(self.path).encode() + b"/"
+        self._prefix = (archive or archive_name(self.path)).encode() + b"/"
         known: dict[str, Any] = {
             "data.pkl": pickled,
             ".format_version": b"1",
@@ -136,7 +157,7 @@ class TorchZipWriter:
         self._static = self._static_runs(known)
         self._written: set[str] = set()
         self._finished: set[str] = set()  # written in full, descriptor included
-        self._file: DirectFile | None = None
+        self._file: DirectFile | Region | None = None
         self._started = self._complete = self._aborted = False
         self._lock = threading.Lock()
 
@@ -198,7 +219,7 @@ class TorchZipWriter:
 
     write_unordered = write  # any order is the only order: what RankFilesWriter calls from worker threads
 
-    def _write_data(self, file: DirectFile, tensor: torch.Tensor, position: int) -> int:
+    def _write_data(self, file: DirectFile | Region, tensor: torch.Tensor, position: int) -> int:
         """Write the tensor's bytes in C order from ``position``; their CRC-32 (computed while they go out)."""
         crc = 0
         rows = row_views(tensor)
@@ -216,7 +237,7 @@ class TorchZipWriter:
 
     def _start(self) -> None:
         self._started = True
-        self._file = DirectFile(self.path, self.size, direct=self.direct)
+        self._file = self._region or DirectFile(self.path, self.size, direct=self.direct)
         for offset, views in self._static:
             self._file.write(views, offset)
         self._static = []
@@ -256,6 +277,6 @@ class TorchZipWriter:
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self._started and not self._complete:
+        if self._started and not self._complete and self._region is None:
             self.path.unlink(missing_ok=True)
         self._aborted = True

@@ -8,6 +8,7 @@ from reshard.errors import ReshardError
 from reshard.layouts import dcp, hf, hf_ranks, loose, megatron, sat, torch_dist
 from reshard.layouts.base import CheckpointWriter, SourceCheckpoint, TargetSpec, TensorRef
 from reshard.layouts.megatron_writer import MegatronWriter
+from reshard.layouts.torch_dist_writer import TorchDistWriter
 from reshard.options import Layout, ReadOptions
 
 __all__ = ["CheckpointWriter", "SourceCheckpoint", "TargetSpec", "TensorRef", "discover", "writer_class"]
@@ -17,6 +18,7 @@ _WRITERS: dict[Layout, type[CheckpointWriter]] = {
     Layout.HF_RANKS: hf_ranks.HFRanksWriter,
     Layout.MEGATRON: MegatronWriter,
     Layout.SAT: sat.SatWriter,
+    Layout.TORCH_DIST: TorchDistWriter,
 }
 
 

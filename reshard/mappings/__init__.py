@@ -4,12 +4,18 @@
 renamed (and fused tensors split or merged) on the way, and what the target's config is: the target
 layout decides the names (``hf`` and ``hf-ranks`` mean transformers' names, loadable by
 ``from_pretrained``; ``megatron`` means Megatron's), and ``--keep-names`` keeps the source's. Each family
-pair is a table in its own module (``megatron_gpt.py``); configs are translated in ``megatron_config.py``.
+pair is a table in its own module (``megatron_gpt.py``, ``torchtitan_llama.py``); configs are translated in
+``megatron_config.py`` and ``torchtitan_config.py``.
+
+torchtitan's names are mapped to transformers' only: no target layout means torchtitan's (the ``dcp`` layout is
+read, not written), and torchtitan reads transformers' checkpoints itself (``initial_load_in_hf``, through the
+same state-dict adapter), so a transformers checkpoint keeps its names.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping as MappingType
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +31,9 @@ from reshard.mappings.megatron_config import (
     megatron_args,
 )
 from reshard.mappings.megatron_gpt import DENSE_FAMILIES, MEGATRON, MOE_FAMILIES, megatron_to_hf
+from reshard.mappings.torchtitan_config import llama_config, titan_model
+from reshard.mappings.torchtitan_llama import SIGNATURE as TORCHTITAN_SIGNATURE
+from reshard.mappings.torchtitan_llama import TORCHTITAN, torchtitan_to_hf
 from reshard.options import Layout
 from reshard.plans.megatron import SIGNATURE as MEGATRON_SIGNATURE
 
@@ -32,7 +41,7 @@ __all__ = ["Entry", "MappedGroup", "Mapping", "MappingChoice", "choose_mapping",
 
 HF = "hf"
 # The naming a layout's files use.
-_LAYOUT_NAMING = {Layout.HF: HF, Layout.HF_RANKS: HF, Layout.MEGATRON: MEGATRON}
+_LAYOUT_NAMING = {Layout.HF: HF, Layout.HF_RANKS: HF, Layout.MEGATRON: MEGATRON, Layout.TORCH_DIST: MEGATRON}
 
 
 @dataclass(frozen=True)
@@ -49,10 +58,11 @@ class MappingChoice:
 
 
 def naming_of(source: SourceCheckpoint) -> str | None:
-    """``megatron`` or ``hf`` (a transformers family reshard maps), from the names, else None."""
-    pattern = re.compile(MEGATRON_SIGNATURE)
-    if any(pattern.search(name) for name in source.names()):
-        return MEGATRON
+    """``megatron``, ``torchtitan`` or ``hf`` (a transformers family reshard maps), from the names, else None."""
+    for naming, signature in ((MEGATRON, MEGATRON_SIGNATURE), (TORCHTITAN, TORCHTITAN_SIGNATURE)):
+        pattern = re.compile(signature)
+        if any(pattern.search(name) for name in source.names()):
+            return naming
     model_type = source.config.model_type if source.config else None
     if model_type in DENSE_FAMILIES + MOE_FAMILIES:
         return HF
@@ -60,9 +70,17 @@ def naming_of(source: SourceCheckpoint) -> str | None:
 
 
 def choose_mapping(
-    source: SourceCheckpoint, layout: Layout, *, vocab_size: int | None, dtype: str, keep_names: bool = False
+    source: SourceCheckpoint,
+    layout: Layout,
+    *,
+    vocab_size: int | None,
+    dtype: str,
+    keep_names: bool = False,
+    shapes: MappingType[str, tuple[int, ...]] | None = None,
 ) -> MappingChoice | None:
     """The mapping from ``source``'s names to ``layout``'s, or None when the names stay.
+
+    ``shapes`` are the canonical (whole) shapes by name (default: those of a tp=1 source's tensors).
 
     Raises:
         MappingError: the names must change but the model has no family on the other side.
@@ -74,6 +92,14 @@ def choose_mapping(
         return None
     if source_naming == MEGATRON:
         return _megatron_to_hf(source, vocab_size=vocab_size, dtype=dtype)
+    if source_naming == TORCHTITAN:
+        if target_naming != HF:
+            raise MappingError(
+                f"no mapping from torchtitan's names to {target_naming}'s",
+                path=source.path,
+                hint="convert to hf first",
+            )
+        return _torchtitan_to_hf(source, vocab_size=vocab_size, dtype=dtype, shapes=shapes)
     return _hf_to_megatron(source, vocab_size=vocab_size)
 
 
@@ -106,6 +132,35 @@ def _megatron_to_hf(source: SourceCheckpoint, *, vocab_size: int | None, dtype: 
     shape = gpt_shape_from_args(args)
     family = hf_family(shape)
     return MappingChoice(megatron_to_hf(family), hf_config(shape, vocab_size=vocab_size, dtype=dtype, family=family))
+
+
+def _torchtitan_to_hf(
+    source: SourceCheckpoint,
+    *,
+    vocab_size: int | None,
+    dtype: str,
+    shapes: MappingType[str, tuple[int, ...]] | None,
+) -> MappingChoice | None:
+    """The mapping to transformers for the model ``--config`` describes (a transformers config.json, or a torchtitan
+    job TOML); torchtitan never pads its vocab, so the true size is the embedding's rows unless ``--vocab`` says.
+
+    None for torchtitan's names in a transformers layout (written with ``--keep-names``) that nothing describes.
+    """
+    config = source.config
+    described = config is not None and (config.model_type == "llama" or isinstance(config.raw.get("model"), dict))
+    if not described and source.layout in (Layout.HF, Layout.HF_RANKS):  # written with --keep-names: they stay
+        return None
+    if shapes is None:
+        if source.tp != 1:
+            raise MappingError("torchtitan names across ranks: the whole shapes are unknown", path=source.path)
+        shapes = {name: tuple(ref.shape) for name, ref in source.ranks[0].items()}
+    model = titan_model(source.config, shapes, path=source.path)
+    mapping = torchtitan_to_hf(model.n_heads, model.n_kv_heads, model.head_dim, tied=model.tied)
+    rows = shapes.get("tok_embeddings.weight", (None,))[0]
+    vocab = vocab_size if vocab_size is not None else rows
+    if config is not None and config.model_type == "llama":  # --config gave the target's
+        return MappingChoice(mapping, config.raw if vocab is None else config.with_vocab_size(vocab))
+    return MappingChoice(mapping, llama_config(model, vocab_size=vocab, dtype=dtype))
 
 
 def _hf_to_megatron(source: SourceCheckpoint, *, vocab_size: int | None) -> MappingChoice:

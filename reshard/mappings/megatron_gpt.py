@@ -40,7 +40,8 @@ _HF = "model.layers.{L}."
 
 
 def _need(config: ModelConfig | None, key: str) -> int:
-    value = config.get(key) if config is not None else None
+    # head_dim as transformers' attention reads it: hidden_size // heads when the config has none (Qwen2, Mixtral)
+    value = None if config is None else config.head_dim if key == "head_dim" else config.get(key)
     if not isinstance(value, int) or value <= 0:
         raise MappingError(f"splitting the fused QKV needs {key} from the model config", hint="pass --config FILE")
     return value

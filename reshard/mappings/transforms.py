@@ -12,6 +12,8 @@ inverse, so a mapping table written one way (say Megatron -> transformers) also 
   <-> the half-split layout transformers' ``rotate_half`` expects; the permutation transformers'
   ``convert_llama_weights_to_hf.py`` and torchtitan's ``to_hf`` apply (forgetting it gives garbage text:
   torchtitan#1291).
+* :class:`Parallel` / :class:`Chain` - one transform per tensor of a group, and transforms one after the other
+  (torchtitan's fused ``wqkv``: split per KV group, then permute q and k).
 """
 
 from __future__ import annotations
@@ -239,4 +241,62 @@ class RopeUnpermute:
         return f"RoPE halves to pairs ({self.heads} heads)"
 
 
-Transform = Rename | SplitGroupedQKV | FuseGroupedQKV | Chunk | Concat | RopePermute | RopeUnpermute
+@dataclass(frozen=True)
+class Parallel:
+    """``parts[i]`` applied to the ``i``-th tensor of the group (each part maps one tensor to one)."""
+
+    parts: tuple[Transform, ...]
+
+    @property
+    def sources(self) -> int:
+        return len(self.parts)
+
+    @property
+    def targets(self) -> int:
+        return len(self.parts)
+
+    def target_shapes(self, shapes: Sequence[Shape]) -> list[Shape]:
+        return [part.target_shapes([shape])[0] for part, shape in zip(self.parts, shapes, strict=True)]
+
+    def apply(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return [part.apply([tensor])[0] for part, tensor in zip(self.parts, tensors, strict=True)]
+
+    def inverse(self) -> Parallel:
+        return Parallel(tuple(part.inverse() for part in self.parts))
+
+    def describe(self) -> str:
+        return "; ".join(f"{i}: {part.describe()}" for i, part in enumerate(self.parts))
+
+
+@dataclass(frozen=True)
+class Chain:
+    """``steps`` one after the other: each step's targets are the next step's sources."""
+
+    steps: tuple[Transform, ...]
+
+    @property
+    def sources(self) -> int:
+        return self.steps[0].sources
+
+    @property
+    def targets(self) -> int:
+        return self.steps[-1].targets
+
+    def target_shapes(self, shapes: Sequence[Shape]) -> list[Shape]:
+        for step in self.steps:
+            shapes = step.target_shapes(shapes)
+        return list(shapes)
+
+    def apply(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        for step in self.steps:
+            tensors = step.apply(tensors)
+        return list(tensors)
+
+    def inverse(self) -> Chain:
+        return Chain(tuple(step.inverse() for step in reversed(self.steps)))
+
+    def describe(self) -> str:
+        return ", then ".join(step.describe() for step in self.steps)
+
+
+Transform = Rename | SplitGroupedQKV | FuseGroupedQKV | Chunk | Concat | RopePermute | RopeUnpermute | Parallel | Chain

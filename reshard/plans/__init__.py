@@ -9,7 +9,20 @@ from pathlib import Path
 
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
-from reshard.plans import deepseek, gemma, glm4, llama, megatron, moe, phi3, qwen2_vl, qwen3_5, qwen3_next, sat
+from reshard.plans import (
+    deepseek,
+    gemma,
+    glm4,
+    llama,
+    megatron,
+    moe,
+    phi3,
+    qwen2_vl,
+    qwen3_5,
+    qwen3_next,
+    sat,
+    torchtitan,
+)
 from reshard.plans.base import EMPTY_PLAN, Plan, Rule
 from reshard.plans.infer import infer_partition
 from reshard.plans.lora import plain_name, with_lora
@@ -37,6 +50,7 @@ class Family:
     plan: Plan
     model_types: tuple[str, ...]
     signature: str  # a regex some tensor name of the family always matches
+    own_names: bool = False  # names no transformers model uses: they win over a config.json's model_type
 
     @property
     def name(self) -> str:
@@ -57,6 +71,7 @@ FAMILIES: list[Family] = [
     Family(llama.LLAMA_PLAN, llama.MODEL_TYPES, llama.SIGNATURE),
     Family(megatron.MEGATRON_PLAN, megatron.MODEL_TYPES, megatron.SIGNATURE),
     Family(sat.SAT_PLAN, sat.MODEL_TYPES, sat.SIGNATURE),
+    Family(torchtitan.TORCHTITAN_PLAN, torchtitan.MODEL_TYPES, torchtitan.SIGNATURE, own_names=True),
 ]
 
 
@@ -71,12 +86,16 @@ def builtin_plan(name: str) -> Plan:
 
 
 def detect_family(config: ModelConfig | None, names: Iterable[str]) -> Family | None:
-    """The family from ``config.json`` ``model_type``, else from parameter-name signatures."""
+    """The family from ``config.json`` ``model_type``, else from parameter-name signatures (names of a family
+    with ``own_names`` first: a config.json beside them describes the model they map to, not them)."""
+    names = [plain_name(n) for n in names]  # LoRA-wrapped bases count under their plain names
+    for family in FAMILIES:
+        if family.own_names and any(re.search(family.signature, n) for n in names):
+            return family
     if config is not None and config.model_type:
         for family in FAMILIES:
             if config.model_type in family.model_types:
                 return family
-    names = [plain_name(n) for n in names]  # LoRA-wrapped bases count under their plain names
     for family in FAMILIES:
         pattern = re.compile(family.signature)
         if any(pattern.search(n) for n in names):

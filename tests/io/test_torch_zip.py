@@ -388,3 +388,28 @@ def test_random_templates_give_torch_save_bytes(
     tmp = tmp_path_factory.mktemp("random")
     shuffle = lambda items: random.Random(seed).sample(items, len(items))  # noqa: E731
     assert_same_bytes(*save_both(tmp, build, order=shuffle, threads=3))
+
+
+def test_archives_back_to_back_in_one_file_are_torch_save_to_a_stream(tmp_path: Path) -> None:
+    """What DCP writes: torch.save to a file object (folder ``archive``), one archive after another in a shared file,
+    each written from its own thread, offsets inside each counting from its start."""
+    tensors = [filled((3, 5), torch.bfloat16, seed=1), filled((2, 7, 4), torch.float32, seed=2)]
+    expected = []
+    for tensor in tensors:
+        buffer = io.BytesIO()
+        torch.save(tensor, buffer)
+        expected.append(buffer.getvalue())
+    writers = [TorchZipWriter(tmp_path / f"t{i}", slot_of("t", t), archive="archive") for i, t in enumerate(tensors)]
+    assert [w.size for w in writers] == [len(e) for e in expected]
+    shared = direct_io.DirectFile(tmp_path / "__0_0.distcp", 100 + sum(len(e) for e in expected))
+    bases = [100, 100 + len(expected[0])]
+    archives = [
+        TorchZipWriter(tmp_path / "unused", slot_of("t", t), archive="archive", region=torch_zip.Region(shared, base))
+        for t, base in zip(tensors, bases, strict=True)
+    ]
+    with ThreadPoolExecutor(2) as pool:
+        for future in [pool.submit(a.write, "t", t) for a, t in zip(archives, tensors, strict=True)]:
+            future.result()
+    shared.close()
+    data = (tmp_path / "__0_0.distcp").read_bytes()
+    assert data[100:] == b"".join(expected) and not (tmp_path / "unused").exists()

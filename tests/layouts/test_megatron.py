@@ -4,7 +4,6 @@ slices computed independently in ``fixtures.megatron``."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 import sys
@@ -22,9 +21,9 @@ from fixtures.megatron import (
     TINY,
     ModelType,
     NotAllowed,
-    fake_megatron_enums,
     full_model,
     megatron_args,
+    megatron_importable,
     megatron_qkv,
     rank_state,
     te_extra_state,
@@ -48,18 +47,6 @@ def full() -> Full:
 @pytest.fixture(scope="module")
 def tp8(tmp_path_factory: pytest.TempPathFactory, full: Full) -> Path:
     return write_megatron(tmp_path_factory.mktemp("megatron") / "tp8", full, 8)
-
-
-@contextlib.contextmanager
-def megatron_importable():
-    """Make ``megatron.core.enums.ModelType`` importable, as it is where Megatron loads checkpoints."""
-    mods = fake_megatron_enums()
-    sys.modules.update(mods)
-    try:
-        yield
-    finally:
-        for name in mods:
-            sys.modules.pop(name, None)
 
 
 def load_rank(root: Path, rank: int) -> dict:

@@ -6,7 +6,17 @@ import pytest
 import torch
 
 from reshard.errors import ShapeMismatchError
-from reshard.mappings.transforms import Chunk, Concat, FuseGroupedQKV, Rename, RopePermute, SplitGroupedQKV
+from reshard.mappings.transforms import (
+    Chain,
+    Chunk,
+    Concat,
+    FuseGroupedQKV,
+    Parallel,
+    Rename,
+    RopePermute,
+    RopeUnpermute,
+    SplitGroupedQKV,
+)
 
 
 def test_grouped_qkv_split_takes_each_group_s_heads() -> None:
@@ -96,3 +106,22 @@ def _unpermuted_scores(x, wq, wk, cos, sin, heads: int) -> torch.Tensor:
     q, k = ((x @ w.T).reshape(1, seq, heads, -1).transpose(1, 2) for w in (wq, wk))
     q, k = apply_rotary_pos_emb(q, k, cos.double(), sin.double())
     return q[0] @ k[0].transpose(-1, -2)
+
+
+def test_chain_and_parallel_compose_and_invert() -> None:
+    """torchtitan's fused ``wqkv``: split per KV group, then permute q (4 heads) and k (2 heads), v as it is."""
+    split = SplitGroupedQKV(groups=2, q_per_group=2, head_dim=4)
+    chain = Chain((split, Parallel((RopePermute(4), RopePermute(2), Rename()))))
+    fused = torch.arange(2 * 4 * 4 * 3).reshape(32, 3)
+    q, k, v = chain.apply([fused])
+    plain = split.apply([fused])
+    assert torch.equal(q, RopePermute(4).apply([plain[0]])[0]) and torch.equal(k, RopePermute(2).apply([plain[1]])[0])
+    assert torch.equal(v, plain[2])
+    assert chain.target_shapes([(32, 3)]) == [(16, 3), (8, 3), (8, 3)] and (chain.sources, chain.targets) == (1, 3)
+    assert torch.equal(chain.inverse().apply([q, k, v])[0], fused)
+    assert chain.inverse() == Chain(
+        (Parallel((RopeUnpermute(4), RopeUnpermute(2), Rename())), FuseGroupedQKV(2, 2, 4))
+    )
+    assert "then" in chain.describe()
+    with pytest.raises(ShapeMismatchError, match="16 rows are not 3 heads of an even size"):
+        Chain((split, Parallel((RopePermute(3), RopePermute(2), Rename())))).target_shapes([(32, 3)])

@@ -1,0 +1,224 @@
+"""Writing Megatron-Core's ``torch_dist`` format (``dist_checkpointing``), as Megatron-LM saves it, without Megatron.
+
+The output (reference notes ``dcp-torchdist-deepspeed.md`` 2.1; checked against what Megatron-Core 0.16.1
+writes in the oracle, and loaded by it at other tp/pp in ``tests/layouts/test_torch_dist_oracle.py``)::
+
+    <out>/latest_checkpointed_iteration.txt     the iteration, or "release"
+    <out>/iter_XXXXXXX/ (or release/)
+        metadata.json       {"sharded_backend": "torch_dist", ...} (Megatron's CheckpointingConfig)
+        common.pt           torch.save of {args, checkpoint_version, iteration, content_metadata}
+        __0_0.distcp ...    torch.save archives back to back, one per chunk (split at --max-shard-size)
+        .metadata           DCP's Metadata pickle: global shapes and where each chunk's bytes are
+
+The tensors are global (:mod:`reshard.layouts.torch_dist_keys`: layers and experts stacked on leading axes,
+the rest whole), so the output loads at any tensor- and pipeline-parallel size: the conversion is planned
+at tp 1, whose canonical tensors are Megatron's global forms. ``--tp N`` / ``--pp N`` only say what the
+``args`` record (and the vocab is padded as Megatron pads it at tp N).
+
+Everything is laid out up front from the headers, so each tensor is written at its final offset as it
+arrives, from the worker threads, straight from the gathered buffer (memory: one layer of a stacked
+tensor); ``.metadata`` comes last. Megatron-LM's loader asks for an ``_extra_state`` object of every
+Transformer Engine (or local-spec) linear and norm it builds, and fails on a missing one: the source's are
+carried (tensor-parallel rank 0's, the copy Megatron keeps), the others written as ``None``, which both
+implementations accept. No optimizer or rng state is written: load a checkpoint of a training run's
+iteration with ``--no-load-optim --no-load-rng`` (or ``--finetune``), as the legacy layout's.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from huggingface_hub import split_state_dict_into_shards_factory
+
+from reshard.dtypes import TensorHeader, name_of
+from reshard.io.direct import DirectFile
+from reshard.io.torch_zip import Region, TensorSlot, TorchZipWriter
+from reshard.layouts import dcp_metadata_write as dcp
+from reshard.layouts.base import CheckpointWriter, SourceCheckpoint, TargetSpec
+from reshard.layouts.megatron import TRACKER
+from reshard.layouts.megatron_args import PICKLE_MODULE, arg, retarget_args
+from reshard.layouts.megatron_writer import CHECKPOINT_VERSION, megatron_args_of
+from reshard.layouts.torch_dist_keys import GlobalPlan, check_names, plan_global
+from reshard.vocab import megatron_pad_multiple
+
+if TYPE_CHECKING:
+    import torch
+
+METADATA = ".metadata"
+ARCHIVE = "archive"  # the folder torch.save names inside an archive written to a file object, as DCP writes
+COMMON = "common.pt"
+CONFIG = "metadata.json"
+# Megatron-Core's CheckpointingConfig for torch_dist with the torch common strategy, as 0.16.1 writes it.
+CONFIG_TEXT = json.dumps(
+    {
+        "sharded_backend": "torch_dist",
+        "sharded_backend_version": 1,
+        "common_backend": "torch",
+        "common_backend_version": 1,
+    }
+)
+# Megatron-LM's _build_sharded_state_dict_metadata without a distributed optimizer.
+CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+RECORDED_TP = "recorded_tp"  # TargetSpec.meta: the tensor-parallel size the args record (the plan is at tp 1)
+
+
+class TorchDistWriter(CheckpointWriter):
+    """Writes the ``torch_dist`` layout (see the module docstring) from tp-1 target tensors named as Megatron-Core
+    names them (``decoder.layers.{i}.*``, experts as ``...local_experts.{e}.*``)."""
+
+    concurrent = True
+
+    def __init__(self, out_dir: Path, spec: TargetSpec) -> None:
+        super().__init__(out_dir, spec)
+        if spec.tp != 1:
+            raise ValueError(f"torch_dist holds global tensors: plan the conversion at tp 1, not {spec.tp}")
+        source, headers = spec.source, spec.rank_headers[0]
+        check_names(list(headers), source.path)
+        args = megatron_args_of(source, spec.meta)
+        self._args = _retarget(args, spec)
+        self._plan = plan_global(
+            headers,
+            source.extras[0] if source.meta.get("megatron") and source.extras else {},
+            layers=_int(arg(args, "num_layers")),
+            experts=_int(arg(args, "num_experts")),
+            local_spec=arg(args, "transformer_impl") == "local",
+            homogeneous=_homogeneous(args),
+            tied=not arg(args, "untie_embeddings_and_output_weights", False),
+        )
+        meta = source.meta
+        self._release = bool(meta.get("release") or not meta.get("megatron"))
+        self._iteration = int(meta.get("iteration") or 0) if meta.get("megatron") else 0
+        self._folder = Path("release" if self._release else f"iter_{self._iteration:07d}")
+        self._folder_path = out_dir / self._folder
+        self._folder_path.mkdir(parents=True, exist_ok=True)
+        self._lay_out(spec.max_shard_size)
+
+    @classmethod
+    def pad_multiple(cls, tp: int, source: SourceCheckpoint, meta: dict[str, Any]) -> int | None:
+        """As Megatron pads the vocab at tp ``tp``: ``make_vocab_size_divisible_by * tp`` (128 * tp by default)."""
+        return megatron_pad_multiple(arg(megatron_args_of(source, meta), "make_vocab_size_divisible_by"), tp)
+
+    def _lay_out(self, max_file_bytes: int | str) -> None:
+        """Place every archive (the objects', then each chunk's) in the data files, open them, write the objects.
+
+        A chunk's archive depends on its shape and dtype alone, so its size is known from one archive per
+        distinct header; the archive itself is made when its tensor arrives (nothing per chunk is held).
+        """
+        folder = self._folder_path
+        objects = self._plan.objects
+        sizes = {key: TorchZipWriter(folder / key, [value], archive=ARCHIVE).size for key, value in objects.items()}
+        self._chunks: dict[str, tuple[str, TensorHeader]] = {}  # incoming name -> (chunk key, header)
+        for tensor in self._plan.tensors:
+            for chunk in tensor.chunks:
+                key, header = f"{tensor.key}@{chunk.offsets}", TensorHeader(chunk.sizes, tensor.code)
+                self._chunks[chunk.name] = (key, header)
+                sizes[key] = _archive_size(header)
+        split = split_state_dict_into_shards_factory(
+            sizes, get_storage_size=lambda size: size, max_shard_size=max_file_bytes, filename_pattern="{suffix}"
+        )
+        self._names = [f"__0_{i}.distcp" for i in range(len(split.filename_to_tensors))]
+        ends = [0] * len(self._names)
+        self._where: dict[str, tuple[int, int, int]] = {}  # key -> (file index, position, length)
+        for index, keys in enumerate(split.filename_to_tensors.values()):
+            for key in keys:
+                self._where[key], ends[index] = (index, ends[index], sizes[key]), ends[index] + sizes[key]
+        self._files = [DirectFile(folder / name, end) for name, end in zip(self._names, ends, strict=True)]
+        for key, value in objects.items():  # known already: written now
+            TorchZipWriter(folder / key, [value], archive=ARCHIVE, region=self._region(key)).close()
+        self._written: set[str] = set()
+        self._lock = threading.Lock()
+        self._write_common()
+
+    def _region(self, key: str) -> Region:
+        index, position, _ = self._where[key]
+        return Region(self._files[index], position)
+
+    def _write_common(self) -> None:
+        """``common.pt`` (as ``torch.save`` writes it, Megatron's enums in ``args`` as their own globals) and
+        ``metadata.json``."""
+        common = {
+            "args": self._args,
+            "checkpoint_version": self.spec.source.meta.get("checkpoint_version") or CHECKPOINT_VERSION,
+            "iteration": self._iteration,
+            "content_metadata": dict(CONTENT_METADATA),
+        }
+        TorchZipWriter(self._folder_path / COMMON, common, pickle_module=PICKLE_MODULE).close()
+        (self._folder_path / CONFIG).write_text(CONFIG_TEXT)
+
+    def write_unordered(self, name: str, slices: list[torch.Tensor]) -> None:
+        """Write tensor ``name`` (one slice: the plan is at tp 1) as its chunk's archive; safe from several threads."""
+        if name in self._plan.skipped:
+            return
+        (tensor,) = slices
+        key, header = self._chunks[name]
+        with self._lock:
+            if name in self._written:
+                raise ValueError(f"{name}: written twice")
+            self._written.add(name)
+        while tensor.dim() < len(header.shape):  # the stacked axes: views, never copies
+            tensor = tensor.unsqueeze(0)
+        archive = TorchZipWriter(
+            self._folder_path / key, TensorSlot(name, header), archive=ARCHIVE, region=self._region(key)
+        )
+        archive.write(name, tensor)  # its only tensor: the archive is complete
+
+    write = write_unordered
+
+    def close(self) -> list[Path]:
+        missing = [name for name in self._chunks if name not in self._written]
+        if missing:
+            raise ValueError(f"torch_dist: closed before {missing[0]} (and {len(missing) - 1} more) was written")
+        for file in self._files:
+            file.close()
+        (self._folder_path / METADATA).write_bytes(dcp.dumps(_metadata(self._plan, self._where, self._names)))
+        (self.out_dir / TRACKER).write_text("release" if self._release else str(self._iteration))
+        written = [COMMON, CONFIG, *self._names, METADATA]
+        return [Path(TRACKER), *(self._folder / name for name in written)]
+
+
+def _metadata(plan: GlobalPlan, where: dict[str, tuple[int, int, int]], names: list[str]) -> dcp.Metadata:
+    def place(key: str) -> tuple[str, int, int]:
+        index, position, length = where[key]
+        return names[index], position, length
+
+    tensors = []
+    for tensor in plan.tensors:
+        chunks = [dcp.StoredChunk(c.offsets, c.sizes, *place(f"{tensor.key}@{c.offsets}")) for c in tensor.chunks]
+        tensors.append((tensor.key, name_of(tensor.code), tensor.shape, chunks))
+    return dcp.build_metadata(tensors, [(key, *place(key)) for key in plan.objects])
+
+
+@functools.lru_cache(maxsize=1024)
+def _archive_size(header: TensorHeader) -> int:
+    """The bytes ``torch.save`` writes for one contiguous tensor of ``header`` to a file object."""
+    return TorchZipWriter(Path(ARCHIVE), TensorSlot("t", header), archive=ARCHIVE).size
+
+
+def _retarget(args: Any, spec: TargetSpec) -> Any:
+    """The args to record: the tp asked for, pp, padded vocab, and the torch_dist format."""
+    out = retarget_args(args, int(spec.meta.get(RECORDED_TP, 1)), spec.padded_vocab_size, pp=spec.pp)
+    updates = {"ckpt_format": "torch_dist"}
+    present = out.keys() if isinstance(out, dict) else vars(out).keys()
+    if "use_dist_ckpt" in present:
+        updates["use_dist_ckpt"] = True
+    if isinstance(out, dict):
+        return out | updates
+    for key, value in updates.items():
+        setattr(out, key, value)
+    return out
+
+
+def _homogeneous(args: Any) -> bool:
+    """Whether Megatron-Core stacks this model's layers (``TransformerBlock.sharded_state_dict``)."""
+    freq = arg(args, "moe_layer_freq", 1)
+    if freq not in (1, None) or arg(args, "hetereogenous_dist_checkpoint", False):
+        return False
+    return not arg(args, "heterogeneous_layers_config_path")
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None

@@ -1,0 +1,89 @@
+"""transformers -> Megatron -> transformers gives back every tensor bit for bit, and the config's model.
+
+The fused forms (QKV interleaved per query group, fc1 ``[gate; up]``, experts, the vocab padded the Megatron
+way) and their splits are exact inverses, so nothing may differ: not a row, not a bias, not the vocab size.
+That Megatron-Core loads the Megatron side with transformers' logits is ``layouts/test_torch_dist_oracle.py``
+and ``test_megatron_oracle.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from fixtures.families import build
+from fixtures.models import tiny_llama, tiny_qwen3
+from safetensors.torch import load_file
+
+
+def tiny_qwen2(path: Path):
+    """Qwen2: biases on q, k and v (they go through the fused QKV too)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=1001,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    model.save_pretrained(path)
+    return model
+
+
+MODELS = {
+    "llama-gqa": lambda path: tiny_llama(path, num_key_value_heads=2),
+    "llama-tied": lambda path: tiny_llama(path, num_key_value_heads=4, tie=True),
+    "qwen2-bias": tiny_qwen2,
+    "qwen3-qk-norm": lambda path: tiny_qwen3(path),
+    "mixtral": lambda path: build("mixtral", path),
+    "qwen2-moe-shared": lambda path: build("qwen2_moe", path),
+}
+# (layout, tp, pp) of the Megatron side
+ROUTES = {
+    "megatron-tp2": ("megatron", 2, 1),
+    "megatron-tp1-pp2": ("megatron", 1, 2),
+    "torch_dist": ("torch_dist", 2, 1),
+}
+MODEL_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size")
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        tensors |= load_file(path)
+    return tensors
+
+
+# every model through the megatron layout at tp 2; pipeline stages and torch_dist on a dense and a MoE model
+CASES = [(model, "megatron-tp2") for model in MODELS] + [
+    (model, route)
+    for model in ("llama-gqa", "qwen3-qk-norm", "mixtral")
+    for route in ("megatron-tp1-pp2", "torch_dist")
+]
+
+
+@pytest.mark.parametrize(("model", "route"), CASES, ids=[f"{m}-{r}" for m, r in CASES])
+def test_transformers_to_megatron_and_back_is_bit_exact(cli, tmp_path: Path, model: str, route: str) -> None:
+    layout, tp, pp = ROUTES[route]
+    MODELS[model](tmp_path / "hf")
+    there = cli("convert", tmp_path / "hf", "--layout", layout, "--tp", tp, "--pp", pp, "-o", tmp_path / "mg", "-q")
+    assert there.exit_code == 0, there.output
+    back = cli("convert", tmp_path / "mg", "--layout", "hf", "--tp", 1, "-o", tmp_path / "back", "-q")
+    assert back.exit_code == 0, back.output
+
+    original, returned = weights(tmp_path / "hf"), weights(tmp_path / "back")
+    assert sorted(returned) == sorted(original)
+    for name, tensor in original.items():
+        assert returned[name].dtype == tensor.dtype and torch.equal(returned[name], tensor), name
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    again = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert again["model_type"] == config["model_type"]
+    assert {k: again[k] for k in MODEL_KEYS} == {k: config[k] for k in MODEL_KEYS}
+    assert again.get("tie_word_embeddings", False) == config.get("tie_word_embeddings", False)

@@ -268,8 +268,9 @@ def roundtrip(ckpt: Path, tp: int, options: VerifyOptions) -> VerifyReport:
     with tempfile.TemporaryDirectory(prefix=f"reshard-verify-tp{tp}-") as tmp:
         there, back = Path(tmp) / f"tp{tp}", Path(tmp) / f"back-tp{own_tp}"
         try:
-            convert_opened(opened, there, options.convert_options(tp=tp, uneven=uneven))
-            convert(there, back, options.convert_options(tp=own_tp, config=None, uneven=uneven))
+            # the source's names both ways: the round trip checks the slicing, not a mapping between namings
+            convert_opened(opened, there, options.convert_options(tp=tp, uneven=uneven, keep_names=True))
+            convert(there, back, options.convert_options(tp=own_tp, config=None, uneven=uneven, keep_names=True))
         except PlanError as err:  # this tp cannot hold the model: a finding about this round trip
             report.differences = [Difference("plan", p.tensor, p.detail, p.path) for p in err.problems]
             return report

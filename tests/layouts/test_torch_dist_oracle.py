@@ -134,11 +134,12 @@ def test_it_is_the_checkpoint_megatron_core_writes(name: str, saved, converted) 
     ours = read_dcp(converted[name] / "iter_0000010")
     assert sorted(ours) == sorted(theirs)
     # reshard.json names every tensor as reshard reads the output back (the torch format's names, one per layer
-    # and expert): the output verifies against it, and equals the legacy checkpoint it came from.
+    # and expert): the output verifies against it, equals the legacy checkpoint it came from, and goes to tp 2
+    # and back bit for bit.
     manifest = json.loads((converted[name] / "reshard.json").read_text())["tensors"]
     stored = {k for k in ours if isinstance(ours[k], torch.Tensor)}
     assert {_stacked_key(_te_norm_name(n)) for n in manifest} == stored
-    for compared in ((converted[name],), (ckpt.torch, converted[name])):
+    for compared in ((converted[name],), (ckpt.torch, converted[name]), (converted[name], "--roundtrip", "2")):
         result = CliRunner().invoke(main, ["verify", *map(str, compared), "-q"], catch_exceptions=False)
         assert result.exit_code == 0, result.output
     vocab = ckpt.variant.vocab

@@ -67,6 +67,8 @@ def split(
             return list(torch.split(pad(full, dim, sum(sizes)), sizes, dim=dim))
         case Packed(dim, parts, _):
             rank_shapes(partition, full.shape, tp, uneven=uneven)  # validates
+            if tp == 1:  # one rank holds every part whole, in order: the tensor itself, not a copy
+                return [full]
             pieces = [
                 torch.split(part, sizes, dim=dim)
                 for part, sizes in zip(

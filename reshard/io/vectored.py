@@ -111,8 +111,9 @@ def _advance(views: list[memoryview], index: int, count: int) -> int:
     return index
 
 
-def file_mappings(path: Path) -> list[tuple[int, int]]:
-    """Address ranges where this process maps ``path`` (from ``/proc/self/maps``; empty where there is none)."""
+def file_mappings(path: Path) -> list[tuple[int, int, int]]:
+    """Where this process maps ``path``: ``(first address, end address, file offset of the first)`` for each
+    mapping (from ``/proc/self/maps``; empty where there is none)."""
     target = str(path.resolve())
     ranges = []
     try:
@@ -121,13 +122,23 @@ def file_mappings(path: Path) -> list[tuple[int, int]]:
                 fields = line.split(maxsplit=5)
                 if len(fields) == 6 and fields[5].rstrip("\n") == target:
                     low, high = (int(x, 16) for x in fields[0].split("-"))
-                    ranges.append((low, high))
+                    ranges.append((low, high, int(fields[2], 16)))
     except OSError:
         return []
     return ranges
 
 
-def release_mapped(tensor: torch.Tensor, mappings: Sequence[tuple[int, int]]) -> None:
+def mapped_offset(tensor: torch.Tensor, mappings: Sequence[tuple[int, int, int]]) -> int | None:
+    """The file offset of a tensor's first byte when its bytes lie inside one of ``mappings`` (None otherwise)."""
+    low = tensor.data_ptr()
+    high = low + tensor.numel() * tensor.element_size()
+    for start, end, offset in mappings:
+        if start <= low and high <= end:
+            return offset + low - start
+    return None
+
+
+def release_mapped(tensor: torch.Tensor, mappings: Sequence[tuple[int, int, int]]) -> None:
     """Drop the pages of a tensor memory-mapped from a file out of this process (``MADV_DONTNEED``).
 
     Pages of a file mapping count as resident memory for as long as they stay mapped; dropping them
@@ -139,7 +150,7 @@ def release_mapped(tensor: torch.Tensor, mappings: Sequence[tuple[int, int]]) ->
         return
     storage = tensor.untyped_storage()
     low, high = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
-    if not any(start <= low and high <= end for start, end in mappings):
+    if not any(start <= low and high <= end for start, end, _ in mappings):
         return
     first, last = -(-low // mmap.PAGESIZE) * mmap.PAGESIZE, high // mmap.PAGESIZE * mmap.PAGESIZE
     if last > first:

@@ -25,7 +25,7 @@ from safetensors import SafetensorError, safe_open
 from reshard.dtypes import TensorHeader
 from reshard.errors import CorruptFileError, UnsafePickleError
 from reshard.io.direct import Batch, DirectSource
-from reshard.io.vectored import file_mappings, release_mapped, row_views
+from reshard.io.vectored import file_mappings, mapped_offset, release_mapped, row_views
 from reshard.layouts.safetensors_header import read_header
 from reshard.layouts.torch_checks import check_torch_file
 
@@ -99,31 +99,25 @@ def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
-@dataclass
-class SafetensorsReader(FileReader):
-    """A ``.safetensors`` file; the header is parsed and checked against the file size up front.
+class DirectReader(FileReader):
+    """A reader of tensors stored whole and in C order at known file offsets (``_offsets``).
 
     :meth:`read_into` reads into the caller's buffer with ``O_DIRECT`` through small staging blocks
     (:class:`~reshard.io.direct.DirectSource`; ``preadv`` through the page cache where the file system
     refuses it), and never maps the file: pages of a memory-mapped file count as resident for as long
-    as the mapping lives, so the memory of a conversion would grow with the file sizes.
+    as the mapping lives, and each first touch of one is a synchronous 4 KB fault, while direct reads
+    keep 8 MB blocks in flight. A key without an offset is read by :meth:`FileReader.read_into`.
     """
 
-    path: Path
-    headers: dict[str, TensorHeader] = field(init=False)
-    metadata: dict[str, str] = field(init=False)
-    extras: dict[str, Any] = field(init=False, default_factory=dict)
-    notes: list[str] = field(init=False, default_factory=list)
-    _handle: Any = field(init=False, default=None, repr=False)
-    _offsets: dict[str, int] = field(init=False, repr=False)
-    _source: DirectSource | None = field(init=False, default=None, repr=False)
-    _lock: threading.Lock = field(init=False, default_factory=threading.Lock, repr=False)
-
-    def __post_init__(self) -> None:
-        self.headers, self.metadata, self._offsets = _parse_safetensors_header(self.path)
+    _offsets: dict[str, int]
+    _source: DirectSource | None
+    _lock: threading.Lock  # guards the first open
 
     def read_into(self, key: str, out: torch.Tensor, *, start: int = 0) -> None:
         """Inside a :class:`reshard.io.direct.Batch`, the bytes may still be arriving when this returns."""
+        if key not in self._offsets:
+            super().read_into(key, out, start=start)
+            return
         if out.numel() == 0:
             return
         if start + out.numel() * out.element_size() > self.headers[key].nbytes:
@@ -153,6 +147,8 @@ class SafetensorsReader(FileReader):
         self._advise(key, "POSIX_FADV_DONTNEED", "cannot drop cached pages")
 
     def warm(self, key: str) -> None:
+        if key not in self._offsets:
+            return
         try:
             self._file().warm(self._offsets[key], self.headers[key].nbytes)
         except OSError as err:
@@ -161,6 +157,8 @@ class SafetensorsReader(FileReader):
     def _advise(self, key: str, advice: str, failure: str) -> None:
         """A page-cache hint over one tensor's bytes (direct reads bypass the cache and skip it); only a
         hint, so a failure is logged, not raised."""
+        if key not in self._offsets:
+            return
         try:
             self._file().advise(self._offsets[key], self.headers[key].nbytes, advice)
         except OSError as err:
@@ -171,6 +169,25 @@ class SafetensorsReader(FileReader):
             if self._source is None:
                 self._source = DirectSource(self.path)
             return self._source
+
+
+@dataclass
+class SafetensorsReader(DirectReader):
+    """A ``.safetensors`` file; the header is parsed and checked against the file size up front, and tensors
+    are read around the page cache (:class:`DirectReader`)."""
+
+    path: Path
+    headers: dict[str, TensorHeader] = field(init=False)
+    metadata: dict[str, str] = field(init=False)
+    extras: dict[str, Any] = field(init=False, default_factory=dict)
+    notes: list[str] = field(init=False, default_factory=list)
+    _handle: Any = field(init=False, default=None, repr=False)
+    _offsets: dict[str, int] = field(init=False, repr=False)
+    _source: DirectSource | None = field(init=False, default=None, repr=False)
+    _lock: threading.Lock = field(init=False, default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        self.headers, self.metadata, self._offsets = _parse_safetensors_header(self.path)
 
     def get(self, key: str) -> torch.Tensor:
         try:
@@ -199,8 +216,12 @@ def _parse_safetensors_header(path: Path) -> tuple[dict[str, TensorHeader], dict
 
 
 @dataclass
-class TorchReader(FileReader):
+class TorchReader(DirectReader):
     """A ``torch.save`` file, opened with ``torch.load(mmap=True, weights_only=True)``.
+
+    The load only unpickles the structure; a contiguous tensor's bytes are then read from its place in the
+    file around the page cache (:class:`DirectReader`: the mapping tells where its storage's record lies),
+    others (strided views, a legacy file read whole) are copied from the loaded tensor.
 
     The state dict is found at the top level or under ``state_dict`` / ``module`` / ``model``; nested
     dicts are flattened with dots (Megatron's legacy ``language_model.embedding...`` nesting). Non-tensor
@@ -216,6 +237,9 @@ class TorchReader(FileReader):
     state_dict_key: str | None = field(init=False, default=None)
     notes: list[str] = field(init=False, default_factory=list)
     _tensors: dict[str, torch.Tensor] = field(init=False, repr=False, default_factory=dict)
+    _offsets: dict[str, int] = field(init=False, repr=False, default_factory=dict)
+    _source: DirectSource | None = field(init=False, default=None, repr=False)
+    _lock: threading.Lock = field(init=False, default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
         import torch
@@ -237,6 +261,11 @@ class TorchReader(FileReader):
             else:
                 self.extras[name] = value
         self.headers = {k: torch_header(t, path=self.path, key=k) for k, t in self._tensors.items()}
+        mappings = file_mappings(self.path)
+        for key, tensor in self._tensors.items():
+            offset = mapped_offset(tensor, mappings) if tensor.is_contiguous() else None
+            if offset is not None:
+                self._offsets[key] = offset
 
     def get(self, key: str) -> torch.Tensor:
         return self._tensors[key]

@@ -1,5 +1,6 @@
 """``reshard.layouts.readers``: a file cut after it was opened is a named error; reading a torch file into a
-buffer lets go of the pages its memory map brought in."""
+buffer reads its bytes from their place in the file, or (a strided tensor) lets go of the pages its memory map
+brought in."""
 
 from __future__ import annotations
 
@@ -38,17 +39,31 @@ def _mapped_rss_kb(path: Path) -> int:
 
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc")
-def test_reading_a_torch_file_lets_go_of_its_mapped_pages(tmp_path: Path) -> None:
+def test_a_torch_files_contiguous_tensor_is_read_from_its_place_in_the_file_not_the_mapping(tmp_path: Path) -> None:
     path = tmp_path / "big.pt"
-    torch.save({"w": arange((1024, 2048))}, path)  # 8 MB
+    torch.save({"pad": torch.ones(3), "w": arange((1024, 2048))}, path)  # 8 MB, not at the first record
+    reader = TorchReader(path)
+    out = torch.empty(1024, 2048)
+    reader.read_into("w", out)
+    assert torch.equal(out, arange((1024, 2048)))
+    assert _mapped_rss_kb(path) < 100  # no page of the mapping was touched
+    half = torch.empty(512, 2048)
+    reader.read_into("w", half, start=half.nbytes)  # the second half, from its offset
+    assert torch.equal(half, arange((1024, 2048))[512:])
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc")
+def test_reading_a_strided_tensor_of_a_torch_file_lets_go_of_its_mapped_pages(tmp_path: Path) -> None:
+    path = tmp_path / "big.pt"
+    torch.save({"w": arange((2048, 1024)).t()}, path)  # 8 MB, saved as a transposed view
     reader = TorchReader(path)
     out = torch.empty(1024, 2048)
     out.copy_(reader.get("w"))  # a plain read leaves the pages mapped and resident
     assert _mapped_rss_kb(path) > 4000
     reader.read_into("w", out)
-    assert torch.equal(out, arange((1024, 2048)))
+    assert torch.equal(out, arange((2048, 1024)).t())
     assert _mapped_rss_kb(path) < 100
-    assert torch.equal(reader.get("w"), arange((1024, 2048)))  # read again from the page cache
+    assert torch.equal(reader.get("w"), arange((2048, 1024)).t())  # read again from the page cache
     anonymous = arange((1024, 2048))
-    release_mapped(anonymous, [(0, 4096)])  # memory outside the file's mappings is never dropped
+    release_mapped(anonymous, [(0, 4096, 0)])  # memory outside the file's mappings is never dropped
     assert torch.equal(anonymous, arange((1024, 2048)))

@@ -117,20 +117,27 @@ def _rank_dirs(folder: Path) -> dict[tuple[int, ...], Path]:
     return found
 
 
+def read_tracker(path: Path) -> str | None:
+    """What ``latest_checkpointed_iteration.txt`` in ``path`` says (``release`` or an iteration), if it is there."""
+    tracker = path / TRACKER
+    if not tracker.is_file():
+        return None
+    try:
+        return tracker.read_text().strip()
+    except (OSError, UnicodeDecodeError) as err:
+        raise CorruptFileError(f"cannot read the tracker: {err}", path=tracker) from err
+
+
 def iteration_folder(path: Path) -> Path | None:
     """The folder holding the ``mp_rank_*`` folders: ``path`` itself, or what the tracker file names."""
     if _rank_dirs(path):
         return path
-    tracker = path / TRACKER
-    if tracker.is_file():
-        try:
-            text = tracker.read_text().strip()
-        except (OSError, UnicodeDecodeError) as err:
-            raise CorruptFileError(f"cannot read the tracker: {err}", path=tracker) from err
+    text = read_tracker(path)
+    if text is not None:
         if text == "release":
             return path / "release"
         if not text.isdigit():
-            raise CorruptFileError(f"tracker says {text!r}, not an iteration number or 'release'", path=tracker)
+            raise CorruptFileError(f"tracker says {text!r}, not an iteration number or 'release'", path=path / TRACKER)
         return path / f"iter_{int(text):07d}"
     candidates = sorted(p for p in path.glob("iter_*") if p.is_dir() and _rank_dirs(p)) if path.is_dir() else []
     return candidates[-1] if candidates else None

@@ -34,7 +34,7 @@ from reshard.layouts.boxed import BoxedReader, BoxView, StackedView
 from reshard.layouts.boxes import Box
 from reshard.layouts.dcp import checked
 from reshard.layouts.dcp_metadata import StoredTensor, read_index
-from reshard.layouts.megatron import TRACKER
+from reshard.layouts.megatron import read_tracker
 from reshard.layouts.megatron_args import SAFE_GLOBALS, arg, config_from_args
 from reshard.layouts.nemo import NEMO_WEIGHTS, nemo_args
 from reshard.layouts.readers import load_torch_file
@@ -59,12 +59,8 @@ def folder_of(path: Path) -> Path | None:
     if not path.is_dir():
         return None
     candidates = [path, path / NEMO_WEIGHTS]
-    tracker = path / TRACKER
-    if tracker.is_file():
-        try:
-            text = tracker.read_text().strip()
-        except (OSError, UnicodeDecodeError) as err:
-            raise CorruptFileError(f"cannot read the tracker: {err}", path=tracker) from err
+    text = read_tracker(path)
+    if text is not None:
         if text == "release" or text.isdigit():  # anything else (a path) is not followed
             candidates.append(path / ("release" if text == "release" else f"iter_{int(text):07d}"))
     for folder in candidates:

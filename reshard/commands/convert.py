@@ -13,7 +13,7 @@ from reshard.engine.lora_merge import check_lora_replicas
 from reshard.engine.open import OpenedCheckpoint, open_checkpoint
 from reshard.engine.planner import ConversionPlan, TargetTensor, TensorPlan
 from reshard.engine.target import TargetPlan, plan_target, planned_tp, tp_is_recorded_only
-from reshard.engine.warmup import import_torch_in_background, warm_first_reads
+from reshard.engine.warmup import import_torch_in_background
 from reshard.hub.source import source_record
 from reshard.io.staging import check_output, staged_output
 from reshard.layouts import TargetSpec, writer_class
@@ -76,12 +76,11 @@ def convert(ckpt: Path, out: Path, options: ConvertOptions) -> ConvertReport:
 
 def convert_opened(opened: OpenedCheckpoint, out: Path, options: ConvertOptions) -> ConvertReport:
     """:func:`convert` of a checkpoint already opened (``fix`` opens it first to diagnose it)."""
+    from reshard.engine.execute import execute  # imports torch: after planning, which does without it
+
     ckpt, source = opened.path, opened.source
     target = plan_target(opened, options)
     conversion, layout = target.conversion, target.layout
-    warm_first_reads(conversion)
-    from reshard.engine.execute import execute  # imports torch: after planning, which does without it
-
     if not (options.merge_lora or options.allow_divergent_replicas):
         check_lora_replicas(opened.tensors)
     vocab = conversion.vocab

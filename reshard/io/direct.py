@@ -121,23 +121,6 @@ class DirectSource:
         self._closer = weakref.finalize(self, _close_all, self._fd, self._direct_fd)
         if not self.direct and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger read-ahead window
-        self._warm: list[tuple[int, int]] = []  # ranges asked into the page cache by warm()
-        self._warm_lock = threading.Lock()
-
-    def warm(self, position: int, length: int) -> None:
-        """Start reading ``[position, position + length)`` into the page cache now, before its reader is ready
-        (a conversion waiting for ``import torch``): a later read of that range comes from the cache, and its
-        pages are then dropped. A hint: nothing where the platform has no ``posix_fadvise``."""
-        if not length or not hasattr(os, "posix_fadvise"):
-            return
-        if self.direct:
-            with self._warm_lock:
-                self._warm.append((position, position + length))
-        os.posix_fadvise(self._fd, position, length, os.POSIX_FADV_WILLNEED)
-
-    def _warmed(self, start: int, end: int) -> bool:
-        with self._warm_lock:
-            return any(first <= start and end <= last for first, last in self._warm)
 
     def read(self, views: Sequence[memoryview], position: int, *, error: Callable[[str], Exception]) -> None:
         """Fill the buffers (1-d byte views), in order, from the file's bytes at ``position`` on.
@@ -146,14 +129,10 @@ class DirectSource:
         error, the file ending early) is raised as ``error(why)``, from here or when the batch is left.
         """
         views = [view for view in views if len(view)]
-        end = position + sum(len(view) for view in views)
         if not self.direct:
             self._read_buffered(views, position, error)
             return
-        if self._warmed(position, end):  # in the page cache already (or on its way): read it there, once
-            self._read_buffered(views, position, error)
-            os.posix_fadvise(self._fd, position, end - position, os.POSIX_FADV_DONTNEED)
-            return
+        end = position + sum(len(view) for view in views)
         destinations = _Cursor(views)
         with _current_batch() as batch:
             for block in range(position // ALIGN * ALIGN, end, STAGING_BYTES):

@@ -65,10 +65,6 @@ class TensorRef:
         """Let the OS drop this slice's pages from its cache (once read, a conversion needs them no more)."""
         self.reader.evict(self.key)
 
-    def warm(self) -> None:
-        """Start reading this slice into memory for a read that has to wait (a hint)."""
-        self.reader.warm(self.key)
-
 
 @dataclass
 class SourceCheckpoint:

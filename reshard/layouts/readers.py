@@ -83,14 +83,6 @@ class FileReader:
     def evict(self, key: str) -> None:
         """Tell the OS tensor ``key``'s bytes will not be read again (a hint; may do nothing)."""
 
-    def warm(self, key: str) -> None:
-        """Start reading tensor ``key`` into memory now, for a read that has to wait (a hint; may do nothing).
-
-        Unlike :meth:`prefetch`, also for a reader that reads around the page cache: that one then reads the
-        warmed bytes from the cache.
-        """
-        self.prefetch(key)
-
 
 def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A 1-d uint8 view of a tensor's bytes (a contiguous copy first if it is not contiguous)."""
@@ -145,14 +137,6 @@ class DirectReader(FileReader):
 
     def evict(self, key: str) -> None:
         self._advise(key, "POSIX_FADV_DONTNEED", "cannot drop cached pages")
-
-    def warm(self, key: str) -> None:
-        if key not in self._offsets:
-            return
-        try:
-            self._file().warm(self._offsets[key], self.headers[key].nbytes)
-        except OSError as err:
-            logger.debug("%s: no read-ahead for %s: %s", self.path, key, err)
 
     def _advise(self, key: str, advice: str, failure: str) -> None:
         """A page-cache hint over one tensor's bytes (direct reads bypass the cache and skip it); only a

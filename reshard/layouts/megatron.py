@@ -29,7 +29,7 @@ from reshard.layouts.base import SourceCheckpoint
 from reshard.layouts.megatron_args import SAFE_GLOBALS, arg, config_from_args, vocab_from_tokenizer_files
 from reshard.layouts.megatron_merge import merge_stages
 from reshard.layouts.rank_checks import SHOWN, listed
-from reshard.layouts.readers import FileReader, TensorHeader, load_torch_file, torch_header
+from reshard.layouts.readers import DirectReader, TensorHeader, load_torch_file, offsets_in_file, torch_header
 from reshard.options import Layout, ReadOptions
 from reshard.schema import check_int
 
@@ -44,8 +44,9 @@ KEPT_KEYS = ("args", "checkpoint_version", "iteration")
 
 
 @dataclass
-class MegatronFile(FileReader):
-    """One ``model_optim_rng.pt``: its model chunk(s) flattened to dotted names, the rest kept aside.
+class MegatronFile(DirectReader):
+    """One ``model_optim_rng.pt``: its model chunk(s) flattened to dotted names, the rest kept aside; tensors are
+    read from their places in the file (:class:`~reshard.layouts.readers.DirectReader`).
 
     ``_extra_state`` entries (Transformer Engine's per-rank FP8 metadata: BytesIO, None, or a byte
     tensor that may differ between ranks) are never resharded, only carried: they go to ``extras``
@@ -90,6 +91,7 @@ class MegatronFile(FileReader):
                     self.headers[name] = torch_header(value, path=self.path, key=name)
                 else:
                     self.extras[name] = value
+        self._offsets = offsets_in_file(self.path, self._tensors)
 
     def get(self, key: str) -> torch.Tensor:
         return self._tensors[key]

@@ -91,6 +91,7 @@ def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
+@dataclass
 class DirectReader(FileReader):
     """A reader of tensors stored whole and in C order at known file offsets (``_offsets``).
 
@@ -101,9 +102,9 @@ class DirectReader(FileReader):
     keep 8 MB blocks in flight. A key without an offset is read by :meth:`FileReader.read_into`.
     """
 
-    _offsets: dict[str, int]
-    _source: DirectSource | None
-    _lock: threading.Lock  # guards the first open
+    _offsets: dict[str, int] = field(init=False, repr=False, default_factory=dict)
+    _source: DirectSource | None = field(init=False, default=None, repr=False)
+    _lock: threading.Lock = field(init=False, default_factory=threading.Lock, repr=False)  # the first open
 
     def read_into(self, key: str, out: torch.Tensor, *, start: int = 0) -> None:
         """Inside a :class:`reshard.io.direct.Batch`, the bytes may still be arriving when this returns."""
@@ -166,9 +167,6 @@ class SafetensorsReader(DirectReader):
     extras: dict[str, Any] = field(init=False, default_factory=dict)
     notes: list[str] = field(init=False, default_factory=list)
     _handle: Any = field(init=False, default=None, repr=False)
-    _offsets: dict[str, int] = field(init=False, repr=False)
-    _source: DirectSource | None = field(init=False, default=None, repr=False)
-    _lock: threading.Lock = field(init=False, default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
         self.headers, self.metadata, self._offsets = _parse_safetensors_header(self.path)
@@ -221,9 +219,6 @@ class TorchReader(DirectReader):
     state_dict_key: str | None = field(init=False, default=None)
     notes: list[str] = field(init=False, default_factory=list)
     _tensors: dict[str, torch.Tensor] = field(init=False, repr=False, default_factory=dict)
-    _offsets: dict[str, int] = field(init=False, repr=False, default_factory=dict)
-    _source: DirectSource | None = field(init=False, default=None, repr=False)
-    _lock: threading.Lock = field(init=False, default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
         import torch
@@ -245,14 +240,22 @@ class TorchReader(DirectReader):
             else:
                 self.extras[name] = value
         self.headers = {k: torch_header(t, path=self.path, key=k) for k, t in self._tensors.items()}
-        mappings = file_mappings(self.path)
-        for key, tensor in self._tensors.items():
-            offset = mapped_offset(tensor, mappings) if tensor.is_contiguous() else None
-            if offset is not None:
-                self._offsets[key] = offset
+        self._offsets = offsets_in_file(self.path, self._tensors)
 
     def get(self, key: str) -> torch.Tensor:
         return self._tensors[key]
+
+
+def offsets_in_file(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """Where the bytes of each contiguous tensor memory-mapped from ``path`` start in the file (a tensor that is
+    strided, or not mapped from it, has none)."""
+    mappings = file_mappings(path)
+    offsets = {}
+    for key, tensor in tensors.items():
+        offset = mapped_offset(tensor, mappings) if tensor.is_contiguous() else None
+        if offset is not None:
+            offsets[key] = offset
+    return offsets
 
 
 def torch_header(tensor: torch.Tensor, *, path: Path, key: str) -> TensorHeader:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import struct
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -83,6 +83,10 @@ def byte_chunks(tensor: torch.Tensor, limit: int = CHUNK_BYTES) -> Iterator[memo
         yield tensor_bytes(tensor.narrow(0, start, min(step, tensor.shape[0] - start)))
 
 
+# For a data file: whether a resumed run keeps it as it is, and what to call once it is complete (if anything).
+FileHooks = Callable[[Path], tuple[bool, Callable[[], None] | None]]
+
+
 @dataclass
 class SafetensorsFileWriter:
     """Writes one safetensors file whose tensors are known in advance, one tensor at a time.
@@ -98,6 +102,8 @@ class SafetensorsFileWriter:
     headers: Mapping[str, TensorHeader]
     metadata: Mapping[str, str] | None = field(default_factory=lambda: dict(FORMAT_METADATA))
     direct: bool = True
+    keep: bool = False  # the file is complete already (a resumed run): it is left as it is, writes are dropped
+    on_done: Callable[[], None] | None = None  # called once the file is complete and closed
     _order: list[str] = field(init=False)
     _offsets: dict[str, int] = field(init=False)
     _size: int = field(init=False)
@@ -118,7 +124,7 @@ class SafetensorsFileWriter:
 
     @property
     def done(self) -> bool:
-        return self._finished == len(self._order)
+        return self.keep or self._finished == len(self._order)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Write the next tensor in :func:`ordered` order."""
@@ -142,6 +148,8 @@ class SafetensorsFileWriter:
             if name in self._written:
                 raise ValueError(f"{self.path.name}: tensor {name!r} written twice")
             self._written.add(name)
+            if self.keep:
+                return
             if not self._started:
                 self._start()
             file = self._file
@@ -167,6 +175,8 @@ class SafetensorsFileWriter:
     def close(self) -> None:
         """Close the file; a file announced with no tensors is written (header only) here."""
         with self._lock:
+            if self.keep:
+                return
             if not self._started:
                 self._start()
             self._close()
@@ -175,6 +185,8 @@ class SafetensorsFileWriter:
         if self._file is not None:
             self._file.close()
             self._file = None
+            if self.on_done is not None:
+                self.on_done()
 
 
 @dataclass
@@ -190,6 +202,7 @@ class ShardedSafetensorsWriter:
     headers: Mapping[str, TensorHeader]
     max_shard_size: int | str = "5GB"
     filename_pattern: str = SAFETENSORS_WEIGHTS_FILE_PATTERN
+    hooks: FileHooks | None = None  # per file: whether it is kept as it is, and whom to tell once it is complete
     _files: dict[str, SafetensorsFileWriter] = field(init=False, default_factory=dict)
     _file_of: dict[str, str] = field(init=False, default_factory=dict)
     _index: dict | None = field(init=False, default=None)
@@ -204,13 +217,22 @@ class ShardedSafetensorsWriter:
         )
         self._file_of = dict(split.tensor_to_filename)
         for filename, names in split.filename_to_tensors.items():
-            self._files[filename] = SafetensorsFileWriter(self.folder / filename, {n: self.headers[n] for n in names})
+            self._files[filename] = self._file(filename, {n: self.headers[n] for n in names})
         if split.is_sharded:
             self._index = {"metadata": dict(split.metadata), "weight_map": dict(sorted(self._file_of.items()))}
         if not self.headers:  # an empty state dict still gets its (empty) file
-            self._files[self.filename_pattern.format(suffix="")] = SafetensorsFileWriter(
-                self.folder / self.filename_pattern.format(suffix=""), {}
-            )
+            filename = self.filename_pattern.format(suffix="")
+            self._files[filename] = self._file(filename, {})
+
+    def _file(self, filename: str, headers: Mapping[str, TensorHeader]) -> SafetensorsFileWriter:
+        path = self.folder / filename
+        keep, on_done = self.hooks(path) if self.hooks is not None else (False, None)
+        return SafetensorsFileWriter(path, headers, keep=keep, on_done=on_done)
+
+    @property
+    def tensors_of(self) -> dict[str, frozenset[str]]:
+        """Each shard's file name and the tensors it holds."""
+        return {filename: frozenset(writer.headers) for filename, writer in self._files.items()}
 
     @property
     def filenames(self) -> list[str]:

@@ -19,6 +19,7 @@ import pickle
 import sys
 import threading
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -120,10 +121,14 @@ class TorchZipWriter:
         direct: bool = True,
         archive: str | None = None,
         region: Region | None = None,
+        keep: bool = False,
+        on_done: Callable[[], None] | None = None,
     ) -> None:
         self.path = Path(path)
         self.direct = direct
         self._region = region
+        self.keep = keep  # the file is complete already (a resumed run): it is left as it is, writes are dropped
+        self._on_done = on_done  # called once the file is complete and closed
         pickled, storages = pickle_template(template, pickle_module=pickle_module, protocol=pickle_protocol)
         alignment, self._with_crc = _options()
         self._prefix = (archive or archive_name(self.path)).encode() + b"/"
@@ -206,6 +211,8 @@ class TorchZipWriter:
             if self._complete or self._aborted:
                 raise ValueError(f"{self.path.name}: the file is already closed")
             self._written.add(key)
+            if self.keep:
+                return
             if not self._started:
                 self._start()
             file = self._file
@@ -253,11 +260,13 @@ class TorchZipWriter:
         self._file.close()
         self._file = None
         self._complete = True
+        if self._on_done is not None:
+            self._on_done()
 
     def close(self) -> None:
         """Finish the file; if a slot was never written, remove it and raise ``ValueError`` naming the missing."""
         with self._lock:
-            if self._complete:
+            if self._complete or self.keep:
                 return
             missing = [key for key in self._slots if key not in self._finished]
             if missing:

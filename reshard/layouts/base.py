@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from reshard.config import ModelConfig
 from reshard.dtypes import TensorHeader
 from reshard.errors import ReshardError
+from reshard.io.safetensors_writer import FileHooks
 from reshard.layouts.readers import FileReader
 from reshard.options import Layout
 
@@ -156,6 +157,9 @@ class TargetSpec:
         source: the checkpoint being converted (layout writers read its ``meta``, ``extras``, ``top_level``).
         meta: facts the plan decided for the writer (``args`` of a Megatron target whose source has none).
         pp: pipeline stages to write (layouts without stages refuse more than one).
+        done_files: data files (paths relative to the output folder) that a resumed run found complete: the
+            writer leaves them as they are and drops what would go into them.
+        on_file_done: told the relative path of every other data file once its last byte is written.
     """
 
     tp: int
@@ -167,6 +171,18 @@ class TargetSpec:
     source: SourceCheckpoint
     meta: dict[str, Any] = field(default_factory=dict)
     pp: int = 1
+    done_files: frozenset[str] = frozenset()
+    on_file_done: Callable[[str], None] | None = None
+
+    def file_hooks(self, out_dir: Path) -> FileHooks:
+        """For a data file inside ``out_dir``: whether it is done (:attr:`done_files`), and what tells
+        :attr:`on_file_done` once it is complete."""
+
+        def hooks(path: Path) -> tuple[bool, Callable[[], None] | None]:
+            relative, callback = path.relative_to(out_dir).as_posix(), self.on_file_done
+            return relative in self.done_files, (None if callback is None else lambda: callback(relative))
+
+        return hooks
 
 
 class CheckpointWriter:
@@ -201,6 +217,11 @@ class CheckpointWriter:
         raise NotImplementedError
 
     def close(self) -> list[Path]:
+        raise NotImplementedError
+
+    def data_files(self) -> dict[str, frozenset[str]]:
+        """Every file that holds tensor bytes (path relative to the output folder, POSIX) and the names of the
+        tensors written into it: a resumed run skips a tensor whose files are all done."""
         raise NotImplementedError
 
 

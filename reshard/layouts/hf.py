@@ -155,8 +155,14 @@ class HFWriter(RankFilesWriter):
 
     def __init__(self, out_dir: Path, spec: TargetSpec) -> None:
         check_writable(spec.tp)
-        writer = ShardedSafetensorsWriter(out_dir, spec.rank_headers[0], max_shard_size=spec.max_shard_size)
+        writer = ShardedSafetensorsWriter(
+            out_dir, spec.rank_headers[0], max_shard_size=spec.max_shard_size, hooks=spec.file_hooks(out_dir)
+        )
         super().__init__(out_dir, spec, [writer])
+
+    def data_files(self) -> dict[str, frozenset[str]]:
+        (writer,) = self.rank_writers
+        return writer.tensors_of
 
     def close(self) -> list[Path]:
         (writer,) = self.rank_writers

@@ -67,8 +67,19 @@ class HFRanksWriter(RankFilesWriter):
         for rank, headers in enumerate(spec.rank_headers):
             folder = out_dir / rank_dir(rank)
             folder.mkdir(parents=True, exist_ok=True)
-            writers.append(ShardedSafetensorsWriter(folder, headers, max_shard_size=spec.max_shard_size))
+            writers.append(
+                ShardedSafetensorsWriter(
+                    folder, headers, max_shard_size=spec.max_shard_size, hooks=spec.file_hooks(out_dir)
+                )
+            )
         super().__init__(out_dir, spec, writers)
+
+    def data_files(self) -> dict[str, frozenset[str]]:
+        return {
+            f"{rank_dir(rank)}/{filename}": names
+            for rank, writer in enumerate(self.rank_writers)
+            for filename, names in writer.tensors_of.items()
+        }
 
     def close(self) -> list[Path]:
         written = []

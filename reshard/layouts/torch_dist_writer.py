@@ -126,11 +126,22 @@ class TorchDistWriter(CheckpointWriter):
         for index, keys in enumerate(split.filename_to_tensors.values()):
             for key in keys:
                 self._where[key], ends[index] = (index, ends[index], sizes[key]), ends[index] + sizes[key]
-        self._files = [DirectFile(folder / name, end) for name, end in zip(self._names, ends, strict=True)]
-        for key, value in objects.items():  # known already: written now
-            TorchZipWriter(folder / key, [value], archive=ARCHIVE, region=self._region(key)).close()
+        hooks = [self.spec.file_hooks(self.out_dir)(folder / name) for name in self._names]
+        self._kept = [keep for keep, _ in hooks]
+        self._on_done = [on_done for _, on_done in hooks]
+        self._files: list[DirectFile | None] = [
+            None if keep else DirectFile(folder / name, end)  # a kept file (a resumed run) is left as it is
+            for name, end, (keep, _) in zip(self._names, ends, hooks, strict=True)
+        ]
+        self._left: list[set[str]] = [set() for _ in self._names]  # per file, the chunks still to write
+        for key, (index, _, _) in self._where.items():
+            self._left[index].add(key)
         self._written: set[str] = set()
         self._lock = threading.Lock()
+        for key, value in objects.items():  # known already: written now
+            if self._files[self._where[key][0]] is not None:
+                TorchZipWriter(folder / key, [value], archive=ARCHIVE, region=self._region(key)).close()
+            self._landed(key)
         self._write_common()
 
     def _region(self, key: str) -> Region:
@@ -159,21 +170,49 @@ class TorchDistWriter(CheckpointWriter):
             if name in self._written:
                 raise ValueError(f"{name}: written twice")
             self._written.add(name)
-        while tensor.dim() < len(header.shape):  # the stacked axes: views, never copies
-            tensor = tensor.unsqueeze(0)
-        archive = TorchZipWriter(
-            self._folder_path / key, TensorSlot(name, header), archive=ARCHIVE, region=self._region(key)
-        )
-        archive.write(name, tensor)  # its only tensor: the archive is complete
+        if self._files[self._where[key][0]] is not None:
+            while tensor.dim() < len(header.shape):  # the stacked axes: views, never copies
+                tensor = tensor.unsqueeze(0)
+            archive = TorchZipWriter(
+                self._folder_path / key, TensorSlot(name, header), archive=ARCHIVE, region=self._region(key)
+            )
+            archive.write(name, tensor)  # its only tensor: the archive is complete
+        self._landed(key)
 
     write = write_unordered
 
+    def _landed(self, key: str) -> None:
+        """Count an archive as written; a data file whose archives are all written is closed and announced."""
+        index = self._where[key][0]
+        with self._lock:
+            left = self._left[index]
+            left.discard(key)
+            file = self._files[index] if not left else None
+            if file is not None:
+                self._files[index] = None
+        if file is not None:
+            file.close()
+            if self._on_done[index] is not None:
+                self._on_done[index]()
+
+    def data_files(self) -> dict[str, frozenset[str]]:
+        names: list[set[str]] = [set() for _ in self._names]
+        for name, (key, _) in self._chunks.items():
+            names[self._where[key][0]].add(name)
+        files = [(self._folder / name).as_posix() for name in self._names]
+        return {file: frozenset(held) for file, held in zip(files, names, strict=True)}
+
     def close(self) -> list[Path]:
-        missing = [name for name in self._chunks if name not in self._written]
+        missing = [
+            name
+            for name, (key, _) in self._chunks.items()
+            if name not in self._written and not self._kept[self._where[key][0]]
+        ]
         if missing:
             raise ValueError(f"torch_dist: closed before {missing[0]} (and {len(missing) - 1} more) was written")
-        for file in self._files:
-            file.close()
+        for file in self._files:  # files without archives (none are planned so) close here
+            if file is not None:
+                file.close()
         (self._folder_path / METADATA).write_bytes(dcp.dumps(_metadata(self._plan, self._where, self._names)))
         (self.out_dir / TRACKER).write_text("release" if self._release else str(self._iteration))
         written = [COMMON, CONFIG, *self._names, METADATA]

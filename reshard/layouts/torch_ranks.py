@@ -35,16 +35,26 @@ class TorchRanksWriter(RankFilesWriter):
         self.out_dir, self.spec = out_dir, spec  # rank_files reads them
         order = {name: i for i, name in enumerate(spec.source.names())}
         self._files: list[Path] = []
+        self._tensors_of: dict[str, frozenset[str]] = {}
+        hooks = spec.file_hooks(out_dir)
         writers = []
         for rank, headers in enumerate(spec.rank_headers):
             names = sorted(headers, key=lambda n: order.get(n, len(order)))
             zips = []
             for relative, template in self.rank_files(rank, {name: TensorSlot(name, headers[name]) for name in names}):
                 (out_dir / relative).parent.mkdir(parents=True, exist_ok=True)
-                zips.append(TorchZipWriter(out_dir / relative, template, pickle_module=self.pickle_module))
+                keep, on_done = hooks(out_dir / relative)
+                file = TorchZipWriter(
+                    out_dir / relative, template, pickle_module=self.pickle_module, keep=keep, on_done=on_done
+                )
+                zips.append(file)
                 self._files.append(relative)
+                self._tensors_of[relative.as_posix()] = frozenset(file.keys)
             writers.append(_RankFiles(zips))
         super().__init__(out_dir, spec, writers)
+
+    def data_files(self) -> dict[str, frozenset[str]]:
+        return dict(self._tensors_of)
 
     def rank_files(self, rank: int, state_dict: dict[str, TensorSlot]) -> list[tuple[Path, Any]]:
         """Rank ``rank``'s files (paths relative to the output folder) and the object to save in each, with

@@ -106,6 +106,8 @@ class ConvertOptions:
         jobs: tensors read, gathered, hashed and written at once (default: twice the cores).
         keep_names: keep the source's tensor names even where the target layout's framework names them
             otherwise (a Megatron checkpoint written as ``hf`` keeps Megatron's names and fused tensors).
+        resume: stage the output under a fixed name with a journal (:mod:`reshard.io.journal`), keep it when the
+            run fails or is stopped, and finish what an earlier such run left there.
     """
 
     tp: int = 1
@@ -125,6 +127,7 @@ class ConvertOptions:
     progress: bool = True
     jobs: int = field(default_factory=default_jobs)
     keep_names: bool = False
+    resume: bool = False
 
     def __post_init__(self) -> None:
         check_tp(self.tp)

@@ -24,6 +24,7 @@ from reshard.cli.render import render_check, render_convert, render_fix, render_
 from reshard.errors import ReshardError
 from reshard.hub.source import HubCheckpoint
 from reshard.io.interrupts import Interrupted, handled
+from reshard.io.staging import KEPT
 from reshard.io.vectored import return_large_frees_to_os
 from reshard.options import WRITABLE_LAYOUTS, ConvertOptions, default_jobs
 from reshard.plans import TRANSFORMERS
@@ -71,7 +72,9 @@ def reports_errors(command: Callable[..., Any]) -> Callable[..., Any]:
             raise InputError(f"{where}{err.strerror or err}") from err
         except KeyboardInterrupt as err:
             name = err.name if isinstance(err, Interrupted) else "SIGINT"
-            click.echo(f"Error: interrupted by {name}: no partial output or temporary files were left", err=True)
+            kept = getattr(err, "kept", None)
+            left = KEPT.format(staging=kept) if kept else "no partial output or temporary files were left"
+            click.echo(f"Error: interrupted by {name}: {left}", err=True)
             raise SystemExit(err.exit_code if isinstance(err, Interrupted) else 130) from None
 
     return wrapper
@@ -203,6 +206,11 @@ def inspect_command(
 )
 @click.option("--merge-lora", is_flag=True, help="Merge LoRA adapters into their base weights per rank, then reshard.")
 @click.option("--lora-alpha", type=float, help="LoRA alpha for --merge-lora (scaling = alpha / rank; default 1).")
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Keep the work done if the run stops (journaled); finish what an earlier --resume run left.",
+)
 @writing_options
 @common_read_options
 @reports_errors

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 from dataclasses import dataclass, field
@@ -12,9 +13,11 @@ from reshard.dtypes import TensorHeader, name_of
 from reshard.engine.lora_merge import check_lora_replicas
 from reshard.engine.open import OpenedCheckpoint, open_checkpoint
 from reshard.engine.planner import ConversionPlan, TargetTensor, TensorPlan
+from reshard.engine.resume import fingerprint, still_to_do
 from reshard.engine.target import TargetPlan, plan_target, planned_tp, tp_is_recorded_only
 from reshard.engine.warmup import import_torch_in_background
 from reshard.hub.source import source_record
+from reshard.io.journal import Journal, Resumed
 from reshard.io.staging import check_output, staged_output
 from reshard.layouts import TargetSpec, writer_class
 from reshard.manifest import Manifest, TensorEntry, VocabRecord, write_manifest
@@ -99,18 +102,29 @@ def convert_opened(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
         meta=target.meta,
         pp=options.pp,
     )
-    with staged_output(out, overwrite=options.overwrite) as staging:
+    with staged_output(out, overwrite=options.overwrite, resume=options.resume) as staging:
+        journal, resumed = _journal(staging, ckpt, conversion, layout, options)
+        if journal is not None:
+            spec = dataclasses.replace(spec, done_files=resumed.files, on_file_done=journal.file_done)
         writer = writer_class(layout)(staging, spec)
-        finite: dict[str, bool] = {}
+        finite = {name: record.finite for name, record in resumed.tensors.items()}
+        divergent_targets = {name for name, record in resumed.tensors.items() if record.divergent}
         divergent: set[str] = set()
-        hashes = execute(
-            conversion,
+
+        def journaled(plan: TensorPlan, name: str, digest: str, is_finite: bool | None) -> None:
+            assert journal is not None
+            journal.tensor_done(name, digest, is_finite, any(s.name in divergent for s in plan.sources))
+
+        hashes = {name: record.sha256 for name, record in resumed.tensors.items()}
+        hashes |= execute(
+            still_to_do(conversion, writer.data_files(), resumed) if journal is not None else conversion,
             writer,
             allow_divergent=options.allow_divergent_replicas,
             divergent=divergent,
             progress=options.progress,
             finite=finite,
             jobs=options.jobs,
+            on_hashed=journaled if journal is not None else None,
         )
         files = [str(p) for p in writer.close()]
         for side in source.side_files:
@@ -133,13 +147,15 @@ def convert_opened(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
                     at_tp(t.partition, t.shape, options.tp),
                     hashes[t.name],
                     finite[t.name],
-                    divergent=any(s.name in divergent for s in plan.sources),
+                    divergent=t.name in divergent_targets or any(s.name in divergent for s in plan.sources),
                 )
                 for plan, t in sorted(_targets(conversion), key=lambda pair: pair[1].name)
             },
             mapping=_mapping_record(target),
         )
         write_manifest(staging, manifest)
+        if journal is not None:
+            journal.close(remove=True)
     return ConvertReport(
         source=str(ckpt),
         source_layout=source.layout,
@@ -167,6 +183,16 @@ def convert_opened(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
         )
         + _global_note(layout, options),
     )
+
+
+def _journal(
+    staging: Path, ckpt: Path, conversion: ConversionPlan, layout: str, options: ConvertOptions
+) -> tuple[Journal | None, Resumed]:
+    """With ``--resume``: the journal of the staged folder, and what an earlier run left there that still checks
+    out (nothing without ``--resume``)."""
+    if not options.resume:
+        return None, Resumed()
+    return Journal.resume(staging, fingerprint(ckpt, conversion, layout, options))
 
 
 def _global_note(layout: str, options: ConvertOptions) -> list[str]:

@@ -24,7 +24,7 @@ import gc
 import sys
 import threading
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -40,7 +40,7 @@ from reshard.layouts.base import CheckpointWriter, TensorRef
 from reshard.progress import quiet_unless
 
 if TYPE_CHECKING:
-    from reshard.engine.planner import ConversionPlan
+    from reshard.engine.planner import ConversionPlan, TensorPlan
 
 MAX_PENDING = 256
 Shape = tuple[int, ...]
@@ -124,6 +124,7 @@ def execute(
     divergent: set[str] | None = None,
     progress: bool = True,
     budget: Budget | None = None,
+    on_hashed: Callable[[TensorPlan, str, str, bool | None], None] | None = None,
 ) -> dict[str, str]:
     """Stream every tensor through gather -> hash -> split -> writer; returns ``{name: sha256}``.
 
@@ -131,7 +132,9 @@ def execute(
     tensors, several at once; other writers get them in plan order from this thread. When ``finite`` is
     given it is filled with ``{name: no NaN/Inf in the canonical tensor}``, for the manifest. With
     ``allow_divergent``, replicated tensors that differ between ranks are taken from rank 0 and, when
-    ``divergent`` is given, named in it (the manifest records them).
+    ``divergent`` is given, named in it (the manifest records them). ``on_hashed(plan, name, sha256, finite)``
+    is called, in this thread, for every target tensor once it is hashed and handed to the writer (a resumable
+    run journals it).
     """
     works = [plan_work(t, target_tp=conversion.target_tp) for t in conversion.tensors]
     budget = budget or Budget(budget_for(works))
@@ -198,6 +201,8 @@ def execute(
                         finite[name] = is_finite
                     if not writer.concurrent:
                         writer.write(name, pieces)
+                    if on_hashed is not None:
+                        on_hashed(work.tensor, name, digest, is_finite)
                 del written, pieces, future
                 for raw in raws:
                     buffers.put(raw)

@@ -43,8 +43,9 @@ def _umask() -> int:
     return mask
 
 
-def write_error(err: OSError, out: Path, staging: Path | None = None) -> ReshardError:
-    """An ``OSError`` met writing ``out``, as one line naming the output (a staged name shown as the final one)."""
+def write_error(err: OSError, out: Path, staging: Path | None = None, *, kept: bool = False) -> ReshardError:
+    """An ``OSError`` met writing ``out``, as one line naming the output (a staged name shown as the final one);
+    ``kept``: a resumable run's staged folder stays."""
     name = str(err.filename) if err.filename is not None else str(out)
     if staging is not None:
         name = name.replace(str(staging), str(out))
@@ -56,7 +57,8 @@ def write_error(err: OSError, out: Path, staging: Path | None = None) -> Reshard
         errno.EACCES: "write to a folder you may write to",
         errno.EPERM: "write to a folder you may write to",
     }.get(err.errno)
-    return ReshardError(f"cannot write the output: {why}; nothing was left behind", path=name, hint=hint)
+    left = "" if kept else "; nothing was left behind"
+    return ReshardError(f"cannot write the output: {why}{left}", path=name, hint=hint)
 
 
 def _is_output_error(err: OSError, staging: Path) -> bool:
@@ -89,12 +91,23 @@ def _locked(out: Path) -> Iterator[None]:
         os.close(fd)
 
 
+PARTIAL_SUFFIX = ".reshard-partial"
+KEPT = "the work done is kept in {staging}: run the same command with --resume to finish it"
+
+
+def partial_folder(out: Path) -> Path:
+    """Where a resumable run stages ``out``: a fixed name beside it, so that ``--resume`` finds it again."""
+    return out.parent / f".{out.name}{PARTIAL_SUFFIX}"
+
+
 @contextlib.contextmanager
-def staged_output(out: Path, *, overwrite: bool = True) -> Iterator[Path]:
+def staged_output(out: Path, *, overwrite: bool = True, resume: bool = False) -> Iterator[Path]:
     """Yield a temporary folder beside ``out``; on success it becomes ``out``, on any error it is removed.
 
     With ``overwrite`` (the default) a finished output replaces what is at ``out``; without it (``convert``
     without ``--overwrite``) an ``out`` that is not empty, found now or when publishing, is left as it is.
+    With ``resume`` the folder is :func:`partial_folder` (found again if an earlier run left it), and an
+    error or a signal leaves it in place, saying so, for the next ``--resume``.
 
     Raises:
         OutputExistsError: another run holds the output's lock, or finished it first (without ``overwrite``).
@@ -105,8 +118,7 @@ def staged_output(out: Path, *, overwrite: bool = True) -> Iterator[Path]:
             raise OutputExistsError("output exists and is not empty", path=out, hint="pass --overwrite to replace it")
         with deferred():  # a signal now would leave the folder behind before the cleanup below owns it
             try:
-                staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".reshard-tmp", dir=out.parent))
-                staging.chmod(0o777 & ~_umask())  # mkdtemp makes it private; the output is an ordinary folder
+                staging = _make_staging(out, resume=resume)
             except OSError as err:
                 raise write_error(OSError(err.errno, err.strerror), out) from err
         try:
@@ -114,13 +126,43 @@ def staged_output(out: Path, *, overwrite: bool = True) -> Iterator[Path]:
             with deferred():
                 _publish(staging, out, overwrite=overwrite)
         except OSError as err:
+            if resume and _is_output_error(err, staging):
+                raise _kept(write_error(err, out, staging, kept=True), staging) from err
+            if resume:
+                _kept(err, staging)
+                raise
             shutil.rmtree(staging, ignore_errors=True)
             if _is_output_error(err, staging):
                 raise write_error(err, out, staging) from err
             raise
-        except BaseException:
+        except BaseException as err:
+            if resume:
+                _kept(err, staging)
+                raise
             shutil.rmtree(staging, ignore_errors=True)
             raise
+        if not resume:  # an earlier --resume run's partial output is stale now
+            shutil.rmtree(partial_folder(out), ignore_errors=True)
+
+
+def _make_staging(out: Path, *, resume: bool) -> Path:
+    if resume:
+        staging = partial_folder(out)
+        staging.mkdir(exist_ok=True)
+    else:
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".reshard-tmp", dir=out.parent))
+    staging.chmod(0o777 & ~_umask())  # mkdtemp makes it private; the output is an ordinary folder
+    return staging
+
+
+def _kept(err: BaseException, staging: Path) -> BaseException:
+    """``err`` of a resumable run, saying where the work done is kept (``kept``, for the command line's message)."""
+    if isinstance(err, ReshardError):
+        note = KEPT.format(staging=staging)
+        err.hint = f"{err.hint}; {note}" if err.hint else note
+        err.args = (err.one_line(),)
+    err.kept = staging  # type: ignore[attr-defined]
+    return err
 
 
 def _publish(staging: Path, out: Path, *, overwrite: bool) -> None:

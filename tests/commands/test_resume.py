@@ -1,0 +1,169 @@
+"""``convert --resume``: a run killed with SIGKILL (after its first output file, half-way, while writing the
+manifest) publishes nothing, and the same command with ``--resume`` finishes it into the output an uninterrupted
+run writes, byte for byte; a kept file that was damaged meanwhile is written again; a partial output of another
+conversion is refused; SIGTERM keeps the work done and says how to finish it.
+
+The kill is sent by the converting process to itself at a known point (a patched journal or manifest writer), so
+each case stops where it says.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from reshard.io.journal import JOURNAL
+from reshard.io.staging import partial_folder
+
+SAMPLE = Path(__file__).resolve().parents[2] / "sample_ckpts" / "tiny-llama-tp2"
+# target layout -> tp (small shards, so that every layout writes several data files)
+TARGETS = {"hf": 1, "hf-ranks": 2, "megatron": 2, "sat": 2, "torch_dist": 1}
+DATA_FILES = (".safetensors", ".distcp", "model_optim_rng.pt", "_model_states.pt")  # what the journal tracks
+
+KILL_AFTER_FILES = """
+import os, signal, sys
+import reshard.io.journal as journal
+real, count = journal.Journal.file_done, [0]
+def file_done(self, relative):
+    real(self, relative)
+    count[0] += 1
+    if count[0] == int(os.environ["KILL_AFTER"]):
+        os.kill(os.getpid(), signal.SIGKILL)
+journal.Journal.file_done = file_done
+"""
+KILL_AT_MANIFEST = """
+import os, signal
+import reshard.commands.convert as convert
+def write_manifest(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+convert.write_manifest = write_manifest
+"""
+MAIN = "\nfrom reshard.cli.main import main\nsys.argv[0] = 'reshard'\nmain()\n"
+
+
+def reshard(args: list[str], *, patch: str = "", env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    code = "import sys\n" + patch + MAIN
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=300,
+    )
+
+
+def convert_args(layout: str, out: Path, *extra: str) -> list[str]:
+    args = ["convert", str(SAMPLE), "--tp", str(TARGETS[layout]), "--layout", layout, "-o", str(out)]
+    return [*args, "--max-shard-size", "200KB", "--jobs", "2", "-q", *extra]
+
+
+def tree(folder: Path) -> dict[str, bytes]:
+    """Every file's bytes; the manifest without its creation time."""
+    files = {}
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            data = path.read_bytes()
+            if path.name == "reshard.json":
+                manifest = json.loads(data)
+                manifest.pop("created", None)
+                data = json.dumps(manifest, sort_keys=True).encode()
+            files[path.relative_to(folder).as_posix()] = data
+    return files
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, bytes]]:
+    root = tmp_path_factory.mktemp("uninterrupted")
+    outputs = {}
+    for layout in TARGETS:
+        done = reshard(convert_args(layout, root / layout))
+        assert done.returncode == 0, done.stderr
+        outputs[layout] = tree(root / layout)
+    return outputs
+
+
+def journaled_files(staging: Path) -> list[str]:
+    lines = [json.loads(line) for line in (staging / JOURNAL).read_text().splitlines()]
+    return [line["file"] for line in lines if "file" in line]
+
+
+@pytest.mark.parametrize("layout", list(TARGETS))
+@pytest.mark.parametrize("point", ["first file", "half-way", "manifest"])
+def test_resume_after_sigkill_writes_what_an_uninterrupted_run_writes(
+    tmp_path: Path, uninterrupted: dict[str, dict[str, bytes]], layout: str, point: str
+) -> None:
+    out = tmp_path / "out"
+    files = sum(1 for name in uninterrupted[layout] if name.endswith(DATA_FILES))
+    if point == "manifest":
+        killed = reshard(convert_args(layout, out, "--resume"), patch=KILL_AT_MANIFEST)
+    else:
+        after = 1 if point == "first file" else max(1, files // 2)
+        killed = reshard(convert_args(layout, out, "--resume"), patch=KILL_AFTER_FILES, env={"KILL_AFTER": str(after)})
+    assert killed.returncode == -signal.SIGKILL
+    assert not out.exists()  # nothing published
+    staging = partial_folder(out)
+    journaled = journaled_files(staging)
+    assert len(journaled) == (files if point == "manifest" else after)
+
+    resumed = reshard(convert_args(layout, out, "--resume"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert tree(out) == uninterrupted[layout]
+    assert not staging.exists()
+
+
+def test_a_kept_file_damaged_after_the_kill_is_written_again(
+    tmp_path: Path, uninterrupted: dict[str, dict[str, bytes]]
+) -> None:
+    out = tmp_path / "out"
+    killed = reshard(convert_args("hf-ranks", out, "--resume"), patch=KILL_AFTER_FILES, env={"KILL_AFTER": "3"})
+    assert killed.returncode == -signal.SIGKILL
+    staging = partial_folder(out)
+    damaged = staging / journaled_files(staging)[1]
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+
+    resumed = reshard(convert_args("hf-ranks", out, "--resume"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert tree(out) == uninterrupted["hf-ranks"]
+
+
+def test_the_partial_output_of_another_conversion_is_refused(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    killed = reshard(convert_args("hf-ranks", out, "--resume"), patch=KILL_AFTER_FILES, env={"KILL_AFTER": "1"})
+    assert killed.returncode == -signal.SIGKILL
+    other = reshard([*convert_args("hf-ranks", out, "--resume"), "--vocab", "1000"])
+    assert other.returncode == 2
+    assert other.stderr.count("\n") == 1
+    assert "of another conversion" in other.stderr and str(partial_folder(out)) in other.stderr
+    assert partial_folder(out).exists() and not out.exists()
+
+
+def test_sigterm_keeps_the_work_done_and_says_how_to_finish(
+    tmp_path: Path, uninterrupted: dict[str, dict[str, bytes]]
+) -> None:
+    out = tmp_path / "out"
+    term = KILL_AFTER_FILES.replace("signal.SIGKILL", "signal.SIGTERM")
+    stopped = reshard(convert_args("megatron", out, "--resume"), patch=term, env={"KILL_AFTER": "1"})
+    assert stopped.returncode == 128 + signal.SIGTERM
+    assert stopped.stderr.strip() == (
+        f"Error: interrupted by SIGTERM: the work done is kept in {partial_folder(out)}: "
+        "run the same command with --resume to finish it"
+    )
+    assert journaled_files(partial_folder(out)) and not out.exists()
+    assert reshard(convert_args("megatron", out, "--resume")).returncode == 0
+    assert tree(out) == uninterrupted["megatron"]
+
+
+def test_a_run_without_resume_removes_a_stale_partial_output(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    reshard(convert_args("hf", out, "--resume"), patch=KILL_AFTER_FILES, env={"KILL_AFTER": "1"})
+    assert partial_folder(out).exists()
+    assert reshard(convert_args("hf", out)).returncode == 0
+    assert not partial_folder(out).exists()

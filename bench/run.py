@@ -131,7 +131,7 @@ def mem_available() -> int:
 Case = tuple[str, list[str] | None, str | None]  # name, command, the reason it is skipped
 
 
-def cases(src: Path, layout: str, naive_max_gb: float) -> list[Case]:
+def cases(src: Path, layout: str, naive_max_gb: float, workers: int = 1) -> list[Case]:
     out = OUT / "run-output"
     rows: list[Case] = [("cp -r", ["cp", "-r", str(src), str(out)], None)]
     unreadable = can_read(src)
@@ -139,7 +139,11 @@ def cases(src: Path, layout: str, naive_max_gb: float) -> list[Case]:
     for label, tp, target_layout in targets:
         command = [*reshard(), "convert", str(src), "--tp", str(tp), "-o", str(out), "-q"]
         command += ["--layout", target_layout] if target_layout else []
-        rows.append((f"reshard {label}", None if unreadable else command, unreadable and f"reshard: {unreadable}"))
+        why = unreadable and f"reshard: {unreadable}"
+        rows.append((f"reshard {label}", None if unreadable else command, why))
+        if workers > 1 and layout != "torch_dist":  # the same conversion by several processes (peak RSS: per worker)
+            shared = [*command, "--workers", str(workers)]
+            rows.append((f"reshard {label} {workers} workers", None if unreadable else shared, why))
     size = folder_bytes(src)
     need = int(2.3 * size) + 2 * 10**9  # the model, one target rank, the bytes objects save_file makes
     reason = None
@@ -195,14 +199,16 @@ def clear_output() -> None:
     time.sleep(2)
 
 
-def run_size(size_gb: float, layout: str, cold: bool, repeat: int, naive_max_gb: float) -> list[dict]:
+def run_size(
+    size_gb: float, layout: str, cold: bool, repeat: int, naive_max_gb: float, workers: int = 1
+) -> list[dict]:
     """Every case ``repeat`` times, round-robin (so each sees the same conditions); the fastest run of each."""
     src = OUT / f"{layout}-{size_gb:g}g-tp8"
     if not src.exists():
         make_source(src, size_gb, layout)
     size = folder_bytes(src)
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    todo = cases(src, layout, naive_max_gb)
+    todo = cases(src, layout, naive_max_gb, workers)
     runs: dict[str, list[dict]] = {name: [] for name, _, _ in todo}
     for _ in range(repeat):
         for name, command, reason in todo:
@@ -359,6 +365,7 @@ def render(rows: list[dict], startup: list[dict], info: dict, notes: list[str]) 
 
 def _order(case: str) -> int:
     order = ["cp -r", "reshard 8->4", "reshard 8->1", *(f"reshard {label}" for label, _, _ in TORCH_DIST_TARGETS)]
+    order += [f"reshard 8->{tp} {workers} workers" for tp in (4, 1) for workers in range(2, 65)]
     order += ["naive 8->4", "naive 8->1", "dcp_to_torch_save"]
     return order.index(case)
 
@@ -374,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
         "--naive-max-gb", type=float, default=4.5, help="skip the naive baseline above this size (default 4.5)"
     )
     parser.add_argument("--repeat", type=int, default=2, help="runs per case; the fastest is reported (default 2)")
+    parser.add_argument(
+        "--workers", type=int, default=1, help="also time each reshard case with this many processes (--workers)"
+    )
     args = parser.parse_args(argv)
     OUT.mkdir(exist_ok=True)
     notes = []
@@ -390,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         STARTUP_JSON.write_text(json.dumps(startup, indent=1))
     for size in () if args.startup else (float(s) for s in args.sizes.split(",")):
         for layout in args.layouts.split(","):
-            new = run_size(size, layout, cold, args.repeat, args.naive_max_gb)
+            new = run_size(size, layout, cold, args.repeat, args.naive_max_gb, args.workers)
             keys = {(r["layout"], r["size_gb"], r["case"]) for r in new}
             rows = [r for r in rows if (r["layout"], r["size_gb"], r["case"]) not in keys] + new
             RESULTS_JSON.write_text(json.dumps(rows, indent=1))

@@ -11,7 +11,7 @@ LAYERS = ["domain", "slicing", "io", "layouts", "hub", "plans", "mappings", "eng
 DOMAIN = {"errors", "dtypes", "partition", "config", "manifest", "vocab", "options", "progress", "sizes", "schema"}
 PACKAGES = {"io": "io", "layouts": "layouts", "hub": "hub", "plans": "plans", "mappings": "mappings"}
 PACKAGES |= {"engine": "engine"}
-PACKAGES |= {"commands": "commands", "cli": "front", "testing": "front", "slicing": "slicing"}
+PACKAGES |= {"commands": "commands", "cli": "front", "testing": "front", "__main__": "front", "slicing": "slicing"}
 
 
 def layer_of(module: str) -> str | None:

@@ -80,6 +80,19 @@ def reports_errors(command: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def without_workers(argv: list[str]) -> list[str]:
+    """The command line as given, less ``--workers N``: what each worker runs."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--workers":
+            skip = True
+        elif not arg.startswith("--workers="):
+            kept.append(arg)
+    return kept
+
+
 def parse_size(ctx: click.Context, param: click.Parameter, value: str) -> int:
     match = _SIZE.match(value)
     if not match:
@@ -211,6 +224,13 @@ def inspect_command(
     is_flag=True,
     help="Keep the work done if the run stops (journaled); finish what an earlier --resume run left.",
 )
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Processes sharing the output files (what torchrun -m reshard convert starts, on this machine).",
+)
 @writing_options
 @common_read_options
 @reports_errors
@@ -230,6 +250,12 @@ def convert_command(ckpt: Path, out: Path, as_json: bool, quiet: bool, push: Any
     if options["lora_alpha"] is not None and not options["merge_lora"]:
         raise click.UsageError("--lora-alpha only applies with --merge-lora")
     options["lora_alpha"] = 1.0 if options["lora_alpha"] is None else options["lora_alpha"]
+    workers = options.pop("workers")
+    if workers > 1 and "WORLD_SIZE" not in os.environ:
+        from reshard.engine.workers import launch
+
+        raise SystemExit(launch(without_workers(click.get_current_context().meta["reshard.argv"]), workers))
+    quiet = quiet or int(os.environ.get("RANK", "0") or 0) != 0  # under torchrun, rank 0 reports
     report = convert(ckpt, out, ConvertOptions(progress=not (quiet or as_json), **options))
     report, render = publish(report, render_convert, push, progress=not (quiet or as_json))
     emit(report, render, as_json=as_json, quiet=quiet)

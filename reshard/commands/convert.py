@@ -14,11 +14,14 @@ from reshard.engine.lora_merge import check_lora_replicas
 from reshard.engine.open import OpenedCheckpoint, open_checkpoint
 from reshard.engine.planner import ConversionPlan, TargetTensor, TensorPlan
 from reshard.engine.resume import fingerprint, still_to_do
+from reshard.engine.share import EveryFile, merged, share_of, staged, together
 from reshard.engine.target import TargetPlan, plan_target, planned_tp, tp_is_recorded_only
 from reshard.engine.warmup import import_torch_in_background
+from reshard.engine.workers import Group, join
+from reshard.errors import ReshardError
 from reshard.hub.source import source_record
 from reshard.io.journal import Journal, Resumed
-from reshard.io.staging import check_output, staged_output
+from reshard.io.staging import check_output
 from reshard.layouts import TargetSpec, writer_class
 from reshard.manifest import Manifest, TensorEntry, VocabRecord, write_manifest
 from reshard.options import ConvertOptions
@@ -102,31 +105,54 @@ def convert_opened(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
         meta=target.meta,
         pp=options.pp,
     )
-    with staged_output(out, overwrite=options.overwrite, resume=options.resume) as staging:
-        journal, resumed = _journal(staging, ckpt, conversion, layout, options)
-        if journal is not None:
-            spec = dataclasses.replace(spec, done_files=resumed.files, on_file_done=journal.file_done)
-        writer = writer_class(layout)(staging, spec)
-        finite = {name: record.finite for name, record in resumed.tensors.items()}
-        divergent_targets = {name for name, record in resumed.tensors.items() if record.divergent}
-        divergent: set[str] = set()
-
-        def journaled(plan: TensorPlan, name: str, digest: str, is_finite: bool | None) -> None:
-            assert journal is not None
-            journal.tensor_done(name, digest, is_finite, any(s.name in divergent for s in plan.sources))
-
-        hashes = {name: record.sha256 for name, record in resumed.tensors.items()}
-        hashes |= execute(
-            still_to_do(conversion, writer.data_files(), resumed) if journal is not None else conversion,
-            writer,
-            allow_divergent=options.allow_divergent_replicas,
-            divergent=divergent,
-            progress=options.progress,
-            finite=finite,
-            jobs=options.jobs,
-            on_hashed=journaled if journal is not None else None,
+    group = join()
+    first = group is None or group.rank == 0
+    with staged(out, overwrite=options.overwrite, resume=options.resume, group=group) as staging:
+        journal, resumed = _journal(staging, ckpt, conversion, layout, options, group)
+        todo, done = conversion, resumed.files
+        if group is not None:  # this worker's files; the others' are left to them as a resumed run leaves its own
+            probe = dataclasses.replace(spec, done_files=EveryFile(), writes_shared=False)
+            todo, others = share_of(group, conversion, writer_class(layout)(staging, probe).data_files())
+            done = done | others
+        spec = dataclasses.replace(
+            spec, done_files=done, on_file_done=journal.file_done if journal else None, writes_shared=first
         )
-        files = [str(p) for p in writer.close()]
+        writer = writer_class(layout)(staging, spec)
+        if journal is not None:
+            todo = still_to_do(todo, writer.data_files(), resumed)
+
+        def run() -> tuple[dict[str, str], dict[str, bool | None], set[str], list[str]]:
+            divergent: set[str] = set()
+            finite: dict[str, bool | None] = {}
+
+            def journaled(plan: TensorPlan, name: str, digest: str, is_finite: bool | None) -> None:
+                if journal is not None:
+                    journal.tensor_done(name, digest, is_finite, any(s.name in divergent for s in plan.sources))
+
+            hashes = execute(
+                todo,
+                writer,
+                allow_divergent=options.allow_divergent_replicas,
+                divergent=divergent,
+                progress=options.progress and first,
+                finite=finite,
+                jobs=options.jobs,
+                on_hashed=journaled if journal is not None else None,
+            )
+            files = [str(p) for p in writer.close()]
+            return hashes, finite, _divergent_targets(todo, divergent), files
+
+        if group is None:
+            results = [run()]
+        else:
+            results = together(group, run)
+            if not first:
+                return _report(ckpt, out, opened, target, options, results[group.rank][3], set())
+        hashes, finite, divergent_targets = merged([result[:3] for result in results])
+        hashes |= {name: record.sha256 for name, record in resumed.tensors.items()}
+        finite |= {name: record.finite for name, record in resumed.tensors.items()}
+        divergent_targets |= {name for name, record in resumed.tensors.items() if record.divergent}
+        files = results[0][3]
         for side in source.side_files:
             shutil.copy2(side, staging / side.name)
             files.append(side.name)
@@ -147,22 +173,35 @@ def convert_opened(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
                     at_tp(t.partition, t.shape, options.tp),
                     hashes[t.name],
                     finite[t.name],
-                    divergent=t.name in divergent_targets or any(s.name in divergent for s in plan.sources),
+                    divergent=t.name in divergent_targets,
                 )
-                for plan, t in sorted(_targets(conversion), key=lambda pair: pair[1].name)
+                for _, t in sorted(_targets(conversion), key=lambda pair: pair[1].name)
             },
             mapping=_mapping_record(target),
         )
         write_manifest(staging, manifest)
         if journal is not None:
             journal.close(remove=True)
+    return _report(ckpt, out, opened, target, options, files, divergent_targets)
+
+
+def _report(
+    ckpt: Path,
+    out: Path,
+    opened: OpenedCheckpoint,
+    target: TargetPlan,
+    options: ConvertOptions,
+    files: list[str],
+    divergent: set[str],
+) -> ConvertReport:
+    source, conversion, vocab = opened.source, target.conversion, target.conversion.vocab
     return ConvertReport(
         source=str(ckpt),
         source_layout=source.layout,
         source_tp=source.tp,
         output=str(out),
-        layout=layout,
-        tp=tp,
+        layout=target.layout,
+        tp=conversion.target_tp,
         tensors=sum(len(plan.targets) for plan in conversion.tensors),
         bytes=sum(t.nbytes for t in conversion.tensors),
         vocab={
@@ -181,18 +220,39 @@ def convert_opened(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
             if divergent
             else []
         )
-        + _global_note(layout, options),
+        + _global_note(target.layout, options),
     )
 
 
+def _divergent_targets(conversion: ConversionPlan, divergent: set[str]) -> set[str]:
+    """The target tensors made from a source whose replicas differed (the manifest marks them)."""
+    return {
+        t.name for plan in conversion.tensors if any(s.name in divergent for s in plan.sources) for t in plan.targets
+    }
+
+
 def _journal(
-    staging: Path, ckpt: Path, conversion: ConversionPlan, layout: str, options: ConvertOptions
+    staging: Path, ckpt: Path, conversion: ConversionPlan, layout: str, options: ConvertOptions, group: Group | None
 ) -> tuple[Journal | None, Resumed]:
-    """With ``--resume``: the journal of the staged folder, and what an earlier run left there that still checks
-    out (nothing without ``--resume``)."""
+    """With ``--resume``: this worker's journal in the staged folder, and what an earlier run left there that still
+    checks out (rank 0 checks it and tells the others: all must agree on it). Nothing without ``--resume``."""
     if not options.resume:
         return None, Resumed()
-    return Journal.resume(staging, fingerprint(ckpt, conversion, layout, options))
+    mark = fingerprint(ckpt, conversion, layout, options)
+    if group is None:
+        return Journal.resume(staging, mark)
+    if group.rank == 0:
+        try:
+            journal, resumed = Journal.resume(staging, mark)
+        except ReshardError as err:
+            group.broadcast(err.one_line())
+            raise
+        group.broadcast(resumed)
+        return journal, resumed
+    resumed = group.broadcast(None)
+    if isinstance(resumed, str):  # rank 0 found the partial output unusable, and says why
+        raise ReshardError(resumed)
+    return Journal.start(staging, mark, rank=group.rank), resumed
 
 
 def _global_note(layout: str, options: ConvertOptions) -> list[str]:

@@ -5,7 +5,8 @@ folder has a fixed name beside the output and holds this journal: a first line w
 the conversion (what it reads, what it writes, the options that change bytes), then a line per tensor once
 it is hashed (what the manifest records of it) and a line per output data file once its last byte is
 written (its size and sha256, hashed from the disk). A line is appended and flushed as a whole, so a run
-killed at any point leaves a journal whose every complete line is true; a torn last line is ignored.
+killed at any point leaves a journal whose every complete line is true; a torn last line is ignored. Each
+worker of a run shared among processes keeps its own journal; a resumed run reads them all.
 
 Resuming checks the fingerprint, then every file the journal calls complete, by size and by hashing it
 again: a file that matches is kept and no byte of it is written again, anything else is written anew. A
@@ -24,7 +25,7 @@ from typing import Any
 
 from reshard.errors import ReshardError
 
-JOURNAL = ".reshard-journal.jsonl"
+JOURNAL = ".reshard-journal-{rank}.jsonl"  # one per worker (one process: rank 0)
 HASH_BLOCK = 8 << 20
 
 
@@ -72,26 +73,24 @@ class Journal:
         self._lock = threading.Lock()
 
     @classmethod
-    def start(cls, staging: Path, fingerprint: str) -> Journal:
-        """A new journal (any older one in ``staging`` is replaced)."""
-        handle = (staging / JOURNAL).open("w", encoding="utf-8")
-        journal = cls(staging, handle)
+    def start(cls, staging: Path, fingerprint: str, *, rank: int = 0) -> Journal:
+        """A new journal for worker ``rank`` (one process is rank 0); an older one of that rank is replaced."""
+        journal = cls(staging, (staging / JOURNAL.format(rank=rank)).open("w", encoding="utf-8"))
         journal._append({"fingerprint": fingerprint})
         return journal
 
     @classmethod
     def resume(cls, staging: Path, fingerprint: str) -> tuple[Journal, Resumed]:
-        """Continue the journal in ``staging``: what it says is complete and still checks out, and the journal
-        to append to (a staged folder without a journal is started afresh).
+        """What every worker's journal in ``staging`` calls complete and still checks out, and the journal of rank
+        0 to append to, holding all of it (a staged folder without journals starts afresh). With several workers
+        rank 0 calls this and hands the :class:`Resumed` on; the others :meth:`start` their own journals after.
 
         Raises:
-            ReshardError: the journal is of another conversion (other source files, target or options).
+            ReshardError: a journal is of another conversion (other source files, target or options).
         """
-        path = staging / JOURNAL
-        lines = _read_lines(path)
-        if not lines:
-            return cls.start(staging, fingerprint), Resumed()
-        if lines[0].get("fingerprint") != fingerprint:
+        journals = [_read_lines(path) for path in sorted(staging.glob(JOURNAL.format(rank="*")))]
+        journals = [lines for lines in journals if lines]
+        if any(lines[0]["fingerprint"] != fingerprint for lines in journals):
             raise ReshardError(
                 "the partial output of an interrupted run is of another conversion (other source files, target "
                 "or options)",
@@ -99,17 +98,16 @@ class Journal:
                 hint="run the command that made it, or remove that folder to start again",
             )
         resumed = Resumed()
-        kept: dict[str, tuple[int, str]] = {}
-        for line in lines[1:]:
+        claimed: dict[str, tuple[int, str]] = {}
+        for line in (line for lines in journals for line in lines[1:]):
             if "tensor" in line:
                 resumed.tensors[line["tensor"]] = TensorRecord(line["sha256"], line["finite"], line["divergent"])
-            elif _digest(staging / line["file"], line["size"]) == line["sha256"]:
-                kept[line["file"]] = (line["size"], line["sha256"])
             else:
-                resumed.redone.append(line["file"])
+                claimed[line["file"]] = (line["size"], line["sha256"])
+        kept = {name: facts for name, facts in claimed.items() if _digest(staging / name, facts[0]) == facts[1]}
         resumed.files = frozenset(kept)
-        journal = cls(staging, path.open("w", encoding="utf-8"))  # written again: no torn line stays inside
-        journal._append({"fingerprint": fingerprint})
+        resumed.redone = sorted(set(claimed) - set(kept))
+        journal = cls.start(staging, fingerprint)  # written again: no torn line stays inside
         for name, (size, sha256) in sorted(kept.items()):
             journal._append({"file": name, "size": size, "sha256": sha256})
         for name, record in resumed.tensors.items():
@@ -125,11 +123,12 @@ class Journal:
         self._append({"file": relative, "size": path.stat().st_size, "sha256": file_sha256(path)})
 
     def close(self, *, remove: bool = False) -> None:
-        """Close the journal; ``remove`` deletes it (the output is complete and about to be published)."""
+        """Close the journal; ``remove`` deletes every worker's (the output is complete and about to be published)."""
         with self._lock:
             self._handle.close()
         if remove:
-            (self.staging / JOURNAL).unlink(missing_ok=True)
+            for path in self.staging.glob(JOURNAL.format(rank="*")):
+                path.unlink(missing_ok=True)
 
     def _append(self, line: dict[str, Any]) -> None:
         text = json.dumps(line, sort_keys=True) + "\n"

@@ -246,12 +246,12 @@ class ShardedSafetensorsWriter:
         """:meth:`SafetensorsFileWriter.write_unordered` into the shard that holds ``name``."""
         self._files[self._file_of[name]].write_unordered(name, tensor)
 
-    def close(self) -> None:
-        """Finish every file (refusing if a tensor is missing) and write the index when sharded."""
+    def close(self, *, index: bool = True) -> None:
+        """Finish every file (refusing if a tensor is missing) and write the index when sharded (and ``index``)."""
         missing = [f for f, w in self._files.items() if not w.done]
         if missing:
             raise ValueError(f"{self.folder}: files not complete: {missing}")
         for writer in self._files.values():
             writer.close()
-        if self._index is not None:
+        if self._index is not None and index:
             (self.folder / SAFETENSORS_INDEX_FILE).write_text(json.dumps(self._index, indent=2) + "\n")

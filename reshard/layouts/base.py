@@ -160,6 +160,8 @@ class TargetSpec:
         done_files: data files (paths relative to the output folder) that a resumed run found complete: the
             writer leaves them as they are and drops what would go into them.
         on_file_done: told the relative path of every other data file once its last byte is written.
+        writes_shared: write the files that are not data files (config, index, tracker, metadata); one of several
+            processes writing one output (:mod:`reshard.engine.workers`) leaves them to rank 0.
     """
 
     tp: int
@@ -173,6 +175,7 @@ class TargetSpec:
     pp: int = 1
     done_files: frozenset[str] = frozenset()
     on_file_done: Callable[[str], None] | None = None
+    writes_shared: bool = True
 
     def file_hooks(self, out_dir: Path) -> FileHooks:
         """For a data file inside ``out_dir``: whether it is done (:attr:`done_files`), and what tells

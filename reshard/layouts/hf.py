@@ -166,9 +166,9 @@ class HFWriter(RankFilesWriter):
 
     def close(self) -> list[Path]:
         (writer,) = self.rank_writers
-        writer.close()
+        writer.close(index=self.spec.writes_shared)
         written = [Path(f) for f in writer.filenames]
-        if self.spec.config is not None:
+        if self.spec.config is not None and self.spec.writes_shared:
             write_config(self.out_dir, self.spec.config)
             written.append(Path(CONFIG_NAME))
         return written

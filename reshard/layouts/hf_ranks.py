@@ -84,9 +84,9 @@ class HFRanksWriter(RankFilesWriter):
     def close(self) -> list[Path]:
         written = []
         for rank, writer in enumerate(self.rank_writers):
-            writer.close()
+            writer.close(index=self.spec.writes_shared)
             written.extend(Path(rank_dir(rank)) / f for f in writer.filenames)
-        if self.spec.config is not None:
+        if self.spec.config is not None and self.spec.writes_shared:
             write_config(self.out_dir, self.spec.config)
             written.append(Path(CONFIG_NAME))
         return written

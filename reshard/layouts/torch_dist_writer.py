@@ -142,7 +142,8 @@ class TorchDistWriter(CheckpointWriter):
             if self._files[self._where[key][0]] is not None:
                 TorchZipWriter(folder / key, [value], archive=ARCHIVE, region=self._region(key)).close()
             self._landed(key)
-        self._write_common()
+        if self.spec.writes_shared:
+            self._write_common()
 
     def _region(self, key: str) -> Region:
         index, position, _ = self._where[key]
@@ -213,8 +214,9 @@ class TorchDistWriter(CheckpointWriter):
         for file in self._files:  # files without archives (none are planned so) close here
             if file is not None:
                 file.close()
-        (self._folder_path / METADATA).write_bytes(dcp.dumps(_metadata(self._plan, self._where, self._names)))
-        (self.out_dir / TRACKER).write_text("release" if self._release else str(self._iteration))
+        if self.spec.writes_shared:
+            (self._folder_path / METADATA).write_bytes(dcp.dumps(_metadata(self._plan, self._where, self._names)))
+            (self.out_dir / TRACKER).write_text("release" if self._release else str(self._iteration))
         written = [COMMON, CONFIG, *self._names, METADATA]
         return [Path(TRACKER), *(self._folder / name for name in written)]
 

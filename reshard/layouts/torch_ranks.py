@@ -72,7 +72,7 @@ class TorchRanksWriter(RankFilesWriter):
     def close(self) -> list[Path]:
         for writer in self.rank_writers:
             writer.close()
-        return [*self._files, *self.finish()]
+        return [*self._files, *(self.finish() if self.spec.writes_shared else [])]
 
 
 class _RankFiles:

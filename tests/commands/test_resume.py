@@ -89,7 +89,8 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[st
 
 
 def journaled_files(staging: Path) -> list[str]:
-    lines = [json.loads(line) for line in (staging / JOURNAL).read_text().splitlines()]
+    journals = sorted(staging.glob(JOURNAL.format(rank="*")))
+    lines = [json.loads(line) for journal in journals for line in journal.read_text().splitlines()]
     return [line["file"] for line in lines if "file" in line]
 
 
@@ -166,4 +167,30 @@ def test_a_run_without_resume_removes_a_stale_partial_output(tmp_path: Path) -> 
     reshard(convert_args("hf", out, "--resume"), patch=KILL_AFTER_FILES, env={"KILL_AFTER": "1"})
     assert partial_folder(out).exists()
     assert reshard(convert_args("hf", out)).returncode == 0
+    assert not partial_folder(out).exists()
+
+
+def test_a_run_shared_by_workers_resumes_after_one_is_killed(
+    tmp_path: Path, uninterrupted: dict[str, dict[str, bytes]]
+) -> None:
+    """torchrun stops the other worker when one dies; the next run, with another number of workers, finishes."""
+    script = tmp_path / "kill_rank_1.py"
+    script.write_text(
+        "import sys\n" + KILL_AFTER_FILES.replace("count[0] ==", 'os.environ["RANK"] == "1" and count[0] ==') + MAIN
+    )
+    out = tmp_path / "out"
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
+    killed = subprocess.run(
+        [*run, *convert_args("hf-ranks", out, "--resume")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "KILL_AFTER": "1"},
+        timeout=300,
+    )
+    assert killed.returncode != 0
+    assert not out.exists() and journaled_files(partial_folder(out))
+
+    resumed = reshard([*convert_args("hf-ranks", out, "--resume"), "--workers", "3"])
+    assert resumed.returncode == 0, resumed.stderr
+    assert tree(out) == uninterrupted["hf-ranks"]
     assert not partial_folder(out).exists()

@@ -1,0 +1,125 @@
+"""Several processes converting one checkpoint: ``torchrun ... -m reshard convert`` or ``convert --workers P``.
+
+Every process opens and plans the checkpoint itself (planning reads headers only and is deterministic), so all
+agree on every output file without exchanging a plan. The data files are shared out by bytes
+(:func:`reshard.engine.assign.assign`); each process reads the tensors its files hold and writes only its files,
+in one staged folder on a file system they all see. Rank 0 makes that folder and publishes it, after a gather of
+every tensor's manifest facts: the output and the manifest are the same bytes for any number of processes.
+
+The processes talk through ``torch.distributed`` with the gloo backend (CPU only), set up from the environment
+torchrun gives (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); :func:`launch` starts the same on
+one machine. A process that fails sends its error to the others at the next gather, so all stop with the same
+line naming it; one that dies breaks the others' connections, and they stop too.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from reshard.errors import ReshardError
+
+# A gather waits for the slowest process's share of the whole conversion: hours for a terabyte.
+TIMEOUT = timedelta(days=1)
+
+
+@dataclass(frozen=True)
+class Group:
+    """This process's place among the workers of one conversion."""
+
+    rank: int
+    size: int
+
+    def broadcast(self, value: Any) -> Any:
+        """Rank 0's ``value``, on every rank."""
+        import torch.distributed as dist
+
+        box = [value]
+        self._collective(dist.broadcast_object_list, box, src=0)
+        return box[0]
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, in rank order, on every rank."""
+        import torch.distributed as dist
+
+        values: list[Any] = [None] * self.size
+        self._collective(dist.all_gather_object, values, value)
+        return values
+
+    def _collective(self, call: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            call(*args, **kwargs)
+        except RuntimeError as err:  # gloo: a peer's connection closed (it died) or timed out
+            why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ReshardError(f"a worker was lost ({why})", hint="nothing was published") from err
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def join() -> Group | None:
+    """The group torchrun (or :func:`launch`) started this process in; None when it runs alone."""
+    size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if size <= 1:
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=TIMEOUT)
+    return Group(dist.get_rank(), dist.get_world_size())
+
+
+def launch(argv: list[str], workers: int) -> int:
+    """Run ``python -m reshard *argv`` as ``workers`` processes of one group on this machine (what
+    ``torchrun --standalone --nproc-per-node workers -m reshard *argv`` starts); their exit code.
+
+    Rank 0 keeps this terminal (report, progress bars, its error line); the others' output is shown only if they
+    fail without rank 0 saying why. When rank 0 fails, or this process is stopped, the others are stopped too.
+    """
+    port = _free_port()
+    procs = []
+    for rank in range(workers):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(workers),
+            "LOCAL_WORLD_SIZE": str(workers),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        quiet = subprocess.DEVNULL if rank else None
+        stderr = subprocess.PIPE if rank else None
+        procs.append(subprocess.Popen([sys.executable, "-m", "reshard", *argv], env=env, stdout=quiet, stderr=stderr))
+    try:
+        codes = [procs[0].wait()]
+        for proc in procs[1:]:
+            if codes[0] != 0 and proc.poll() is None:
+                proc.terminate()
+            codes.append(proc.wait())
+    except BaseException:  # this process stopped (a signal): stop the workers too, and let them clean up
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in procs:
+            proc.wait()
+        raise
+    if codes[0] == 0 and any(codes[1:]):
+        failed = next(rank for rank, code in enumerate(codes) if code)
+        message = procs[failed].stderr.read().decode(errors="replace").strip().splitlines()
+        sys.stderr.write((message[-1] if message else f"Error: worker {failed} exited with {codes[failed]}") + "\n")
+        return codes[failed] if codes[failed] > 0 else 2
+    return codes[0] if codes[0] >= 0 else 128 - codes[0]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from fixtures.checks import output_tree
 
 from reshard.io.journal import JOURNAL
 from reshard.io.staging import partial_folder
@@ -63,20 +64,6 @@ def convert_args(layout: str, out: Path, *extra: str) -> list[str]:
     return [*args, "--max-shard-size", "200KB", "--jobs", "2", "-q", *extra]
 
 
-def tree(folder: Path) -> dict[str, bytes]:
-    """Every file's bytes; the manifest without its creation time."""
-    files = {}
-    for path in sorted(folder.rglob("*")):
-        if path.is_file():
-            data = path.read_bytes()
-            if path.name == "reshard.json":
-                manifest = json.loads(data)
-                manifest.pop("created", None)
-                data = json.dumps(manifest, sort_keys=True).encode()
-            files[path.relative_to(folder).as_posix()] = data
-    return files
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, bytes]]:
     root = tmp_path_factory.mktemp("uninterrupted")
@@ -84,7 +71,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[st
     for layout in TARGETS:
         done = reshard(convert_args(layout, root / layout))
         assert done.returncode == 0, done.stderr
-        outputs[layout] = tree(root / layout)
+        outputs[layout] = output_tree(root / layout)
     return outputs
 
 
@@ -114,7 +101,7 @@ def test_resume_after_sigkill_writes_what_an_uninterrupted_run_writes(
 
     resumed = reshard(convert_args(layout, out, "--resume"))
     assert resumed.returncode == 0, resumed.stderr
-    assert tree(out) == uninterrupted[layout]
+    assert output_tree(out) == uninterrupted[layout]
     assert not staging.exists()
 
 
@@ -132,7 +119,7 @@ def test_a_kept_file_damaged_after_the_kill_is_written_again(
 
     resumed = reshard(convert_args("hf-ranks", out, "--resume"))
     assert resumed.returncode == 0, resumed.stderr
-    assert tree(out) == uninterrupted["hf-ranks"]
+    assert output_tree(out) == uninterrupted["hf-ranks"]
 
 
 def test_the_partial_output_of_another_conversion_is_refused(tmp_path: Path) -> None:
@@ -159,7 +146,7 @@ def test_sigterm_keeps_the_work_done_and_says_how_to_finish(
     )
     assert journaled_files(partial_folder(out)) and not out.exists()
     assert reshard(convert_args("megatron", out, "--resume")).returncode == 0
-    assert tree(out) == uninterrupted["megatron"]
+    assert output_tree(out) == uninterrupted["megatron"]
 
 
 def test_a_run_without_resume_removes_a_stale_partial_output(tmp_path: Path) -> None:
@@ -192,5 +179,5 @@ def test_a_run_shared_by_workers_resumes_after_one_is_killed(
 
     resumed = reshard([*convert_args("hf-ranks", out, "--resume"), "--workers", "3"])
     assert resumed.returncode == 0, resumed.stderr
-    assert tree(out) == uninterrupted["hf-ranks"]
+    assert output_tree(out) == uninterrupted["hf-ranks"]
     assert not partial_folder(out).exists()

@@ -7,12 +7,12 @@ The workers are real processes under ``torch.distributed.run`` (gloo, CPU), as a
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from fixtures.checks import output_tree
 from safetensors.torch import load_file, save_file
 
 from reshard.engine.assign import assign
@@ -50,19 +50,6 @@ def reshard(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "reshard", *args], capture_output=True, text=True, timeout=300)
 
 
-def tree(folder: Path) -> dict[str, bytes]:
-    files = {}
-    for path in sorted(folder.rglob("*")):
-        if path.is_file():
-            data = path.read_bytes()
-            if path.name == "reshard.json":
-                manifest = json.loads(data)
-                manifest.pop("created")
-                data = json.dumps(manifest, sort_keys=True).encode()
-            files[path.relative_to(folder).as_posix()] = data
-    return files
-
-
 def test_files_are_shared_by_bytes_deterministically() -> None:
     files = {f"f{i}": size for i, size in enumerate([50, 40, 30, 20, 10, 10])}
     shares = assign(files, 3)
@@ -80,7 +67,7 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str,
     for layout in TARGETS:
         done = reshard(*convert_args(layout, root / layout))
         assert done.returncode == 0, done.stderr
-        outputs[layout] = tree(root / layout)
+        outputs[layout] = output_tree(root / layout)
     return outputs
 
 
@@ -92,7 +79,7 @@ def test_any_number_of_workers_writes_the_bytes_one_process_writes(
     out = tmp_path / "out"
     done = torchrun(workers, "-m", "reshard", *convert_args(layout, out))
     assert done.returncode == 0, done.stderr
-    assert tree(out) == one_process[layout]
+    assert output_tree(out) == one_process[layout]
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no staged folder or lock left
 
 
@@ -102,7 +89,7 @@ def test_convert_workers_starts_the_same_on_this_machine(
     out = tmp_path / "out"
     done = reshard(*convert_args("hf-ranks", out), "--workers", "3")
     assert done.returncode == 0, done.stderr
-    assert tree(out) == one_process["hf-ranks"]
+    assert output_tree(out) == one_process["hf-ranks"]
 
 
 def test_a_failing_worker_fails_all_with_one_line_naming_it(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ import pytest
 from fixtures.tp import arange
 
 from reshard.io import vectored
-from reshard.io.vectored import row_views
+from reshard.io.vectored import MIN_ROW_BYTES, row_views
 
 
 def test_short_writes_and_reads_resume_where_they_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -48,10 +48,11 @@ def test_short_writes_and_reads_resume_where_they_stopped(tmp_path: Path, monkey
 
 
 def test_row_views_are_the_strided_rows_without_a_copy() -> None:
-    full = arange((4, 1024))
-    block = full[:, 256:768]
+    full = arange((4, 4 * MIN_ROW_BYTES // 4))  # float32 rows of 4 x MIN_ROW_BYTES
+    block = full[:, MIN_ROW_BYTES // 4 : 3 * MIN_ROW_BYTES // 4]
     views = row_views(block)
     assert len(views) == 4 and b"".join(bytes(v) for v in views) == block.contiguous().numpy().tobytes()
     views[0][:4] = bytes(4)  # writes through to the tensor: no copy was made
-    assert full[0, 256] == 0
+    assert full[0, MIN_ROW_BYTES // 4] == 0
     assert row_views(full[:, 1:9]) is None  # 32-byte rows: not worth a buffer each
+    assert row_views(full[:, : MIN_ROW_BYTES // 4 - 1]) is None  # just under the threshold

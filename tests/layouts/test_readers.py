@@ -1,6 +1,6 @@
 """``reshard.layouts.readers``: a file cut after it was opened is a named error; reading a torch file into a
 buffer reads its bytes from their place in the file, or (a strided tensor) lets go of the pages its memory map
-brought in."""
+brought in; short strided rows are read in blocks of rows."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 from reshard.errors import CorruptFileError
 from reshard.io.vectored import release_mapped
+from reshard.layouts import readers
 from reshard.layouts.readers import SafetensorsReader, TorchReader
 
 
@@ -24,6 +25,23 @@ def test_read_into_a_file_cut_after_opening_is_a_corrupt_file_error(tmp_path: Pa
         handle.truncate(path.stat().st_size - 100)
     with pytest.raises(CorruptFileError, match=r"cut\.safetensors.*w.*file ends"):
         reader.read_into("w", torch.empty(64, 64))
+
+
+def test_short_strided_rows_are_read_in_blocks_of_rows_into_their_column_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "rank.safetensors"
+    save_file({"pad": torch.ones(3), "w": arange((37, 48))}, path)  # rows of 192 bytes, the tensor not at offset 0
+    monkeypatch.setattr(readers, "CHUNK_BYTES", 5 * 192 + 17)  # blocks of 5 rows; 8 blocks, the last of 2 rows
+    reader = SafetensorsReader(path)
+    gathered = torch.full((37, 96), -1.0)
+    reader.read_into("w", gathered[:, 48:])  # the second rank's column block of a row-parallel weight
+    assert torch.equal(gathered[:, 48:], arange((37, 48)))
+    assert bool((gathered[:, :48] == -1).all())  # nothing outside the block was touched
+    tail = torch.full((30, 96), -1.0)
+    reader.read_into("w", tail[:, 10:58], start=7 * 192)  # rows 7.. of the tensor
+    assert torch.equal(tail[:, 10:58], arange((37, 48))[7:])
+    assert bool((tail[:, :10] == -1).all()) and bool((tail[:, 58:] == -1).all())
 
 
 def _mapped_rss_kb(path: Path) -> int:

@@ -16,7 +16,7 @@ from reshard.engine.planner import ConversionPlan, TargetTensor, TensorPlan
 from reshard.engine.resume import fingerprint, still_to_do
 from reshard.engine.share import EveryFile, merged, share_of, staged, together
 from reshard.engine.target import TargetPlan, plan_target, planned_tp, tp_is_recorded_only
-from reshard.engine.warmup import import_torch_in_background
+from reshard.engine.warmup import import_torch_in_background, warm_first_reads
 from reshard.engine.workers import Group, join
 from reshard.errors import ReshardError
 from reshard.hub.source import source_record
@@ -82,8 +82,6 @@ def convert(ckpt: Path, out: Path, options: ConvertOptions) -> ConvertReport:
 
 def convert_opened(opened: OpenedCheckpoint, out: Path, options: ConvertOptions) -> ConvertReport:
     """:func:`convert` of a checkpoint already opened (``fix`` opens it first to diagnose it)."""
-    from reshard.engine.execute import execute  # imports torch: after planning, which does without it
-
     ckpt, source = opened.path, opened.source
     target = plan_target(opened, options)
     conversion, layout = target.conversion, target.layout
@@ -120,6 +118,8 @@ def convert_opened(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
         writer = writer_class(layout)(staging, spec)
         if journal is not None:
             todo = still_to_do(todo, writer.data_files(), resumed)
+        warm_first_reads(todo)
+        from reshard.engine.execute import execute  # imports torch: after planning, which does without it
 
         def run() -> tuple[dict[str, str], dict[str, bool | None], set[str], list[str]]:
             divergent: set[str] = set()

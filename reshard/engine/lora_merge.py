@@ -169,14 +169,14 @@ def check_lora_replicas(tensors: Sequence[SourceTensor]) -> None:
     Raises:
         PlanError: one :class:`DivergentReplicaError` per such tensor, naming ``--merge-lora``.
     """
-    from reshard.slicing import bitwise_equal
-
     problems: list[ReshardError] = []
     for tensor in tensors:
         lora = parse_lora_name(tensor.name)
         refs = tensor.refs
         if lora is None or lora.role == BASE or not isinstance(tensor.partition, Replicate) or len(refs) < 2:
             continue
+        from reshard.slicing import bitwise_equal  # imports torch: only with LoRA replicas to compare
+
         first = refs[0].read()
         for ref in refs[1:]:
             if not bitwise_equal(first, ref.read()):

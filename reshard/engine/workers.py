@@ -69,7 +69,8 @@ def join() -> Group | None:
     size = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if size <= 1:
         return None
-    import torch.distributed as dist
+    import torch  # noqa: F401 - first, as it waits for an import of torch under way on another thread
+    import torch.distributed as dist  # which this alone would not: it would run on a half-imported torch
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", timeout=TIMEOUT)

@@ -51,6 +51,9 @@ ALIGN = 4096
 STAGING_BYTES = 8 << 20
 # Threads that carry out requests, shared by every file and caller; each holds one staging buffer.
 IO_THREADS = 8
+# Bytes per buffered read of :meth:`DirectSource.warm`: few calls, since the thread warming runs beside an
+# import that holds the GIL and may wait up to its switch interval (5 ms) for it after each one.
+WARM_READ_BYTES = 16 << 20
 _REFUSED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
@@ -121,6 +124,32 @@ class DirectSource:
         self._closer = weakref.finalize(self, _close_all, self._fd, self._direct_fd)
         if not self.direct and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger read-ahead window
+        self._warm: list[tuple[int, int]] = []  # ranges read into the page cache by warm()
+        self._warm_lock = threading.Lock()
+
+    def warm(self, position: int, length: int) -> None:
+        """Read ``[position, position + length)`` into the page cache now, while the caller cannot read yet (a
+        conversion waiting for ``import torch``); a later :meth:`read` inside the range then copies its bytes from
+        the cache, and drops them there, instead of reading the disk again. Errors are left to that read.
+
+        The bytes are read, not asked for with ``posix_fadvise(WILLNEED)``: Linux reads at most the device's
+        read-ahead window (128 KB to 8 MB) of each such hint, so a hint per tensor warms only its first blocks.
+        """
+        end = position + length
+        scratch = _staging(min(WARM_READ_BYTES, max(length, 1)))
+        at = position
+        while at < end:
+            count = os.preadv(self._fd, [scratch[: min(len(scratch), end - at)]], at)
+            if count <= 0:
+                return
+            at += count
+        if self.direct:
+            with self._warm_lock:
+                self._warm.append((position, end))
+
+    def _warmed(self, start: int, end: int) -> bool:
+        with self._warm_lock:
+            return any(first <= start and end <= last for first, last in self._warm)
 
     def read(self, views: Sequence[memoryview], position: int, *, error: Callable[[str], Exception]) -> None:
         """Fill the buffers (1-d byte views), in order, from the file's bytes at ``position`` on.
@@ -133,6 +162,10 @@ class DirectSource:
             self._read_buffered(views, position, error)
             return
         end = position + sum(len(view) for view in views)
+        if self._warmed(position, end):  # in the page cache already: read it there, once
+            self._read_buffered(views, position, error)
+            os.posix_fadvise(self._fd, position, end - position, os.POSIX_FADV_DONTNEED)
+            return
         destinations = _Cursor(views)
         with _current_batch() as batch:
             for block in range(position // ALIGN * ALIGN, end, STAGING_BYTES):

@@ -67,7 +67,8 @@ class Region:
 
 def _options() -> tuple[int, bool]:
     """The storage alignment and whether CRCs are computed, as torch.save would in this process."""
-    from torch.utils.serialization import config
+    import torch  # noqa: F401 - first, as it waits for an import of torch under way on another thread
+    from torch.utils.serialization import config  # which this alone would not: it would see a half-imported torch
 
     return int(config.save.storage_alignment), bool(config.save.compute_crc32)
 

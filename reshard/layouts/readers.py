@@ -84,6 +84,10 @@ class FileReader:
     def evict(self, key: str) -> None:
         """Tell the OS tensor ``key``'s bytes will not be read again (a hint; may do nothing)."""
 
+    def warm(self, key: str) -> None:
+        """Read tensor ``key``'s bytes into the page cache now, for a :meth:`read_into` that cannot start yet, and
+        have that read take them from there (may do nothing: a reader that reads through the cache anyway)."""
+
 
 def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A 1-d uint8 view of a tensor's bytes (a contiguous copy first if it is not contiguous)."""
@@ -151,6 +155,10 @@ class DirectReader(FileReader):
 
     def evict(self, key: str) -> None:
         self._advise(key, "POSIX_FADV_DONTNEED", "cannot drop cached pages")
+
+    def warm(self, key: str) -> None:
+        if key in self._offsets:
+            self._file().warm(self._offsets[key], self.headers[key].nbytes)
 
     def _advise(self, key: str, advice: str, failure: str) -> None:
         """A page-cache hint over one tensor's bytes (direct reads bypass the cache and skip it); only a

@@ -1,4 +1,5 @@
-"""``reshard.engine.warmup``: torch is imported beside the planning, which must not need it."""
+"""``reshard.engine.warmup``: torch is imported beside the planning, which must not need it, and the first
+tensors' source slices are read ahead meanwhile."""
 
 from __future__ import annotations
 
@@ -6,6 +7,10 @@ import subprocess
 import sys
 
 from fixtures.models import tiny_llama
+
+from reshard.engine.open import open_checkpoint
+from reshard.engine.target import plan_target
+from reshard.options import ConvertOptions
 
 
 def test_planning_a_safetensors_conversion_never_imports_torch(tmp_path):
@@ -49,3 +54,45 @@ def test_convert_imports_torch_on_a_thread_while_it_plans(tmp_path):
     done = subprocess.run(run, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["False", "True"] and (tmp_path / "tp2" / "reshard.json").exists()
+
+
+def test_the_first_tensors_are_read_ahead_while_torch_imports(tmp_path, cli):
+    """Their source slices, in the order the engine gathers them, within the byte budget; the engine takes
+    them from the page cache and writes the same bytes as without."""
+    tiny_llama(tmp_path / "orig")
+    assert cli("convert", tmp_path / "orig", "--tp", 2, "-o", tmp_path / "plain").exit_code == 0
+    probe = (
+        "import importlib, sys, threading\n"
+        "from pathlib import Path\n"
+        "from reshard.commands.convert import convert\n"
+        "from reshard.engine import warmup\n"
+        "from reshard.layouts.readers import SafetensorsReader\n"
+        "from reshard.options import ConvertOptions\n"
+        "warmed, warm, read_ahead, done = [], SafetensorsReader.warm, warmup._warm, threading.Event()\n"
+        "def recording(self, key):\n"
+        "    warmed.append(key)\n"
+        "    warm(self, key)\n"
+        "def reading_ahead(refs, importing):\n"
+        "    read_ahead(refs, importing)\n"
+        "    done.set()\n"
+        "def importing():  # the import outlasts the reading ahead, which then stops at the budget only\n"
+        "    done.wait()\n"
+        "    importlib.import_module('torch')\n"
+        "SafetensorsReader.warm, warmup._warm, warmup._import_torch = recording, reading_ahead, importing\n"
+        "warmup.WARM_BYTES = int(sys.argv[3])\n"
+        "convert(Path(sys.argv[1]), Path(sys.argv[2]), ConvertOptions(tp=2, progress=False))\n"
+        "print(' '.join(warmed))\n"
+    )
+    budget = 300_000  # the embedding (1001 x 64 fp32) and a few layer tensors, not the whole model
+    run = [sys.executable, "-c", probe, str(tmp_path / "orig"), str(tmp_path / "warm"), str(budget)]
+    done = subprocess.run(run, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    warmed = done.stdout.split()
+    options = ConvertOptions(tp=2)
+    plan = plan_target(open_checkpoint(tmp_path / "orig", options.read, target_tp=2), options).conversion
+    refs = [ref for tensor in plan.tensors for source in tensor.sources for ref in source.refs]
+    assert warmed and warmed == [ref.key for ref in refs[: len(warmed)]]  # the first ones the engine gathers
+    size = sum(ref.header.nbytes for ref in refs[: len(warmed)])
+    assert size <= budget < size + refs[len(warmed)].header.nbytes
+    for path in (tmp_path / "plain").rglob("*.safetensors"):
+        assert path.read_bytes() == (tmp_path / "warm" / path.relative_to(tmp_path / "plain")).read_bytes()

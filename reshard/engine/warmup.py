@@ -5,7 +5,10 @@ whole 70B checkpoint, and neither needs it: only moving bytes does (gather buffe
 So the import starts first, on a thread, and planning runs meanwhile. Then, until the import is done,
 the disk need not idle either: the source slices of the first tensors to convert are read into the
 page cache (:meth:`~reshard.layouts.base.TensorRef.warm`), in the order the engine gathers them, and
-the engine takes them from there. The page cache holds them, not this process. The threads only import
+the engine takes them from there. The page cache holds them, not this process. A checkpoint that only
+torch can open (Megatron, SAT: their structure is a pickle) cannot be planned before the import is
+done, so its rank files are read from their start instead, in turns (:func:`warm_files`): torch saves
+the model's storages first, and the engine reads most of them soon. The threads only import
 and read ahead; a failing import is raised again, with its traceback, by the first real ``import torch``,
 and a failing read ahead changes nothing (the engine's own read reports the error).
 """
@@ -16,7 +19,10 @@ import importlib
 import logging
 import sys
 import threading
+from pathlib import Path
 from typing import TYPE_CHECKING
+
+from reshard.io.direct import warm
 
 if TYPE_CHECKING:
     from reshard.engine.planner import ConversionPlan
@@ -27,6 +33,9 @@ logger = logging.getLogger(__name__)
 # At most this many source bytes are read ahead: about what a disk reads while torch imports (1-2 s at
 # 1-1.5 GB/s), and little enough that the page cache keeps them until the engine comes for them.
 WARM_BYTES = 2 << 30
+
+# Bytes of each rank file read in its turn by warm_files: the engine gathers a tensor from every rank at once.
+FILE_TURN = 64 << 20
 
 _started = threading.Event()
 _importing: threading.Thread | None = None
@@ -55,6 +64,18 @@ def warm_first_reads(conversion: ConversionPlan) -> threading.Thread | None:
     return thread
 
 
+def warm_files(files: list[Path]) -> threading.Thread | None:
+    """While torch is still importing, read ``files`` into the page cache from their start, :data:`FILE_TURN`
+    bytes of each in turn, until the import is done or :data:`WARM_BYTES` are read. The thread doing it (None
+    when torch is imported already or there are no files)."""
+    importing = _importing
+    if importing is None or not importing.is_alive() or not files:
+        return None
+    thread = threading.Thread(target=_warm_files, args=(files, importing), name="reshard-warm", daemon=True)
+    thread.start()
+    return thread
+
+
 def _import_torch() -> None:
     try:
         importlib.import_module("torch")
@@ -72,3 +93,27 @@ def _warm(refs: list[TensorRef], importing: threading.Thread) -> None:
             ref.warm()
         except Exception as err:  # noqa: BLE001 - reading ahead is a hint: the engine's read reports real errors
             logger.debug("%s: %s not read ahead: %s", ref.file, ref.name, err)
+
+
+def _warm_files(files: list[Path], importing: threading.Thread) -> None:
+    sizes = {file: _size(file) for file in files}
+    total = 0
+    for start in range(0, max(sizes.values()), FILE_TURN):
+        for file, size in sizes.items():
+            length = min(FILE_TURN, size - start)
+            if length <= 0:
+                continue
+            total += length
+            if total > WARM_BYTES or not importing.is_alive():
+                return
+            try:
+                warm(file, start, length)
+            except OSError as err:  # reading ahead is a hint: the engine's read reports real errors
+                logger.debug("%s: not read ahead: %s", file, err)
+
+
+def _size(file: Path) -> int:
+    try:
+        return file.stat().st_size
+    except OSError:
+        return 0

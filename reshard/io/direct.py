@@ -57,6 +57,7 @@ WARM_READ_BYTES = 16 << 20
 _REFUSED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
+_warm_ranges: dict[str, list[tuple[int, int]]] = {}  # by real path: the byte ranges warm() read into the page cache
 _batches = threading.local()
 _io_thread = threading.local()
 
@@ -124,32 +125,6 @@ class DirectSource:
         self._closer = weakref.finalize(self, _close_all, self._fd, self._direct_fd)
         if not self.direct and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger read-ahead window
-        self._warm: list[tuple[int, int]] = []  # ranges read into the page cache by warm()
-        self._warm_lock = threading.Lock()
-
-    def warm(self, position: int, length: int) -> None:
-        """Read ``[position, position + length)`` into the page cache now, while the caller cannot read yet (a
-        conversion waiting for ``import torch``); a later :meth:`read` inside the range then copies its bytes from
-        the cache, and drops them there, instead of reading the disk again. Errors are left to that read.
-
-        The bytes are read, not asked for with ``posix_fadvise(WILLNEED)``: Linux reads at most the device's
-        read-ahead window (128 KB to 8 MB) of each such hint, so a hint per tensor warms only its first blocks.
-        """
-        end = position + length
-        scratch = _staging(min(WARM_READ_BYTES, max(length, 1)))
-        at = position
-        while at < end:
-            count = os.preadv(self._fd, [scratch[: min(len(scratch), end - at)]], at)
-            if count <= 0:
-                return
-            at += count
-        if self.direct:
-            with self._warm_lock:
-                self._warm.append((position, end))
-
-    def _warmed(self, start: int, end: int) -> bool:
-        with self._warm_lock:
-            return any(first <= start and end <= last for first, last in self._warm)
 
     def read(self, views: Sequence[memoryview], position: int, *, error: Callable[[str], Exception]) -> None:
         """Fill the buffers (1-d byte views), in order, from the file's bytes at ``position`` on.
@@ -162,7 +137,7 @@ class DirectSource:
             self._read_buffered(views, position, error)
             return
         end = position + sum(len(view) for view in views)
-        if self._warmed(position, end):  # in the page cache already: read it there, once
+        if _warmed(self.path, position, end):  # in the page cache already: read it there, once
             self._read_buffered(views, position, error)
             os.posix_fadvise(self._fd, position, end - position, os.POSIX_FADV_DONTNEED)
             return
@@ -368,6 +343,44 @@ def _open_direct(path: Path, flags: int) -> int | None:
             raise
         logger.info("%s: no O_DIRECT here (%s); going through the page cache", path.name, err.strerror)
         return None
+
+
+def warm(path: Path, position: int, length: int) -> None:
+    """Read ``[position, position + length)`` of ``path`` into the page cache now, while nobody can read it yet (a
+    conversion waiting for ``import torch``); a later :meth:`DirectSource.read` inside what was read then copies
+    its bytes from the cache, and drops them there, instead of reading the disk again. Errors are left to that
+    read. What is read is recorded block by block, so a warm cut short still counts for what it read.
+
+    The bytes are read, not asked for with ``posix_fadvise(WILLNEED)``: Linux reads at most the device's
+    read-ahead window (128 KB to 8 MB) of each such hint, so a hint per tensor warms only its first blocks.
+    """
+    key = os.path.realpath(path)
+    scratch = _staging(min(WARM_READ_BYTES, max(length, 1)))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        at, end = position, position + length
+        while at < end:
+            count = os.preadv(fd, [scratch[: min(len(scratch), end - at)]], at)
+            if count <= 0:
+                return
+            with _lock:
+                ranges = _warm_ranges.setdefault(key, [])
+                if ranges and ranges[-1][1] == at:
+                    ranges[-1] = (ranges[-1][0], at + count)
+                else:
+                    ranges.append((at, at + count))
+            at += count
+    finally:
+        os.close(fd)
+
+
+def _warmed(path: Path, start: int, end: int) -> bool:
+    """Whether :func:`warm` read all of ``[start, end)`` of ``path``."""
+    if not _warm_ranges:
+        return False
+    key = os.path.realpath(path)
+    with _lock:
+        return any(first <= start and end <= last for first, last in _warm_ranges.get(key, ()))
 
 
 def _threads() -> ThreadPoolExecutor:

@@ -24,7 +24,7 @@ from safetensors import SafetensorError, safe_open
 
 from reshard.dtypes import TensorHeader
 from reshard.errors import CorruptFileError, UnsafePickleError
-from reshard.io.direct import Batch, DirectSource
+from reshard.io.direct import Batch, DirectSource, warm
 from reshard.io.safetensors_writer import CHUNK_BYTES
 from reshard.io.vectored import file_mappings, mapped_offset, release_mapped, row_views
 from reshard.layouts.safetensors_header import read_header
@@ -158,7 +158,7 @@ class DirectReader(FileReader):
 
     def warm(self, key: str) -> None:
         if key in self._offsets:
-            self._file().warm(self._offsets[key], self.headers[key].nbytes)
+            warm(self.path, self._offsets[key], self.headers[key].nbytes)
 
     def _advise(self, key: str, advice: str, failure: str) -> None:
         """A page-cache hint over one tensor's bytes (direct reads bypass the cache and skip it); only a

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 
 from fixtures.models import tiny_llama
 
@@ -96,3 +97,52 @@ def test_the_first_tensors_are_read_ahead_while_torch_imports(tmp_path, cli):
     assert size <= budget < size + refs[len(warmed)].header.nbytes
     for path in (tmp_path / "plain").rglob("*.safetensors"):
         assert path.read_bytes() == (tmp_path / "warm" / path.relative_to(tmp_path / "plain")).read_bytes()
+
+
+def test_rank_files_only_torch_can_open_are_named_without_torch_in_rank_order(tmp_path):
+    """Megatron and SAT rank files are found from folder names; other layouts and broken folders give none (the
+    real open reports what is wrong)."""
+    from fixtures.megatron import TINY, full_model, write_megatron
+    from fixtures.sat import full_tensors, sat_config, write_sat
+
+    from reshard.layouts import files_torch_opens
+
+    megatron = write_megatron(tmp_path / "megatron", full_model(TINY), 4)
+    assert [f.relative_to(megatron).as_posix() for f in files_torch_opens(megatron)] == [
+        f"iter_0001000/mp_rank_0{r}/model_optim_rng.pt" for r in range(4)
+    ]
+    cfg = sat_config(tp=2)
+    write_sat(tmp_path / "sat", cfg, full_tensors(cfg), 2)
+    assert [f.name for f in files_torch_opens(tmp_path / "sat")] == [f"mp_rank_0{r}_model_states.pt" for r in range(2)]
+    tiny_llama(tmp_path / "hf")
+    assert files_torch_opens(tmp_path / "hf") == []
+    (megatron / "latest_checkpointed_iteration.txt").write_text("not a number")
+    assert files_torch_opens(megatron) == []
+
+
+def test_rank_files_are_read_ahead_from_their_start_in_turns_within_the_budget(tmp_path, monkeypatch):
+    from reshard.engine import warmup
+    from reshard.io import direct
+
+    files = [tmp_path / f"rank{r}.pt" for r in range(3)]
+    for r, file in enumerate(files):
+        file.write_bytes(bytes([r]) * (1000 + 300 * r))  # 1000, 1300 and 1600 bytes
+    release = threading.Event()
+    importing = threading.Thread(target=release.wait)  # stands for an import of torch still under way
+    importing.start()
+    monkeypatch.setattr(warmup, "_importing", importing)
+    monkeypatch.setattr(warmup, "FILE_TURN", 500)
+    monkeypatch.setattr(warmup, "WARM_BYTES", 3600)
+    monkeypatch.setattr(direct, "_warm_ranges", {})
+    try:
+        warmup.warm_files(files).join(timeout=60)
+    finally:
+        release.set()
+    # turns of 500 bytes: 1500 each round; the third round stops at the budget, before the third file's turn
+    assert direct._warm_ranges == {
+        str(files[0].resolve()): [(0, 1000)],
+        str(files[1].resolve()): [(0, 1300)],
+        str(files[2].resolve()): [(0, 1000)],
+    }
+    importing.join()
+    assert warmup.warm_files(files) is None  # torch imported: nothing to wait for, nothing read ahead

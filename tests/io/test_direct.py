@@ -261,7 +261,7 @@ def test_warmed_ranges_are_read_through_the_page_cache_and_others_directly(
     if not source.direct:
         pytest.skip("this file system has no O_DIRECT")
     calls = fail_direct_calls(monkeypatch, "preadv", source._direct_fd, after=10**6)  # counts the direct reads
-    source.warm(3, 10 * ALIGN)
+    direct_io.warm(tmp_path / "in.bin", 3, 10 * ALIGN)
     out = bytearray(size)
     with Batch():
         source.read([memoryview(out)[5 : 9 * ALIGN]], 5, error=Unreadable)

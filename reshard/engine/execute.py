@@ -157,13 +157,13 @@ def execute(
             ref.evict()
         written = []
         for (name, canonical, pieces), target in zip(pieces_of, work.tensor.targets, strict=True):
-            digest = sha256_of(canonical)
-            is_finite = all_finite_in_blocks(canonical) if finite is not None else None
             pieces = _exact(pieces, target.rank_shapes)
-            if writer.concurrent:  # write here, every target rank's blocks in flight at once
-                with Batch():
+            with Batch():
+                if writer.concurrent:  # write here, every target rank's blocks in flight while this thread hashes
                     writer.write_unordered(name, pieces)
-                pieces = []
+                    pieces = []
+                digest = sha256_of(canonical)
+                is_finite = all_finite_in_blocks(canonical) if finite is not None else None
             written.append((name, digest, is_finite, pieces))
         del pieces_of
         return written, [raw for raw, _ in held]

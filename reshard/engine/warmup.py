@@ -15,10 +15,12 @@ and a failing read ahead changes nothing (the engine's own read reports the erro
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import sys
 import threading
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,13 +28,15 @@ from reshard.io.direct import warm
 
 if TYPE_CHECKING:
     from reshard.engine.planner import ConversionPlan
-    from reshard.layouts.base import TensorRef
 
 logger = logging.getLogger(__name__)
 
 # At most this many source bytes are read ahead: about what a disk reads while torch imports (1-2 s at
 # 1-1.5 GB/s), and little enough that the page cache keeps them until the engine comes for them.
 WARM_BYTES = 2 << 30
+
+# One read ahead: its size in bytes, the call that makes it, what it reads (for the debug log).
+Read = tuple[int, Callable[[], None], str]
 
 # Bytes of each rank file read in its turn by warm_files: the engine gathers a tensor from every rank at once.
 FILE_TURN = 64 << 20
@@ -55,25 +59,27 @@ def warm_first_reads(conversion: ConversionPlan) -> threading.Thread | None:
     """While torch is still importing, read the source slices of the first tensors of ``conversion`` into the
     page cache, in the order the engine gathers them, until the import is done or :data:`WARM_BYTES` are read.
     The thread doing it (None when torch is imported already)."""
-    importing = _importing
-    if importing is None or not importing.is_alive():
-        return None
-    refs = [ref for plan in conversion.tensors for source in plan.sources for ref in source.refs]
-    thread = threading.Thread(target=_warm, args=(refs, importing), name="reshard-warm", daemon=True)
-    thread.start()
-    return thread
+
+    def reads() -> Iterator[Read]:
+        for ref in (ref for plan in conversion.tensors for source in plan.sources for ref in source.refs):
+            yield ref.header.nbytes, ref.warm, f"{ref.file}: {ref.name}"
+
+    return _reading_ahead(reads)
 
 
 def warm_files(files: list[Path]) -> threading.Thread | None:
     """While torch is still importing, read ``files`` into the page cache from their start, :data:`FILE_TURN`
     bytes of each in turn, until the import is done or :data:`WARM_BYTES` are read. The thread doing it (None
     when torch is imported already or there are no files)."""
-    importing = _importing
-    if importing is None or not importing.is_alive() or not files:
-        return None
-    thread = threading.Thread(target=_warm_files, args=(files, importing), name="reshard-warm", daemon=True)
-    thread.start()
-    return thread
+
+    def reads() -> Iterator[Read]:
+        sizes = {file: _size(file) for file in files}
+        for start in range(0, max(sizes.values(), default=0), FILE_TURN):
+            for file, size in sizes.items():
+                if (length := min(FILE_TURN, size - start)) > 0:
+                    yield length, functools.partial(warm, file, start, length), str(file)
+
+    return _reading_ahead(reads) if files else None
 
 
 def _import_torch() -> None:
@@ -83,33 +89,27 @@ def _import_torch() -> None:
         pass
 
 
-def _warm(refs: list[TensorRef], importing: threading.Thread) -> None:
+def _reading_ahead(reads: Callable[[], Iterable[Read]]) -> threading.Thread | None:
+    """Start a thread making the reads ``reads()`` lists, in order, while torch imports and within
+    :data:`WARM_BYTES`; None when torch is imported already."""
+    importing = _importing
+    if importing is None or not importing.is_alive():
+        return None
+    thread = threading.Thread(target=_read_ahead, args=(reads, importing), name="reshard-warm", daemon=True)
+    thread.start()
+    return thread
+
+
+def _read_ahead(reads: Callable[[], Iterable[Read]], importing: threading.Thread) -> None:
     total = 0
-    for ref in refs:
-        total += ref.header.nbytes
+    for nbytes, read, what in reads():
+        total += nbytes
         if total > WARM_BYTES or not importing.is_alive():
             return
         try:
-            ref.warm()
+            read()
         except Exception as err:  # noqa: BLE001 - reading ahead is a hint: the engine's read reports real errors
-            logger.debug("%s: %s not read ahead: %s", ref.file, ref.name, err)
-
-
-def _warm_files(files: list[Path], importing: threading.Thread) -> None:
-    sizes = {file: _size(file) for file in files}
-    total = 0
-    for start in range(0, max(sizes.values()), FILE_TURN):
-        for file, size in sizes.items():
-            length = min(FILE_TURN, size - start)
-            if length <= 0:
-                continue
-            total += length
-            if total > WARM_BYTES or not importing.is_alive():
-                return
-            try:
-                warm(file, start, length)
-            except OSError as err:  # reading ahead is a hint: the engine's read reports real errors
-                logger.debug("%s: not read ahead: %s", file, err)
+            logger.debug("%s: not read ahead: %s", what, err)
 
 
 def _size(file: Path) -> int:

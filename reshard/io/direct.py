@@ -51,8 +51,8 @@ ALIGN = 4096
 STAGING_BYTES = 8 << 20
 # Threads that carry out requests, shared by every file and caller; each holds one staging buffer.
 IO_THREADS = 8
-# Bytes per buffered read of :meth:`DirectSource.warm`: few calls, since the thread warming runs beside an
-# import that holds the GIL and may wait up to its switch interval (5 ms) for it after each one.
+# Bytes per buffered read of :func:`warm`: few calls, since the thread warming runs beside an import that
+# holds the GIL and may wait up to its switch interval (5 ms) for it after each one.
 WARM_READ_BYTES = 16 << 20
 _REFUSED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
 _lock = threading.Lock()
@@ -393,8 +393,8 @@ def _threads() -> ThreadPoolExecutor:
 
 
 def _staging(size: int) -> memoryview:
-    """The first ``size`` bytes of this I/O thread's staging buffer (anonymous mappings start on a page
-    boundary, so it is aligned)."""
+    """The first ``size`` bytes of this thread's staging buffer (an I/O thread's, or the one reading ahead;
+    anonymous mappings start on a page boundary, so it is aligned)."""
     buffer = getattr(_io_thread, "staging", None)
     if buffer is None or len(buffer) < size:
         buffer = _io_thread.staging = memoryview(mmap.mmap(-1, max(size, STAGING_BYTES)))

@@ -165,6 +165,17 @@ def read_ranges(source: DirectSource, size: int, seed: int, *, batched: bool) ->
     return out
 
 
+def random_source(path: Path, size: int, seed: int, *, needs_direct: bool = False) -> tuple[DirectSource, bytes]:
+    """``size`` random bytes written to ``path``, and a :class:`DirectSource` on them; with ``needs_direct``, the
+    test is skipped where the file system refuses ``O_DIRECT``."""
+    data = random.Random(seed).randbytes(size)
+    path.write_bytes(data)
+    source = DirectSource(path)
+    if needs_direct and not source.direct:
+        pytest.skip("this file system has no O_DIRECT")
+    return source, data
+
+
 @pytest.mark.parametrize("batched", [True, False], ids=["batched", "one-by-one"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_ranges_read_in_blocks_land_where_their_views_say(
@@ -172,9 +183,7 @@ def test_ranges_read_in_blocks_land_where_their_views_say(
 ) -> None:
     monkeypatch.setattr(direct_io, "STAGING_BYTES", 2 * ALIGN)  # long ranges take several blocks
     size = 300 * ALIGN + 77  # the file ends off the block grid: the last block reads short
-    data = random.Random(seed).randbytes(size)
-    (tmp_path / "in.bin").write_bytes(data)
-    source = DirectSource(tmp_path / "in.bin")
+    source, data = random_source(tmp_path / "in.bin", size, seed)
     direct = source.direct
     assert read_ranges(source, size, seed, batched=batched) == data
     assert source.direct == direct  # reading the file's short last block does not count as a refusal
@@ -184,9 +193,7 @@ def test_ranges_read_in_blocks_land_where_their_views_say(
 @pytest.mark.usefixtures("no_o_direct")
 def test_reads_refused_at_open_go_through_the_page_cache(tmp_path: Path) -> None:
     size = 50 * ALIGN + 3
-    data = random.Random(5).randbytes(size)
-    (tmp_path / "in.bin").write_bytes(data)
-    source = DirectSource(tmp_path / "in.bin")
+    source, data = random_source(tmp_path / "in.bin", size, 5)
     assert not source.direct
     assert read_ranges(source, size, 5, batched=True) == data
 
@@ -195,11 +202,7 @@ def test_reads_refused_midway_fall_back_without_losing_bytes(tmp_path: Path, mon
     """A file system may accept the O_DIRECT open and refuse the reads (EINVAL)."""
     monkeypatch.setattr(direct_io, "STAGING_BYTES", 2 * ALIGN)
     size = 80 * ALIGN + 5
-    data = random.Random(4).randbytes(size)
-    (tmp_path / "in.bin").write_bytes(data)
-    source = DirectSource(tmp_path / "in.bin")
-    if not source.direct:
-        pytest.skip("this file system has no O_DIRECT")
+    source, data = random_source(tmp_path / "in.bin", size, 4, needs_direct=True)
     calls = fail_direct_calls(monkeypatch, "preadv", source._direct_fd, after=10)
     assert read_ranges(source, size, 4, batched=True) == data
     assert not source.direct and len(calls) > 10
@@ -225,9 +228,7 @@ def test_a_failed_block_read_is_raised_after_every_block_has_landed(
     """An I/O error on one block reaches the caller as its error; leaving the batch first waits for the
     other blocks, so none is still being copied into a buffer the caller reuses next."""
     monkeypatch.setattr(direct_io, "STAGING_BYTES", 2 * ALIGN)
-    data = random.Random(6).randbytes(64 * ALIGN)
-    (tmp_path / "in.bin").write_bytes(data)
-    source = DirectSource(tmp_path / "in.bin")
+    source, data = random_source(tmp_path / "in.bin", 64 * ALIGN, 6)
     real_read_block, finished = source.read_block, []
 
     def failing_block(staging, position):
@@ -255,11 +256,7 @@ def test_warmed_ranges_are_read_through_the_page_cache_and_others_directly(
     monkeypatch.setattr(direct_io, "STAGING_BYTES", 2 * ALIGN)
     monkeypatch.setattr(direct_io, "WARM_READ_BYTES", 3 * ALIGN + 5)  # the warm range in several reads
     size = 40 * ALIGN + 9
-    data = random.Random(7).randbytes(size)
-    (tmp_path / "in.bin").write_bytes(data)
-    source = DirectSource(tmp_path / "in.bin")
-    if not source.direct:
-        pytest.skip("this file system has no O_DIRECT")
+    source, data = random_source(tmp_path / "in.bin", size, 7, needs_direct=True)
     calls = fail_direct_calls(monkeypatch, "preadv", source._direct_fd, after=10**6)  # counts the direct reads
     direct_io.warm(tmp_path / "in.bin", 3, 10 * ALIGN)
     out = bytearray(size)

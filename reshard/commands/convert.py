@@ -16,13 +16,13 @@ from reshard.engine.planner import ConversionPlan, TargetTensor, TensorPlan
 from reshard.engine.resume import fingerprint, still_to_do
 from reshard.engine.share import EveryFile, merged, share_of, staged, together
 from reshard.engine.target import TargetPlan, plan_target, planned_tp, tp_is_recorded_only
-from reshard.engine.warmup import import_torch_in_background, warm_files, warm_first_reads
-from reshard.engine.workers import Group, join, world_size
+from reshard.engine.warmup import import_torch_in_background
+from reshard.engine.workers import Group, join
 from reshard.errors import ReshardError
 from reshard.hub.source import source_record
 from reshard.io.journal import Journal, Resumed
 from reshard.io.staging import check_output
-from reshard.layouts import TargetSpec, files_torch_opens, writer_class
+from reshard.layouts import TargetSpec, writer_class
 from reshard.manifest import Manifest, TensorEntry, VocabRecord, write_manifest
 from reshard.options import ConvertOptions
 from reshard.partition import at_tp
@@ -76,8 +76,6 @@ def convert(ckpt: Path, out: Path, options: ConvertOptions) -> ConvertReport:
     ckpt, out = Path(ckpt), Path(out)
     import_torch_in_background()
     check_output(out, source=ckpt, overwrite=options.overwrite)
-    if not options.resume and world_size() == 1:  # then every rank file is this process's to read, and soon
-        warm_files(files_torch_opens(ckpt))
     target_tp = planned_tp(options.layout, options.tp)
     return convert_opened(open_checkpoint(ckpt, options.read, target_tp=target_tp), out, options)
 
@@ -120,7 +118,6 @@ def convert_opened(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
         writer = writer_class(layout)(staging, spec)
         if journal is not None:
             todo = still_to_do(todo, writer.data_files(), resumed)
-        warm_first_reads(todo)
         from reshard.engine.execute import execute  # imports torch: after planning, which does without it
 
         def run() -> tuple[dict[str, str], dict[str, bool | None], set[str], list[str]]:

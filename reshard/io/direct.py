@@ -51,13 +51,9 @@ ALIGN = 4096
 STAGING_BYTES = 8 << 20
 # Threads that carry out requests, shared by every file and caller; each holds one staging buffer.
 IO_THREADS = 8
-# Bytes per buffered read of :func:`warm`: few calls, since the thread warming runs beside an import that
-# holds the GIL and may wait up to its switch interval (5 ms) for it after each one.
-WARM_READ_BYTES = 16 << 20
 _REFUSED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
-_warm_ranges: dict[str, list[tuple[int, int]]] = {}  # by real path: the byte ranges warm() read into the page cache
 _batches = threading.local()
 _io_thread = threading.local()
 
@@ -137,10 +133,6 @@ class DirectSource:
             self._read_buffered(views, position, error)
             return
         end = position + sum(len(view) for view in views)
-        if _warmed(self.path, position, end):  # in the page cache already: read it there, once
-            self._read_buffered(views, position, error)
-            os.posix_fadvise(self._fd, position, end - position, os.POSIX_FADV_DONTNEED)
-            return
         destinations = _Cursor(views)
         with _current_batch() as batch:
             for block in range(position // ALIGN * ALIGN, end, STAGING_BYTES):
@@ -345,44 +337,6 @@ def _open_direct(path: Path, flags: int) -> int | None:
         return None
 
 
-def warm(path: Path, position: int, length: int) -> None:
-    """Read ``[position, position + length)`` of ``path`` into the page cache now, while nobody can read it yet (a
-    conversion waiting for ``import torch``); a later :meth:`DirectSource.read` inside what was read then copies
-    its bytes from the cache, and drops them there, instead of reading the disk again. Errors are left to that
-    read. What is read is recorded block by block, so a warm cut short still counts for what it read.
-
-    The bytes are read, not asked for with ``posix_fadvise(WILLNEED)``: Linux reads at most the device's
-    read-ahead window (128 KB to 8 MB) of each such hint, so a hint per tensor warms only its first blocks.
-    """
-    key = os.path.realpath(path)
-    scratch = _staging(min(WARM_READ_BYTES, max(length, 1)))
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        at, end = position, position + length
-        while at < end:
-            count = os.preadv(fd, [scratch[: min(len(scratch), end - at)]], at)
-            if count <= 0:
-                return
-            with _lock:
-                ranges = _warm_ranges.setdefault(key, [])
-                if ranges and ranges[-1][1] == at:
-                    ranges[-1] = (ranges[-1][0], at + count)
-                else:
-                    ranges.append((at, at + count))
-            at += count
-    finally:
-        os.close(fd)
-
-
-def _warmed(path: Path, start: int, end: int) -> bool:
-    """Whether :func:`warm` read all of ``[start, end)`` of ``path``."""
-    if not _warm_ranges:
-        return False
-    key = os.path.realpath(path)
-    with _lock:
-        return any(first <= start and end <= last for first, last in _warm_ranges.get(key, ()))
-
-
 def _threads() -> ThreadPoolExecutor:
     """The threads that carry out requests, shared by every file (created on first use)."""
     global _pool
@@ -393,8 +347,8 @@ def _threads() -> ThreadPoolExecutor:
 
 
 def _staging(size: int) -> memoryview:
-    """The first ``size`` bytes of this thread's staging buffer (an I/O thread's, or the one reading ahead;
-    anonymous mappings start on a page boundary, so it is aligned)."""
+    """The first ``size`` bytes of this I/O thread's staging buffer (anonymous mappings start on a page
+    boundary, so it is aligned)."""
     buffer = getattr(_io_thread, "staging", None)
     if buffer is None or len(buffer) < size:
         buffer = _io_thread.staging = memoryview(mmap.mmap(-1, max(size, STAGING_BYTES)))

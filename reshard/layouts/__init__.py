@@ -11,15 +11,7 @@ from reshard.layouts.megatron_writer import MegatronWriter
 from reshard.layouts.torch_dist_writer import TorchDistWriter
 from reshard.options import Layout, ReadOptions
 
-__all__ = [
-    "CheckpointWriter",
-    "SourceCheckpoint",
-    "TargetSpec",
-    "TensorRef",
-    "discover",
-    "files_torch_opens",
-    "writer_class",
-]
+__all__ = ["CheckpointWriter", "SourceCheckpoint", "TargetSpec", "TensorRef", "discover", "writer_class"]
 
 _WRITERS: dict[Layout, type[CheckpointWriter]] = {
     Layout.HF: hf.HFWriter,
@@ -62,21 +54,6 @@ def discover(path: Path, options: ReadOptions | None = None) -> SourceCheckpoint
         "pytorch_model.bin, *.safetensors)",
         path=path,
     )
-
-
-def files_torch_opens(path: Path) -> list[Path]:
-    """The rank files of a Megatron or SAT checkpoint (whose structure only torch can unpickle), found from names
-    alone, in rank order; empty for other layouts (their headers are read without torch) and where unsure."""
-    try:
-        if not path.is_dir() or torch_dist.detect(path) or dcp.detect(path):
-            return []
-        if megatron.detect(path):
-            return megatron.rank_files(path)
-        if sat.detect(path):
-            return sat.rank_files(path)
-    except (ReshardError, OSError):  # discover() says what is wrong
-        return []
-    return []
 
 
 def writer_class(layout: Layout) -> type[CheckpointWriter]:

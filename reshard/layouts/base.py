@@ -66,11 +66,6 @@ class TensorRef:
         """Let the OS drop this slice's pages from its cache (once read, a conversion needs them no more)."""
         self.reader.evict(self.key)
 
-    def warm(self) -> None:
-        """Read this slice into the page cache now, before the engine can (it is waiting for torch); the
-        engine then reads it from there."""
-        self.reader.warm(self.key)
-
 
 @dataclass
 class SourceCheckpoint:

@@ -149,14 +149,6 @@ def detect(path: Path) -> bool:
     return path.is_dir() and ((path / TRACKER).is_file() or iteration_folder(path) is not None)
 
 
-def rank_files(path: Path) -> list[Path]:
-    """The ``model_optim_rng.pt`` files :func:`discover` will open, from the folder names alone (no torch, no
-    checks: what cannot be found here is reported by :func:`discover`)."""
-    folder = iteration_folder(path)
-    dirs = _rank_dirs(folder) if folder is not None else {}
-    return [dirs[key] / FILE_NAME for key in sorted(dirs) if (dirs[key] / FILE_NAME).is_file()]
-
-
 def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
     """Read every ``mp_rank_*`` file of the iteration, merging pipeline stages, virtual chunks and
     expert-parallel ranks into one state dict per tp rank with global layer and expert numbers."""

@@ -24,7 +24,7 @@ from safetensors import SafetensorError, safe_open
 
 from reshard.dtypes import TensorHeader
 from reshard.errors import CorruptFileError, UnsafePickleError
-from reshard.io.direct import Batch, DirectSource, warm
+from reshard.io.direct import Batch, DirectSource
 from reshard.io.safetensors_writer import CHUNK_BYTES
 from reshard.io.vectored import file_mappings, mapped_offset, release_mapped, row_views
 from reshard.layouts.safetensors_header import read_header
@@ -83,10 +83,6 @@ class FileReader:
 
     def evict(self, key: str) -> None:
         """Tell the OS tensor ``key``'s bytes will not be read again (a hint; may do nothing)."""
-
-    def warm(self, key: str) -> None:
-        """Read tensor ``key``'s bytes into the page cache now, for a :meth:`read_into` that cannot start yet, and
-        have that read take them from there (may do nothing: a reader that reads through the cache anyway)."""
 
 
 def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -155,10 +151,6 @@ class DirectReader(FileReader):
 
     def evict(self, key: str) -> None:
         self._advise(key, "POSIX_FADV_DONTNEED", "cannot drop cached pages")
-
-    def warm(self, key: str) -> None:
-        if key in self._offsets:
-            warm(self.path, self._offsets[key], self.headers[key].nbytes)
 
     def _advise(self, key: str, advice: str, failure: str) -> None:
         """A page-cache hint over one tensor's bytes (direct reads bypass the cache and skip it); only a

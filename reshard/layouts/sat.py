@@ -57,14 +57,6 @@ def detect(path: Path) -> bool:
     return False
 
 
-def rank_files(path: Path) -> list[Path]:
-    """The rank files :func:`discover` will open, from the names alone (no torch, no checks: what cannot be found
-    here is reported by :func:`discover`)."""
-    save, iteration = _locate(path)
-    files = _rank_files(save / iteration)
-    return [files[rank] for rank in sorted(files)]
-
-
 def _locate(path: Path) -> tuple[Path, str]:
     """``(save folder, iteration)`` for ``path``."""
     if _rank_files(path):

@@ -246,24 +246,3 @@ def test_a_failed_block_read_is_raised_after_every_block_has_landed(
             source.read([memoryview(out)], 0, error=Unreadable)
     assert len(finished) == 31  # every other block of the 32 had landed when the error was raised
     assert out[: 8 * ALIGN] == data[: 8 * ALIGN] and out[10 * ALIGN :] == data[10 * ALIGN :]
-
-
-def test_warmed_ranges_are_read_through_the_page_cache_and_others_directly(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A range warmed while the caller could not read yet (torch importing) comes from the page cache, with
-    no direct read; a range not wholly inside a warmed one still goes around the cache."""
-    monkeypatch.setattr(direct_io, "STAGING_BYTES", 2 * ALIGN)
-    monkeypatch.setattr(direct_io, "WARM_READ_BYTES", 3 * ALIGN + 5)  # the warm range in several reads
-    size = 40 * ALIGN + 9
-    source, data = random_source(tmp_path / "in.bin", size, 7, needs_direct=True)
-    calls = fail_direct_calls(monkeypatch, "preadv", source._direct_fd, after=10**6)  # counts the direct reads
-    direct_io.warm(tmp_path / "in.bin", 3, 10 * ALIGN)
-    out = bytearray(size)
-    with Batch():
-        source.read([memoryview(out)[5 : 9 * ALIGN]], 5, error=Unreadable)
-    assert out[5 : 9 * ALIGN] == data[5 : 9 * ALIGN] and calls == []
-    with Batch():
-        source.read([memoryview(out)[9 * ALIGN : size]], 9 * ALIGN, error=Unreadable)  # runs past the warm range
-    assert out[9 * ALIGN :] == data[9 * ALIGN :] and calls
-    assert source.direct

@@ -20,6 +20,7 @@ from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_WEIGHT
 
 from reshard.dtypes import safetensors_order
 from reshard.io.direct import Batch, DirectFile
+from reshard.io.scratch import scratch
 from reshard.io.vectored import row_views
 
 if TYPE_CHECKING:
@@ -67,7 +68,8 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 def byte_chunks(tensor: torch.Tensor, limit: int = CHUNK_BYTES) -> Iterator[memoryview]:
     """The tensor's bytes in C order as a sequence of buffers: the tensor's own memory when it is
-    contiguous, else contiguous copies of blocks along dim 0 of at most ``limit`` bytes (or one row)."""
+    contiguous, else blocks along dim 0 of at most ``limit`` bytes (or one row) copied into this thread's
+    :func:`~reshard.io.scratch.scratch` buffer, each valid only until the next one is asked for."""
     if tensor.numel() == 0:
         return
     if tensor.is_contiguous() or tensor.dim() <= 1:
@@ -80,7 +82,10 @@ def byte_chunks(tensor: torch.Tensor, limit: int = CHUNK_BYTES) -> Iterator[memo
         return
     step = max(1, limit // row)
     for start in range(0, tensor.shape[0], step):
-        yield tensor_bytes(tensor.narrow(0, start, min(step, tensor.shape[0] - start)))
+        block = tensor.narrow(0, start, min(step, tensor.shape[0] - start))
+        with scratch(block) as copy:
+            copy.copy_(block)
+            yield tensor_bytes(copy)
 
 
 # For a data file: whether a resumed run keeps it as it is, and what to call once it is complete (if anything).
@@ -159,7 +164,7 @@ class SafetensorsFileWriter:
             file.write(rows, position)
         else:
             for chunk in byte_chunks(tensor):  # contiguous copies of blocks with short rows
-                with Batch():  # each copy is let go once written, not held until the caller's batch ends
+                with Batch():  # written before the next block is copied into the same buffer
                     file.write([chunk], position)
                 position += len(chunk)
         with self._lock:

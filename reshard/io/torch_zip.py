@@ -237,7 +237,7 @@ class TorchZipWriter:
                 crc = self._crc(row, crc)
             return crc
         for chunk in byte_chunks(tensor):  # contiguous copies of blocks with short rows
-            with Batch():  # each copy is let go once written
+            with Batch():  # written before the next block is copied into the same buffer
                 file.write([chunk], position)
                 crc = self._crc(chunk, crc)
             position += len(chunk)

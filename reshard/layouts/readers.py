@@ -26,6 +26,7 @@ from reshard.dtypes import TensorHeader
 from reshard.errors import CorruptFileError, UnsafePickleError
 from reshard.io.direct import Batch, DirectSource
 from reshard.io.safetensors_writer import CHUNK_BYTES
+from reshard.io.scratch import scratch
 from reshard.io.vectored import file_mappings, mapped_offset, release_mapped, row_views
 from reshard.layouts.safetensors_header import read_header
 from reshard.layouts.torch_checks import check_torch_file
@@ -131,20 +132,18 @@ class DirectReader(FileReader):
 
     def _read_in_blocks(self, key: str, out: torch.Tensor, start: int) -> None:
         """Short strided rows (a column block of a gathered tensor): blocks of rows are read contiguously into
-        a temporary and copied into place by torch, one copy per block of at most ``CHUNK_BYTES`` rather than
-        one Python call per row (a 4 GB tp 8 -> 4 made about 900,000 of those, the threads queueing for
-        the GIL between them)."""
-        import torch
-
+        this thread's scratch buffer and copied into place by torch, one copy per block of at most
+        ``CHUNK_BYTES`` rather than one Python call per row (a 4 GB tp 8 -> 4 made about 900,000 of those,
+        the threads queueing for the GIL between them)."""
         row = out[0].numel() * out.element_size()
         step = max(1, CHUNK_BYTES // row)
-        temporary = torch.empty((min(step, len(out)), *out.shape[1:]), dtype=out.dtype)
-        for first in range(0, len(out), step):
-            part = out.narrow(0, first, min(step, len(out) - first))
-            block = temporary[: len(part)]
-            with Batch():
-                self.read_into(key, block, start=start + first * row)
-            part.copy_(block)
+        with scratch(out.narrow(0, 0, min(step, len(out)))) as temporary:
+            for first in range(0, len(out), step):
+                part = out.narrow(0, first, min(step, len(out) - first))
+                block = temporary[: len(part)]
+                with Batch():
+                    self.read_into(key, block, start=start + first * row)
+                part.copy_(block)
 
     def prefetch(self, key: str) -> None:
         self._advise(key, "POSIX_FADV_WILLNEED", "no read-ahead")

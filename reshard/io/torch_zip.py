@@ -18,11 +18,15 @@ from __future__ import annotations
 import pickle
 import sys
 import threading
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
+
+try:  # ISA-L's CRC-32: ~30 GB/s a core where zlib's reaches ~2.4 (1.4 of 9.2 CPU-s of a 4 GB megatron tp 8 -> 4)
+    from isal.isal_zlib import crc32
+except ImportError:  # a platform without its wheel: the same CRC, slower
+    from zlib import crc32
 
 from reshard.io import zip_layout
 from reshard.io.direct import Batch, DirectFile
@@ -178,7 +182,7 @@ class TorchZipWriter:
         return self._complete
 
     def _crc(self, data: Any, value: int = 0) -> int:
-        return zlib.crc32(data, value) if self._with_crc else 0
+        return crc32(data, value) if self._with_crc else 0
 
     def _static_runs(self, known: dict[str, Any]) -> list[tuple[int, list[memoryview]]]:
         """Every byte known before the tensors, as runs of adjacent buffers: ``(offset, buffers)``."""

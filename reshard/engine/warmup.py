@@ -7,8 +7,9 @@ every run instead of their sum. The thread only imports; a failing import is rai
 traceback, by the first real ``import torch``.
 
 The disk is not given the first tensors to read meanwhile: a cold import reads some 1,250 files of torch's,
-and a bulk read beside it delays each of them. On the 2-core bench VM a 2 GB read ahead made the import
-take 1.3 -> 2.6 s, and 4 GB tp 8 -> 4 conversions 0.8-2.5 s slower end to end (``git log`` of this file).
+and a bulk read beside it delays each of them. On the 2-core Intel bench VM a 2 GB read ahead made the
+import end 2.9-3.4 s after the start instead of 1.5-1.6 s, and 4 GB conversions 0.8-2.5 s slower end to end
+(docs/performance.md; ``git log`` of this file for the code).
 """
 
 from __future__ import annotations

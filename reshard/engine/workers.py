@@ -64,14 +64,9 @@ class Group:
         dist.destroy_process_group()
 
 
-def world_size() -> int:
-    """How many processes torchrun (or :func:`launch`) started for this conversion (1 when it runs alone)."""
-    return int(os.environ.get("WORLD_SIZE", "1") or 1)
-
-
 def join() -> Group | None:
     """The group torchrun (or :func:`launch`) started this process in; None when it runs alone."""
-    if world_size() <= 1:
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
         return None
     import torch  # noqa: F401 - first, as it waits for an import of torch under way on another thread
     import torch.distributed as dist  # which this alone would not: it would run on a half-imported torch

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from reshard.io.direct import ALIGN
+
 if TYPE_CHECKING:
     from reshard.engine.gather import Work
 
@@ -37,9 +39,11 @@ class BufferPool:
         self.peak = 0
         self._lock = threading.Lock()
 
-    def get(self, shape: Shape, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """A raw byte buffer (give it back with :meth:`put`) and a tensor of ``shape`` and ``dtype`` on it."""
-        nbytes = math.prod(shape) * dtype.itemsize
+    def get(self, shape: Shape, dtype: torch.dtype, *, phase: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """A raw byte buffer (give it back with :meth:`put`) and a tensor of ``shape`` and ``dtype`` on it,
+        starting ``phase`` bytes into a 4 KB page (:func:`reshard.engine.gather.read_phase`): every buffer has
+        :data:`~reshard.io.direct.ALIGN` bytes of slack for that."""
+        nbytes = math.prod(shape) * dtype.itemsize + ALIGN
         raw = None
         with self._lock:
             if self._free.get(nbytes):
@@ -53,7 +57,8 @@ class BufferPool:
                 self.peak = max(self.peak, self._held)
         if raw is None:
             raw = torch.empty(nbytes, dtype=torch.uint8)
-        return raw, raw.view(dtype).view(shape)
+        start = (phase - raw.data_ptr()) % ALIGN
+        return raw, raw[start : start + nbytes - ALIGN].view(dtype).view(shape)
 
     def put(self, raw: torch.Tensor) -> None:
         with self._lock:
@@ -81,6 +86,6 @@ class Budget:
 
 
 def budget_for(works: Sequence[Work]) -> int:
-    """Twice the largest tensor: one being written while the next is read."""
+    """Twice the largest tensor (and its buffer's slack): one being written while the next is read."""
     largest = max((w.tensor.nbytes for w in works), default=0)
-    return max(2 * largest, MIN_BUDGET)
+    return max(2 * (largest + ALIGN), MIN_BUDGET)

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from reshard.engine.buffers import Budget, BufferPool, budget_for
 from reshard.engine.digest import all_finite_in_blocks, sha256_of
-from reshard.engine.gather import Work, gather_and_split, plan_work
+from reshard.engine.gather import Work, gather_and_split, plan_work, read_phase
 from reshard.errors import ShapeMismatchError
 from reshard.io.direct import Batch
 from reshard.layouts.base import CheckpointWriter, TensorRef
@@ -149,7 +149,7 @@ def execute(
 
     def job(work: Work) -> tuple[list[Written], list[torch.Tensor]]:
         held = [
-            buffers.get(shape, source.dtype)
+            buffers.get(shape, source.dtype, phase=read_phase(source, uneven=conversion.uneven))
             for shape, source in zip(work.buffer_shapes, work.tensor.sources, strict=True)
         ]
         pieces_of = gather_and_split(work, buffers=[buffer for _, buffer in held], **options)

@@ -23,7 +23,7 @@ import torch
 
 from reshard.engine.planner import SourceTensor, TargetTensor, TensorPlan, identity_plan
 from reshard.errors import ReshardError
-from reshard.io.direct import Batch
+from reshard.io.direct import ALIGN, Batch
 from reshard.layouts.base import TensorRef
 from reshard.partition import Grouped, Packed, Replicate, ReplicatedHeads, Shard, Vocab, head_replicas, split_sizes
 from reshard.slicing import bitwise_equal, check_replica, split
@@ -72,6 +72,30 @@ def copy_plan(
     return [Copy(r, 0, offsets[r], sizes[r]) for r in range(len(sizes))], sum(sizes)
 
 
+def read_phase(source: SourceTensor, *, uneven: bool) -> int:
+    """Where in a 4 KB page the gather buffer of ``source`` should start so that its first rank slice's
+    whole blocks are read straight into it (:meth:`reshard.io.direct.DirectSource.read`): the phase of that
+    slice's file offset less its place in the buffer. Rank files written alike put every slice of a dim-0
+    split on that phase too. 0 when the offset is unknown or the slice is not one contiguous run."""
+    ref = source.refs[0]
+    if ref.position is None or not ref.shape:
+        return 0
+    partition = source.partition
+    place = 0
+    if not isinstance(partition, Replicate):
+        dim = partition.dim % len(ref.shape)
+        if math.prod(ref.shape[:dim]) != 1:
+            return 0
+        copies, _ = copy_plan(partition, [r.shape for r in source.refs], uneven=uneven)
+        first = next((c for c in copies if c.rank == 0 and c.length), None)
+        if first is None:
+            return 0
+        row_bytes = math.prod(ref.shape[dim + 1 :]) * source.dtype.itemsize
+        place = (first.dst - first.src) * row_bytes
+    phase = (ref.position - place) % ALIGN
+    return phase if phase % source.dtype.itemsize == 0 else 0
+
+
 @dataclass(frozen=True)
 class Work:
     """One unit to move: its plan, the gather buffer of each source tensor, and the bytes it may hold at once."""
@@ -102,7 +126,7 @@ def _buffer(source: SourceTensor, target_shapes: Sequence[Shape], target_tp: int
     nbytes = math.prod(shape) * itemsize
     slice_bytes = max(ref.header.nbytes for ref in source.refs)
     if isinstance(partition, Replicate):
-        return shape, 2 * nbytes if len(source.refs) > 1 else nbytes
+        return shape, ALIGN + (2 * nbytes if len(source.refs) > 1 else nbytes)
     dim = partition.dim % len(shape)
     rows = sum(ref.shape[dim] for ref in source.refs)
     if head_replicas(partition, len(source.refs)) > 1:
@@ -110,7 +134,7 @@ def _buffer(source: SourceTensor, target_shapes: Sequence[Shape], target_tp: int
     if isinstance(partition, Vocab) and target_shapes:
         rows = max(rows, sum(s[dim] for s in target_shapes))
     buffer_shape = shape[:dim] + (max(rows, shape[dim]),) + shape[dim + 1 :]
-    cost = math.prod(buffer_shape) * itemsize
+    cost = math.prod(buffer_shape) * itemsize + ALIGN  # and the slack for its phase (BufferPool.get)
     if math.prod(shape[:dim]) != 1 or head_replicas(partition, len(source.refs)) > 1:
         cost += slice_bytes  # packed parts, short rows or copies of a head go through one slice-sized temporary
     if target_tp > 1 and isinstance(partition, Packed):

@@ -66,10 +66,12 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 
 
-def byte_chunks(tensor: torch.Tensor, limit: int = CHUNK_BYTES) -> Iterator[memoryview]:
+def byte_chunks(tensor: torch.Tensor, limit: int = CHUNK_BYTES, *, position: int = 0) -> Iterator[memoryview]:
     """The tensor's bytes in C order as a sequence of buffers: the tensor's own memory when it is
     contiguous, else blocks along dim 0 of at most ``limit`` bytes (or one row) copied into this thread's
-    :func:`~reshard.io.scratch.scratch` buffer, each valid only until the next one is asked for."""
+    :func:`~reshard.io.scratch.scratch` buffer, each valid only until the next one is asked for. A copy
+    is put on the 4 KB phase of the file offset it is written to, the tensor's bytes starting at
+    ``position``, so that it is written in place (:class:`~reshard.io.direct.DirectFile`)."""
     if tensor.numel() == 0:
         return
     if tensor.is_contiguous() or tensor.dim() <= 1:
@@ -78,12 +80,12 @@ def byte_chunks(tensor: torch.Tensor, limit: int = CHUNK_BYTES) -> Iterator[memo
     row = tensor[0].numel() * tensor.element_size()
     if row > limit:
         for index in range(tensor.shape[0]):
-            yield from byte_chunks(tensor[index], limit)
+            yield from byte_chunks(tensor[index], limit, position=position + index * row)
         return
     step = max(1, limit // row)
     for start in range(0, tensor.shape[0], step):
         block = tensor.narrow(0, start, min(step, tensor.shape[0] - start))
-        with scratch(block) as copy:
+        with scratch(block, phase=position + start * row) as copy:
             copy.copy_(block)
             yield tensor_bytes(copy)
 
@@ -163,7 +165,7 @@ class SafetensorsFileWriter:
         if rows is not None:
             file.write(rows, position)
         else:
-            for chunk in byte_chunks(tensor):  # contiguous copies of blocks with short rows
+            for chunk in byte_chunks(tensor, position=position):  # contiguous copies of blocks with short rows
                 with Batch():  # written before the next block is copied into the same buffer
                     file.write([chunk], position)
                 position += len(chunk)

@@ -240,7 +240,8 @@ class TorchZipWriter:
             for row in rows:
                 crc = self._crc(row, crc)
             return crc
-        for chunk in byte_chunks(tensor):  # contiguous copies of blocks with short rows
+        in_file = position + (file.base if isinstance(file, Region) else 0)
+        for chunk in byte_chunks(tensor, position=in_file):  # contiguous copies of blocks with short rows
             with Batch():  # written before the next block is copied into the same buffer
                 file.write([chunk], position)
                 crc = self._crc(chunk, crc)

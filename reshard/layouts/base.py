@@ -58,6 +58,11 @@ class TensorRef:
         """How this slice is stored, when it is not one tensor of one file (a box of a global tensor)."""
         return self.reader.describe(self.key)
 
+    @property
+    def position(self) -> int | None:
+        """The file offset of this slice's first byte, when it is read from the file directly."""
+        return self.reader.position(self.key)
+
     def prefetch(self) -> None:
         """Let the OS start reading this slice from disk in the background."""
         self.reader.prefetch(self.key)

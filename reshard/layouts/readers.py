@@ -79,6 +79,10 @@ class FileReader:
         """How tensor ``key`` is stored, when it is not simply a tensor of the file (``inspect`` shows it)."""
         return None
 
+    def position(self, key: str) -> int | None:
+        """The file offset of tensor ``key``'s first byte, when it is read from the file directly."""
+        return None
+
     def prefetch(self, key: str) -> None:
         """Ask the OS to start reading tensor ``key`` in the background (a hint; may do nothing)."""
 
@@ -107,6 +111,9 @@ class DirectReader(FileReader):
     _offsets: dict[str, int] = field(init=False, repr=False, default_factory=dict)
     _source: DirectSource | None = field(init=False, default=None, repr=False)
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock, repr=False)  # the first open
+
+    def position(self, key: str) -> int | None:
+        return self._offsets.get(key)
 
     def read_into(self, key: str, out: torch.Tensor, *, start: int = 0) -> None:
         """Inside a :class:`reshard.io.direct.Batch`, the bytes may still be arriving when this returns."""
@@ -137,12 +144,12 @@ class DirectReader(FileReader):
         the threads queueing for the GIL between them)."""
         row = out[0].numel() * out.element_size()
         step = max(1, CHUNK_BYTES // row)
-        with scratch(out.narrow(0, 0, min(step, len(out)))) as temporary:
-            for first in range(0, len(out), step):
-                part = out.narrow(0, first, min(step, len(out) - first))
-                block = temporary[: len(part)]
+        for first in range(0, len(out), step):
+            part = out.narrow(0, first, min(step, len(out) - first))
+            at = start + first * row
+            with scratch(part, phase=self._offsets[key] + at) as block:  # on the file's phase: read in place
                 with Batch():
-                    self.read_into(key, block, start=start + first * row)
+                    self.read_into(key, block, start=at)
                 part.copy_(block)
 
     def prefetch(self, key: str) -> None:

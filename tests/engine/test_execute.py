@@ -19,6 +19,7 @@ from reshard.engine import execute as stream
 from reshard.engine import gather as engine_gather
 from reshard.engine.digest import sha256_of
 from reshard.errors import ReshardError
+from reshard.io.direct import ALIGN
 from reshard.options import ConvertOptions
 
 SAMPLE = SAMPLES / "tiny-llama-tp2"
@@ -95,7 +96,7 @@ def test_bytes_in_flight_stay_within_the_budget(tmp_path: Path, monkeypatch: pyt
     convert(SAMPLE, tmp_path / "out", ConvertOptions(tp=2, jobs=4, progress=False))
     (budget,) = budgets
     largest = 1001 * 64 * 4  # the float32 embedding / lm_head
-    assert budget.limit == 2 * largest
+    assert budget.limit == 2 * (largest + ALIGN)  # each gather buffer has ALIGN bytes of slack for its phase
     assert budget.held == 0
     assert largest <= peak[0] <= budget.limit
     assert live[0] == 0

@@ -11,9 +11,11 @@ from fixtures.tp import arange
 from safetensors.torch import save_file
 
 from reshard.engine import gather as engine_gather
+from reshard.engine.buffers import BufferPool
 from reshard.engine.digest import sha256_of
 from reshard.engine.planner import SourceTensor, TargetTensor, TensorPlan
 from reshard.errors import DivergentReplicaError
+from reshard.io import direct as direct_io
 from reshard.io.safetensors_writer import tensor_bytes
 from reshard.layouts.base import TensorRef
 from reshard.layouts.readers import SafetensorsReader, TorchReader
@@ -108,3 +110,28 @@ def test_divergent_replica_names_the_rank_and_file(tmp_path: Path) -> None:
         engine_gather.gather_and_split(work, target_tp=1, uneven=False, allow_divergent=False)
     ((_, canonical, _),) = engine_gather.gather_and_split(work, target_tp=1, uneven=False, allow_divergent=True)
     assert torch.equal(canonical, same)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+@pytest.mark.parametrize("partition", [Shard(0), Shard(1), Replicate()], ids=["rows", "columns", "replicated"])
+def test_slices_are_read_into_a_buffer_on_their_files_phase(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str, partition: Shard | Replicate
+) -> None:
+    """The gather buffer starts on the 4 KB phase of rank 0's slice in its file (rank files alike put every
+    slice of a dim-0 split on it), and so do the blocks of a column split's rows: every whole block is read
+    straight into place, only the partial blocks at the slices' ends go through the staging buffers."""
+    full = arange((64, 1024))  # float32: 256 KB, 4 KB a row
+    slices = [full] * 4 if isinstance(partition, Replicate) else list(full.chunk(4, dim=partition.dim))
+    source = SourceTensor("w", _refs(tmp_path, slices, fmt), partition, "test", tuple(full.shape))
+    if not direct_io.DirectSource(source.refs[0].file).direct:
+        pytest.skip("this file system has no O_DIRECT")
+    copied: list[int] = []
+    real = direct_io.copy_bytes
+    monkeypatch.setattr(direct_io, "copy_bytes", lambda to, what: copied.append(len(what)) or real(to, what))
+    pool = BufferPool(1 << 30)
+    _, buffer = pool.get(full.shape, full.dtype, phase=engine_gather.read_phase(source, uneven=False))
+    gathered = engine_gather.gather_into(source, buffer, uneven=False, allow_divergent=True)
+    assert torch.equal(gathered, full)
+    if not (isinstance(partition, Shard) and partition.dim == 1):  # column blocks: each block on its own phase
+        assert (buffer.data_ptr() - source.refs[0].position) % direct_io.ALIGN == 0
+    assert 0 < sum(copied) <= 2 * direct_io.ALIGN * len(source.refs)

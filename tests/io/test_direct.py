@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import mmap
 import os
 import random
 import time
@@ -246,3 +247,57 @@ def test_a_failed_block_read_is_raised_after_every_block_has_landed(
             source.read([memoryview(out)], 0, error=Unreadable)
     assert len(finished) == 31  # every other block of the 32 had landed when the error was raised
     assert out[: 8 * ALIGN] == data[: 8 * ALIGN] and out[10 * ALIGN :] == data[10 * ALIGN :]
+
+
+def copies_out_of_staging(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Record the length of every copy between staging and the caller's memory."""
+    copied: list[int] = []
+    real = direct_io.copy_bytes
+
+    def counting(destination: memoryview, source: memoryview) -> None:
+        copied.append(len(source))
+        real(destination, source)
+
+    monkeypatch.setattr(direct_io, "copy_bytes", counting)
+    return copied
+
+
+@pytest.mark.parametrize("offset", [200, 201], ids=["same-phase", "other-phase"])
+def test_whole_blocks_read_on_the_files_phase_skip_staging(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, offset: int
+) -> None:
+    """Memory on the 4 KB phase of its file range gets the whole blocks read straight into it; only the
+    partial blocks at either end are copied out of staging. Memory on another phase gets every byte copied."""
+    monkeypatch.setattr(direct_io, "STAGING_BYTES", 2 * ALIGN)
+    size = 40 * ALIGN + 5
+    source, data = random_source(tmp_path / "in.bin", size, 7, needs_direct=True)
+    position, length = 3 * ALIGN + 200, 20 * ALIGN + 99
+    memory = mmap.mmap(-1, length + 2 * ALIGN)  # page-aligned: offset 200 is the file range's phase
+    copied = copies_out_of_staging(monkeypatch)
+    with Batch():
+        source.read([memoryview(memory)[offset : offset + length]], position, error=Unreadable)
+    assert memory[offset : offset + length] == data[position : position + length]
+    edges = (ALIGN - 200) + (position + length) % ALIGN
+    assert sum(copied) == (edges if offset == 200 else length)
+    source.close()
+
+
+@pytest.mark.parametrize("offset", [64, 65], ids=["same-phase", "other-phase"])
+def test_whole_blocks_written_on_the_files_phase_skip_staging(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, offset: int
+) -> None:
+    monkeypatch.setattr(direct_io, "STAGING_BYTES", 2 * ALIGN)
+    size, position, length = 30 * ALIGN, 2 * ALIGN + 64, 20 * ALIGN + 10
+    data = random.Random(8).randbytes(length)
+    memory = mmap.mmap(-1, length + 2 * ALIGN)
+    memory[offset : offset + length] = data
+    file = DirectFile(tmp_path / "out.bin", size)
+    if not file._direct:
+        pytest.skip("this file system has no O_DIRECT")
+    copied = copies_out_of_staging(monkeypatch)
+    file.write([memoryview(memory)[offset : offset + length]], position)
+    file.close()
+    assert (tmp_path / "out.bin").read_bytes()[position : position + length] == data
+    whole_blocks = (position + length) // ALIGN * ALIGN - (-(-position // ALIGN) * ALIGN)
+    assert file.direct_bytes == whole_blocks
+    assert sum(copied) == (0 if offset == 64 else whole_blocks)  # the edges go through the page cache

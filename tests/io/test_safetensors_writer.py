@@ -148,7 +148,7 @@ def test_copies_of_short_rows_are_let_go_as_they_are_written(tmp_path, monkeypat
 
     monkeypatch.setattr(direct_io.os, "pwrite", slow_disk)
     monkeypatch.setattr(safetensors_stream, "tensor_bytes", tracked)
-    monkeypatch.setattr(safetensors_stream, "byte_chunks", lambda t: real_byte_chunks(t, limit=32 * 1024))
+    monkeypatch.setattr(safetensors_stream, "byte_chunks", lambda t, **at: real_byte_chunks(t, limit=32 * 1024, **at))
     full = torch.randn(512, 256)
     block = full[:, 64:192]  # rows of 512 bytes: under MIN_ROW_BYTES, so 16 copies of 64 rows
     writer = SafetensorsFileWriter(tmp_path / "b.safetensors", headers_of({"b": block}))

@@ -65,19 +65,11 @@ def split(
         case Vocab(dim):
             sizes = [s[dim] for s in rank_shapes(partition, full.shape, tp, padded=padded, uneven=uneven)]
             return list(torch.split(pad(full, dim, sum(sizes)), sizes, dim=dim))
-        case Packed(dim, parts, _):
-            rank_shapes(partition, full.shape, tp, uneven=uneven)  # validates
+        case Packed(dim, _, _):
             if tp == 1:  # one rank holds every part whole, in order: the tensor itself, not a copy
+                rank_shapes(partition, full.shape, tp, uneven=uneven)  # validates
                 return [full]
-            pieces = [
-                torch.split(part, sizes, dim=dim)
-                for part, sizes in zip(
-                    torch.split(full, list(parts), dim=dim),
-                    packed_piece_sizes(partition, tp, uneven=uneven),
-                    strict=True,
-                )
-            ]
-            return [torch.cat([p[r] for p in pieces], dim=dim) for r in range(tp)]
+            return [torch.cat(parts, dim=dim) for parts in packed_parts(full, partition, tp, uneven=uneven)]
         case ReplicatedHeads(dim, _):
             sizes = [s[dim] for s in rank_shapes(partition, full.shape, tp, uneven=uneven)]
             replicas = head_replicas(partition, tp)
@@ -85,6 +77,20 @@ def split(
                 return list(torch.split(full, sizes, dim=dim))
             return [full.narrow(dim, (r // replicas) * sizes[r], sizes[r]) for r in range(tp)]
     raise TypeError(f"not a partition: {partition!r}")
+
+
+def packed_parts(full: torch.Tensor, partition: Packed, tp: int, *, uneven: bool = False) -> list[list[torch.Tensor]]:
+    """Per rank, the views of a packed tensor's parts that its slice joins along ``partition.dim``, in order."""
+    rank_shapes(partition, full.shape, tp, uneven=uneven)  # validates
+    pieces = [
+        torch.split(part, sizes, dim=partition.dim)
+        for part, sizes in zip(
+            torch.split(full, list(partition.parts), dim=partition.dim),
+            packed_piece_sizes(partition, tp, uneven=uneven),
+            strict=True,
+        )
+    ]
+    return [[p[r] for p in pieces] for r in range(tp)]
 
 
 def gather(

@@ -24,9 +24,10 @@ import torch
 from reshard.engine.planner import SourceTensor, TargetTensor, TensorPlan, identity_plan
 from reshard.errors import ReshardError
 from reshard.io.direct import ALIGN, Batch
+from reshard.io.joined import Joined
 from reshard.layouts.base import TensorRef
 from reshard.partition import Grouped, Packed, Replicate, ReplicatedHeads, Shard, Vocab, head_replicas, split_sizes
-from reshard.slicing import bitwise_equal, check_replica, split
+from reshard.slicing import bitwise_equal, check_replica, packed_parts, split
 from reshard.vocab import cut_pad_rows
 
 Shape = tuple[int, ...]
@@ -224,7 +225,7 @@ def _compare_head_copies(
             return
 
 
-Piece = tuple[str, "torch.Tensor", list["torch.Tensor"]]
+Piece = tuple[str, "torch.Tensor", list["torch.Tensor | Joined"]]
 
 
 def gather_and_split(
@@ -239,7 +240,8 @@ def gather_and_split(
     """Gather one unit's source tensors (into ``buffers`` of ``work.buffer_shapes``, or new ones) and return,
     per target tensor, its name, the canonical tensor and its target rank slices.
 
-    A tensor kept as it is gives views of its buffer (but for ``packed`` targets); a mapped unit goes
+    A tensor kept as it is gives views of its buffer (a ``packed`` target's slices as :class:`Joined` views of
+    its parts, unless packed off dim 0: then copies); a mapped unit goes
     through its transform first.
     """
     tensor = work.tensor
@@ -285,12 +287,14 @@ def _kept(
     target_tp: int,
     *,
     uneven: bool,
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
+) -> tuple[torch.Tensor, list[torch.Tensor | Joined]]:
     """A tensor kept as it is: its target slices are views of the buffer (pad rows zeroed in place)."""
     canonical, buffer = gathered
     partition = source.partition
     if isinstance(partition, Replicate):
         return buffer, [buffer] * target_tp
+    if isinstance(partition, Packed) and target_tp > 1 and partition.dim % buffer.dim() == 0:
+        return buffer, [Joined(tuple(parts)) for parts in packed_parts(buffer, partition, target_tp, uneven=uneven)]
     if not isinstance(partition, Vocab):
         return buffer, split(buffer, partition, target_tp, uneven=uneven)
     dim = partition.dim % buffer.dim()

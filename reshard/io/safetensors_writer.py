@@ -20,6 +20,7 @@ from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_WEIGHT
 
 from reshard.dtypes import safetensors_order
 from reshard.io.direct import Batch, DirectFile
+from reshard.io.joined import Joined
 from reshard.io.scratch import scratch
 from reshard.io.vectored import row_views
 
@@ -66,12 +67,17 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 
 
-def byte_chunks(tensor: torch.Tensor, limit: int = CHUNK_BYTES, *, position: int = 0) -> Iterator[memoryview]:
+def byte_chunks(tensor: torch.Tensor | Joined, limit: int = CHUNK_BYTES, *, position: int = 0) -> Iterator[memoryview]:
     """The tensor's bytes in C order as a sequence of buffers: the tensor's own memory when it is
     contiguous, else blocks along dim 0 of at most ``limit`` bytes (or one row) copied into this thread's
     :func:`~reshard.io.scratch.scratch` buffer, each valid only until the next one is asked for. A copy
     is put on the 4 KB phase of the file offset it is written to, the tensor's bytes starting at
     ``position``, so that it is written in place (:class:`~reshard.io.direct.DirectFile`)."""
+    if isinstance(tensor, Joined):
+        for part in tensor.parts:
+            yield from byte_chunks(part, limit, position=position)
+            position += part.numel() * part.element_size()
+        return
     if tensor.numel() == 0:
         return
     if tensor.is_contiguous() or tensor.dim() <= 1:

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from reshard.io.joined import Joined
+
 if TYPE_CHECKING:
     import torch
 
@@ -33,9 +35,12 @@ WRITE_BYTES = 1 << 20
 IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 
 
-def row_views(tensor: torch.Tensor, *, min_row: int = MIN_ROW_BYTES) -> list[memoryview] | None:
+def row_views(tensor: torch.Tensor | Joined, *, min_row: int = MIN_ROW_BYTES) -> list[memoryview] | None:
     """Memoryviews of the tensor's contiguous runs in C order, without a copy; None if the runs are
     shorter than ``min_row`` bytes or the last dim is strided."""
+    if isinstance(tensor, Joined):
+        runs = [row_views(part, min_row=min_row) for part in tensor.parts]
+        return None if None in runs else [view for views in runs for view in views]
     if tensor.numel() == 0:
         return []
     if tensor.is_contiguous():

@@ -353,10 +353,8 @@ class DirectFile:
 def copy_bytes(destination: memoryview, source: memoryview) -> None:
     """``destination[:] = source`` for byte views of one length, letting other threads run meanwhile
     (``ctypes.memmove`` releases the GIL; slice assignment holds it for the whole copy)."""
-    try:
-        target = ctypes.addressof(ctypes.c_char.from_buffer(destination))
-        origin = ctypes.addressof(ctypes.c_char.from_buffer(source))
-    except (TypeError, ValueError):  # a read-only or empty view
+    target, origin = _address(destination), _address(source)
+    if target is None or origin is None:
         destination[:] = source
         return
     ctypes.memmove(target, origin, len(source))
@@ -365,11 +363,16 @@ def copy_bytes(destination: memoryview, source: memoryview) -> None:
 def in_phase(view: memoryview, position: int) -> bool:
     """Whether ``view``'s memory and file offset ``position`` are on the same :data:`ALIGN` phase, so the whole
     blocks of a range read there can go straight into it (False for a read-only or empty view)."""
+    address = _address(view)
+    return address is not None and (address - position) % ALIGN == 0
+
+
+def _address(view: memoryview) -> int | None:
+    """Where a view's first byte is in memory; None for a read-only or empty view (ctypes takes neither)."""
     try:
-        address = ctypes.addressof(ctypes.c_char.from_buffer(view))
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
     except (TypeError, ValueError):
-        return False
-    return (address - position) % ALIGN == 0
+        return None
 
 
 def _close_all(*fds: int | None) -> None:

@@ -138,7 +138,7 @@ def _buffer(source: SourceTensor, target_shapes: Sequence[Shape], target_tp: int
     cost = math.prod(buffer_shape) * itemsize + ALIGN  # and the slack for its phase (BufferPool.get)
     if math.prod(shape[:dim]) != 1 or head_replicas(partition, len(source.refs)) > 1:
         cost += slice_bytes  # packed parts, short rows or copies of a head go through one slice-sized temporary
-    if target_tp > 1 and isinstance(partition, Packed):
+    if target_tp > 1 and isinstance(partition, Packed) and not (target_shapes and _joins(partition, len(shape))):
         cost += nbytes  # split() concatenates each target rank's parts
     return buffer_shape, cost
 
@@ -293,7 +293,7 @@ def _kept(
     partition = source.partition
     if isinstance(partition, Replicate):
         return buffer, [buffer] * target_tp
-    if isinstance(partition, Packed) and target_tp > 1 and partition.dim % buffer.dim() == 0:
+    if target_tp > 1 and isinstance(partition, Packed) and _joins(partition, buffer.dim()):
         return buffer, [Joined(tuple(parts)) for parts in packed_parts(buffer, partition, target_tp, uneven=uneven)]
     if not isinstance(partition, Vocab):
         return buffer, split(buffer, partition, target_tp, uneven=uneven)
@@ -303,6 +303,12 @@ def _kept(
     if rows > source.shape[dim]:
         buffer.narrow(dim, source.shape[dim], rows - source.shape[dim]).zero_()
     return canonical, list(torch.split(buffer.narrow(dim, 0, rows), sizes, dim=dim))
+
+
+def _joins(partition: Packed, ndim: int) -> bool:
+    """Whether a kept packed tensor's target slices are :class:`Joined` views of its buffer (packed along dim 0:
+    each part of a slice is one run of rows), not copies."""
+    return partition.dim % ndim == 0
 
 
 def _split_target(tensor: torch.Tensor, target: TargetTensor, target_tp: int, *, uneven: bool) -> list[torch.Tensor]:

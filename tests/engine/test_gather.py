@@ -100,6 +100,7 @@ def test_prepare_matches_gather_then_split(tmp_path: Path, case: str, fmt: str) 
     if isinstance(partition, Packed) and partition.dim == 0 and target_tp > 1:  # views of the buffer, no copy
         storage = canonical.untyped_storage().data_ptr()
         assert all(p.untyped_storage().data_ptr() == storage for piece in pieces for p in piece.parts)
+        assert work.cost == full.nbytes + direct_io.ALIGN  # so the budget holds no copy for them either
 
 
 def test_divergent_replica_names_the_rank_and_file(tmp_path: Path) -> None:

@@ -15,6 +15,13 @@ Why it is shaped like this (the gather itself is :mod:`reshard.engine.gather`):
   at their offsets: a thread waiting for the disk leaves the core to another one's hashing. Other
   writers get the tensors in plan order from the calling thread. Buffers are reused for the next tensor
   of the same size, and what is in flight stays within a byte budget (:mod:`reshard.engine.buffers`).
+* **The largest tensors first.** A tensor is hashed while its slices are written, so the last one's hash
+  ends after every byte has gone to the disk. Plan order is by name, which ends a Megatron checkpoint on
+  ``output_layer.weight``: 0.24 s of hashing 262 MB with the disk idle, at the end of a 4 GB tp 8 -> 4 on
+  the bench VM. Concurrent writers get the tensors of the largest size first, then the rest in plan order
+  (which repeats each layer's sizes, so the pooled buffers are reused): the run then ends 0.05-0.08 s after
+  its last direct write. Sorting every tensor by size ends it 0.02 s after, but each size class then needs
+  fresh buffers: 517,000 minor faults instead of 344,000, 100 MB more memory.
 """
 
 from __future__ import annotations
@@ -137,6 +144,9 @@ def execute(
     run journals it).
     """
     works = [plan_work(t, target_tp=conversion.target_tp) for t in conversion.tensors]
+    if writer.concurrent:  # the largest first (see above); the others' write() calls follow plan order
+        largest = max((work.tensor.nbytes for work in works), default=0)
+        works.sort(key=lambda work: work.tensor.nbytes != largest)
     budget = budget or Budget(budget_for(works))
     options = {
         "target_tp": conversion.target_tp,

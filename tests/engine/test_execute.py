@@ -18,6 +18,8 @@ from reshard.engine import buffers
 from reshard.engine import execute as stream
 from reshard.engine import gather as engine_gather
 from reshard.engine.digest import sha256_of
+from reshard.engine.open import open_checkpoint
+from reshard.engine.target import plan_target
 from reshard.errors import ReshardError
 from reshard.io.direct import ALIGN
 from reshard.options import ConvertOptions
@@ -130,3 +132,31 @@ def test_conversions_leave_no_descriptor_open(tmp_path: Path, monkeypatch: pytes
         convert(SAMPLE, tmp_path / "failed", ConvertOptions(tp=2, progress=False))
     assert len(hashed) > 3 and not (tmp_path / "failed").exists()
     assert open_descriptors() == before
+
+
+class _Recorder:
+    """A writer that records the order tensors reach it (a concurrent one from any thread)."""
+
+    def __init__(self, concurrent: bool) -> None:
+        self.concurrent = concurrent
+        self.order: list[str] = []
+
+    def write(self, name: str, slices: list[torch.Tensor]) -> None:
+        self.order.append(name)
+
+    write_unordered = write
+
+
+@pytest.mark.parametrize("concurrent", [True, False])
+def test_concurrent_writers_get_the_largest_tensors_first(concurrent: bool) -> None:
+    """The tensors of the largest size first, then plan order (a run does not end on the hash of a large
+    tensor); writers that are not concurrent get plan order."""
+    options = ConvertOptions(tp=1, vocab=500, progress=False)
+    plan = plan_target(open_checkpoint(SAMPLES / "tiny-megatron-tp8", options.read, target_tp=1), options).conversion
+    writer = _Recorder(concurrent)
+    stream.execute(plan, writer, jobs=1, progress=False)
+    names = [t.name for tensor in plan.tensors for t in tensor.targets]
+    size = {t.name: tensor.nbytes for tensor in plan.tensors for t in tensor.targets}
+    largest = [name for name in names if size[name] == max(size.values())]
+    assert names[-1] == "output_layer.weight" and names[-1] in largest  # where plan order puts the largest
+    assert writer.order == ([*largest, *(name for name in names if name not in largest)] if concurrent else names)

@@ -208,6 +208,7 @@ def run_size(
         make_source(src, size_gb, layout)
     size = folder_bytes(src)
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    commit = code_commit()
     todo = cases(src, layout, naive_max_gb, workers)
     runs: dict[str, list[dict]] = {name: [] for name, _, _ in todo}
     for _ in range(repeat):
@@ -221,6 +222,7 @@ def run_size(
     cp_wall = None
     for name, _, reason in todo:
         row = {"layout": layout, "size_gb": size_gb, "bytes": size, "case": name, "when": when, "cold": cold}
+        row["commit"] = commit
         row["command"] = "python bench/run.py " + " ".join(sys.argv[1:])
         failed = [r for r in runs[name] if r["rc"]]
         if reason:
@@ -263,6 +265,7 @@ STARTUP_CASES = {
 def run_startup(repeat: int) -> list[dict]:
     """What every run pays before its first read, each case ``repeat`` times round-robin (warm page cache)."""
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    commit = code_commit()
     walls: dict[str, list[float]] = {name: [] for name in STARTUP_CASES}
     for _ in range(repeat):
         for name, command in STARTUP_CASES.items():
@@ -274,11 +277,24 @@ def run_startup(repeat: int) -> list[dict]:
     rows = []
     for name, runs in walls.items():
         runs.sort()
-        row = {"case": name, "when": when, "load": load(), "walls": [round(w, 3) for w in runs]}
+        row = {"case": name, "when": when, "commit": commit, "load": load(), "walls": [round(w, 3) for w in runs]}
         row |= {"best": runs[0], "median": runs[len(runs) // 2]}
         rows.append(row)
         print(f"startup {name:32s} best {runs[0]:.3f} s median {row['median']:.3f} s", flush=True)
     return rows
+
+
+def code_commit() -> str:
+    """The commit the measured code is at, ``+changes`` when reshard's code differs from it (RESULTS.md and the
+    rest of bench/ do not count); ``unknown`` outside a git checkout."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=HERE.parent, capture_output=True, text=True).stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD")
+    if not head:
+        return "unknown"
+    return head + ("+changes" if git("status", "--porcelain", "--", "reshard", "pyproject.toml") else "")
 
 
 def machine() -> dict:
@@ -329,22 +345,23 @@ def render(rows: list[dict], startup: list[dict], info: dict, notes: list[str]) 
         "each case is run `--repeat` times and the fastest run is reported (all walls in `bench/out/results.json`); "
         "peak RSS is the highest of those runs.",
         "",
-        "| layout | size | case | wall s | GB/s | vs cp | peak RSS MB | in bound | cache | load 1/5/15 min | when |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| layout | size | case | wall s | GB/s | vs cp | peak RSS MB | in bound | cache | load 1/5/15 min | when "
+        "| commit |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     layouts = ["hf-ranks", "megatron", "torch_dist"]
     for r in sorted(rows, key=lambda r: (layouts.index(r["layout"]), r["size_gb"], _order(r["case"]))):
         if r.get("skipped"):
             lines.append(
                 f"| {r['layout']} | {r['bytes'] / 1e9:.2f} GB | {r['case']} | skipped: {r['skipped']} "
-                f"| | | | | | | {r['when']} |"
+                f"| | | | | | | {r['when']} | {r.get('commit', '')} |"
             )
             continue
         bound = ("yes" if r["rss"] <= BOUND else "no") if r["case"].startswith("reshard") else ""
         lines.append(
             f"| {r['layout']} | {r['bytes'] / 1e9:.2f} GB | {r['case']} | {r['wall']:.1f} | {r['gbps']:.3f} | "
             f"{r['vs_cp'] or 0:.2f} | {r['rss'] / 1e6:.0f} | {bound} | {'cold' if r['cold'] else 'warm'} "
-            f"| {r['load']} | {r['when']} |"
+            f"| {r['load']} | {r['when']} | {r.get('commit', '')} |"
         )
     if startup:
         lines += [
@@ -353,10 +370,11 @@ def render(rows: list[dict], startup: list[dict], info: dict, notes: list[str]) 
             "",
             "What every run pays before its first read (warm page cache; each case run round-robin, `walls` sorted).",
             "",
-            "| case | best s | median s | walls | load 1/5/15 min | when |",
-            "|---|---|---|---|---|---|",
+            "| case | best s | median s | walls | load 1/5/15 min | when | commit |",
+            "|---|---|---|---|---|---|---|",
             *[
-                f"| {r['case']} | {r['best']:.3f} | {r['median']:.3f} | {r['walls']} | {r['load']} | {r['when']} |"
+                f"| {r['case']} | {r['best']:.3f} | {r['median']:.3f} | {r['walls']} | {r['load']} | {r['when']} "
+                f"| {r.get('commit', '')} |"
                 for r in startup
             ],
         ]

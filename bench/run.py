@@ -18,8 +18,9 @@ each measurement the page cache is dropped (``sync; echo 3 > /proc/sys/vm/drop_c
 process may, so every run reads the checkpoint from the disk (Python and torch are then imported once,
 untimed, so the tool's own code is not counted); the wall time includes a final ``sync``, so every run
 has also put its output on the disk. Peak resident memory comes from ``/usr/bin/time -v`` (or
-``getrusage`` of a fresh child). Rows accumulate in ``bench/out/results.json`` (so sizes can be run
-at different times) and ``bench/RESULTS.md`` is rewritten from all of them.
+``getrusage`` of a fresh child). Rows, each with the commit it measured, accumulate in
+``bench/out/results.json`` (so sizes can be run at different times) and ``bench/RESULTS.md`` is rewritten
+from all of them (``--render`` rewrites it alone, measuring nothing).
 
 Examples:
     python bench/run.py --sizes 2
@@ -342,24 +343,26 @@ def render(rows: list[dict], startup: list[dict], info: dict, notes: list[str]) 
         "Peak RSS bound for reshard, every layout and tp: "
         f"2 x largest tensor ({LARGEST_TENSOR / 1e6:.0f} MB) + 600 MB = "
         f"{BOUND / 1e6:.0f} MB. Throughput = source bytes / wall time (wall includes a final `sync`); "
-        "each case is run `--repeat` times and the fastest run is reported (all walls in `bench/out/results.json`); "
+        "each case is run `--repeat` times and the fastest run is reported (every run's wall in `all walls`, in "
+        "the order they ran); "
         "peak RSS is the highest of those runs.",
         "",
-        "| layout | size | case | wall s | GB/s | vs cp | peak RSS MB | in bound | cache | load 1/5/15 min | when "
-        "| commit |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| layout | size | case | wall s | all walls s | GB/s | vs cp | peak RSS MB | in bound | cache "
+        "| load 1/5/15 min | when | commit |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     layouts = ["hf-ranks", "megatron", "torch_dist"]
     for r in sorted(rows, key=lambda r: (layouts.index(r["layout"]), r["size_gb"], _order(r["case"]))):
         if r.get("skipped"):
             lines.append(
                 f"| {r['layout']} | {r['bytes'] / 1e9:.2f} GB | {r['case']} | skipped: {r['skipped']} "
-                f"| | | | | | | {r['when']} | {r.get('commit', '')} |"
+                f"| | | | | | | | {r['when']} | {r.get('commit', '')} |"
             )
             continue
         bound = ("yes" if r["rss"] <= BOUND else "no") if r["case"].startswith("reshard") else ""
         lines.append(
-            f"| {r['layout']} | {r['bytes'] / 1e9:.2f} GB | {r['case']} | {r['wall']:.1f} | {r['gbps']:.3f} | "
+            f"| {r['layout']} | {r['bytes'] / 1e9:.2f} GB | {r['case']} | {r['wall']:.1f} | "
+            f"{', '.join(f'{w:.1f}' for w in r['walls'])} | {r['gbps']:.3f} | "
             f"{r['vs_cp'] or 0:.2f} | {r['rss'] / 1e6:.0f} | {bound} | {'cold' if r['cold'] else 'warm'} "
             f"| {r['load']} | {r['when']} | {r.get('commit', '')} |"
         )
@@ -393,6 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="4", help="comma-separated checkpoint sizes in GB (default 4)")
     parser.add_argument("--layouts", default="hf-ranks,megatron", help="hf-ranks, megatron and/or torch_dist")
     parser.add_argument("--startup", action="store_true", help="time the start-up only (no checkpoint)")
+    parser.add_argument(
+        "--render", action="store_true", help="only rewrite RESULTS.md from bench/out/*.json (measure nothing)"
+    )
     parser.add_argument("--warm", action="store_true", help="do not drop the page cache between runs")
     parser.add_argument("--keep", action="store_true", help="keep the synthetic checkpoints in bench/out")
     parser.add_argument(
@@ -406,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     OUT.mkdir(exist_ok=True)
     notes = []
     cold = not args.warm
-    if cold:
+    if cold and not args.render:
         why = drop_caches()
         if why:
             notes.append(why)
@@ -416,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.startup:
         startup = run_startup(max(args.repeat, 5))
         STARTUP_JSON.write_text(json.dumps(startup, indent=1))
-    for size in () if args.startup else (float(s) for s in args.sizes.split(",")):
+    for size in () if args.startup or args.render else (float(s) for s in args.sizes.split(",")):
         for layout in args.layouts.split(","):
             new = run_size(size, layout, cold, args.repeat, args.naive_max_gb, args.workers)
             keys = {(r["layout"], r["size_gb"], r["case"]) for r in new}

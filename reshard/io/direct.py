@@ -170,7 +170,7 @@ class DirectSource:
         for block in range(inner, inner_end, STAGING_BYTES):
             size = min(STAGING_BYTES, inner_end - block)
             batch.start(
-                functools.partial(self._fill_in_place, view[block - position : block - position + size], block, error)
+                functools.partial(self._read_into, view[block - position : block - position + size], block, error)
             )
         if inner_end < end:
             self._read_staged([view[inner_end - position :]], inner_end, batch, error)
@@ -189,23 +189,21 @@ class DirectSource:
         """One request: read the aligned block ``[position, position + size)``, copy its bytes from
         ``offset`` on into ``views``."""
         staging = _staging(size)
-        try:
-            count = self.read_block(staging, position)
-        except OSError as err:
-            raise error(str(err)) from err
-        if count < offset + sum(len(view) for view in views):
-            raise error("file ends before the tensor's bytes")
+        self._read_into(staging, position, error, needed=offset + sum(len(view) for view in views))
         for view in views:
             copy_bytes(view, staging[offset : offset + len(view)])
             offset += len(view)
 
-    def _fill_in_place(self, view: memoryview, position: int, error: Callable[[str], Exception]) -> None:
-        """One request: read the aligned block at ``position`` straight into ``view`` (aligned too)."""
+    def _read_into(
+        self, view: memoryview, position: int, error: Callable[[str], Exception], *, needed: int | None = None
+    ) -> None:
+        """One request: read the aligned block at ``position`` straight into ``view`` (aligned too); raise
+        ``error`` unless the first ``needed`` bytes (all of them by default) were there to read."""
         try:
             count = self.read_block(view, position)
         except OSError as err:
             raise error(str(err)) from err
-        if count < len(view):
+        if count < (len(view) if needed is None else needed):
             raise error("file ends before the tensor's bytes")
 
     def read_block(self, staging: memoryview, position: int) -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 import operator
 import os
 from dataclasses import dataclass, field
@@ -10,26 +9,6 @@ from pathlib import Path
 
 from reshard.errors import ReshardError
 
-
-class Layout(str, enum.Enum):
-    """How a checkpoint sits on disk (docs/layouts.md); ``writer_class`` says which are written."""
-
-    HF = "hf"
-    HF_RANKS = "hf-ranks"
-    MEGATRON = "megatron"
-    SAT = "sat"
-    LOOSE = "loose"
-    DCP = "dcp"
-    TORCH_DIST = "torch_dist"
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
-
-
-WRITABLE_LAYOUTS = (Layout.HF, Layout.HF_RANKS, Layout.MEGATRON, Layout.SAT, Layout.TORCH_DIST)
 # The most ranks reshard reads or writes: far above any tensor-parallel size in use (8-64), and low enough
 # that a rank number or tp from a damaged file (rank_999999999, "tp": 10**12) is refused, not enumerated.
 MAX_RANKS = 4096
@@ -112,7 +91,7 @@ class ConvertOptions:
 
     tp: int = 1
     pp: int = 1
-    layout: Layout | str | None = None
+    layout: str | None = None
     vocab: int | None = None
     pad_multiple: int | None = None
     uneven: bool = False
@@ -131,13 +110,6 @@ class ConvertOptions:
 
     def __post_init__(self) -> None:
         check_tp(self.tp)
-        if self.layout is not None:
-            try:
-                object.__setattr__(self, "layout", Layout(self.layout))
-            except ValueError:
-                raise ReshardError(
-                    f"unknown layout {self.layout!r}", hint=f"choose one of {', '.join(map(str, WRITABLE_LAYOUTS))}"
-                ) from None
 
     @property
     def read(self) -> ReadOptions:

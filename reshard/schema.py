@@ -16,7 +16,7 @@ from typing import Any
 
 from reshard.dtypes import code_from_name
 from reshard.errors import CorruptFileError
-from reshard.options import MAX_RANKS, Layout
+from reshard.options import MAX_RANKS
 from reshard.partition import partition_from_dict
 
 MAX_SIZE = 1 << 48  # no dimension of a real tensor comes near it; a bigger one is damage, not a model
@@ -54,6 +54,8 @@ COUNTS = (
 # Sub-configs whose sizes are read the same way (multimodal text and vision towers, SAT's EVA).
 NESTED = ("text_config", "vision_config", "eva_args")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+# The spelling of a layout name (``hf-ranks``, ``torch_dist``); the registry knows which exist.
+LAYOUT_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 
 
 def is_int(value: Any) -> bool:
@@ -110,8 +112,8 @@ def check_manifest_data(data: Any, path: Path) -> None:
         if part.get("tp") is not None:
             check_int(part["tp"], path=path, key=f"{side}.tp", high=MAX_RANKS)
         layout = part.get("layout")
-        if layout is not None and layout not in {member.value for member in Layout}:
-            raise _fail(path, f"{side}.layout", layout, f"a layout ({', '.join(m.value for m in Layout)})")
+        if layout is not None and not (isinstance(layout, str) and LAYOUT_NAME.fullmatch(layout)):
+            raise _fail(path, f"{side}.layout", layout, "a layout name")  # which layouts exist: layouts.check_manifest
     vocab = _object(data, "vocab", path)
     for key in ("original", "padded", "pad_multiple", "source_padded", "source_config"):
         if vocab.get(key) is not None:

@@ -19,7 +19,8 @@ from reshard.cli.render import render_verify
 from reshard.commands.convert import convert
 from reshard.commands.verify import VerifyOptions, VerifyResult, verify
 from reshard.layouts import discover
-from reshard.options import ConvertOptions, Layout, ReadOptions
+from reshard.layouts.hf import HF
+from reshard.options import ConvertOptions, ReadOptions
 
 __all__ = ["assert_roundtrip", "assert_same_checkpoint", "assert_same_logits"]
 
@@ -132,9 +133,9 @@ def _load(folder: Path, original: str | Path) -> torch.nn.Module:
 def _full_folder(path: Path, scratch: Path, plan: Path | None) -> Path:
     """``path`` itself when it is a full ``hf`` folder read without a plan, else a gathered copy in ``scratch``."""
     source = discover(path, ReadOptions())
-    if plan is None and path.is_dir() and source.layout == Layout.HF and source.tp == 1:
+    if plan is None and path.is_dir() and source.layout == HF.name and source.tp == 1:
         return path
-    convert(path, scratch, ConvertOptions(tp=1, layout=Layout.HF, plan=plan, progress=False))
+    convert(path, scratch, ConvertOptions(tp=1, layout=HF.name, plan=plan, progress=False))
     return scratch
 
 

@@ -7,9 +7,28 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "reshard"
 # docs/ARCHITECTURE.md, "Layers", top to bottom.
-LAYERS = ["domain", "slicing", "io", "layouts", "hub", "plans", "mappings", "engine", "commands", "front"]
-DOMAIN = {"errors", "dtypes", "partition", "config", "manifest", "vocab", "options", "progress", "sizes", "schema"}
-PACKAGES = {"io": "io", "layouts": "layouts", "hub": "hub", "plans": "plans", "mappings": "mappings"}
+LAYERS = ["domain", "slicing", "io", "formats", "layouts", "hub", "plans", "mappings", "engine", "commands", "front"]
+DOMAIN = {
+    "errors",
+    "dtypes",
+    "partition",
+    "config",
+    "manifest",
+    "vocab",
+    "options",
+    "progress",
+    "sizes",
+    "schema",
+    "ranks",
+}
+PACKAGES = {
+    "io": "io",
+    "formats": "formats",
+    "layouts": "layouts",
+    "hub": "hub",
+    "plans": "plans",
+    "mappings": "mappings",
+}
 PACKAGES |= {"engine": "engine"}
 PACKAGES |= {"commands": "commands", "cli": "front", "testing": "front", "__main__": "front", "slicing": "slicing"}
 

@@ -26,7 +26,8 @@ from reshard.hub.source import HubCheckpoint
 from reshard.io.interrupts import Interrupted, handled
 from reshard.io.staging import KEPT
 from reshard.io.vectored import return_large_frees_to_os
-from reshard.options import WRITABLE_LAYOUTS, ConvertOptions, default_jobs
+from reshard.layouts import writable_layouts
+from reshard.options import ConvertOptions, default_jobs
 from reshard.plans import TRANSFORMERS
 
 PATH = click.Path(path_type=Path)
@@ -195,7 +196,7 @@ def inspect_command(
 @click.option("--uneven", is_flag=True, help="Split sizes that do not divide as torch.chunk does, without padding.")
 @click.option(
     "--layout",
-    type=click.Choice([layout.value for layout in WRITABLE_LAYOUTS]),
+    type=click.Choice(writable_layouts()),
     help="Target layout (default: from the source).",
 )
 @click.option(

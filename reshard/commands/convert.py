@@ -15,14 +15,14 @@ from reshard.engine.open import OpenedCheckpoint, open_checkpoint
 from reshard.engine.planner import ConversionPlan, TargetTensor, TensorPlan
 from reshard.engine.resume import fingerprint, still_to_do
 from reshard.engine.share import EveryFile, merged, share_of, staged, together
-from reshard.engine.target import TargetPlan, plan_target, planned_tp, tp_is_recorded_only
+from reshard.engine.target import TargetPlan, plan_target, planned_tp
 from reshard.engine.warmup import import_torch_in_background
 from reshard.engine.workers import Group, join
 from reshard.errors import ReshardError
 from reshard.hub.source import source_record
 from reshard.io.journal import Journal, Resumed
 from reshard.io.staging import check_output
-from reshard.layouts import TargetSpec, writer_class
+from reshard.layouts import TargetSpec
 from reshard.manifest import Manifest, TensorEntry, VocabRecord, write_manifest
 from reshard.options import ConvertOptions
 from reshard.partition import at_tp
@@ -100,22 +100,23 @@ def convert_opened(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
         padded_vocab_size=vocab.target_padded,
         max_shard_size=options.max_shard_size,
         source=source,
-        meta=target.meta,
+        megatron_args=target.megatron_args,
+        requested_tp=options.tp,
         pp=options.pp,
     )
     group = join()
     first = group is None or group.rank == 0
     with staged(out, overwrite=options.overwrite, resume=options.resume, group=group) as staging:
-        journal, resumed = _journal(staging, ckpt, conversion, layout, options, group)
+        journal, resumed = _journal(staging, ckpt, conversion, layout.name, options, group)
         todo, done = conversion, resumed.files
         if group is not None:  # this worker's files; the others' are left to them as a resumed run leaves its own
             probe = dataclasses.replace(spec, done_files=EveryFile(), writes_shared=False)
-            todo, others = share_of(group, conversion, writer_class(layout)(staging, probe).data_files())
+            todo, others = share_of(group, conversion, layout.writer(staging, probe).data_files())
             done = done | others
         spec = dataclasses.replace(
             spec, done_files=done, on_file_done=journal.file_done if journal else None, writes_shared=first
         )
-        writer = writer_class(layout)(staging, spec)
+        writer = layout.writer(staging, spec)
         if journal is not None:
             todo = still_to_do(todo, writer.data_files(), resumed)
         from reshard.engine.execute import execute  # imports torch: after planning, which does without it
@@ -157,7 +158,7 @@ def convert_opened(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
             files.append(side.name)
         manifest = Manifest(
             source={**source_record(ckpt), "layout": source.layout, "tp": source.tp},
-            target={"layout": layout, "tp": tp},
+            target={"layout": layout.name, "tp": tp},
             vocab=VocabRecord(
                 vocab.original,
                 vocab.target_padded,
@@ -199,7 +200,7 @@ def _report(
         source_layout=source.layout,
         source_tp=source.tp,
         output=str(out),
-        layout=target.layout,
+        layout=target.layout.name,
         tp=conversion.target_tp,
         tensors=sum(len(plan.targets) for plan in conversion.tensors),
         bytes=sum(t.nbytes for t in conversion.tensors),
@@ -219,7 +220,7 @@ def _report(
             if divergent
             else []
         )
-        + _global_note(target.layout, options),
+        + _global_note(target, options),
     )
 
 
@@ -254,11 +255,11 @@ def _journal(
     return Journal.start(staging, mark, rank=group.rank), resumed
 
 
-def _global_note(layout: str, options: ConvertOptions) -> list[str]:
+def _global_note(target: TargetPlan, options: ConvertOptions) -> list[str]:
     """What --tp and --pp mean for a layout of global tensors."""
-    if tp_is_recorded_only(layout):
+    if target.layout.global_tensors:
         return [
-            f"torch_dist holds global tensors that Megatron-Core loads at any tp/pp; its args record "
+            f"{target.layout} holds global tensors that Megatron-Core loads at any tp/pp; its args record "
             f"tensor_model_parallel_size={options.tp}, pipeline_model_parallel_size={options.pp}"
         ]
     return []

@@ -22,9 +22,8 @@ from reshard.engine.planner import SourceTensor
 from reshard.engine.warmup import import_torch_in_background
 from reshard.hub.source import hub_origin
 from reshard.io.staging import check_output
-from reshard.layouts import SourceCheckpoint
-from reshard.layouts.loose import rank_template
-from reshard.options import ConvertOptions, Layout
+from reshard.layouts import layout
+from reshard.options import ConvertOptions
 from reshard.partition import Vocab, rank_shapes
 from reshard.vocab import check_vocab_rows, require_vocab
 
@@ -93,7 +92,7 @@ def fix(ckpt: Path, out: Path | None = None, options: ConvertOptions | None = No
         opened.tensors,
         vocab.original,
         source_tp=source.tp,
-        missing_files=lambda tp: missing_rank_files(source, tp),
+        missing_files=lambda tp: layout(source.layout).missing_rank_files(source, tp),
     )
     report = convert_opened(opened, out, options)
     config_before = source.config.vocab_size if source.config else None
@@ -123,17 +122,3 @@ def changed_tensors(
         if {tuple(s) for s in old} != {tuple(s) for s in new}:
             changed.append({"tensor": t.name, "old": old, "new": new, "vocab": isinstance(t.partition, Vocab)})
     return changed
-
-
-def missing_rank_files(source: SourceCheckpoint, tp: int) -> list[str] | None:
-    """Names of the files or folders ranks ``source.tp .. tp-1`` would have, when the names tell them."""
-    ranks = range(source.tp, tp)
-    if source.layout == Layout.HF_RANKS:
-        return [f"rank_{r:02d}/" for r in ranks]
-    templates = source.meta.get("rank_templates")
-    if templates is None and source.path.is_file():
-        found = rank_template(source.path.name)
-        templates = [found[1]] if found and found[0] == 0 else None
-    if not templates:
-        return None
-    return [t.format(rank=r) for r in ranks for t in templates]

@@ -109,7 +109,7 @@ def inspect_checkpoint(
         mapping=mapping,
         notes=list(source.notes) + ([why_not] if why_not else []),
         extras=_not_tensors(source),
-        hub=source.meta.get("hub"),
+        hub=source.hub,
     )
     for t in tensors:
         report.tensors.append(

@@ -7,24 +7,16 @@ naming the file, not as a failure to read the checkpoint.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import torch
-from huggingface_hub.constants import SAFETENSORS_INDEX_FILE
 
-from reshard.layouts.hf import BIN_INDEX_FILE, weight_files
-from reshard.layouts.hf_ranks import rank_dir, rank_folders
-from reshard.layouts.rank_checks import rank_count
-from reshard.layouts.readers import read_safetensors_header
+from reshard.layouts import find_layout
 from reshard.manifest import Manifest
-from reshard.options import Layout
 from reshard.slicing import bitwise_equal
 
-# Layouts whose folders reshard can check file by file; others are checked by reading them.
-_FOLDER_LAYOUTS = (Layout.HF, Layout.HF_RANKS)
 # Elements widened to float64 at a time when comparing values (128 MB per side).
 _BLOCK = 1 << 24
 
@@ -49,58 +41,12 @@ class Difference:
 
 
 def check_files(ckpt: Path, manifest: Manifest) -> list[Difference]:
-    """Missing rank folders, files an index names that are absent, folders without weights, duplicates."""
-    layout, tp = manifest.target.get("layout"), manifest.target.get("tp")
-    if not ckpt.is_dir() or layout not in _FOLDER_LAYOUTS:
+    """Missing rank folders, files an index names that are absent, folders without weights, duplicates, for a
+    layout whose folders can be checked file by file (others are checked by reading them)."""
+    spec = find_layout(manifest.target.get("layout"))
+    if not ckpt.is_dir() or spec is None or spec.check_files is None:
         return []
-    if layout == Layout.HF:
-        return _check_folder(ckpt)
-    found = rank_folders(ckpt)
-    if found:
-        rank_count(found, path=ckpt, name=lambda r: f"{found[r].name}/")  # refuses an absurd rank number
-    expected = max(int(tp or 0), max(found, default=-1) + 1)
-    diffs = [
-        Difference("missing-file", None, f"rank folder missing (reshard.json says tp={tp})", str(ckpt / rank_dir(r)))
-        for r in range(expected)
-        if r not in found
-    ]
-    for rank in sorted(found):
-        diffs += _check_folder(found[rank])
-    return diffs
-
-
-def _check_folder(folder: Path) -> list[Difference]:
-    diffs = []
-    for index_name in (SAFETENSORS_INDEX_FILE, BIN_INDEX_FILE):
-        index = folder / index_name
-        if not index.is_file():
-            continue
-        named: dict[str, str] = {}
-        try:
-            for tensor, filename in json.loads(index.read_text())["weight_map"].items():
-                named.setdefault(str(filename), tensor)
-        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
-            continue  # a corrupt index is reported when the checkpoint is read
-        for filename, tensor in named.items():
-            plain = len(PurePosixPath(filename).parts) == 1 and filename not in (".", "..")
-            if plain and not (folder / filename).is_file():
-                diffs.append(
-                    Difference(
-                        "missing-file", tensor, f"{index_name} names it, it does not exist", str(folder / filename)
-                    )
-                )
-    if diffs:
-        return diffs
-    files = weight_files(folder)  # files an index names are all there (checked above)
-    if not files:
-        return [Difference("missing-file", None, "no weight files in the folder", str(folder))]
-    seen: dict[str, Path] = {}
-    for path in (f for f in files if f.suffix == ".safetensors"):
-        for key in read_safetensors_header(path)[0]:
-            if key in seen:
-                diffs.append(Difference("duplicate", key, f"also in {seen[key].name}", str(path)))
-            seen.setdefault(key, path)
-    return diffs
+    return [Difference(p.kind, p.tensor, p.detail, p.file) for p in spec.check_files(ckpt, manifest.target.get("tp"))]
 
 
 def value_difference(a: torch.Tensor, b: torch.Tensor, *, atol: float = 0.0, rtol: float = 0.0) -> float | None:

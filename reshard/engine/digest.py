@@ -7,7 +7,7 @@ import hashlib
 import numpy as np
 import torch
 
-from reshard.io.safetensors_writer import CHUNK_BYTES, byte_chunks
+from reshard.formats.safetensors.writer import CHUNK_BYTES, byte_chunks
 
 
 def sha256_of(tensor: torch.Tensor) -> str:

@@ -18,8 +18,7 @@ from reshard.engine.lora_merge import merge_lora_source
 from reshard.engine.planner import SourceTensor, plan_sources
 from reshard.errors import ReshardError
 from reshard.hub.source import HubCheckpoint
-from reshard.layouts import SourceCheckpoint, TensorRef, discover
-from reshard.layouts.rank_checks import check_manifest_tp
+from reshard.layouts import SourceCheckpoint, TensorRef, check_manifest, discover
 from reshard.manifest import Manifest, find_manifest, written_uneven
 from reshard.options import ReadOptions
 from reshard.plans import Plan, select_plan
@@ -93,7 +92,7 @@ def open_checkpoint(
         source.config = find_config(ckpt, options.config)
     if options.merge_lora:
         source = merge_lora_source(source, alpha=options.lora_alpha)
-    check_manifest_tp(source, manifest)
+    check_manifest(source, manifest)
     vocab = resolve_vocab(options.vocab, manifest, source.config)
     plan = select_plan(source.config, source.names(), plan_file=options.plan)
     if recorded_plan and manifest is not None and options.plan is None:

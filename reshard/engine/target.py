@@ -4,7 +4,7 @@ tensor's partition and slices. Pure planning from an opened checkpoint; raises e
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from reshard.config import ModelConfig
@@ -12,17 +12,14 @@ from reshard.dtypes import name_of
 from reshard.engine.open import OpenedCheckpoint
 from reshard.engine.planner import ConversionPlan, TensorPlan, identity_plan, mapped_plans, plan_conversion
 from reshard.errors import MappingError, PlanError, ReshardError
-from reshard.layouts import SourceCheckpoint, writer_class
-from reshard.layouts.megatron_args import arg, config_from_args
-from reshard.layouts.torch_dist_keys import check_names
-from reshard.layouts.torch_dist_writer import RECORDED_TP
-from reshard.mappings import MappingChoice, choose_mapping, naming_of, require_true_vocab
+from reshard.layouts import LayoutSpec, SourceCheckpoint, layout, target_layout
+from reshard.mappings import HF, MappingChoice, choose_mapping, naming_of, require_true_vocab, sizing_config
 from reshard.mappings.megatron_gpt import MEGATRON
 from reshard.mappings.torchtitan_llama import TORCHTITAN
-from reshard.options import ConvertOptions, Layout
+from reshard.options import ConvertOptions
 from reshard.partition import Vocab, head_replicas
 from reshard.plans import select_plan
-from reshard.vocab import megatron_pad_multiple, padded_sizes_possible, source_padded_rows
+from reshard.vocab import source_padded_rows
 
 HEAD = "lm_head.weight"
 
@@ -37,47 +34,38 @@ class TargetPlan:
         config: the target's config (``config.json`` content), if any.
         mapping: the mapping applied, when names change.
         dropped: source tensors the mapping drops on purpose.
-        meta: layout facts decided here (``args`` for a Megatron target whose source has none).
     """
 
     conversion: ConversionPlan
-    layout: Layout
+    layout: LayoutSpec
     config: dict[str, Any] | None
     mapping: MappingChoice | None = None
     dropped: tuple[str, ...] = ()
-    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def megatron_args(self) -> Any:
+        """The Megatron args the mapping made for a Megatron target whose source has none."""
+        return self.mapping.args if self.mapping is not None else None
 
 
-def default_layout(source: SourceCheckpoint, tp: int) -> Layout:
-    """The source's own layout family: ``megatron``/``sat`` stay so; HF-named checkpoints become ``hf`` at
-    tp 1 and ``hf-ranks`` above."""
-    if source.layout in (Layout.MEGATRON, Layout.SAT):
-        return source.layout
-    return Layout.HF if tp == 1 else Layout.HF_RANKS
-
-
-def tp_is_recorded_only(layout: Layout | str | None) -> bool:
-    """Whether the layout holds global tensors, whatever ``--tp`` says (``torch_dist`` records it in its args)."""
-    return layout == Layout.TORCH_DIST
-
-
-def planned_tp(layout: Layout | str | None, tp: int) -> int:
-    """The tp a conversion is planned at: 1 for a layout of global tensors, else ``tp``."""
-    return 1 if tp_is_recorded_only(layout) else tp
+def planned_tp(name: str | None, tp: int) -> int:
+    """The tp a conversion into the layout called ``name`` (None: the default, never one of global tensors) is
+    planned at."""
+    return layout(name).planned_tp(tp) if name is not None else tp
 
 
 def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> TargetPlan:
     """Plan the conversion of ``opened`` as ``options`` ask (raises every planning problem at once)."""
     source = opened.source
-    if source.meta.get("cannot_convert"):  # a layout read it for inspect, but cannot convert it
-        raise source.meta["cannot_convert"]
-    layout = options.layout or default_layout(source, options.tp)
-    if options.pp > 1 and layout not in (Layout.MEGATRON, Layout.TORCH_DIST):
-        raise ReshardError(f"the {layout} layout has no pipeline stages", hint="--pp applies to --layout megatron")
-    tp = planned_tp(layout, options.tp)
+    if source.refusal is not None:  # a layout read it for inspect, but cannot convert it
+        raise source.refusal
+    spec = target_layout(options.layout, source, options.tp)
+    if options.pp > 1 and not spec.pipeline_stages:
+        raise ReshardError(f"the {spec} layout has no pipeline stages", hint="--pp applies to --layout megatron")
+    tp = spec.planned_tp(options.tp)
     choice = choose_mapping(
         source,
-        layout,
+        spec.naming,
         vocab_size=opened.vocab.original,
         dtype=_dtype(opened),
         keep_names=options.keep_names,
@@ -89,16 +77,16 @@ def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> TargetPlan
             require_true_vocab(source, vocab.original)
         elif vocab.original is None:  # the mapping knows it (torchtitan never pads its vocab)
             vocab = replace(vocab, original=choice.config["vocab_size"], origin=choice.mapping.name)
-    meta = {"args": choice.args} if choice is not None and choice.args is not None else {}
     groups, dropped, problems = None, (), []
     if choice is not None:
-        groups, dropped, problems = _mapped(opened, choice, layout, tp)
-    if layout == Layout.TORCH_DIST:
-        meta[RECORDED_TP] = options.tp
-        _check_torch_dist_names(opened, groups)
-    pad_multiple = options.pad_multiple or writer_class(layout).pad_multiple(options.tp, source, meta)
-    if layout == Layout.MEGATRON and opened.vocab.original is None:
-        problems += _unknown_megatron_vocab(opened, pad_multiple or options.tp)
+        groups, dropped, problems = _mapped(opened, choice, spec, tp)
+    writer = spec.writer
+    writer.check_names(_target_names(opened, groups), source)
+    args = choice.args if choice is not None else None
+    pad_multiple = options.pad_multiple or writer.pad_multiple(options.tp, source, args)
+    if opened.vocab.original is None:
+        rows = source_padded_rows(opened.tensors)
+        problems += writer.vocab_problems(source, padded_rows=rows, pad_multiple=pad_multiple or options.tp)
     conversion = plan_conversion(
         source,
         opened.tensors,
@@ -109,14 +97,14 @@ def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> TargetPlan
         groups=groups,
         problems=problems,
     )
-    _refuse_copied_heads(conversion, layout, source)
-    return TargetPlan(conversion, layout, _config(opened, choice), choice, dropped, meta)
+    _refuse_copied_heads(conversion, spec, source)
+    return TargetPlan(conversion, spec, _config(opened, choice), choice, dropped)
 
 
-def _refuse_copied_heads(conversion: ConversionPlan, layout: Layout, source: SourceCheckpoint) -> None:
+def _refuse_copied_heads(conversion: ConversionPlan, spec: LayoutSpec, source: SourceCheckpoint) -> None:
     """KV heads copied over ranks (tp a multiple of their count) are what vLLM runs; a layout whose runtime
     cannot load copies says why (``replicated_heads_refusal``)."""
-    refusal = writer_class(layout).replicated_heads_refusal
+    refusal = spec.writer.replicated_heads_refusal
     copied = [
         t.name
         for plan in conversion.tensors
@@ -138,15 +126,13 @@ def _shapes(opened: OpenedCheckpoint) -> dict[str, tuple[int, ...]]:
 
 
 def _mapped(
-    opened: OpenedCheckpoint, choice: MappingChoice, layout: Layout, tp: int
+    opened: OpenedCheckpoint, choice: MappingChoice, spec: LayoutSpec, tp: int
 ) -> tuple[list[TensorPlan], tuple[str, ...], list[ReshardError]]:
     try:
         groups, dropped = choice.mapping.plan(_shapes(opened), opened.source.config)
     except PlanError as err:
         return [], (), list(err.problems)
-    target_config = choice.target_config
-    if layout in (Layout.MEGATRON, Layout.TORCH_DIST):  # Megatron's names: sized by the args (mapped or own)
-        target_config = config_from_args(choice.args, None) if choice.args is not None else opened.source.config
+    target_config = sizing_config(choice, spec.naming, opened.source)
     names = [name for group in groups for name in group.targets]
     plan = select_plan(target_config, names)
     plans, problems = mapped_plans(opened.tensors, groups, plan, target_config, target_tp=tp)
@@ -154,38 +140,10 @@ def _mapped(
     return plans, tuple(dropped), problems
 
 
-def _check_torch_dist_names(opened: OpenedCheckpoint, groups: list[TensorPlan] | None) -> None:
-    """Refuse, before any output exists, names Megatron-Core's ``torch_dist`` cannot hold (legacy, grouped GEMM).
-
-    The targets keep the names reshard reads a ``torch_dist`` checkpoint under (the ``torch`` format's, which
-    ``layouts/torch_dist.py`` gives the stored norms back), so the manifest and ``verify`` agree with the reader;
-    the writer stores them under Transformer Engine's names (``torch_dist_keys.plan_global``).
-    """
+def _target_names(opened: OpenedCheckpoint, groups: list[TensorPlan] | None) -> list[str]:
+    """Every target tensor's name (the writer refuses those its framework cannot hold before any output exists)."""
     plans = groups if groups is not None else [identity_plan(t) for t in opened.tensors if not t.problem]
-    check_names([t.name for plan in plans for t in plan.targets], opened.source.path)
-
-
-def _unknown_megatron_vocab(opened: OpenedCheckpoint, target_multiple: int) -> list[ReshardError]:
-    """Megatron pads the vocab from the true size at start-up (``make_vocab_size_divisible_by * tp``): when
-    nothing records the true size and the rows found could pad to different sizes at the target tp, the
-    output would not load (``size mismatch for embedding.word_embeddings.weight``). Refuse, saying which."""
-    rows = source_padded_rows(opened.tensors)
-    source = opened.source
-    if rows is None or not source.meta.get("megatron"):
-        return []
-    divisible_by = arg(source.meta.get("args"), "make_vocab_size_divisible_by")
-    possible = padded_sizes_possible(rows, megatron_pad_multiple(divisible_by, source.tp), target_multiple)
-    if len(possible) > 1:
-        sizes = "; ".join(f"{padded} rows for a true size of {r.start}-{r.stop - 1}" for padded, r in possible.items())
-        return [
-            ReshardError(
-                f"the true vocab size is unknown and Megatron pads it for the target tp: the {rows} rows here "
-                f"could become {sizes}",
-                path=source.path,
-                hint="pass --vocab N (the tokenizer's size, which Megatron-LM recomputes at start-up)",
-            )
-        ]
-    return []
+    return [t.name for plan in plans for t in plan.targets]
 
 
 def _tie_problems(choice: MappingChoice, names: list[str]) -> list[ReshardError]:
@@ -234,7 +192,7 @@ def preview_mapping(opened: OpenedCheckpoint) -> tuple[str | None, dict[str, lis
     shapes = _shapes(opened)
     try:
         choice = choose_mapping(
-            opened.source, Layout.HF, vocab_size=opened.vocab.original, dtype=_dtype(opened), shapes=shapes
+            opened.source, HF, vocab_size=opened.vocab.original, dtype=_dtype(opened), shapes=shapes
         )
         if choice is None:  # names that stay (a --keep-names output nothing describes)
             return None, {}, None

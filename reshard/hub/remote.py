@@ -76,7 +76,7 @@ def open_headers(ckpt: HubCheckpoint, options: ReadOptions) -> tuple[SourceCheck
     """``ckpt`` as a source whose tensors are known from headers only, and the ``reshard.json`` beside it.
 
     Offline (``HF_HUB_OFFLINE=1``) the checkpoint is read from the cache instead, as downloaded before.
-    ``source.meta["hub"]`` records the repo, revision, commit and what the client received.
+    ``source.hub`` records the repo, revision, commit and what the client received.
 
     Raises:
         HubError: unknown repo or revision, no access, a file missing at that revision, torch weight files
@@ -88,7 +88,7 @@ def open_headers(ckpt: HubCheckpoint, options: ReadOptions) -> tuple[SourceCheck
     if constants.is_offline_mode():
         folder = download_checkpoint(ckpt, progress=False)
         source = discover(folder, options)
-        source.meta["hub"] = _record(resolve(ckpt), None)
+        source.hub = _record(resolve(ckpt), None)
         return source, find_manifest(folder)
     with counting() as transfer, progress_bars(False):
         ckpt = resolve(ckpt)
@@ -120,7 +120,7 @@ def open_headers(ckpt: HubCheckpoint, options: ReadOptions) -> tuple[SourceCheck
         except ReshardError as err:
             raise _renamed(err, str(mirror), where) from None
         source = _header_only(source, mirror, where, ckpt)
-    source.meta["hub"] = _record(ckpt, transfer)
+    source.hub = _record(ckpt, transfer)
     return source, manifest
 
 
@@ -211,7 +211,7 @@ def _header_only(source: SourceCheckpoint, mirror: Path, where: str, ckpt: HubCh
         config=config,
         notes=[n.replace(str(mirror), where) for n in source.notes],
         side_files=[],
-        meta={**source.meta, "cannot_convert": header_only},
+        refusal=header_only,
     )
 
 

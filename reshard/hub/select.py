@@ -1,6 +1,6 @@
 """Which files of a repo a command needs, from the repo's file list alone (pure: names in, names out).
 
-Weights are chosen per folder the way the layouts read a folder (``layouts/hf.py`` ``weight_files``): the
+Weights are chosen per folder the way the layouts read a folder (``layouts/hf/folder.py`` ``weight_files``): the
 files an index names, else ``model.safetensors`` / ``pytorch_model.bin``, else every ``*.safetensors``, else
 every torch file that is not optimizer state. The folders are the checkpoint's own and, below it, the iteration
 a tracker names (Megatron, SAT), else those named for a rank. So a repo holding both ``*.safetensors`` and
@@ -21,12 +21,10 @@ from collections.abc import Callable, Iterable, Sequence
 from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE_FILE
 
 from reshard.errors import HubError
-from reshard.layouts.loose import RANK_TOKEN
+from reshard.layouts import rank_folder_patterns, tracker_files
 
 TENSOR_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 BIN_INDEX, BIN_SINGLE = "pytorch_model.bin.index.json", "pytorch_model.bin"
-# Files naming the iteration folder to read: Megatron's (``iter_{n:07d}`` or ``release``) and SAT's (the name).
-TRACKERS = ("latest_checkpointed_iteration.txt", "latest")
 # Optimizer state saved beside the weights: DeepSpeed ``*optim_states.pt``, ColossalAI ``pytorch_optim*``,
 # Megatron's distributed optimizer ``distrib_optim.pt`` (not ``model_optim_rng.pt``, which holds the model).
 OPTIMIZER = re.compile(r"optim_states|optimizer|pytorch_optim|distrib_optim", re.I)
@@ -65,7 +63,7 @@ def plan_patterns(root: str) -> list[str]:
     Megatron tracker (fnmatch's ``*`` crosses ``/``: rank folders' indexes match too)."""
     folder = _folder(root)
     prefix = literal(folder + "/") if folder else ""
-    small = [prefix + "*.index.json", prefix + "reshard.json", *(prefix + t for t in TRACKERS)]
+    small = [prefix + "*.index.json", prefix + "reshard.json", *(prefix + t for t in tracker_files())]
     return [*map(literal, config_candidates(root)), *small]
 
 
@@ -99,15 +97,18 @@ def weight_files(files: Sequence[str], root: str, read_text: Callable[[str], str
     inside = [f for f in files if under(f, root)]
     if not inside:
         raise HubError(f"no file or folder {root!r} at this revision", path=where or None)
-    trackers = [(t, posixpath.join(root, t) if root else t) for t in TRACKERS]
-    iteration = next((_iteration(t, read_text(path)) for t, path in trackers if path in present), None)
+    trackers = [(folder_of, posixpath.join(root, t) if root else t) for t, folder_of in tracker_files().items()]
+    iteration = next((folder_of(read_text(path)) for folder_of, path in trackers if path in present), None)
+    rank_folder = rank_folder_patterns()
     folders: dict[str, list[str]] = {}
     for f in inside:
         folders.setdefault(posixpath.dirname(f), []).append(posixpath.basename(f))
     chosen: list[str] = []
     for folder, names in sorted(folders.items()):
         below = folder[len(root) :].strip("/").split("/") if folder != root else []
-        if below and not (below[0] == iteration if iteration else any(RANK_TOKEN.search(p) for p in below)):
+        if below and not (
+            below[0] == iteration if iteration else any(r.search(p) for p in below for r in rank_folder)
+        ):
             continue
         join = (lambda n, folder=folder: posixpath.join(folder, n)) if folder else (lambda n: n)
         index = next((i for i in (SAFETENSORS_INDEX_FILE, BIN_INDEX) if i in names), None)
@@ -133,14 +134,6 @@ def _index_files(text: str) -> list[str]:
         return list(dict.fromkeys(str(f) for f in weight_map.values()))
     except (ValueError, KeyError, TypeError, AttributeError):
         return []  # a corrupt index is reported when the layout reads it
-
-
-def _iteration(tracker: str, text: str) -> str | None:
-    """The iteration folder a tracker names: Megatron's ``iter_0000100`` (or ``release``), SAT's name as written."""
-    value = text.strip()
-    if tracker == TRACKERS[0] and value.isdigit():
-        return f"iter_{int(value):07d}"
-    return value or None
 
 
 __all__ = ["config_candidates", "literal", "plan_patterns", "side_patterns", "weight_files"]

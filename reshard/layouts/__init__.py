@@ -1,25 +1,47 @@
-"""Layouts: how checkpoints sit on disk. ``discover`` reads any of them; ``writer_class`` picks a writer."""
+"""Layouts: how checkpoints sit on disk, one package each, and the registry that the engine, the commands, the Hub
+code and the mappings ask instead of naming a layout.
+
+Adding a layout is a package with its :class:`~reshard.layouts.spec.LayoutSpec` and one line in :data:`LAYOUTS`.
+"""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from pathlib import Path
 
-from reshard.errors import ReshardError
-from reshard.layouts import dcp, hf, hf_ranks, loose, megatron, sat, torch_dist
-from reshard.layouts.base import CheckpointWriter, SourceCheckpoint, TargetSpec, TensorRef
-from reshard.layouts.megatron_writer import MegatronWriter
-from reshard.layouts.torch_dist_writer import TorchDistWriter
-from reshard.options import Layout, ReadOptions
+from reshard.errors import CorruptFileError, ReshardError
+from reshard.layouts.base import CheckpointWriter, SourceCheckpoint, SourceFacts, TargetSpec, TensorRef
+from reshard.layouts.dist import DCP, TORCH_DIST
+from reshard.layouts.hf import HF, HF_RANKS, LOOSE
+from reshard.layouts.megatron import MEGATRON
+from reshard.layouts.sat import SAT
+from reshard.layouts.spec import FileProblem, LayoutSpec
+from reshard.manifest import MANIFEST_NAME, Manifest
+from reshard.options import ReadOptions
 
-__all__ = ["CheckpointWriter", "SourceCheckpoint", "TargetSpec", "TensorRef", "discover", "writer_class"]
+__all__ = [
+    "LAYOUTS",
+    "CheckpointWriter",
+    "FileProblem",
+    "LayoutSpec",
+    "SourceCheckpoint",
+    "SourceFacts",
+    "TargetSpec",
+    "TensorRef",
+    "check_manifest",
+    "discover",
+    "find_layout",
+    "layout",
+    "rank_folder_patterns",
+    "target_layout",
+    "tracker_files",
+    "writable_layouts",
+]
 
-_WRITERS: dict[Layout, type[CheckpointWriter]] = {
-    Layout.HF: hf.HFWriter,
-    Layout.HF_RANKS: hf_ranks.HFRanksWriter,
-    Layout.MEGATRON: MegatronWriter,
-    Layout.SAT: sat.SatWriter,
-    Layout.TORCH_DIST: TorchDistWriter,
-}
+# Every layout, in the order a folder is tried: torch_dist before dcp (its data files are DCP) and megatron (the same
+# tracker file); an HF folder last (a folder of rank files holds weight files too). A single file is read as hf.
+LAYOUTS: tuple[LayoutSpec, ...] = (TORCH_DIST, DCP, MEGATRON, SAT, HF_RANKS, LOOSE, HF)
 
 
 def discover(path: Path, options: ReadOptions | None = None) -> SourceCheckpoint:
@@ -32,35 +54,79 @@ def discover(path: Path, options: ReadOptions | None = None) -> SourceCheckpoint
     if not path.exists():
         raise ReshardError("no such file or folder", path=path)
     if path.is_file():
-        return hf.discover(path, options)
-    if torch_dist.detect(path):  # before dcp (its data files are DCP) and megatron (the same tracker file)
-        return torch_dist.discover(path, options)
-    if dcp.detect(path):
-        return dcp.discover(path, options)
-    if megatron.detect(path):
-        return megatron.discover(path, options)
-    if sat.detect(path):
-        return sat.discover(path, options)
-    if hf_ranks.detect(path):
-        return hf_ranks.discover(path, options)
-    if loose.detect(path):
-        return loose.discover(path, options)
-    if hf.is_hf_folder(path):
-        return hf.discover(path, options)
-    raise ReshardError(
-        "no checkpoint found (looked for Megatron-Core torch_dist metadata.json, DCP .metadata, "
-        "Megatron iter_*/mp_rank_*, SAT mp_rank_XX_model_states.pt, "
-        "rank_NN/ folders, *rank{r}* files, model.safetensors, "
-        "pytorch_model.bin, *.safetensors)",
-        path=path,
-    )
+        return HF.open(path, options)
+    for spec in LAYOUTS:
+        if spec.detect(path):
+            return spec.open(path, options)
+    raise ReshardError(f"no checkpoint found (looked for {', '.join(s.looked_for for s in LAYOUTS)})", path=path)
 
 
-def writer_class(layout: Layout) -> type[CheckpointWriter]:
-    """The writer for a layout; ``ReshardError`` for a read-only one."""
-    try:
-        return _WRITERS[layout]
-    except KeyError:
+def check_manifest(source: SourceCheckpoint, manifest: Manifest | None) -> None:
+    """Refuse a ``reshard.json`` beside ``source`` that names a layout reshard does not know, or records another tp
+    for this very layout (a rank missing or extra)."""
+    if manifest is None:
+        return
+    folder = source.path if source.path.is_dir() else source.path.parent
+    for side in ("source", "target"):
+        name = getattr(manifest, side).get("layout")
+        if name is not None and find_layout(name) is None:
+            known = ", ".join(sorted(spec.name for spec in LAYOUTS))
+            raise CorruptFileError(
+                f"{name!r} is not a layout ({known})", path=folder / MANIFEST_NAME, tensor=f"{side}.layout"
+            )
+    recorded = manifest.target.get("tp")
+    if manifest.target.get("layout") == source.layout and recorded is not None and recorded != source.tp:
         raise ReshardError(
-            f"cannot write the {str(layout)!r} layout", hint=f"choose one of {', '.join(map(str, _WRITERS))}"
-        ) from None
+            f"holds {source.tp} ranks, but {MANIFEST_NAME} records tp={recorded} for this {source.layout} checkpoint",
+            path=folder / MANIFEST_NAME,
+            hint="a rank is missing or extra: restore the checkpoint as it was written",
+        )
+
+
+def find_layout(name: object) -> LayoutSpec | None:
+    """The layout called ``name``, or None."""
+    return next((spec for spec in LAYOUTS if spec.name == name), None)
+
+
+def layout(name: str) -> LayoutSpec:
+    """The layout called ``name``; a one-line error naming the known ones otherwise."""
+    spec = find_layout(name)
+    if spec is None:
+        raise ReshardError(f"unknown layout {name!r}", hint=f"choose one of {', '.join(writable_layouts())}")
+    return spec
+
+
+def writable_layouts() -> list[str]:
+    """The names of the layouts reshard writes, sorted (as ``--layout`` lists them)."""
+    return sorted(spec.name for spec in LAYOUTS if spec.writer is not None)
+
+
+def target_layout(name: str | None, source: SourceCheckpoint, tp: int) -> LayoutSpec:
+    """The layout a conversion writes: the one named, else the source's own when it is ``kept`` (Megatron, SAT),
+    else transformers' folders (``hf`` at tp 1, ``hf-ranks`` above).
+
+    Raises:
+        ReshardError: an unknown layout, or one reshard only reads.
+    """
+    if name is None:
+        own = find_layout(source.layout)
+        return own if own is not None and own.kept else HF if tp == 1 else HF_RANKS
+    spec = layout(name)
+    if spec.writer is None:
+        raise ReshardError(f"cannot write the {name!r} layout", hint=f"choose one of {', '.join(writable_layouts())}")
+    return spec
+
+
+def tracker_files() -> dict[str, Callable[[str], str | None]]:
+    """Small files, in any layout, that name the folder to read (a Hub download fetches them to plan), each with what
+    gives the folder's name from its text."""
+    found: dict[str, Callable[[str], str | None]] = {}
+    for spec in LAYOUTS:
+        for name, folder in spec.trackers:
+            found.setdefault(name, folder)
+    return found
+
+
+def rank_folder_patterns() -> tuple[re.Pattern[str], ...]:
+    """Patterns of the names of folders that hold one rank's files, in any layout."""
+    return tuple(spec.rank_folder for spec in LAYOUTS if spec.rank_folder is not None)

@@ -11,9 +11,8 @@ from typing import TYPE_CHECKING, Any
 from reshard.config import ModelConfig
 from reshard.dtypes import TensorHeader
 from reshard.errors import ReshardError
-from reshard.io.safetensors_writer import FileHooks
+from reshard.formats.safetensors.writer import FileHooks
 from reshard.layouts.readers import FileReader
-from reshard.options import Layout
 
 if TYPE_CHECKING:
     import torch
@@ -72,6 +71,19 @@ class TensorRef:
         self.reader.evict(self.key)
 
 
+@dataclass(frozen=True, kw_only=True)
+class SourceFacts:
+    """What a layout read beside the tensors and the config that a writer or a mapping uses; each layout that
+    reads more (an iteration, a tracker, rank file names) subclasses it in its own package.
+
+    Attributes:
+        megatron_args: Megatron-LM's ``args`` namespace when the checkpoint records one (Megatron's ``torch``
+            format, ``torch_dist``, NeMo 2): the model's shape and the arguments a Megatron target keeps.
+    """
+
+    megatron_args: Any = None
+
+
 @dataclass
 class SourceCheckpoint:
     """A checkpoint as ``tp`` ranks, each a mapping ``name -> TensorRef``, plus what came with it.
@@ -85,18 +97,23 @@ class SourceCheckpoint:
         top_level: per rank, other top-level keys of torch files (``args``, optimizer state, ...).
         notes: things ``inspect`` should tell the user (legacy files, dropped keys, grouping).
         side_files: files to copy beside the output (tokenizer, generation config, ...).
-        meta: layout-specific facts (iteration, Megatron args, SAT model_config) for its writer.
+        facts: what the layout read for writers and mappings (its own :class:`SourceFacts` subclass).
+        refusal: why a conversion of it is refused though ``inspect`` and ``check`` read it (a legacy QKV order,
+            a Hub repo read from its headers only); raised as soon as a conversion is planned.
+        hub: for a Hub repo, the repo, revision and commit read and what the client received.
     """
 
     path: Path
-    layout: Layout
+    layout: str
     ranks: list[dict[str, TensorRef]]
     config: ModelConfig | None = None
     extras: list[dict[str, Any]] = field(default_factory=list)
     top_level: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     side_files: list[Path] = field(default_factory=list)
-    meta: dict[str, Any] = field(default_factory=dict)
+    facts: SourceFacts = field(default_factory=SourceFacts)
+    refusal: ReshardError | None = None
+    hub: dict[str, Any] | None = None
 
     @property
     def tp(self) -> int:
@@ -159,8 +176,9 @@ class TargetSpec:
         vocab_size: the true vocab size, if known.
         padded_vocab_size: the vocab size the vocab tensors are padded to at the target tp.
         max_shard_size: for safetensors outputs, the largest file before a new shard starts.
-        source: the checkpoint being converted (layout writers read its ``meta``, ``extras``, ``top_level``).
-        meta: facts the plan decided for the writer (``args`` of a Megatron target whose source has none).
+        source: the checkpoint being converted (layout writers read its ``facts``, ``extras``, ``top_level``).
+        megatron_args: the Megatron args a mapping made for a Megatron target whose source has none.
+        requested_tp: the tp asked for (``--tp``); a layout of global tensors records it and writes ``tp`` 1.
         pp: pipeline stages to write (layouts without stages refuse more than one).
         done_files: data files (paths relative to the output folder) that a resumed run found complete: the
             writer leaves them as they are and drops what would go into them.
@@ -176,7 +194,8 @@ class TargetSpec:
     padded_vocab_size: int | None
     max_shard_size: int | str
     source: SourceCheckpoint
-    meta: dict[str, Any] = field(default_factory=dict)
+    megatron_args: Any = None
+    requested_tp: int = 1
     pp: int = 1
     done_files: frozenset[str] = frozenset()
     on_file_done: Callable[[str], None] | None = None
@@ -205,9 +224,22 @@ class CheckpointWriter:
         self.spec = spec
 
     @classmethod
-    def pad_multiple(cls, tp: int, source: SourceCheckpoint, meta: dict[str, Any]) -> int | None:
-        """The multiple the vocab is padded to for ``tp`` ranks when the user does not say (None: tp)."""
+    def pad_multiple(cls, tp: int, source: SourceCheckpoint, megatron_args: Any) -> int | None:
+        """The multiple the vocab is padded to for ``tp`` ranks when the user does not say (None: tp);
+        ``megatron_args`` are those a mapping made for the target, if any."""
         return None
+
+    @classmethod
+    def check_names(cls, names: list[str], source: SourceCheckpoint) -> None:
+        """Refuse, before any output exists, target names the layout's framework cannot hold."""
+
+    @classmethod
+    def vocab_problems(
+        cls, source: SourceCheckpoint, *, padded_rows: int | None, pad_multiple: int
+    ) -> list[ReshardError]:
+        """Problems of an output whose true vocab size is unknown (``padded_rows`` rows in the source), when the
+        layout's framework would pad it differently at load time."""
+        return []
 
     # Why the layout's runtime cannot load copies of a KV head on several ranks (``replicated_heads`` at a tp
     # above the head count); None when it can.

@@ -24,12 +24,12 @@ from safetensors import SafetensorError, safe_open
 
 from reshard.dtypes import TensorHeader
 from reshard.errors import CorruptFileError, UnsafePickleError
+from reshard.formats.safetensors.header import read_header
+from reshard.formats.safetensors.writer import CHUNK_BYTES
+from reshard.formats.torch_zip.checks import check_torch_file
 from reshard.io.direct import Batch, DirectSource
-from reshard.io.safetensors_writer import CHUNK_BYTES
 from reshard.io.scratch import scratch
 from reshard.io.vectored import file_mappings, mapped_offset, release_mapped, row_views
-from reshard.layouts.safetensors_header import read_header
-from reshard.layouts.torch_checks import check_torch_file
 
 if TYPE_CHECKING:
     import torch

@@ -21,7 +21,8 @@ from typing import Any
 
 from reshard.config import ModelConfig
 from reshard.errors import MappingError
-from reshard.layouts.base import SourceCheckpoint
+from reshard.layouts import SourceCheckpoint, find_layout
+from reshard.layouts.megatron.args import config_from_args
 from reshard.mappings.base import Entry, MappedGroup, Mapping
 from reshard.mappings.megatron_config import (
     gpt_shape_from_args,
@@ -34,14 +35,21 @@ from reshard.mappings.megatron_gpt import DENSE_FAMILIES, MEGATRON, MOE_FAMILIES
 from reshard.mappings.torchtitan_config import llama_config, titan_model
 from reshard.mappings.torchtitan_llama import SIGNATURE as TORCHTITAN_SIGNATURE
 from reshard.mappings.torchtitan_llama import TORCHTITAN, torchtitan_to_hf
-from reshard.options import Layout
 from reshard.plans.megatron import SIGNATURE as MEGATRON_SIGNATURE
 
-__all__ = ["Entry", "MappedGroup", "Mapping", "MappingChoice", "choose_mapping", "naming_of", "require_true_vocab"]
+__all__ = [
+    "HF",
+    "Entry",
+    "MappedGroup",
+    "Mapping",
+    "MappingChoice",
+    "choose_mapping",
+    "naming_of",
+    "require_true_vocab",
+    "sizing_config",
+]
 
-HF = "hf"
-# The naming a layout's files use.
-_LAYOUT_NAMING = {Layout.HF: HF, Layout.HF_RANKS: HF, Layout.MEGATRON: MEGATRON, Layout.TORCH_DIST: MEGATRON}
+HF = "hf"  # transformers' names (a layout's ``naming``)
 
 
 @dataclass(frozen=True)
@@ -71,14 +79,14 @@ def naming_of(source: SourceCheckpoint) -> str | None:
 
 def choose_mapping(
     source: SourceCheckpoint,
-    layout: Layout,
+    target_naming: str | None,
     *,
     vocab_size: int | None,
     dtype: str,
     keep_names: bool = False,
     shapes: MappingType[str, tuple[int, ...]] | None = None,
 ) -> MappingChoice | None:
-    """The mapping from ``source``'s names to ``layout``'s, or None when the names stay.
+    """The mapping from ``source``'s names to ``target_naming`` (the target layout's), or None when the names stay.
 
     ``shapes`` are the canonical (whole) shapes by name (default: those of a tp=1 source's tensors).
 
@@ -87,7 +95,7 @@ def choose_mapping(
     """
     if keep_names:
         return None
-    source_naming, target_naming = naming_of(source), _LAYOUT_NAMING.get(layout)
+    source_naming = naming_of(source)
     if source_naming is None or target_naming is None or source_naming == target_naming:
         return None
     if source_naming == MEGATRON:
@@ -101,6 +109,14 @@ def choose_mapping(
             )
         return _torchtitan_to_hf(source, vocab_size=vocab_size, dtype=dtype, shapes=shapes)
     return _hf_to_megatron(source, vocab_size=vocab_size)
+
+
+def sizing_config(choice: MappingChoice, target_naming: str | None, source: SourceCheckpoint) -> ModelConfig | None:
+    """The config the target's names are sized by: Megatron's names by the args (the mapping's, else the source's
+    own), transformers' by the mapping's config."""
+    if target_naming == MEGATRON:
+        return config_from_args(choice.args, None) if choice.args is not None else source.config
+    return choice.target_config
 
 
 def require_true_vocab(source: SourceCheckpoint, vocab_size: int | None) -> int:
@@ -126,7 +142,7 @@ def _megatron_to_hf(source: SourceCheckpoint, *, vocab_size: int | None, dtype: 
     if config is not None and config.model_type in DENSE_FAMILIES + MOE_FAMILIES:  # --config gave the target's
         target = config.raw if vocab_size is None else config.with_vocab_size(vocab_size)
         return MappingChoice(megatron_to_hf(config.model_type), target)
-    args = source.meta.get("args")
+    args = source.facts.megatron_args
     if args is None:  # Megatron's names without Megatron's files (written with --keep-names): they stay
         return None
     shape = gpt_shape_from_args(args)
@@ -148,7 +164,8 @@ def _torchtitan_to_hf(
     """
     config = source.config
     described = config is not None and (config.model_type == "llama" or isinstance(config.raw.get("model"), dict))
-    if not described and source.layout in (Layout.HF, Layout.HF_RANKS):  # written with --keep-names: they stay
+    own = find_layout(source.layout)
+    if not described and own is not None and own.naming == HF:  # written with --keep-names: they stay
         return None
     if shapes is None:
         if source.tp != 1:

@@ -15,8 +15,8 @@ from reshard.engine.buffers import BufferPool
 from reshard.engine.digest import sha256_of
 from reshard.engine.planner import SourceTensor, TargetTensor, TensorPlan
 from reshard.errors import DivergentReplicaError
+from reshard.formats.safetensors.writer import byte_chunks, tensor_bytes
 from reshard.io import direct as direct_io
-from reshard.io.safetensors_writer import byte_chunks, tensor_bytes
 from reshard.layouts.base import TensorRef
 from reshard.layouts.readers import SafetensorsReader, TorchReader
 from reshard.partition import Packed, Replicate, Shard, Vocab, rank_shapes

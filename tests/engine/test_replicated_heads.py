@@ -23,8 +23,8 @@ from safetensors.torch import load_file, save_file
 from reshard.engine import gather as engine_gather
 from reshard.engine.planner import SourceTensor, TargetTensor, TensorPlan
 from reshard.errors import DivergentReplicaError, ShapeMismatchError
+from reshard.formats.safetensors.writer import tensor_bytes
 from reshard.io.direct import ALIGN
-from reshard.io.safetensors_writer import tensor_bytes
 from reshard.layouts.base import TensorRef
 from reshard.layouts.readers import SafetensorsReader, TorchReader
 from reshard.partition import (

@@ -1,4 +1,4 @@
-"""``reshard.io.safetensors_writer``: the streaming writer writes exactly what safetensors.torch.save_file writes."""
+"""``reshard.formats.safetensors.writer``: the streaming writer writes what safetensors.torch.save_file writes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from fixtures.tp import arange
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from reshard.io.safetensors_writer import SafetensorsFileWriter, ShardedSafetensorsWriter, byte_chunks, ordered
+from reshard.formats.safetensors.writer import SafetensorsFileWriter, ShardedSafetensorsWriter, byte_chunks, ordered
 from reshard.layouts.readers import TensorHeader
 
 
@@ -125,8 +125,8 @@ def test_copies_of_short_rows_are_let_go_as_they_are_written(tmp_path, monkeypat
     import time
     import weakref
 
+    from reshard.formats.safetensors import writer as safetensors_stream
     from reshard.io import direct as direct_io
-    from reshard.io import safetensors_writer as safetensors_stream
 
     monkeypatch.setattr(direct_io, "STAGING_BYTES", 2 * direct_io.ALIGN)
     alive, most = set(), [0]

@@ -20,10 +20,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from reshard.formats.torch_zip import layout as zip_layout
+from reshard.formats.torch_zip import writer as torch_zip
+from reshard.formats.torch_zip.writer import TensorSlot, TorchZipWriter, archive_name
 from reshard.io import direct as direct_io
-from reshard.io import torch_zip, zip_layout
-from reshard.io.torch_zip import TensorSlot, TorchZipWriter, archive_name
-from reshard.layouts.megatron_args import PICKLE_MODULE, SAFE_GLOBALS, PickledEnum
+from reshard.layouts.megatron.args import PICKLE_MODULE, SAFE_GLOBALS, PickledEnum
 from reshard.layouts.readers import TensorHeader
 
 DTYPES = [

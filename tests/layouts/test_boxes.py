@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reshard.layouts.boxes import Box, contiguous_pieces, runs, tiling_problem
+from reshard.formats.boxes import Box, contiguous_pieces, runs, tiling_problem
 
 shapes = st.lists(st.integers(1, 5), min_size=1, max_size=4).map(tuple)
 

@@ -14,10 +14,10 @@ from fixtures.hf import load_folder
 from fixtures.models import logits
 from safetensors.torch import load_file
 
+from reshard.formats.boxes import Box
+from reshard.formats.dcp_metadata.read import read_index
 from reshard.layouts import discover
-from reshard.layouts.boxed import BoxedReader, BoxView
-from reshard.layouts.boxes import Box
-from reshard.layouts.dcp_metadata import read_index
+from reshard.layouts.dist.boxed_reader import BoxedReader, BoxView
 
 
 def assembled(folder: Path) -> dict[str, torch.Tensor]:

@@ -14,7 +14,7 @@ import pytest
 from fixtures.checks import assert_refused
 from fixtures.dcp import rewrite_metadata, storage_key
 
-from reshard.layouts.dcp_metadata import read_index
+from reshard.formats.dcp_metadata.read import read_index
 
 EMBED = "model.embed_tokens.weight"
 

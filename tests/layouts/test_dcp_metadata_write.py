@@ -1,4 +1,4 @@
-"""``reshard.layouts.dcp_metadata_write``: the ``.metadata`` pickle is byte for byte what ``pickle.dump`` writes for
+"""``reshard.formats.dcp_metadata.write``: the ``.metadata`` pickle is byte for byte what ``pickle.dump`` writes for
 the real ``torch.distributed.checkpoint`` objects, and torch's own reader loads it; writing it imports no torch."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import filesystem as dcp_fs
 from torch.distributed.checkpoint import metadata as dcp_md
 
-from reshard.layouts import dcp_metadata_write as w
-from reshard.layouts.dcp_metadata import read_index
+from reshard.formats.dcp_metadata import write as w
+from reshard.formats.dcp_metadata.read import read_index
 
 
 def real(obj: Any, memo: dict[int, Any] | None = None) -> Any:
@@ -102,7 +102,7 @@ def test_torch_and_reshard_read_it(tmp_path: Path) -> None:
 
 def test_writing_it_imports_no_torch() -> None:
     code = (
-        "import sys; from reshard.layouts import dcp_metadata_write as w; "
+        "import sys; from reshard.formats.dcp_metadata import write as w; "
         "w.dumps(w.build_metadata([('a', 'bfloat16', (2, 3), [w.StoredChunk((0, 0), (2, 3), 'f', 0, 9)])], [])); "
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
     )

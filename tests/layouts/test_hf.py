@@ -1,4 +1,4 @@
-"""``reshard.layouts.hf``: every HF on-disk form read lazily: safetensors single/sharded, .bin single/sharded,
+"""``reshard.layouts.hf.folder``: every HF on-disk form read lazily: safetensors single/sharded, .bin single/sharded,
 nested torch files."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``reshard.layouts.hf_ranks``: reshard's own layout, one HF folder per rank (``rank_NN/``) and a ``reshard.json``."""
+"""``reshard.layouts.hf.ranks``: reshard's own layout, one HF folder per rank (``rank_NN/``) and a ``reshard.json``."""
 
 from __future__ import annotations
 

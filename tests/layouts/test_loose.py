@@ -1,4 +1,4 @@
-"""``reshard.layouts.loose``: loose rank files, grouped by the rank number in file and folder names."""
+"""``reshard.layouts.hf.loose``: loose rank files, grouped by the rank number in file and folder names."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from huggingface_hub import save_torch_state_dict
 
 from reshard.errors import MissingRankError, ReshardError
 from reshard.layouts import discover
-from reshard.layouts.loose import rank_template
+from reshard.layouts.hf.loose import rank_template
 
 # one layer of hidden 8, 2 heads of 4, vocab 1001: a state dict filled from arange, so a misplaced row cannot pass
 CONFIG = one_layer_llama()

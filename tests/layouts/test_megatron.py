@@ -1,4 +1,4 @@
-"""``reshard.layouts.megatron``: Megatron-LM checkpoints at TP=8 (mcore names, GQA 8 heads / 2 groups, SwiGLU,
+"""``reshard.layouts.megatron.reader``: Megatron-LM checkpoints at TP=8 (mcore names, GQA 8 heads / 2 groups, SwiGLU,
 padded vocab, args Namespace, ``_extra_state``) converted to TP=4/2/1 and back, checked tensor by tensor against
 slices computed independently in ``fixtures.megatron``."""
 
@@ -32,8 +32,9 @@ from fixtures.megatron import (
 from safetensors.torch import load_file
 
 from reshard.layouts.base import SourceCheckpoint
-from reshard.layouts.megatron import MegatronFile
-from reshard.layouts.megatron_writer import MegatronWriter
+from reshard.layouts.megatron.facts import MegatronFacts
+from reshard.layouts.megatron.reader import MegatronFile
+from reshard.layouts.megatron.writer import MegatronWriter
 
 V = TINY.vocab
 Full = dict[str, torch.Tensor]
@@ -299,7 +300,7 @@ def test_pipeline_stages_merge_into_global_layers(cli, full: Full, tmp_path: Pat
 
 def _load(path: Path) -> dict:
     """A Megatron rank file, unpickled with reshard's allow-list (Megatron itself is not installed)."""
-    from reshard.layouts.megatron_args import SAFE_GLOBALS
+    from reshard.layouts.megatron.args import SAFE_GLOBALS
     from reshard.layouts.readers import load_torch_file
 
     return load_torch_file(path, trust_pickle=False, notes=[], allowed=SAFE_GLOBALS)
@@ -468,6 +469,6 @@ def test_the_true_vocab_comes_from_the_tokenizer_s_vocab_file(cli, full: Full, t
 
 def test_pad_multiple_is_megatron_s() -> None:
     args = megatron_args(replace(TINY, multiple=128), 8)
-    source = SourceCheckpoint(Path("x"), "megatron", [], meta={"megatron": True, "args": args})
-    assert MegatronWriter.pad_multiple(4, source, {}) == 512
-    assert MegatronWriter.pad_multiple(1, source, {}) == 128
+    source = SourceCheckpoint(Path("x"), "megatron", [], facts=MegatronFacts(megatron_args=args))
+    assert MegatronWriter.pad_multiple(4, source, None) == 512
+    assert MegatronWriter.pad_multiple(1, source, None) == 128

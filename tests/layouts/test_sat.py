@@ -1,4 +1,4 @@
-"""``reshard.layouts.sat``: SAT (CogVLM / CogAgent) checkpoints, TP=8 -> 4, 2, 1 and back with their LoRA
+"""``reshard.layouts.sat.checkpoint``: SAT (CogVLM / CogAgent) checkpoints, TP=8 -> 4, 2, 1 and back with their LoRA
 adapters kept, and bad inputs (LoRA merging is in ``tests/engine/test_lora_merge.py``)."""
 
 from __future__ import annotations

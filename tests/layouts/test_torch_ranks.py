@@ -11,7 +11,7 @@ import torch
 from fixtures.megatron import TINY, full_model, write_megatron
 from fixtures.sat import full_tensors, sat_config, write_sat
 
-from reshard.layouts.megatron_args import PICKLE_MODULE, SAFE_GLOBALS
+from reshard.layouts.megatron.args import PICKLE_MODULE, SAFE_GLOBALS
 from reshard.layouts.readers import load_torch_file
 
 

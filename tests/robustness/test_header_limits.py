@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from reshard.errors import CorruptFileError
-from reshard.layouts.safetensors_header import MAX_HEADER, read_header
+from reshard.formats.safetensors.header import MAX_HEADER, read_header
 
 
 def write(path: Path, header: bytes, data: bytes = b"") -> Path:

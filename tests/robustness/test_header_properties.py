@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from safetensors import SafetensorError, safe_open
 
 from reshard.errors import CorruptFileError
-from reshard.layouts.safetensors_header import read_header
+from reshard.formats.safetensors.header import read_header
 
 SETTINGS = settings(
     max_examples=int(__import__("os").environ.get("RESHARD_HYPOTHESIS_EXAMPLES", "60")),

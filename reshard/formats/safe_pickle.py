@@ -5,7 +5,7 @@ not ``torch.save``), and torch reads it with a bare ``pickle.load``: a hostile f
 likes. torch's ``weights_only`` unpickler cannot be reused (it rejects the FRAME opcode). So this
 module maps exactly the classes a DCP (or Megatron-Core ``torch_dist``) writer pickles to local
 stand-ins, and refuses every other global before it is looked up: nothing of a hostile pickle runs.
-The stand-ins keep the pickled state as plain attributes; :mod:`reshard.layouts.dcp_metadata` checks
+The stand-ins keep the pickled state as plain attributes; :mod:`reshard.formats.dcp_metadata.read` checks
 their types and turns them into reshard's own index.
 """
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from reshard.errors import CorruptFileError
 from reshard.layouts.base import TensorRef
-from reshard.layouts.megatron_stages import (
+from reshard.layouts.megatron.stages import (
     EXPERT,
     LAYER,
     expert_of,
@@ -20,7 +20,7 @@ from reshard.layouts.megatron_stages import (
 )
 
 if TYPE_CHECKING:
-    from reshard.layouts.megatron import MegatronFile
+    from reshard.layouts.megatron.reader import MegatronFile
 
 # The last stage's copy of tied embeddings: a duplicate of the first stage's table, not a separate weight.
 TIED_HEAD = ("output_layer.weight", "word_embeddings_for_head.weight", "language_model.output_layer.weight")

@@ -10,7 +10,7 @@ from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE
 
 from reshard.config import CONFIG_NAME, find_config
 from reshard.errors import CorruptFileError, MissingRankError, ReshardError
-from reshard.io.safetensors_writer import ShardedSafetensorsWriter
+from reshard.formats.safetensors.writer import ShardedSafetensorsWriter
 from reshard.layouts.base import (
     RankFilesWriter,
     SourceCheckpoint,
@@ -18,8 +18,11 @@ from reshard.layouts.base import (
     TensorRef,
     refs_from_readers,
 )
-from reshard.layouts.readers import FileReader, open_tensor_file
-from reshard.options import Layout, ReadOptions
+from reshard.layouts.readers import FileReader, open_tensor_file, read_safetensors_header
+from reshard.layouts.spec import FileProblem
+from reshard.options import ReadOptions
+
+NAME = "hf"
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +129,7 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
         refs, readers = read_folder(path, 0, options)
         folder = path
         sides = side_files(path)
-    source = SourceCheckpoint(path, Layout.HF, [refs], config=find_config(folder), side_files=sides)
+    source = SourceCheckpoint(path, NAME, [refs], config=find_config(folder), side_files=sides)
     collect_extras(source, readers)
     return source
 
@@ -176,3 +179,38 @@ class HFWriter(RankFilesWriter):
 
 def write_config(folder: Path, config: dict) -> None:
     (folder / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def check_folder(folder: Path, tp: int | None = None) -> list[FileProblem]:
+    """Files an index names that are absent, no weight files at all, a tensor in two safetensors files."""
+    problems = []
+    for index_name in (SAFETENSORS_INDEX_FILE, BIN_INDEX_FILE):
+        index = folder / index_name
+        if not index.is_file():
+            continue
+        named: dict[str, str] = {}
+        try:
+            for tensor, filename in json.loads(index.read_text())["weight_map"].items():
+                named.setdefault(str(filename), tensor)
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+            continue  # a corrupt index is reported when the checkpoint is read
+        for filename, tensor in named.items():
+            plain = len(PurePosixPath(filename).parts) == 1 and filename not in (".", "..")
+            if plain and not (folder / filename).is_file():
+                problems.append(
+                    FileProblem(
+                        "missing-file", tensor, f"{index_name} names it, it does not exist", str(folder / filename)
+                    )
+                )
+    if problems:
+        return problems
+    files = weight_files(folder)  # files an index names are all there (checked above)
+    if not files:
+        return [FileProblem("missing-file", None, "no weight files in the folder", str(folder))]
+    seen: dict[str, Path] = {}
+    for path in (f for f in files if f.suffix == ".safetensors"):
+        for key in read_safetensors_header(path)[0]:
+            if key in seen:
+                problems.append(FileProblem("duplicate", key, f"also in {seen[key].name}", str(path)))
+            seen.setdefault(key, path)
+    return problems

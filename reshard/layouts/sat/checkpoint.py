@@ -14,17 +14,20 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from reshard.config import ModelConfig, load_config
 from reshard.errors import CorruptFileError, MissingRankError, ReshardError
-from reshard.layouts.base import SourceCheckpoint, TargetSpec, numbered_children, refs_from_readers
-from reshard.layouts.loose import OPTIMIZER, check_archive_rank
-from reshard.layouts.rank_checks import listed, missing_count, rank_count
+from reshard.layouts.base import SourceCheckpoint, SourceFacts, TargetSpec, numbered_children, refs_from_readers
+from reshard.layouts.hf.loose import OPTIMIZER, check_archive_rank
 from reshard.layouts.readers import TorchReader
-from reshard.layouts.torch_ranks import TorchRanksWriter
-from reshard.options import MAX_RANKS, Layout, ReadOptions
+from reshard.layouts.torch_rank_writer import TorchRanksWriter
+from reshard.options import MAX_RANKS, ReadOptions
+from reshard.ranks import listed, missing_count, rank_count
+
+NAME = "sat"
 
 LATEST = "latest"
 MODEL_CONFIG = "model_config.json"
@@ -32,6 +35,18 @@ RANK_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 # Top-level keys of a rank file that stay true at another tp; optimizer, scheduler and rng state do not.
 KEPT_TOP_LEVEL = ("iteration",)
 DEFAULT_ITERATION = "1"  # what CogVLM's merge_model.py saves under
+
+
+@dataclass(frozen=True, kw_only=True)
+class SatFacts(SourceFacts):
+    """The iteration folder a SAT checkpoint was read from (its ``latest`` file names it); a SAT output keeps it."""
+
+    iteration: str = DEFAULT_ITERATION
+
+
+def tracked_folder(text: str) -> str | None:
+    """The iteration folder ``latest`` names: its text as written."""
+    return text.strip() or None
 
 
 def rank_file_name(rank: int) -> str:
@@ -130,10 +145,10 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
     files = _ranks(folder, (model_config or {}).get("model_parallel_size"), config_path)
     source = SourceCheckpoint(
         path,
-        Layout.SAT,
+        NAME,
         [],
         config=ModelConfig(model_config, config_path) if model_config is not None else None,
-        meta={"iteration": iteration},
+        facts=SatFacts(iteration=iteration),
     )
     for rank, file in enumerate(files):
         reader = TorchReader(file, trust_pickle=options.trust_pickle)
@@ -165,7 +180,7 @@ class SatWriter(TorchRanksWriter):
 
     def __init__(self, out_dir: Path, spec: TargetSpec) -> None:
         source = spec.source
-        self.iteration = str(source.meta.get("iteration", DEFAULT_ITERATION)) if source.layout == Layout.SAT else "1"
+        self.iteration = source.facts.iteration if isinstance(source.facts, SatFacts) else "1"
         first = source.top_level[0] if source.top_level else {}
         self._top = {k: first[k] for k in KEPT_TOP_LEVEL if k in first}
         super().__init__(out_dir, spec)  # lays out every rank file (rank_file needs the above)

@@ -2,13 +2,13 @@
 
 Three forms are read (reference notes ``dcp-torchdist-deepspeed.md`` 1.1-1.5):
 
-* ``.metadata`` (a pickle, read by :mod:`reshard.layouts.dcp_pickle`) + ``__{rank}_{n}.distcp`` data files;
+* ``.metadata`` (a pickle, read by :mod:`reshard.formats.safe_pickle`) + ``__{rank}_{n}.distcp`` data files;
 * ``__{rank}.metadata``, one per rank (``dcp.save(..., use_collectives=False)``): merged here, a box
   stored by several ranks (a replicated tensor) is read from the lowest rank;
 * no metadata at all: ``shard-{rank}-model-{i}-of-{n}.safetensors`` (``HuggingFaceStorageWriter`` with
   ``save_distributed=True``), each file's ``DCP_SHARDING_INFO`` giving its chunks' offsets.
 
-The index only says what the files claim; :mod:`reshard.layouts.dcp_checks` checks it before any byte is read.
+The index only says what the files claim; :mod:`reshard.layouts.dist.dcp_checks` checks it before any byte is read.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from typing import Any
 
 from reshard.dtypes import code_from_name, name_of
 from reshard.errors import CorruptFileError, MissingRankError
-from reshard.layouts import dcp_pickle as pk
-from reshard.layouts.boxes import Box, Shape
-from reshard.layouts.chunk_files import safetensors_entries
-from reshard.layouts.rank_checks import rank_count
+from reshard.formats import safe_pickle as pk
+from reshard.formats.boxes import Box, Shape
+from reshard.formats.chunks import safetensors_entries
+from reshard.ranks import rank_count
 
 METADATA = ".metadata"
 RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.errors import CorruptFileError
-from reshard.layouts.dcp_pickle import PickleInput, load_restricted
+from reshard.formats.safe_pickle import PickleInput, load_restricted
 
 ZIP_MAGIC = b"PK\x03\x04"
 _DTYPE_SIZES = {

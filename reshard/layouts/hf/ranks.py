@@ -11,12 +11,15 @@ from pathlib import Path
 
 from reshard.config import CONFIG_NAME, find_config
 from reshard.errors import MissingRankError
-from reshard.io.safetensors_writer import ShardedSafetensorsWriter
+from reshard.formats.safetensors.writer import ShardedSafetensorsWriter
 from reshard.layouts.base import RankFilesWriter, SourceCheckpoint, TargetSpec, numbered_children
-from reshard.layouts.hf import collect_extras, read_folder, side_files, write_config
-from reshard.layouts.rank_checks import listed, missing_count, rank_count
+from reshard.layouts.hf.folder import check_folder, collect_extras, read_folder, side_files, write_config
+from reshard.layouts.spec import FileProblem
 from reshard.manifest import MANIFEST_NAME, find_manifest
-from reshard.options import Layout, ReadOptions
+from reshard.options import ReadOptions
+from reshard.ranks import listed, missing_count, rank_count
+
+NAME = "hf-ranks"
 
 RANK_DIR = re.compile(r"^rank_(\d+)$")
 
@@ -30,6 +33,11 @@ def rank_folders(path: Path) -> dict[int, Path]:
     return numbered_children(path, RANK_DIR, want_dirs=True)
 
 
+def missing_rank_files(source: SourceCheckpoint, tp: int) -> list[str] | None:
+    """The folders ranks ``source.tp .. tp-1`` would have."""
+    return [f"{rank_dir(r)}/" for r in range(source.tp, tp)]
+
+
 def detect(path: Path) -> bool:
     return bool(rank_folders(path))
 
@@ -39,7 +47,7 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
     folders = rank_folders(path)
     manifest = find_manifest(path)
     declared = None
-    if manifest is not None and manifest.target.get("layout") == Layout.HF_RANKS:
+    if manifest is not None and manifest.target.get("layout") == NAME:
         declared = manifest.target.get("tp")
     tp, missing = rank_count(
         folders, path=path, name=lambda r: f"{folders[r].name}/", declared=declared, declared_by=MANIFEST_NAME
@@ -51,7 +59,7 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
             path=path,
             hint="every rank must be present to gather",
         )
-    source = SourceCheckpoint(path, Layout.HF_RANKS, [], config=find_config(path), side_files=side_files(path))
+    source = SourceCheckpoint(path, NAME, [], config=find_config(path), side_files=side_files(path))
     for rank in range(tp):
         refs, readers = read_folder(folders[rank], rank, options)
         source.ranks.append(refs)
@@ -90,3 +98,19 @@ class HFRanksWriter(RankFilesWriter):
             write_config(self.out_dir, self.spec.config)
             written.append(Path(CONFIG_NAME))
         return written
+
+
+def check_rank_folders(ckpt: Path, tp: int | None) -> list[FileProblem]:
+    """Rank folders missing for the ``tp`` a manifest records, and each rank folder's own files."""
+    found = rank_folders(ckpt)
+    if found:
+        rank_count(found, path=ckpt, name=lambda r: f"{found[r].name}/")  # refuses an absurd rank number
+    expected = max(int(tp or 0), max(found, default=-1) + 1)
+    problems = [
+        FileProblem("missing-file", None, f"rank folder missing (reshard.json says tp={tp})", str(ckpt / rank_dir(r)))
+        for r in range(expected)
+        if r not in found
+    ]
+    for rank in sorted(found):
+        problems += check_folder(found[rank])
+    return problems

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from reshard.dtypes import itemsize_of
 from reshard.errors import CorruptFileError, MissingRankError, ReshardError
-from reshard.layouts.boxes import tiling_problem
-from reshard.layouts.dcp_metadata import StoredChunk, StoredTensor
+from reshard.formats.boxes import tiling_problem
+from reshard.formats.dcp_metadata.read import StoredChunk, StoredTensor
 
 MAX_ELEMENTS = 1 << 48  # far beyond any tensor; a global shape past it is damage, and its boxes are not checked
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from reshard.config import find_config
 from reshard.errors import CorruptFileError, MissingRankError, ReshardError
-from reshard.layouts.base import SourceCheckpoint, refs_from_readers
-from reshard.layouts.hf import (
+from reshard.layouts.base import SourceCheckpoint, SourceFacts, refs_from_readers
+from reshard.layouts.hf.folder import (
     TENSOR_SUFFIXES,
     check_unique,
     collect_extras,
@@ -28,9 +28,11 @@ from reshard.layouts.hf import (
     read_index,
     side_files,
 )
-from reshard.layouts.rank_checks import SHOWN, listed, missing_count, rank_count
 from reshard.layouts.readers import open_tensor_file
-from reshard.options import Layout, ReadOptions
+from reshard.options import ReadOptions
+from reshard.ranks import SHOWN, listed, missing_count, rank_count
+
+NAME = "loose"
 
 # A rank token: an optional two-letter parallel kind before "rank" (tp_rank, mp_rank, pp_rank), or "tp".
 RANK_TOKEN = re.compile(r"(?<![a-z0-9])(?P<kind>(?:[a-z]{2}[_-]?)?rank|tp)[_-]?(?P<num>\d+)(?![0-9])", re.I)
@@ -47,6 +49,26 @@ class RankEntry:
     path: Path
     rank: int
     template: str  # the name as a format string with a ``rank`` field, to name the other ranks' files
+
+
+@dataclass(frozen=True, kw_only=True)
+class LooseFacts(SourceFacts):
+    """The name of each rank's files with ``{rank}`` for its number, so that ``fix`` can name missing ones."""
+
+    rank_templates: tuple[str, ...] = ()
+
+
+def missing_rank_files(source: SourceCheckpoint, tp: int) -> list[str] | None:
+    """The files ranks ``source.tp .. tp-1`` would have, named as the ranks found are (for a single file read as
+    the ``hf`` layout: as its name numbers rank 0)."""
+    if isinstance(source.facts, LooseFacts):
+        templates = list(source.facts.rank_templates)
+    else:
+        found = rank_template(source.path.name) if source.path.is_file() else None
+        templates = [found[1]] if found and found[0] == 0 else []
+    if not templates:
+        return None
+    return [t.format(rank=r) for r in range(source.tp, tp) for t in templates]
 
 
 def rank_template(name: str) -> tuple[int, str] | None:
@@ -147,8 +169,8 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
             path=path,
             hint="every rank must be present to gather; a single full file can be named directly",
         )
-    source = SourceCheckpoint(path, Layout.LOOSE, [], config=find_config(path), side_files=_side_files(path))
-    source.meta["rank_templates"] = templates
+    source = SourceCheckpoint(path, NAME, [], config=find_config(path), side_files=_side_files(path))
+    source.facts = LooseFacts(rank_templates=tuple(templates))
     for rank in range(tp):
         entries = ranks[rank]
         if entries[0].path.is_dir():

@@ -1,5 +1,5 @@
 """Rank numbers from file and folder names, checked before any file is opened: within :data:`MAX_RANKS`, without
-gaps, and agreeing with the tp the checkpoint records (its ``reshard.json``, Megatron's args, SAT's config).
+gaps, and agreeing with the tp the checkpoint records (Megatron's args, SAT's config).
 
 Rank numbers come from names (``rank_999999999``, ``__7.metadata``) and are untrusted: the tp is never taken
 from them before they are checked, and missing ranks are listed a few at a time, never enumerated.
@@ -9,15 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from reshard.errors import MissingRankError, ReshardError
-from reshard.manifest import MANIFEST_NAME
 from reshard.options import MAX_RANKS
-
-if TYPE_CHECKING:
-    from reshard.layouts.base import SourceCheckpoint
-    from reshard.manifest import Manifest
 
 SHOWN = 4  # missing ranks named in a message; the rest are counted
 
@@ -77,21 +71,3 @@ def missing_count(found: Collection[int], tp: int) -> int:
 def listed(names: list[str], total: int) -> str:
     """``a, b, c`` or ``a, b, c and 7 more`` (``total`` counts all of them)."""
     return ", ".join(names) + (f" and {total - len(names)} more" if total > len(names) else "")
-
-
-def check_manifest_tp(source: SourceCheckpoint, manifest: Manifest | None) -> None:
-    """Refuse a checkpoint whose ``reshard.json`` says it was written with another tp in the same layout.
-
-    Raises:
-        ReshardError: the manifest's target layout is this layout and its tp is not the number of ranks found.
-    """
-    if manifest is None or str(manifest.target.get("layout")) != str(source.layout):
-        return
-    recorded = manifest.target.get("tp")
-    if recorded is not None and recorded != source.tp:
-        folder = source.path if source.path.is_dir() else source.path.parent
-        raise ReshardError(
-            f"holds {source.tp} ranks, but {MANIFEST_NAME} records tp={recorded} for this {source.layout} checkpoint",
-            path=folder / MANIFEST_NAME,
-            hint="a rank is missing or extra: restore the checkpoint as it was written",
-        )

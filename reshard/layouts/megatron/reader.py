@@ -11,7 +11,7 @@ Each file is a pickled dict: ``model`` (the state dict; ``model0``, ``model1``, 
 pipeline stages), ``args`` (an ``argparse.Namespace``), ``checkpoint_version``, ``iteration``, and
 optimizer / rng state. The root or the iteration folder may be given. Pipeline stages, virtual chunks
 and expert-parallel ranks are merged into one model with global layer and expert numbers
-(:mod:`reshard.layouts.megatron_stages`), so every tp rank is one state dict like any other layout's.
+(:mod:`reshard.layouts.megatron.stages`), so every tp rank is one state dict like any other layout's.
 """
 
 from __future__ import annotations
@@ -26,12 +26,15 @@ from typing import TYPE_CHECKING, Any
 from reshard.config import ModelConfig
 from reshard.errors import CorruptFileError, MissingRankError, ReshardError
 from reshard.layouts.base import SourceCheckpoint
-from reshard.layouts.megatron_args import SAFE_GLOBALS, arg, config_from_args, vocab_from_tokenizer_files
-from reshard.layouts.megatron_merge import merge_stages
-from reshard.layouts.rank_checks import SHOWN, listed
+from reshard.layouts.megatron.args import SAFE_GLOBALS, arg, config_from_args, vocab_from_tokenizer_files
+from reshard.layouts.megatron.facts import MegatronFacts
+from reshard.layouts.megatron.merge import merge_stages
 from reshard.layouts.readers import DirectReader, TensorHeader, load_torch_file, offsets_in_file, torch_header
-from reshard.options import Layout, ReadOptions
+from reshard.options import ReadOptions
+from reshard.ranks import SHOWN, listed
 from reshard.schema import check_int
+
+NAME = "megatron"
 
 if TYPE_CHECKING:
     import torch
@@ -130,6 +133,12 @@ def read_tracker(path: Path) -> str | None:
         raise CorruptFileError(f"cannot read the tracker: {err}", path=tracker) from err
 
 
+def tracked_folder(text: str) -> str | None:
+    """The folder a tracker's text names: ``iter_0000100`` for ``100``, ``release`` as it is."""
+    value = text.strip()
+    return f"iter_{int(value):07d}" if value.isdigit() else value or None
+
+
 def iteration_folder(path: Path) -> Path | None:
     """The folder holding the ``mp_rank_*`` folders: ``path`` itself, or what the tracker file names."""
     if _rank_dirs(path):
@@ -180,7 +189,7 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
         else MegatronFile(grid[key] / FILE_NAME, options.trust_pickle)
         for key in sorted(grid)
     }
-    source = SourceCheckpoint(path, Layout.MEGATRON, [])
+    source = SourceCheckpoint(path, NAME, [])
     merged = merge_stages(files, tp=tp, pp=pp, ep=ep, tied=_tied(first))
     for rank in range(tp):
         refs, extras = merged.ranks[rank]
@@ -255,16 +264,12 @@ def _describe(
         source.config = ModelConfig({**source.config.raw, "vocab_size": size}, source.config.path)
         source.notes.append(f"the true vocab size {size} comes from the tokenizer's vocab file {vocab_file}")
     version = top.get("checkpoint_version")
-    source.meta.update(
-        megatron=True,
-        args=args,
-        checkpoint_version=version,
+    source.facts = MegatronFacts(
+        megatron_args=args,
         iteration=top.get("iteration"),
+        checkpoint_version=version,
         release=folder.name == "release",
         paths=paths,
-        pp=pp,
-        ep=ep,
-        chunks=first.chunks,
     )
     if source.config is None:
         source.notes.append("no usable Megatron args in the files: model sizes must come from --config")
@@ -290,4 +295,4 @@ def _describe(
     for problem in problems:
         source.notes.append(problem)
     if problems:
-        source.meta["cannot_convert"] = ReshardError("; ".join(problems), path=folder)
+        source.refusal = ReshardError("; ".join(problems), path=folder)

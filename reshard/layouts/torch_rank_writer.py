@@ -1,9 +1,9 @@
 """A base for layouts whose rank files are ``torch.save`` pickles (Megatron, SAT).
 
 Each target rank's file is laid out up front from a template, the object ``torch.save`` would be given
-with a :class:`~reshard.io.torch_zip.TensorSlot` for every tensor (its state dict in source order), and
+with a :class:`~reshard.formats.torch_zip.writer.TensorSlot` for every tensor (its state dict in source order), and
 every slice is written at its final offset as it arrives, from the worker threads
-(:class:`~reshard.io.torch_zip.TorchZipWriter`). The files are byte for byte what ``torch.save`` writes
+(:class:`~reshard.formats.torch_zip.writer.TorchZipWriter`). The files are byte for byte what ``torch.save`` writes
 for the same state dicts, but no rank's state dict is ever held and nothing is spooled.
 """
 
@@ -13,7 +13,7 @@ import pickle
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from reshard.io.torch_zip import TensorSlot, TorchZipWriter
+from reshard.formats.torch_zip.writer import TensorSlot, TorchZipWriter
 from reshard.layouts.base import RankFilesWriter, TargetSpec
 
 if TYPE_CHECKING:

@@ -6,7 +6,7 @@
 
 A DCP checkpoint stores every tensor by its global shape and the chunk boxes each rank held, so it is
 presented as a tp=1 checkpoint of global tensors: each tensor is assembled from the boxes over it when
-it is read (:mod:`reshard.layouts.boxed`), and any target tp is one slice of it away. No process
+it is read (:mod:`reshard.layouts.dist.boxed_reader`), and any target tp is one slice of it away. No process
 group, no torch.distributed import. Only the model's tensors are read: optimizer, scheduler,
 dataloader, rng and training-state entries are skipped and reported (torchtitan saves the model at the
 top level next to ``optimizer.*``, ``lr_scheduler.*``, ``dataloader.*`` and ``train_state.*``; the DCP
@@ -22,10 +22,10 @@ from typing import Any
 from reshard.config import CONFIG_NAME, find_config
 from reshard.errors import CorruptFileError, PlanError, ReshardError
 from reshard.layouts.base import SourceCheckpoint, TensorRef
-from reshard.layouts.boxed import BoxedReader, BoxView
-from reshard.layouts.chunk_files import safetensors_entries, starts_as_zip
-from reshard.layouts.dcp_checks import check_files, check_tensor
-from reshard.layouts.dcp_metadata import (
+from reshard.layouts.dist.boxed_reader import BoxedReader, BoxView
+from reshard.formats.chunks import safetensors_entries, starts_as_zip
+from reshard.layouts.dist.dcp_checks import check_files, check_tensor
+from reshard.formats.dcp_metadata.read import (
     HF_SHARD,
     METADATA,
     RANK_METADATA,
@@ -35,7 +35,7 @@ from reshard.layouts.dcp_metadata import (
     is_dcp_folder,
     read_index,
 )
-from reshard.options import Layout, ReadOptions
+from reshard.options import ReadOptions
 from reshard.sizes import human_bytes
 
 # State-dict keys that hold training state, not the model (any container of an entry's key path).
@@ -44,6 +44,8 @@ NOT_MODEL = frozenset(
     "dataloader dataloaders data_loader train_state trainer_state training_state rng rng_state rng_states "
     "rng_tracker_states grad_scaler scaler".split()
 )
+
+NAME = "dcp"
 # Keys that a trainer nests the model under: dropped from the names when every model tensor sits under one.
 MODEL_KEYS = ("model", "module", "state_dict")
 _OWN_FILES = (METADATA, "reshard.json", CONFIG_NAME, "model.safetensors.index.json")
@@ -68,7 +70,7 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
     names, prefix = _names(index, list(model))
     reader = BoxedReader(path, {names[fqn]: BoxView.whole(tensor) for fqn, tensor in model.items()})
     refs = {name: TensorRef(name, 0, reader, name, reader.headers[name]) for name in reader.headers}
-    source = SourceCheckpoint(path, Layout.DCP, [refs], config=find_config(path), side_files=_side_files(path))
+    source = SourceCheckpoint(path, NAME, [refs], config=find_config(path), side_files=_side_files(path))
     source.notes.append(_summary(index, model, sizes))
     source.notes.extend(index.notes)
     if prefix:
@@ -81,7 +83,6 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
         total = sum(g["bytes"] for g in groups.values())
         listed = ", ".join(f"{key} ({_counts(g)}, {human_bytes(g['bytes'])})" for key, g in groups.items())
         source.notes.append(f"skipped, not model weights: {listed}; {human_bytes(total)} in all")
-    source.meta.update(dcp=True, form=index.form, chunks={names[f]: len(t.chunks) for f, t in model.items()})
     return source
 
 

@@ -16,11 +16,12 @@ from typing import Any
 
 from reshard.errors import ReshardError
 from reshard.layouts.base import SourceCheckpoint, TargetSpec
-from reshard.layouts.megatron import FILE_NAME, TRACKER
-from reshard.layouts.megatron_args import PICKLE_MODULE, arg, retarget_args
-from reshard.layouts.megatron_stages import LAYER, layer_of, stage_of, stage_of_layers, with_layer
-from reshard.layouts.torch_ranks import TorchRanksWriter
-from reshard.vocab import megatron_pad_multiple
+from reshard.layouts.megatron.args import PICKLE_MODULE, arg, retarget_args
+from reshard.layouts.megatron.facts import MegatronFacts
+from reshard.layouts.megatron.reader import FILE_NAME, TRACKER
+from reshard.layouts.megatron.stages import LAYER, layer_of, stage_of, stage_of_layers, with_layer
+from reshard.layouts.torch_rank_writer import TorchRanksWriter
+from reshard.vocab import megatron_pad_multiple, padded_sizes_possible
 
 CHECKPOINT_VERSION = 3.0  # what Megatron-LM writes today (QKV interleaved per query group)
 EMBEDDING = ("embedding.word_embeddings.weight", "language_model.embedding.word_embeddings.weight")
@@ -35,7 +36,7 @@ class MegatronWriter(TorchRanksWriter):
     replicated_heads_refusal = "Megatron stores KV heads as query groups and cannot load copies of a KV head"
 
     def __init__(self, out_dir: Path, spec: TargetSpec) -> None:
-        self._args = megatron_args_of(spec.source, spec.meta)
+        self._args = megatron_args_of(spec.source, spec.megatron_args)
         uneven = sorted(
             {n for h in spec.rank_headers for n, t in h.items() if t.shape != spec.rank_headers[0][n].shape}
         )
@@ -45,20 +46,43 @@ class MegatronWriter(TorchRanksWriter):
                 hint="drop --uneven: the megatron layout pads the vocab the Megatron way",
             )
         self._stages = stage_of_layers(int(arg(self._args, "num_layers", 0) or _layers(spec)), spec.pp)
-        meta = spec.source.meta
-        self._release = meta.get("release") or not meta.get("megatron")
-        self._folder = "release" if self._release else f"iter_{int(meta.get('iteration') or 0):07d}"
+        facts = megatron_facts(spec.source)
+        self._release = facts.release
+        self._folder = "release" if self._release else f"iter_{int(facts.iteration or 0):07d}"
         super().__init__(out_dir, spec)  # lays out every rank file (rank_files needs the above)
 
     @classmethod
-    def pad_multiple(cls, tp: int, source: SourceCheckpoint, meta: dict[str, Any]) -> int | None:
+    def pad_multiple(cls, tp: int, source: SourceCheckpoint, megatron_args: Any) -> int | None:
         """Megatron pads the vocab to ``make_vocab_size_divisible_by * tp`` (128 * tp by default)."""
-        return megatron_pad_multiple(arg(megatron_args_of(source, meta), "make_vocab_size_divisible_by"), tp)
+        return megatron_pad_multiple(arg(megatron_args_of(source, megatron_args), "make_vocab_size_divisible_by"), tp)
+
+    @classmethod
+    def vocab_problems(
+        cls, source: SourceCheckpoint, *, padded_rows: int | None, pad_multiple: int
+    ) -> list[ReshardError]:
+        """Megatron pads the vocab from the true size at start-up (``make_vocab_size_divisible_by * tp``): when
+        nothing records the true size and the rows found could pad to different sizes at the target tp, the
+        output would not load (``size mismatch for embedding.word_embeddings.weight``). Refuse, saying which."""
+        if padded_rows is None or not isinstance(source.facts, MegatronFacts):
+            return []
+        divisible_by = arg(source.facts.megatron_args, "make_vocab_size_divisible_by")
+        possible = padded_sizes_possible(padded_rows, megatron_pad_multiple(divisible_by, source.tp), pad_multiple)
+        if len(possible) <= 1:
+            return []
+        sizes = "; ".join(f"{padded} rows for a true size of {r.start}-{r.stop - 1}" for padded, r in possible.items())
+        return [
+            ReshardError(
+                f"the true vocab size is unknown and Megatron pads it for the target tp: the {padded_rows} rows here "
+                f"could become {sizes}",
+                path=source.path,
+                hint="pass --vocab N (the tokenizer's size, which Megatron-LM recomputes at start-up)",
+            )
+        ]
 
     def rank_files(self, rank: int, state_dict: dict[str, Any]) -> list[tuple[Path, Any]]:
-        source, meta = self.spec.source, self.spec.source.meta
-        extras = source.extras[rank * source.tp // self.spec.tp] if meta.get("megatron") else {}
-        paths, pp = meta.get("paths", {}), len(self._stages)
+        source, facts = self.spec.source, megatron_facts(self.spec.source)
+        extras = source.extras[rank * source.tp // self.spec.tp] if isinstance(source.facts, MegatronFacts) else {}
+        paths, pp = facts.paths, len(self._stages)
         args = retarget_args(self._args, self.spec.tp, self.spec.padded_vocab_size, pp=pp)
         files = []
         for stage, layers in enumerate(self._stages):
@@ -70,8 +94,8 @@ class MegatronWriter(TorchRanksWriter):
                 _put_tied_head(model, state_dict)
             obj = {
                 "args": args,
-                "checkpoint_version": meta.get("checkpoint_version", CHECKPOINT_VERSION),
-                "iteration": meta.get("iteration", 0),
+                "checkpoint_version": facts.checkpoint_version,
+                "iteration": facts.iteration,
                 "model": model,
             }
             folder = f"mp_rank_{rank:02d}" + (f"_{stage:03d}" if pp > 1 else "")
@@ -79,8 +103,7 @@ class MegatronWriter(TorchRanksWriter):
         return files
 
     def finish(self) -> list[Path]:
-        meta = self.spec.source.meta
-        tracker = "release" if self._release else str(int(meta.get("iteration") or 0))
+        tracker = "release" if self._release else str(int(megatron_facts(self.spec.source).iteration or 0))
         (self.out_dir / TRACKER).write_text(tracker + "\n")
         return [Path(TRACKER)]
 
@@ -118,9 +141,17 @@ def _put(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
     tree[path[-1]] = value
 
 
-def megatron_args_of(source: SourceCheckpoint, meta: dict[str, Any]) -> Any:
+def megatron_facts(source: SourceCheckpoint) -> MegatronFacts:
+    """The source's Megatron facts, else those of a new checkpoint: saved as ``release``, iteration 0, the
+    current format version."""
+    if isinstance(source.facts, MegatronFacts):
+        return source.facts
+    return MegatronFacts(iteration=0, checkpoint_version=CHECKPOINT_VERSION, release=True)
+
+
+def megatron_args_of(source: SourceCheckpoint, mapped_args: Any) -> Any:
     """The args to write: the plan's (a checkpoint of another framework mapped to Megatron), else the source's."""
-    args = meta.get("args") or (source.meta.get("args") if source.meta.get("megatron") else None)
+    args = mapped_args or (source.facts.megatron_args if isinstance(source.facts, MegatronFacts) else None)
     if args is None:
         raise ReshardError(
             "the megatron layout needs Megatron args: from a Megatron source, or a transformers model reshard maps",

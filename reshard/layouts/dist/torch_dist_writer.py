@@ -10,7 +10,7 @@ writes in the oracle, and loaded by it at other tp/pp in ``tests/layouts/test_to
         __0_0.distcp ...    torch.save archives back to back, one per chunk (split at --max-shard-size)
         .metadata           DCP's Metadata pickle: global shapes and where each chunk's bytes are
 
-The tensors are global (:mod:`reshard.layouts.torch_dist_keys`: layers and experts stacked on leading axes,
+The tensors are global (:mod:`reshard.layouts.dist.torch_dist_keys`: layers and experts stacked on leading axes,
 the rest whole), so the output loads at any tensor- and pipeline-parallel size: the conversion is planned
 at tp 1, whose canonical tensors are Megatron's global forms. ``--tp N`` / ``--pp N`` only say what the
 ``args`` record (and the vocab is padded as Megatron pads it at tp N).
@@ -36,13 +36,15 @@ from huggingface_hub import split_state_dict_into_shards_factory
 
 from reshard.dtypes import TensorHeader, name_of
 from reshard.io.direct import DirectFile
-from reshard.io.torch_zip import Region, TensorSlot, TorchZipWriter
-from reshard.layouts import dcp_metadata_write as dcp
+from reshard.formats.torch_zip.writer import Region, TensorSlot, TorchZipWriter
+from reshard.formats.dcp_metadata import write as dcp
 from reshard.layouts.base import CheckpointWriter, SourceCheckpoint, TargetSpec
-from reshard.layouts.megatron import TRACKER
-from reshard.layouts.megatron_args import PICKLE_MODULE, arg, retarget_args
-from reshard.layouts.megatron_writer import CHECKPOINT_VERSION, megatron_args_of
-from reshard.layouts.torch_dist_keys import GlobalPlan, check_names, plan_global
+from reshard.layouts.megatron.reader import TRACKER
+from reshard.layouts.megatron.args import PICKLE_MODULE, arg, retarget_args
+from reshard.layouts.megatron.facts import MegatronFacts
+from reshard.layouts.megatron.writer import CHECKPOINT_VERSION, megatron_args_of, megatron_facts
+from reshard.layouts.dist import torch_dist_keys
+from reshard.layouts.dist.torch_dist_keys import GlobalPlan, plan_global
 from reshard.vocab import megatron_pad_multiple
 
 if TYPE_CHECKING:
@@ -63,7 +65,6 @@ CONFIG_TEXT = json.dumps(
 )
 # Megatron-LM's _build_sharded_state_dict_metadata without a distributed optimizer.
 CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-RECORDED_TP = "recorded_tp"  # TargetSpec.meta: the tensor-parallel size the args record (the plan is at tp 1)
 
 
 class TorchDistWriter(CheckpointWriter):
@@ -77,30 +78,38 @@ class TorchDistWriter(CheckpointWriter):
         if spec.tp != 1:
             raise ValueError(f"torch_dist holds global tensors: plan the conversion at tp 1, not {spec.tp}")
         source, headers = spec.source, spec.rank_headers[0]
-        check_names(list(headers), source.path)
-        args = megatron_args_of(source, spec.meta)
+        torch_dist_keys.check_names(list(headers), source.path)
+        args = megatron_args_of(source, spec.megatron_args)
         self._args = _retarget(args, spec)
         self._plan = plan_global(
             headers,
-            source.extras[0] if source.meta.get("megatron") and source.extras else {},
+            source.extras[0] if isinstance(source.facts, MegatronFacts) and source.extras else {},
             layers=_int(arg(args, "num_layers")),
             experts=_int(arg(args, "num_experts")),
             local_spec=arg(args, "transformer_impl") == "local",
             homogeneous=_homogeneous(args),
             tied=not arg(args, "untie_embeddings_and_output_weights", False),
         )
-        meta = source.meta
-        self._release = bool(meta.get("release") or not meta.get("megatron"))
-        self._iteration = int(meta.get("iteration") or 0) if meta.get("megatron") else 0
+        facts = megatron_facts(source)
+        self._release = facts.release
+        self._iteration = int(facts.iteration or 0)
         self._folder = Path("release" if self._release else f"iter_{self._iteration:07d}")
         self._folder_path = out_dir / self._folder
         self._folder_path.mkdir(parents=True, exist_ok=True)
         self._lay_out(spec.max_shard_size)
 
     @classmethod
-    def pad_multiple(cls, tp: int, source: SourceCheckpoint, meta: dict[str, Any]) -> int | None:
+    def check_names(cls, names: list[str], source: SourceCheckpoint) -> None:
+        """The targets keep the names reshard reads a ``torch_dist`` checkpoint under (the ``torch`` format's, which
+        ``torch_dist.py`` gives the stored norms back), so the manifest and ``verify`` agree with the reader; the
+        writer stores them under Transformer Engine's names (``torch_dist_keys.plan_global``), and refuses those
+        Megatron-Core's ``torch_dist`` cannot hold (legacy, grouped GEMM) before any output exists."""
+        torch_dist_keys.check_names(names, source.path)
+
+    @classmethod
+    def pad_multiple(cls, tp: int, source: SourceCheckpoint, megatron_args: Any) -> int | None:
         """As Megatron pads the vocab at tp ``tp``: ``make_vocab_size_divisible_by * tp`` (128 * tp by default)."""
-        return megatron_pad_multiple(arg(megatron_args_of(source, meta), "make_vocab_size_divisible_by"), tp)
+        return megatron_pad_multiple(arg(megatron_args_of(source, megatron_args), "make_vocab_size_divisible_by"), tp)
 
     def _lay_out(self, max_file_bytes: int | str) -> None:
         """Place every archive (the objects', then each chunk's) in the data files, open them, write the objects.
@@ -154,7 +163,7 @@ class TorchDistWriter(CheckpointWriter):
         ``metadata.json``."""
         common = {
             "args": self._args,
-            "checkpoint_version": self.spec.source.meta.get("checkpoint_version") or CHECKPOINT_VERSION,
+            "checkpoint_version": megatron_facts(self.spec.source).checkpoint_version or CHECKPOINT_VERSION,
             "iteration": self._iteration,
             "content_metadata": dict(CONTENT_METADATA),
         }
@@ -241,7 +250,7 @@ def _archive_size(header: TensorHeader) -> int:
 
 def _retarget(args: Any, spec: TargetSpec) -> Any:
     """The args to record: the tp asked for, pp, padded vocab, and the torch_dist format."""
-    out = retarget_args(args, int(spec.meta.get(RECORDED_TP, 1)), spec.padded_vocab_size, pp=spec.pp)
+    out = retarget_args(args, spec.requested_tp, spec.padded_vocab_size, pp=spec.pp)
     updates = {"ckpt_format": "torch_dist"}
     present = out.keys() if isinstance(out, dict) else vars(out).keys()
     if "use_dist_ckpt" in present:

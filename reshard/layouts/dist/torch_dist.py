@@ -6,7 +6,7 @@
     <nemo>/weights/ + <nemo>/context/model.yaml    (NeMo 2) the same files under weights/, the config in context/
 
 The data files are PyTorch DCP: every tensor is stored with its global shape, so the checkpoint is read as a
-tp=1 checkpoint whose tensors are assembled from chunk boxes (:mod:`reshard.layouts.boxed`, shared with the
+tp=1 checkpoint whose tensors are assembled from chunk boxes (:mod:`reshard.layouts.dist.boxed_reader`, shared with the
 ``dcp`` layout). Megatron-Core stacks the layers of homogeneous models on a leading axis
 (``decoder.layers.<rest>`` of shape ``[L, ...]``, the global layer index, so pipeline stages need no merge)
 and the experts on the next (``decoder.layers.mlp.experts.experts.<rest>``, ``[L, E, ...]``): each layer and
@@ -30,16 +30,19 @@ from typing import Any
 
 from reshard.errors import CorruptFileError, ReshardError
 from reshard.layouts.base import SourceCheckpoint, TensorRef
-from reshard.layouts.boxed import BoxedReader, BoxView, StackedView
-from reshard.layouts.boxes import Box
-from reshard.layouts.dcp import checked
-from reshard.layouts.dcp_metadata import StoredTensor, read_index
-from reshard.layouts.megatron import read_tracker
-from reshard.layouts.megatron_args import SAFE_GLOBALS, arg, config_from_args
-from reshard.layouts.nemo import NEMO_WEIGHTS, nemo_args
+from reshard.layouts.dist.boxed_reader import BoxedReader, BoxView, StackedView
+from reshard.formats.boxes import Box
+from reshard.layouts.dist.dcp import checked
+from reshard.formats.dcp_metadata.read import StoredTensor, read_index
+from reshard.layouts.megatron.reader import read_tracker
+from reshard.layouts.megatron.facts import MegatronFacts
+from reshard.layouts.megatron.args import SAFE_GLOBALS, arg, config_from_args
+from reshard.layouts.dist.nemo import NEMO_WEIGHTS, nemo_args
 from reshard.layouts.readers import load_torch_file
-from reshard.options import Layout, ReadOptions
+from reshard.options import ReadOptions
 from reshard.sizes import human_bytes
+
+NAME = "torch_dist"
 
 CONFIG = "metadata.json"
 COMMON = "common.pt"
@@ -79,7 +82,7 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
 
     Raises:
         CorruptFileError: a backend other than ``torch_dist`` (zarr), or an unreadable ``common.pt``.
-        ReshardError: the DCP index is inconsistent (see :mod:`reshard.layouts.dcp`).
+        ReshardError: the DCP index is inconsistent (see :mod:`reshard.layouts.dist.dcp`).
     """
     folder = folder_of(path)
     if folder is None:
@@ -95,7 +98,7 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
     views = _spec_names(_views({_strip(fqn): tensor for fqn, tensor in model.items()}), args)
     reader = BoxedReader(folder, views)
     refs = {name: TensorRef(name, 0, reader, name, reader.headers[name]) for name in views}
-    source = SourceCheckpoint(path, Layout.TORCH_DIST, [refs], extras=[{}], top_level=[common])
+    source = SourceCheckpoint(path, NAME, [refs], extras=[{}], top_level=[common])
     source.config = (
         config_from_args(args, folder / (COMMON if folder.name != NEMO_WEIGHTS else "..")) if args else None
     )
@@ -110,15 +113,11 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
         source.notes.append(
             f"skipped, not model weights: {len(skipped)} entries ({human_bytes(total)}), e.g. {skipped[0]}"
         )
-    source.meta.update(
-        megatron=True,
-        torch_dist=True,
-        args=args,
+    source.facts = MegatronFacts(
+        megatron_args=args,
         iteration=common.get("iteration"),
         checkpoint_version=common.get("checkpoint_version"),
         release=folder.name == "release",
-        paths={},
-        chunks={name: len(v.tensor.chunks) for name, v in views.items() if isinstance(v, BoxView)},
     )
     if source.config is None:
         source.notes.append("no Megatron args (common.pt) or NeMo config: model sizes must come from --config")

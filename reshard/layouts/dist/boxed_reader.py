@@ -21,9 +21,9 @@ from reshard.dtypes import itemsize_of
 from reshard.errors import CorruptFileError
 from reshard.io.direct import Batch, DirectSource
 from reshard.io.vectored import row_views
-from reshard.layouts.boxes import Box, Shape, c_strides, contiguous_pieces, runs
-from reshard.layouts.chunk_files import ChunkLayout, torch_archive_layout
-from reshard.layouts.dcp_metadata import StoredChunk, StoredTensor
+from reshard.formats.boxes import Box, Shape, c_strides, contiguous_pieces, runs
+from reshard.formats.chunks import ChunkLayout, torch_archive_layout
+from reshard.formats.dcp_metadata.read import StoredChunk, StoredTensor
 from reshard.layouts.readers import FileReader, TensorHeader
 
 if TYPE_CHECKING:

@@ -21,9 +21,9 @@ from typing import Any
 
 from reshard.dtypes import code_from_name, itemsize_of
 from reshard.errors import CorruptFileError, UnsafePickleError
-from reshard.layouts.boxes import Shape
-from reshard.layouts.dcp_pickle import DTYPE_NAMES, Dtype, PickleInput, load_restricted
-from reshard.layouts.safetensors_header import read_header
+from reshard.formats.boxes import Shape
+from reshard.formats.safe_pickle import DTYPE_NAMES, Dtype, PickleInput, load_restricted
+from reshard.formats.safetensors.header import read_header
 
 ZIP_MAGIC = b"PK\x03\x04"
 MAX_PICKLE = 1 << 20  # a tensor's data.pkl is a few hundred bytes
@@ -70,7 +70,7 @@ def starts_as_zip(path: Path, position: int) -> bool:
 
 def safetensors_entries(path: Path, position: int, end: int) -> tuple[dict[str, SafetensorsEntry], dict[str, str]]:
     """The tensors and ``__metadata__`` of a safetensors blob at ``[position, end)`` of ``path``, checked the way
-    the safetensors library checks them (:mod:`reshard.layouts.safetensors_header`).
+    the safetensors library checks them (:mod:`reshard.formats.safetensors.header`).
 
     Raises:
         CorruptFileError: anything that safetensors itself would refuse.

@@ -2,7 +2,7 @@
 
 ``torch.save`` needs the whole object in memory. But its file is fixed by the object's structure and
 its tensors' shapes and dtypes alone: the pickle refers to each storage by a key and a size, and every
-record's offset follows from the sizes before it (:mod:`reshard.io.zip_layout`). So
+record's offset follows from the sizes before it (:mod:`reshard.formats.torch_zip.layout`). So
 :class:`TorchZipWriter` takes a *template*, the object with :class:`TensorSlot` placeholders where the
 tensors go, pickles it, lays the file out, and then writes each tensor at its final offset when it
 arrives: in any order, from several threads at once, with ``O_DIRECT`` where the file system allows.
@@ -28,10 +28,10 @@ try:  # ISA-L's CRC-32: ~30 GB/s a core where zlib's reaches ~2.4 (1.4 of 9.2 CP
 except ImportError:  # a platform without its wheel: the same CRC, slower
     from zlib import crc32
 
-from reshard.io import zip_layout
+from reshard.formats.safetensors.writer import byte_chunks
+from reshard.formats.torch_zip import layout as zip_layout
+from reshard.formats.torch_zip.template import DEFAULT_PROTOCOL, TensorSlot, pickle_template
 from reshard.io.direct import Batch, DirectFile
-from reshard.io.safetensors_writer import byte_chunks
-from reshard.io.torch_pickle import DEFAULT_PROTOCOL, TensorSlot, pickle_template
 from reshard.io.vectored import row_views
 
 if TYPE_CHECKING:

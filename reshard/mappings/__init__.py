@@ -22,7 +22,6 @@ from typing import Any
 from reshard.config import ModelConfig
 from reshard.errors import MappingError
 from reshard.layouts import SourceCheckpoint, find_layout
-from reshard.layouts.megatron.args import config_from_args
 from reshard.mappings.base import Entry, MappedGroup, Mapping
 from reshard.mappings.megatron_config import (
     gpt_shape_from_args,
@@ -35,6 +34,7 @@ from reshard.mappings.megatron_gpt import DENSE_FAMILIES, MEGATRON, MOE_FAMILIES
 from reshard.mappings.torchtitan_config import llama_config, titan_model
 from reshard.mappings.torchtitan_llama import SIGNATURE as TORCHTITAN_SIGNATURE
 from reshard.mappings.torchtitan_llama import TORCHTITAN, torchtitan_to_hf
+from reshard.megatron_model import config_from_args
 from reshard.plans.megatron import SIGNATURE as MEGATRON_SIGNATURE
 
 __all__ = [

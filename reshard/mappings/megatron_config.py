@@ -17,7 +17,7 @@ from typing import Any
 
 from reshard.config import ModelConfig
 from reshard.errors import MappingError
-from reshard.layouts.megatron.args import arg
+from reshard.megatron_model import arg
 from reshard.vocab import DEFAULT_MEGATRON_MULTIPLE
 
 _ARCHITECTURES = {

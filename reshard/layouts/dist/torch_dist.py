@@ -36,7 +36,8 @@ from reshard.layouts.dist.dcp import checked
 from reshard.formats.dcp_metadata.read import StoredTensor, read_index
 from reshard.layouts.megatron.reader import read_tracker
 from reshard.layouts.megatron.facts import MegatronFacts
-from reshard.layouts.megatron.args import SAFE_GLOBALS, arg, config_from_args
+from reshard.layouts.megatron.args import SAFE_GLOBALS
+from reshard.megatron_model import arg, config_from_args
 from reshard.layouts.dist.nemo import NEMO_WEIGHTS, nemo_args
 from reshard.layouts.readers import load_torch_file
 from reshard.options import ReadOptions

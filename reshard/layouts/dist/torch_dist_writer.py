@@ -40,7 +40,8 @@ from reshard.formats.torch_zip.writer import Region, TensorSlot, TorchZipWriter
 from reshard.formats.dcp_metadata import write as dcp
 from reshard.layouts.base import CheckpointWriter, SourceCheckpoint, TargetSpec
 from reshard.layouts.megatron.reader import TRACKER
-from reshard.layouts.megatron.args import PICKLE_MODULE, arg, retarget_args
+from reshard.layouts.megatron.args import PICKLE_MODULE, retarget_args
+from reshard.megatron_model import arg
 from reshard.layouts.megatron.facts import MegatronFacts
 from reshard.layouts.megatron.writer import CHECKPOINT_VERSION, megatron_args_of, megatron_facts
 from reshard.layouts.dist import torch_dist_keys

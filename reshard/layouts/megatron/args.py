@@ -1,4 +1,5 @@
-"""Megatron's pickled ``args``: reading them safely, the model shape they give, and writing them back.
+"""Megatron's pickled ``args``: reading them safely and writing them back (what they say of the model is
+:mod:`reshard.megatron_model`).
 
 Megatron pickles an ``argparse.Namespace`` of every training argument next to the weights, and a few
 of its values are Megatron enums (``args.model_type = ModelType.encoder_or_decoder``,
@@ -13,16 +14,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import pickle
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 from typing import Any
-
-from reshard.config import ModelConfig
-from reshard.schema import check_ints
-from reshard.vocab import DEFAULT_MEGATRON_MULTIPLE
 
 # Enums Megatron puts into args (import paths as Megatron pickles them, old and new module layouts).
 ENUM_PATHS = (
@@ -64,20 +59,6 @@ def _enum_factory(path: str) -> Any:
     return rebuild
 
 
-# Args that size the model: positive integers when set (checked before any arithmetic on them).
-ARGS_SIZES = (
-    "hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "kv_channels",
-    "ffn_hidden_size",
-    "num_layers",
-    "padded_vocab_size",
-    "make_vocab_size_divisible_by",
-    "tensor_model_parallel_size",
-    "pipeline_model_parallel_size",
-)
-
 # Allow-list for torch.load(weights_only=True): Namespace itself, and stand-ins for Megatron's enums.
 SAFE_GLOBALS: list[Any] = [argparse.Namespace] + [(_enum_factory(p), p) for p in ENUM_PATHS]
 
@@ -107,71 +88,6 @@ class _Pickler(pickle._Pickler):  # the pure-Python pickler: its save_global can
 PICKLE_MODULE = ModuleType("reshard_megatron_pickle")
 PICKLE_MODULE.__dict__.update({k: getattr(pickle, k) for k in dir(pickle) if not k.startswith("__")})
 PICKLE_MODULE.Pickler = _Pickler
-
-
-def arg(args: Any, key: str, default: Any = None) -> Any:
-    """``args.key``, for a Namespace or a plain dict (``--trust-pickle`` may yield either)."""
-    if isinstance(args, dict):
-        return args.get(key, default)
-    value = getattr(args, key, default)
-    return default if value is None else value
-
-
-def true_vocab_size(args: Any) -> int | None:
-    """The unpadded vocab size when the args record it (``--vocab-size``, a converter's ``true_vocab_size``)."""
-    for key in ("true_vocab_size", "vocab_size"):
-        value = arg(args, key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
-
-
-def vocab_from_tokenizer_files(args: Any) -> tuple[int, Path] | None:
-    """The true vocab size from the tokenizer file the args name, when it is there and tells it: a GPT-2 BPE
-    ``vocab_file`` (a JSON object of tokens, whose length Megatron-LM's ``GPT2BPETokenizer`` takes)."""
-    vocab_file = arg(args, "vocab_file")
-    if not isinstance(vocab_file, str) or not vocab_file.endswith(".json"):
-        return None
-    path = Path(vocab_file)
-    try:
-        tokens = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
-        return None
-    return (len(tokens), path) if isinstance(tokens, dict) and tokens else None
-
-
-def config_from_args(args: Any, path: Path) -> ModelConfig | None:
-    """The model shape as a :class:`ModelConfig` (HF key names, so inference and plans read it alike).
-
-    ``vocab_size`` is set only when the args hold the true vocab size; ``padded_vocab_size`` is Megatron's.
-    """
-    hidden, heads = arg(args, "hidden_size"), arg(args, "num_attention_heads")
-    if hidden is None or heads is None:
-        return None
-    check_ints(((f"args.{key}", arg(args, key)) for key in ARGS_SIZES), path=path)
-    groups = arg(args, "num_query_groups") if arg(args, "group_query_attention", False) else None
-    raw: dict[str, Any] = {
-        "model_type": "megatron",
-        "hidden_size": hidden,
-        "num_attention_heads": heads,
-        "num_key_value_heads": groups or heads,
-        "head_dim": arg(args, "kv_channels") or hidden // heads,
-        "intermediate_size": arg(args, "ffn_hidden_size"),
-        "num_hidden_layers": arg(args, "num_layers"),
-        "swiglu": bool(arg(args, "swiglu", False)),
-        "padded_vocab_size": arg(args, "padded_vocab_size"),
-        "make_vocab_size_divisible_by": arg(args, "make_vocab_size_divisible_by", DEFAULT_MEGATRON_MULTIPLE),
-        "tensor_model_parallel_size": arg(args, "tensor_model_parallel_size"),
-        "num_experts": arg(args, "num_experts"),
-        "moe_intermediate_size": (arg(args, "moe_ffn_hidden_size") or arg(args, "ffn_hidden_size"))
-        if arg(args, "num_experts")
-        else None,
-        "shared_expert_intermediate_size": arg(args, "moe_shared_expert_intermediate_size"),
-    }
-    vocab = true_vocab_size(args)
-    if vocab is not None:
-        raw["vocab_size"] = vocab
-    return ModelConfig({k: v for k, v in raw.items() if v is not None}, path)
 
 
 def retarget_args(args: Any, tp: int, padded_vocab_size: int | None, *, pp: int = 1) -> Any:

@@ -26,10 +26,11 @@ from typing import TYPE_CHECKING, Any
 from reshard.config import ModelConfig
 from reshard.errors import CorruptFileError, MissingRankError, ReshardError
 from reshard.layouts.base import SourceCheckpoint
-from reshard.layouts.megatron.args import SAFE_GLOBALS, arg, config_from_args, vocab_from_tokenizer_files
+from reshard.layouts.megatron.args import SAFE_GLOBALS
 from reshard.layouts.megatron.facts import MegatronFacts
 from reshard.layouts.megatron.merge import merge_stages
 from reshard.layouts.readers import DirectReader, TensorHeader, load_torch_file, offsets_in_file, torch_header
+from reshard.megatron_model import arg, config_from_args, vocab_from_tokenizer_files
 from reshard.options import ReadOptions
 from reshard.ranks import SHOWN, listed
 from reshard.schema import check_int

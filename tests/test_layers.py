@@ -20,6 +20,7 @@ DOMAIN = {
     "sizes",
     "schema",
     "ranks",
+    "megatron_model",
 }
 PACKAGES = {
     "io": "io",

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from reshard.layouts import find_layout
 from reshard.manifest import Manifest
 from reshard.partition import Vocab
 
@@ -54,7 +55,7 @@ def model_card(
     data = ModelCardData(
         base_model=repo,
         base_model_relation="finetune" if repo else None,
-        library_name="transformers" if target.get("layout") == "hf" else None,
+        library_name=_library(target.get("layout")),
         tags=["reshard"] + (["tensor-parallel"] if int(target.get("tp") or 1) > 1 else []),
         **carried,
     )
@@ -71,6 +72,12 @@ def model_card(
         "`reshard verify` on this repo checks the files against it."
     ]
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n").content
+
+
+def _library(layout: str | None) -> str | None:
+    """The library the Hub shows as loading the output: its layout's (transformers for an ``hf`` folder)."""
+    spec = find_layout(layout)
+    return spec.library if spec is not None else None
 
 
 def _origin(source: dict[str, Any], version: str) -> str:

@@ -50,6 +50,7 @@ class LayoutSpec:
         detect: whether a folder is of this layout (cheap: names and small files only).
         open: read a file or folder of this layout from headers.
         writer: the writer of the layout; None for a layout reshard only reads.
+        library: the library that loads a folder of this layout as it is (the model card's ``library_name``).
         naming: whose tensor names its files hold (``"hf"``: transformers', ``"megatron"``: Megatron's); None keeps
             the source's names.
         kept: a conversion without ``--layout`` writes the source's layout again (else transformers' folders).
@@ -68,6 +69,7 @@ class LayoutSpec:
     detect: Callable[[Path], bool]
     open: Callable[[Path, ReadOptions], SourceCheckpoint]
     writer: type[CheckpointWriter] | None = None
+    library: str | None = None
     naming: str | None = None
     kept: bool = False
     global_tensors: bool = False

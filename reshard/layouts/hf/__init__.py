@@ -12,6 +12,7 @@ HF = LayoutSpec(
     detect=folder.is_hf_folder,
     open=folder.discover,
     writer=folder.HFWriter,
+    library="transformers",
     naming="hf",
     missing_rank_files=loose.missing_rank_files,  # a single file whose name numbers rank 0
     check_files=folder.check_folder,

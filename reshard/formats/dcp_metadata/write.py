@@ -7,7 +7,7 @@ stand-ins: dataclasses with the real classes' fields, and placeholders for the g
 dtypes, ``_get_layout``, the memory-format enum) that :class:`_Pickler` writes as the real import paths, the
 way :data:`reshard.layouts.megatron.args.PICKLE_MODULE` writes Megatron's enums. So reshard needs neither
 ``torch.distributed`` nor Megatron to write it, and the bytes are those ``pickle.dumps(real, protocol=4)``
-gives for the real objects (``tests/layouts/test_dcp_metadata_write.py`` compares them): the C pickler's
+gives for the real objects (``tests/formats/test_dcp_metadata_write.py`` compares them): the C pickler's
 batching of long lists and dicts included, which differs from the pure-Python pickler used here.
 """
 

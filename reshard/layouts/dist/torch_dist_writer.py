@@ -1,7 +1,7 @@
 """Writing Megatron-Core's ``torch_dist`` format (``dist_checkpointing``), as Megatron-LM saves it, without Megatron.
 
 The output (reference notes ``dcp-torchdist-deepspeed.md`` 2.1; checked against what Megatron-Core 0.16.1
-writes in the oracle, and loaded by it at other tp/pp in ``tests/layouts/test_torch_dist_oracle.py``)::
+writes in the oracle, and loaded by it at other tp/pp in ``tests/layouts/dist/test_torch_dist_oracle.py``)::
 
     <out>/latest_checkpointed_iteration.txt     the iteration, or "release"
     <out>/iter_XXXXXXX/ (or release/)

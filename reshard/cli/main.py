@@ -17,7 +17,6 @@ from typing import Any
 
 import click
 
-from reshard import __version__
 from reshard.cli.hub import CKPT, ArgvGroup, for_display, hub_input, publish, push_options
 from reshard.cli.output import emit
 from reshard.cli.render import render_check, render_convert, render_fix, render_inspect, render_verify
@@ -29,6 +28,7 @@ from reshard.io.vectored import return_large_frees_to_os
 from reshard.layouts import writable_layouts
 from reshard.options import ConvertOptions, default_jobs
 from reshard.plans import TRANSFORMERS
+from reshard.version import __version__
 
 PATH = click.Path(path_type=Path)
 EXISTING = click.Path(exists=True, path_type=Path)

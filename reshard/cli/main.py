@@ -364,8 +364,8 @@ def verify_command(ckpt: Path, other: Path | None, quiet: bool, as_json: bool, *
 def run() -> None:
     """The ``reshard`` console script: :func:`main`, then end the process without tearing down the interpreter.
 
-    Freeing every object of torch and its modules at exit takes 0.4-0.6 s on the bench machine (as
-    long as ``reshard check`` takes for a 9B model). reshard closes its own files and joins its threads
+    Freeing every object of torch and its modules at exit takes as long as ``reshard check`` takes for a
+    9B model (docs/performance.md). reshard closes its own files and joins its threads
     before a command returns, so once stdout, stderr and the log handlers are flushed nothing is left
     to do but ``os._exit``. A crash still unwinds normally, with its traceback.
     """

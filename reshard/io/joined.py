@@ -3,8 +3,8 @@
 Why: a packed tensor's slice for one target rank (``[gate_r; up_r]`` of Megatron's ``linear_fc1``) is two
 ranges of the gathered ``[gate; up]``, not one, and ``torch.cat`` would copy them into fresh memory (page
 faults for a large share of a Megatron checkpoint). The writers only need the bytes in C order, which are the
-parts' bytes one after the other
-(:func:`reshard.io.vectored.row_views`, :func:`reshard.formats.safetensors.writer.byte_chunks`).
+parts' bytes one after the other (:func:`reshard.io.vectored.row_views`,
+:func:`reshard.formats.safetensors.writer.byte_chunks`).
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ _OTHER_ITEMSIZES = {
 }
 
 
-def itemsize_of_name(name: str) -> int:
+def _itemsize_of_name(name: str) -> int:
     """Bytes per element of the torch dtype called ``name`` (one of :data:`DTYPE_NAMES`)."""
     code = code_from_name(name)
     return itemsize_of(code) if code is not None else _OTHER_ITEMSIZES[name]
@@ -79,7 +79,7 @@ class StorageRecord:
 
     @property
     def itemsize(self) -> int:
-        return itemsize_of_name(self.dtype)
+        return _itemsize_of_name(self.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -99,7 +99,7 @@ class TensorRecord:
 
     @property
     def itemsize(self) -> int:
-        return itemsize_of_name(self.dtype)
+        return _itemsize_of_name(self.dtype)
 
 
 class Inert:

@@ -20,6 +20,7 @@ DOMAIN = {
     "sizes",
     "schema",
     "ranks",
+    "version",
 }
 PACKAGES = {
     "io": "io",

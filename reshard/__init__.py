@@ -5,10 +5,10 @@ The public surface is small; everything else is private and may change.
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 import importlib
 from typing import TYPE_CHECKING, Any
+
+from reshard.version import __version__
 
 # Where each public name lives. They are imported on first use (PEP 562), so that ``reshard check``,
 # which reads only headers, starts without importing torch.

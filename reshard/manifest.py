@@ -15,6 +15,7 @@ from typing import Any
 from reshard.errors import CorruptFileError
 from reshard.partition import Partition, partition_from_dict, partition_to_dict
 from reshard.schema import check_manifest_data
+from reshard.version import __version__
 
 MANIFEST_NAME = "reshard.json"
 FORMAT = "reshard/1"
@@ -128,8 +129,6 @@ def written_uneven(manifest: Manifest | None) -> bool:
 
 def write_manifest(folder: Path, manifest: Manifest) -> Path:
     """Write ``reshard.json`` into ``folder``, stamping the version and time."""
-    from reshard import __version__
-
     manifest.reshard_version = __version__
     manifest.created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     path = folder / MANIFEST_NAME

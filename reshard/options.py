@@ -29,9 +29,8 @@ def default_jobs() -> int:
     """Twice the cores this process may run on.
 
     A job spends much of its time waiting for its tensor's reads and writes (direct requests, see
-    :mod:`reshard.io.direct`), so with one job per core the disk idles while every job hashes. On the
-    2-core bench VM (4 GB, tp 8 -> 4, 5 interleaved cold runs each): median 9.3 s with 2 jobs, 7.9 s
-    with 4; tp 8 -> 1: 8.2 s and 7.3 s. Memory does not grow with jobs (see :mod:`reshard.engine.execute`).
+    :mod:`reshard.io.direct`), so with one job per core the disk idles while every job hashes; memory does not
+    grow with jobs (see :mod:`reshard.engine.execute`). Measurements: docs/performance.md.
     """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return 2 * cores

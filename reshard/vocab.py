@@ -23,15 +23,46 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from reshard.errors import MissingRankError, ReshardError, ShapeMismatchError
-from reshard.partition import MAX_VOCAB_PAD_PER_RANK, Vocab
+from reshard.partition import MAX_VOCAB_PAD_PER_RANK, Partition, Vocab
 
 if TYPE_CHECKING:
     from reshard.config import ModelConfig
-    from reshard.engine.planner import SourceTensor
     from reshard.manifest import Manifest
+
+
+class RankSlice(Protocol):
+    """One rank's slice of a tensor, as the vocab checks read it (a :class:`reshard.layouts.base.TensorRef`)."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def file(self) -> Path: ...
+
+
+class PlannedTensor(Protocol):
+    """A planned source tensor, as the vocab checks read it (:class:`reshard.engine.planner.SourceTensor`): typed
+    structurally, because the planner calls this module."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def refs(self) -> Sequence[RankSlice]: ...
+
+    @property
+    def partition(self) -> Partition | None: ...
+
+    @property
+    def reason(self) -> str: ...
+
+    @property
+    def problem(self) -> ReshardError | None: ...
+
 
 # Names of vocab tensors across families, for tensors no plan rule covers (GPT-2 wte, Megatron, Meta, NeoX).
 VOCAB_NAME = re.compile(
@@ -124,7 +155,7 @@ def cut_pad_rows(tensor: Rows, dim: int, vocab_size: int) -> Rows:
     return tensor.narrow(dim, 0, vocab_size)
 
 
-def source_padded_rows(tensors: Sequence[SourceTensor]) -> int | None:
+def source_padded_rows(tensors: Sequence[PlannedTensor]) -> int | None:
     """Rows the source's vocab tensors hold along their vocab dim (all rank slices together), if it has any."""
     for tensor in tensors:
         if isinstance(tensor.partition, Vocab) and not tensor.problem:
@@ -159,14 +190,14 @@ def explain(rows: int, present: int, vocab: int, multiples: Sequence[int] = PAD_
     return found
 
 
-def find_short(tensors: Sequence[SourceTensor], vocab: int) -> list[ShortVocab]:
+def find_short(tensors: Sequence[PlannedTensor], vocab: int) -> list[ShortVocab]:
     """Vocab tensors whose ranks hold fewer rows than ``vocab``, grouped by rank rows.
 
     A vocab tensor is one the plan splits as :class:`Vocab`, or, where no rule covers it, one with a vocab
     tensor's name whose rows are exactly one rank's slice of the padded vocab (inference keeps such a
     tensor whole, so it would otherwise pass).
     """
-    groups: dict[tuple[int, ...], list[SourceTensor]] = {}
+    groups: dict[tuple[int, ...], list[PlannedTensor]] = {}
     for t in tensors:
         if isinstance(t.partition, Vocab):
             rows = tuple(ref.shape[t.partition.dim] for ref in t.refs)
@@ -185,7 +216,7 @@ def find_short(tensors: Sequence[SourceTensor], vocab: int) -> list[ShortVocab]:
 
 
 def check_vocab_rows(
-    tensors: Sequence[SourceTensor],
+    tensors: Sequence[PlannedTensor],
     vocab: int,
     *,
     source_tp: int,

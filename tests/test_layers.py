@@ -21,6 +21,7 @@ DOMAIN = {
     "schema",
     "ranks",
     "megatron_model",
+    "version",
 }
 PACKAGES = {
     "io": "io",

@@ -17,7 +17,6 @@ from typing import Any
 
 import click
 
-from reshard import __version__
 from reshard.cli.hub import CKPT, ArgvGroup, for_display, hub_input, publish, push_options
 from reshard.cli.output import emit
 from reshard.cli.render import render_check, render_convert, render_fix, render_inspect, render_verify
@@ -29,6 +28,7 @@ from reshard.io.vectored import return_large_frees_to_os
 from reshard.layouts import writable_layouts
 from reshard.options import ConvertOptions, default_jobs
 from reshard.plans import TRANSFORMERS
+from reshard.version import __version__
 
 PATH = click.Path(path_type=Path)
 EXISTING = click.Path(exists=True, path_type=Path)
@@ -364,8 +364,8 @@ def verify_command(ckpt: Path, other: Path | None, quiet: bool, as_json: bool, *
 def run() -> None:
     """The ``reshard`` console script: :func:`main`, then end the process without tearing down the interpreter.
 
-    Freeing every object of torch and its modules at exit takes 0.4-0.6 s on the bench machine (as
-    long as ``reshard check`` takes for a 9B model). reshard closes its own files and joins its threads
+    Freeing every object of torch and its modules at exit takes as long as ``reshard check`` takes for a
+    9B model (docs/performance.md). reshard closes its own files and joins its threads
     before a command returns, so once stdout, stderr and the log handlers are flushed nothing is left
     to do but ``os._exit``. A crash still unwinds normally, with its traceback.
     """

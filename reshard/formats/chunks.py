@@ -3,9 +3,10 @@ offset of a data file. Only headers are read here (the zip directory, ``data.pkl
 
 A DCP ``.distcp`` file is a run of whole ``torch.save`` zip archives, one per chunk (or, written with
 ``SerializationFormat.SAFETENSORS``, one safetensors blob after any pickled values). Rather than
-``torch.load`` a copy of each archive, the archive's ``data.pkl`` is read with a restricted unpickler
-(for dtype, shape, stride and storage offset) and its ``data/<key>`` record (stored, not compressed)
-is located, so the caller can read the bytes it needs straight into its own buffer.
+``torch.load`` a copy of each archive, the archive's ``data.pkl`` is read with the structure-only unpickler
+of :mod:`reshard.formats.torch_zip.structure` (for dtype, shape, stride and storage offset) and its
+``data/<key>`` record (stored, not compressed) is located, so the caller can read the bytes it needs straight
+into its own buffer.
 """
 
 from __future__ import annotations
@@ -22,25 +23,10 @@ from typing import Any
 from reshard.dtypes import code_from_name, itemsize_of
 from reshard.errors import CorruptFileError, UnsafePickleError
 from reshard.formats.boxes import Shape
-from reshard.formats.safe_pickle import DTYPE_NAMES, Dtype, PickleInput, load_restricted
 from reshard.formats.safetensors.header import read_header
+from reshard.formats.torch_zip.structure import ZIP_MAGIC, TensorRecord, data_start, read_structure
 
-ZIP_MAGIC = b"PK\x03\x04"
 MAX_PICKLE = 1 << 20  # a tensor's data.pkl is a few hundred bytes
-# Legacy typed storages a torch.save archive names (newer dtypes use UntypedStorage + the dtype).
-_STORAGES = {
-    "DoubleStorage": "F64",
-    "FloatStorage": "F32",
-    "HalfStorage": "F16",
-    "BFloat16Storage": "BF16",
-    "LongStorage": "I64",
-    "IntStorage": "I32",
-    "ShortStorage": "I16",
-    "CharStorage": "I8",
-    "ByteStorage": "U8",
-    "BoolStorage": "BOOL",
-    "ComplexFloatStorage": "C64",
-}
 
 
 @dataclass(frozen=True)
@@ -130,9 +116,9 @@ def torch_archive_layout(
             names = set(archive.namelist())
             if f"{prefix}byteorder" in names and archive.read(f"{prefix}byteorder") != b"little":
                 raise corrupt("big-endian tensor bytes are not supported")
-            record = _load_record(archive.read(pickled), path, tensor)
-            data = archive.getinfo(f"{prefix}data/{record.key}")
-            local = os.pread(handle.fileno(), 30, position + data.header_offset)
+            record, stored_code = _load_record(archive.read(pickled), path, tensor)
+            data = archive.getinfo(f"{prefix}data/{record.storage.key}")
+            start = data_start(handle.fileno(), data, base=position)
     except (
         zipfile.BadZipFile,
         KeyError,
@@ -149,105 +135,35 @@ def torch_archive_layout(
         OverflowError,
     ) as err:
         raise corrupt(f"not a readable torch.save archive ({str(err) or type(err).__name__})") from err
-    if record.code != code or record.shape != shape:
-        raise corrupt(f"holds {record.code} {list(record.shape)}, the metadata says {code} {list(shape)}")
-    if len(local) < 30 or local[:4] != ZIP_MAGIC or data.compress_type != zipfile.ZIP_STORED:
+    if stored_code != code or record.sizes != shape:
+        raise corrupt(f"holds {stored_code} {list(record.sizes)}, the metadata says {code} {list(shape)}")
+    if start is None or data.compress_type != zipfile.ZIP_STORED:
         raise corrupt("the tensor's data record is not stored uncompressed")
-    name_length, extra_length = struct.unpack("<HH", local[26:30])
-    start = data.header_offset + 30 + name_length + extra_length
     itemsize = itemsize_of(code)
-    extent = record.storage_offset + 1 + sum((s - 1) * st for s, st in zip(shape, record.strides, strict=True))
+    extent = record.offset + 1 + sum((s - 1) * st for s, st in zip(shape, record.strides, strict=True))
     if 0 in shape:
         extent = 0
-    if min(record.strides, default=0) < 0 or record.storage_offset < 0 or len(record.strides) != len(shape):
-        raise corrupt(f"strides {list(record.strides)} / storage offset {record.storage_offset} are not valid")
-    if extent * itemsize > min(record.storage_bytes, data.file_size) or start + data.file_size > length:
+    if min(record.strides, default=0) < 0 or record.offset < 0 or len(record.strides) != len(shape):
+        raise corrupt(f"strides {list(record.strides)} / storage offset {record.offset} are not valid")
+    if extent * itemsize > min(record.storage.nbytes, data.file_size) or start + data.file_size > length:
         raise corrupt("the tensor's bytes run past its storage or the archive: truncated?")
-    return ChunkLayout(position + start, record.storage_offset, record.strides)
+    return ChunkLayout(position + start, record.offset, record.strides)
 
 
-@dataclass(frozen=True)
-class _Storage:
-    code: str
-    key: str
-    storage_bytes: int
+def _load_record(data: bytes, path: Path, tensor: str) -> tuple[TensorRecord, str]:
+    """The one tensor a chunk's ``data.pkl`` rebuilds, and its safetensors dtype code."""
 
-
-@dataclass(frozen=True)
-class _Record:
-    code: str
-    key: str
-    storage_bytes: int
-    storage_offset: int
-    shape: Shape
-    strides: Shape
-
-
-def _rebuild_v2(storage: _Storage, offset: int, size: Any, stride: Any, *_: Any) -> _Record:
-    return _Record(storage.code, storage.key, storage.storage_bytes, int(offset), _shape(size), _shape(stride))
-
-
-def _rebuild_v3(
-    storage: _Storage, offset: int, size: Any, stride: Any, grad: Any, hooks: Any, dtype: Any, *_: Any
-) -> _Record:
-    code = code_from_name(str(dtype)) if isinstance(dtype, Dtype) else None
-    if code is None:
-        raise pickle.UnpicklingError(f"tensor of dtype {dtype!r}")
-    return _Record(code, storage.key, storage.storage_bytes, int(offset), _shape(size), _shape(stride))
-
-
-def _parameter(data: _Record, *_: Any) -> _Record:
-    """``nn.Parameter(data)``: the tensor inside."""
-    return data
-
-
-def _shape(values: Any) -> Shape:
-    if not isinstance(values, tuple) or not all(type(v) is int for v in values):
-        raise pickle.UnpicklingError(f"{values!r} is not a tuple of integers")
-    return values
-
-
-class _StorageType(str):
-    """A pickled storage class, kept as the code of its elements."""
-
-
-class _RecordUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, path: Path, tensor: str) -> None:
-        super().__init__(PickleInput(data))
-        self._path, self._tensor = path, tensor
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch._utils" and name == "_rebuild_tensor_v2":
-            return _rebuild_v2
-        if module == "torch._utils" and name == "_rebuild_tensor_v3":
-            return _rebuild_v3
-        if module == "torch._utils" and name == "_rebuild_parameter":
-            return _parameter
-        if module == "collections" and name == "OrderedDict":
-            return dict
-        if module == "torch" and name in _STORAGES:
-            return _StorageType(_STORAGES[name])
-        if module == "torch.storage" and name == "UntypedStorage":
-            return _StorageType("U8")
-        if module == "torch" and name in DTYPE_NAMES:
-            return Dtype(name)
-        raise UnsafePickleError(
+    def refuse(module: str, name: str) -> UnsafePickleError:
+        return UnsafePickleError(
             f"a chunk's data.pkl pickles {module}.{name}, not a tensor: refused without running it",
-            path=self._path,
-            tensor=self._tensor,
+            path=path,
+            tensor=tensor,
         )
 
-    def persistent_load(self, pid: Any) -> _Storage:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageType)):
-            raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
-        numel = pid[4]
-        if type(numel) is not int or numel < 0:
-            raise pickle.UnpicklingError(f"storage of {numel!r} elements")
-        return _Storage(str(pid[1]), str(pid[2]), numel * itemsize_of(str(pid[1])))
-
-
-def _load_record(data: bytes, path: Path, tensor: str) -> _Record:
-    record = load_restricted(_RecordUnpickler(data, path, tensor), data)
-    if not isinstance(record, _Record):
+    record = read_structure(data, refuse=refuse)
+    if not isinstance(record, TensorRecord):
         raise pickle.UnpicklingError(f"data.pkl holds a {type(record).__name__}, not one tensor")
-    return record
+    code = code_from_name(record.dtype)
+    if code is None:
+        raise pickle.UnpicklingError(f"tensor of dtype {record.dtype!r}")
+    return record, code

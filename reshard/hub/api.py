@@ -12,7 +12,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import unquote, urlsplit
 
 from reshard.errors import HubError, ReshardError
@@ -20,7 +20,13 @@ from reshard.errors import HubError, ReshardError
 if TYPE_CHECKING:
     from huggingface_hub import HfApi
 
-    from reshard.hub.source import HubCheckpoint
+
+class RepoPlace(Protocol):
+    """Where a Hub call happens, as its errors name it (a :class:`reshard.hub.source.HubCheckpoint`): printed
+    with ``str``, with its repo's id. Typed structurally, because ``hub/source.py`` calls this module."""
+
+    @property
+    def repo_id(self) -> str: ...
 
 
 def hub_api() -> HfApi:
@@ -102,7 +108,7 @@ def describe(err: BaseException, where: str, repo: str | None = None) -> HubErro
 
 
 @contextlib.contextmanager
-def hub_errors(where: HubCheckpoint | str) -> Iterator[None]:
+def hub_errors(where: RepoPlace | str) -> Iterator[None]:
     """Turn huggingface_hub's exceptions (and connection failures) inside the block into one-line HubErrors."""
     import httpx2
     from huggingface_hub.errors import (

@@ -17,6 +17,7 @@ from typing import Any
 from reshard.layouts import find_layout
 from reshard.manifest import Manifest
 from reshard.partition import Vocab
+from reshard.version import __version__
 
 CARRIED = ("license", "license_name", "license_link", "language", "pipeline_tag")  # from the source's card
 SHOWN = 12  # changed tensors listed by name
@@ -43,8 +44,6 @@ def model_card(
         >>> text = model_card(manifest, changed=[], command="reshard fix acme/x -o y", title="y")  # doctest: +SKIP
     """
     from huggingface_hub import ModelCard, ModelCardData
-
-    from reshard import __version__
 
     source, target = manifest.source, manifest.target
     carried: dict[str, Any] = {}

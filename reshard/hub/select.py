@@ -1,13 +1,13 @@
 """Which files of a repo a command needs, from the repo's file list alone (pure: names in, names out).
 
-Weights are chosen per folder the way the layouts read a folder (``layouts/hf/folder.py`` ``weight_files``): the
-files an index names, else ``model.safetensors`` / ``pytorch_model.bin``, else every ``*.safetensors``, else
-every torch file that is not optimizer state. The folders are the checkpoint's own and, below it, the iteration
-a tracker names (Megatron, SAT), else those named for a rank. So a repo holding both ``*.safetensors`` and
-``*.bin`` copies, ``consolidated.safetensors`` beside indexed shards, or an ``original/`` folder of ``.pth``
-files is downloaded once, without the copies. Planning needs only small files (configs, indexes,
-``reshard.json``); a conversion also copies what sits beside the weights (tokenizer, generation config, chat
-template, remote code, licence, card).
+Weights are chosen per folder by the rule the layouts read a folder with (``layouts/hf/folder.py``
+``weight_names``): the files an index names, else ``model.safetensors`` / ``pytorch_model.bin``, else every file
+of the first tensor suffix present, never optimizer state. The folders are the checkpoint's own and, below it,
+the iteration a tracker names (Megatron, SAT), else those named for a rank. So a repo holding both
+``*.safetensors`` and ``*.bin`` copies, ``consolidated.safetensors`` beside indexed shards, or an ``original/``
+folder of ``.pth`` files is downloaded once, without the copies. Planning needs only small files (configs,
+indexes, ``reshard.json``); a conversion also copies what sits beside the weights (tokenizer, generation config,
+chat template, remote code, licence, card).
 """
 
 from __future__ import annotations
@@ -18,16 +18,10 @@ import posixpath
 import re
 from collections.abc import Callable, Iterable, Sequence
 
-from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE_FILE
-
 from reshard.errors import HubError
 from reshard.layouts import rank_folder_patterns, tracker_files
+from reshard.layouts.hf.folder import TENSOR_SUFFIXES, weight_names
 
-TENSOR_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-BIN_INDEX, BIN_SINGLE = "pytorch_model.bin.index.json", "pytorch_model.bin"
-# Optimizer state saved beside the weights: DeepSpeed ``*optim_states.pt``, ColossalAI ``pytorch_optim*``,
-# Megatron's distributed optimizer ``distrib_optim.pt`` (not ``model_optim_rng.pt``, which holds the model).
-OPTIMIZER = re.compile(r"optim_states|optimizer|pytorch_optim|distrib_optim", re.I)
 # What is copied beside the weights: configs, tokenizers, chat templates, remote code, licence, card.
 SIDE_PATTERNS = ("*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py", "*.md", "LICENSE*", "NOTICE*")
 CONFIG_LEVELS = 3  # config.json is looked for in the checkpoint folder and up to 3 above (config.find_config)
@@ -111,21 +105,29 @@ def weight_files(files: Sequence[str], root: str, read_text: Callable[[str], str
         ):
             continue
         join = (lambda n, folder=folder: posixpath.join(folder, n)) if folder else (lambda n: n)
-        index = next((i for i in (SAFETENSORS_INDEX_FILE, BIN_INDEX) if i in names), None)
-        if index is not None:
-            named = _index_files(read_text(join(index)))
-            missing = [n for n in named if n not in names]
-            if missing:
-                raise HubError(
-                    f"{join(index)} names {missing[0]}, which is not in the repo at this revision", path=where or None
-                )
-            chosen += [join(n) for n in named]
-            continue
-        single = [n for n in (SAFETENSORS_SINGLE_FILE, BIN_SINGLE) if n in names][:1]
-        safetensors = sorted(n for n in names if n.endswith(".safetensors"))
-        torch = sorted(n for n in names if n.endswith(TENSOR_SUFFIXES) and not OPTIMIZER.search(n))
-        chosen += [join(n) for n in (single or safetensors or torch)]
+        chosen += [join(n) for n in weight_names(names, _index_reader(names, join, read_text, where))]
     return chosen
+
+
+def _index_reader(
+    names: list[str], join: Callable[[str], str], read_text: Callable[[str], str], where: str
+) -> Callable[[str], list[str]]:
+    """Reads the index of a folder holding ``names``: the files it names, every one of which the repo must hold.
+
+    Raises (when called):
+        HubError: the index names a file that is not in the folder.
+    """
+
+    def files(index: str) -> list[str]:
+        named = _index_files(read_text(join(index)))
+        missing = [n for n in named if n not in names]
+        if missing:
+            raise HubError(
+                f"{join(index)} names {missing[0]}, which is not in the repo at this revision", path=where or None
+            )
+        return named
+
+    return files
 
 
 def _index_files(text: str) -> list[str]:

@@ -1,10 +1,7 @@
 """Tensor bytes between files and memory with ``O_DIRECT``, many blocks in flight at once.
 
-Why: on the 2-core bench VM the page cache is the dearest part of moving a checkpoint, and the disk
-reaches its speed only with several requests in flight. Buffered writes of 2 GB cost 1.6-2.2 s of
-system time (plus 0.7 s of ``sync``), ``O_DIRECT`` writes of the same bytes 0.25 s at 1.65 GB/s.
-Copying 4 GB from 8 rank files into one file in 8 MB blocks, with direct writes, took 7.0-8.6 s
-with buffered reads on 2 threads and 4.9-5.5 s with direct reads on 8. Nothing reads a source slice
+Why: on a VM the page cache is the dearest part of moving a checkpoint, and the disk reaches its speed only
+with several requests in flight (docs/performance.md has the measurements). Nothing reads a source slice
 twice or a converted checkpoint back soon, so caching either is wasted memory too.
 
 ``O_DIRECT`` needs the file offset, the length and the memory address aligned to the device's block,
@@ -20,8 +17,8 @@ may share with ranges written by other threads, go through the page cache on an 
 Memory on the same 4 KB phase as its file range skips staging: the whole blocks inside the range are read
 into it or written from it directly (:func:`in_phase`). Gather buffers are allocated on the phase of the
 slices read into them (:func:`reshard.engine.gather.read_phase`), and the thread's scratch copies of
-column blocks on the phase of the file range they come from or go to; on the bench VM that took every
-read and the column blocks' writes of a 4 GB tp 8 -> 4 off the staging copies, 0.9-1.0 s of user CPU.
+column blocks on the phase of the file range they come from or go to, so that every read and the column
+blocks' writes skip the staging copy.
 
 Callers group the requests of one tensor in a :class:`Batch`: every read and write started inside
 ``with Batch():`` runs at once, and leaving the block waits for all of them. A call outside a batch
@@ -52,8 +49,8 @@ logger = logging.getLogger(__name__)
 # Offsets, lengths and addresses of direct requests are multiples of this: the largest logical block
 # size of common devices, and the page size (so staging buffers from mmap are aligned already).
 ALIGN = 4096
-# Bytes per request: large enough for the disk's full speed (8 MB writes reached 1.65 GB/s on the
-# bench VM), small enough that the buffers in flight cost little next to a tensor.
+# Bytes per request: large enough for the disk's full speed, small enough that the buffers in flight cost
+# little next to a tensor.
 STAGING_BYTES = 8 << 20
 # Threads that carry out requests, shared by every file and caller; each holds one staging buffer.
 IO_THREADS = 8
@@ -159,7 +156,7 @@ class DirectSource:
     def _read_in_place(self, view: memoryview, position: int, batch: Batch, error: Callable[[str], Exception]) -> None:
         """The whole aligned blocks inside the range read straight into ``view`` (its memory is on the same 4 KB
         phase as the file); only the partial blocks at either end go through staging, where the aligned block
-        reaches past ``view``. Saves the copy out of staging: 0.6 CPU-s a 4 GB conversion on the bench VM."""
+        reaches past ``view``. Saves the copy out of staging, a large share of a conversion's CPU time."""
         end = position + len(view)
         inner, inner_end = -(-position // ALIGN) * ALIGN, end // ALIGN * ALIGN
         if inner_end <= inner:

@@ -1,10 +1,10 @@
 """A tensor that is its parts one after the other along dim 0, handed to the writers without a copy.
 
 Why: a packed tensor's slice for one target rank (``[gate_r; up_r]`` of Megatron's ``linear_fc1``) is two
-ranges of the gathered ``[gate; up]``, not one. ``torch.cat`` copied them into fresh memory: 1.6 GB of a 4 GB
-Megatron tp 8 -> 4, 310,000 more page faults than the same conversion to tp 1, and a second of its wall on
-the bench VM. The writers only need the bytes in C order, which are the parts' bytes one after the other
-(:func:`reshard.io.vectored.row_views`, :func:`reshard.formats.safetensors.writer.byte_chunks`).
+ranges of the gathered ``[gate; up]``, not one, and ``torch.cat`` would copy them into fresh memory (page
+faults for a large share of a Megatron checkpoint). The writers only need the bytes in C order, which are the
+parts' bytes one after the other (:func:`reshard.io.vectored.row_views`,
+:func:`reshard.formats.safetensors.writer.byte_chunks`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """A thread's reusable buffer for short-lived copies: blocks of rows on their way to or from the disk.
 
 Fresh memory costs a page fault and the zeroing of every page, about as much as copying the bytes, and a
-4 GB tp 8 -> 4 copies ~2 GB of column blocks in pieces of up to 16 MB (each block of a gathered tensor's
-short rows, read or written contiguously). So each thread keeps one buffer and copies into it again.
+conversion copies about half its bytes as column blocks in pieces of up to 16 MB (each block of a gathered
+tensor's short rows, read or written contiguously). So each thread keeps one buffer and copies into it again.
 """
 
 from __future__ import annotations

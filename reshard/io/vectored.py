@@ -24,13 +24,11 @@ if TYPE_CHECKING:
 
 # Rows shorter than this are not worth a buffer each: the caller copies blocks of rows with torch instead.
 # Every row costs Python calls (a memoryview, a copy into or out of a staging block) and the threads
-# queue for the GIL between them: 4 GB tp 8 -> 4 moved ~900,000 rows of 1-3 KB (row-parallel weights),
-# 52 s of the I/O threads' time and 9.0-9.4 s of user CPU; with blocks of rows copied by torch, 5.8-6.3 s.
+# queue for the GIL between them, and row-parallel weights have hundreds of thousands of rows of 1-3 KB.
 MIN_ROW_BYTES = 256 << 10
 # One pwritev moves at most this many bytes. A buffered write holds the file's inode lock for the
 # whole call, so with huge calls (a 262 MB tensor at once) two threads writing one file take turns
-# for long stretches, one of them spinning on the lock; on the 2-core bench machine, tp 8 -> 1 of
-# 4 GB took 11-12 s with 64 MB calls and 8.5 s with 1 MB calls (256 KB: no better).
+# for long stretches, one of them spinning on the lock; smaller calls were no better.
 WRITE_BYTES = 1 << 20
 IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 

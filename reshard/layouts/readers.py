@@ -140,8 +140,8 @@ class DirectReader(FileReader):
     def _read_in_blocks(self, key: str, out: torch.Tensor, start: int) -> None:
         """Short strided rows (a column block of a gathered tensor): blocks of rows are read contiguously into
         this thread's scratch buffer and copied into place by torch, one copy per block of at most
-        ``CHUNK_BYTES`` rather than one Python call per row (a 4 GB tp 8 -> 4 made about 900,000 of those,
-        the threads queueing for the GIL between them)."""
+        ``CHUNK_BYTES`` rather than one Python call per row (row-parallel weights have hundreds of thousands of
+        rows, and the threads queue for the GIL between the calls)."""
         row = out[0].numel() * out.element_size()
         step = max(1, CHUNK_BYTES // row)
         for first in range(0, len(out), step):

@@ -8,6 +8,7 @@ import pytest
 
 from reshard.errors import HubError
 from reshard.hub.select import literal, plan_patterns, side_patterns, weight_files
+from reshard.layouts.hf.folder import weight_files as folder_weight_files
 
 INDEX = json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}})
 SMALL = {"model.safetensors.index.json": INDEX, "latest_checkpointed_iteration.txt": "200\n", "latest": "1000"}
@@ -83,3 +84,30 @@ def test_patterns_match_what_planning_and_copying_need() -> None:
     files = ["tp2/tokenizer.json", "tp2/tokenizer.model", "tp2/model.safetensors", "tp2/model.gguf", "tp2/x/a.json"]
     assert side_patterns("tp2", files) == ["tp2/tokenizer.json", "tp2/tokenizer.model"]
     assert literal("a*b?.json") == "a[*]b[?].json"
+
+
+@pytest.mark.parametrize(
+    ("names", "expected"),
+    [
+        (["model.safetensors.index.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+          "consolidated.safetensors", "pytorch_model.bin"],
+         ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]),
+        (["model.safetensors", "adapter.safetensors", "pytorch_model.bin"], ["model.safetensors"]),
+        (["model-rank-0.safetensors", "model-rank-1.safetensors", "model-rank-0.bin"],
+         ["model-rank-0.safetensors", "model-rank-1.safetensors"]),
+        (["weights-a.bin", "weights-b.bin", "consolidated.00.pt", "consolidated.01.pth"],
+         ["weights-a.bin", "weights-b.bin"]),
+        (["model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt", "optimizer.pt", "distrib_optim.pt"],
+         ["model_states.pt"]),
+        (["optimizer.bin", "weights.pt"], ["weights.pt"]),
+        (["config.json", "tokenizer.json"], []),
+    ],
+    ids=["index", "single", "safetensors-over-bin", "bin-and-pt", "optimizer-left-out", "only-optimizer-bin", "none"],
+)  # fmt: skip
+def test_local_and_hub_choose_the_same_files(tmp_path, names: list[str], expected: list[str]) -> None:
+    """The Hub downloads exactly the files the local reader then reads, for the same names."""
+    for name in names:
+        (tmp_path / name).write_text(INDEX if name.endswith(".index.json") else "")
+    local = [p.name for p in folder_weight_files(tmp_path)]
+    hub = weight_files(names, "", lambda path: (tmp_path / path).read_text())
+    assert local == hub == expected

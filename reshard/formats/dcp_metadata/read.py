@@ -2,7 +2,7 @@
 
 Three forms are read (reference notes ``dcp-torchdist-deepspeed.md`` 1.1-1.5):
 
-* ``.metadata`` (a pickle, read by :mod:`reshard.formats.safe_pickle`) + ``__{rank}_{n}.distcp`` data files;
+* ``.metadata`` (a pickle, read by :mod:`reshard.formats.dcp_metadata.pickled`) + ``__{rank}_{n}.distcp`` data files;
 * ``__{rank}.metadata``, one per rank (``dcp.save(..., use_collectives=False)``): merged here, a box
   stored by several ranks (a replicated tensor) is read from the lowest rank;
 * no metadata at all: ``shard-{rank}-model-{i}-of-{n}.safetensors`` (``HuggingFaceStorageWriter`` with
@@ -21,9 +21,9 @@ from typing import Any
 
 from reshard.dtypes import code_from_name, name_of
 from reshard.errors import CorruptFileError, MissingRankError
-from reshard.formats import safe_pickle as pk
 from reshard.formats.boxes import Box, Shape
 from reshard.formats.chunks import safetensors_entries
+from reshard.formats.dcp_metadata import pickled as pk
 from reshard.ranks import rank_count
 
 METADATA = ".metadata"

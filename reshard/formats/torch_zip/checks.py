@@ -12,9 +12,10 @@ held raw elements. So, before torch sees the file:
   storage the pickle names a record that exists, is stored uncompressed, lies inside the file and holds at
   least the storage's bytes; every tensor's elements (offset, sizes, strides) lie inside its storage.
 
-The pickle is read by a structure-only unpickler that calls nothing it names: every global is a stand-in
-(an inert placeholder, or a record of a tensor's storage, offset, sizes and strides), so a hostile pickle
-runs no code here; ``torch.load`` with its own allow-list still decides what may be rebuilt.
+The pickle is read by the structure-only unpickler of :mod:`reshard.formats.torch_zip.structure`, which calls
+nothing it names (every global is a stand-in: an inert placeholder, or a record of a tensor's storage, offset,
+sizes and strides), so a hostile pickle runs no code here; ``torch.load`` with its own allow-list still decides
+what may be rebuilt.
 """
 
 from __future__ import annotations
@@ -25,51 +26,11 @@ import pickle
 import struct
 import zipfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from reshard.errors import CorruptFileError
-from reshard.formats.safe_pickle import PickleInput, load_restricted
-
-ZIP_MAGIC = b"PK\x03\x04"
-_DTYPE_SIZES = {
-    "bool": 1,
-    "uint8": 1,
-    "int8": 1,
-    "int16": 2,
-    "uint16": 2,
-    "float16": 2,
-    "bfloat16": 2,
-    "int32": 4,
-    "uint32": 4,
-    "float32": 4,
-    "int64": 8,
-    "uint64": 8,
-    "float64": 8,
-    "complex32": 4,
-    "complex64": 8,
-    "complex128": 16,
-}
-_LEGACY = {
-    "Bool": 1,
-    "Byte": 1,
-    "Char": 1,
-    "Short": 2,
-    "Half": 2,
-    "BFloat16": 2,
-    "Int": 4,
-    "Float": 4,
-    "Long": 8,
-    "Double": 8,
-    "ComplexFloat": 8,
-    "ComplexDouble": 16,
-    "QUInt8": 1,
-    "QInt8": 1,
-    "QInt32": 4,
-    "QUInt4x2": 1,
-    "QUInt2x4": 1,
-}
+from reshard.formats.torch_zip.structure import ZIP_MAGIC, TensorRecord, data_start, read_structure
 
 
 def check_torch_file(path: Path) -> str | None:
@@ -114,7 +75,9 @@ def _check_archive(path: Path, size: int) -> str:
             tensors = _tensors(archive.read(pickled[0]), path)
             records = {info.filename: info for info in infos}
             starts = {
-                name: _data_start(handle, info) for name, info in records.items() if name.startswith(f"{prefix}data/")
+                name: _data_start(handle.fileno(), info)
+                for name, info in records.items()
+                if name.startswith(f"{prefix}data/")
             }
     except CorruptFileError:
         raise
@@ -136,150 +99,55 @@ def _check_archive(path: Path, size: int) -> str:
                 path=path,
                 tensor=name,
             )
-        if tensor.extent > tensor.storage.numel:
+        extent = _extent(tensor)
+        if extent > tensor.storage.numel:
             raise CorruptFileError(
                 f"sizes {list(tensor.sizes)}, strides {list(tensor.strides)} at offset {tensor.offset} reach "
-                f"element {tensor.extent} of a storage of {tensor.storage.numel}",
+                f"element {extent} of a storage of {tensor.storage.numel}",
                 path=path,
                 tensor=name,
             )
     return prefix.rstrip("/")
 
 
-def _data_start(handle: Any, info: zipfile.ZipInfo) -> int:
-    local = os.pread(handle.fileno(), 30, info.header_offset)
-    if len(local) < 30 or local[:4] != ZIP_MAGIC:
+def _data_start(fd: int, info: zipfile.ZipInfo) -> int:
+    start = data_start(fd, info)
+    if start is None:
         raise zipfile.BadZipFile(f"no local header for {info.filename}")
-    name_length, extra_length = struct.unpack("<HH", local[26:30])
-    return info.header_offset + 30 + name_length + extra_length
+    return start
 
 
-@dataclass(frozen=True)
-class _Storage:
-    key: str
-    itemsize: int
-    numel: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.itemsize
+def _extent(tensor: TensorRecord) -> int:
+    """Storage elements (of the storage's own unit) up to the tensor's last element."""
+    if any(size == 0 for size in tensor.sizes):
+        return 0
+    last = tensor.offset + sum((size - 1) * stride for size, stride in zip(tensor.sizes, tensor.strides, strict=False))
+    return math.ceil((last + 1) * tensor.itemsize / tensor.storage.itemsize)
 
 
-@dataclass(frozen=True)
-class _Tensor:
-    storage: _Storage
-    offset: int
-    sizes: tuple[int, ...]
-    strides: tuple[int, ...]
-    itemsize: int
-
-    @property
-    def extent(self) -> int:
-        """Storage elements (of the storage's own unit) up to the tensor's last element."""
-        if any(size == 0 for size in self.sizes):
-            return 0
-        last = self.offset + sum((size - 1) * stride for size, stride in zip(self.sizes, self.strides, strict=False))
-        return math.ceil((last + 1) * self.itemsize / self.storage.itemsize)
-
-
-class _Inert:
-    """What every unknown global becomes: takes any arguments and state, and does nothing."""
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> _Inert:
-        return object.__new__(cls)
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def __setstate__(self, state: Any) -> None:
-        pass
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        pass
-
-    def append(self, value: Any) -> None:
-        pass
-
-    def extend(self, values: Any) -> None:
-        pass
-
-
-class _Dict(dict):
-    """``collections.OrderedDict``, whose pickled state (``_metadata`` of a module's state dict) is dropped."""
-
-    def __setstate__(self, state: Any) -> None:
-        pass
-
-
-class _StorageKind(int):
-    """A pickled storage class, as the bytes of one of its elements."""
-
-
-class _Dtype(int):
-    """A pickled ``torch.<dtype>``, as its element size."""
-
-
-def _ints(values: Any) -> tuple[int, ...]:
-    if not isinstance(values, tuple) or not all(type(v) is int for v in values):
-        raise pickle.UnpicklingError(f"{values!r} is not a tuple of integers")
-    return values
-
-
-def _rebuild(storage: Any, offset: Any, sizes: Any, strides: Any, *rest: Any) -> Any:
-    if not isinstance(storage, _Storage):
-        return _Inert()
-    dtype = next((r for r in rest if isinstance(r, _Dtype)), None)  # _rebuild_tensor_v3 names the dtype
-    if type(offset) is not int or offset < 0 or len(_ints(sizes)) != len(_ints(strides)):
-        raise pickle.UnpicklingError(f"tensor at offset {offset!r} with sizes {sizes!r}, strides {strides!r}")
-    if min(sizes, default=0) < 0 or min(strides, default=0) < 0:
-        raise pickle.UnpicklingError(f"negative sizes {list(sizes)} or strides {list(strides)}")
-    return _Tensor(storage, offset, sizes, strides, int(dtype) if dtype else storage.itemsize)
-
-
-def _parameter(data: Any, *rest: Any) -> Any:
-    return data
-
-
-class _StructureUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3"):
-            return _rebuild
-        if module == "torch._utils" and name in ("_rebuild_parameter", "_rebuild_parameter_with_state"):
-            return _parameter
-        if module == "collections" and name == "OrderedDict":
-            return _Dict
-        if module == "torch.storage" and name == "UntypedStorage":
-            return _StorageKind(1)
-        if module == "torch" and name.endswith("Storage") and name[: -len("Storage")] in _LEGACY:
-            return _StorageKind(_LEGACY[name[: -len("Storage")]])
-        if module == "torch" and name in _DTYPE_SIZES:
-            return _Dtype(_DTYPE_SIZES[name])
-        if module == "torch" and name.startswith("float8"):
-            return _Dtype(1)
-        return _Inert
-
-    def persistent_load(self, pid: Any) -> Any:
-        if isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageKind):
-            numel = pid[4]
-            if type(numel) is not int or numel < 0:
-                raise pickle.UnpicklingError(f"storage of {numel!r} elements")
-            return _Storage(str(pid[2]), int(pid[1]), numel)
-        return _Inert()
-
-
-def _tensors(data: bytes, path: Path) -> list[tuple[str, _Tensor]]:
+def _tensors(data: bytes, path: Path) -> list[tuple[str, TensorRecord]]:
     """Every tensor the pickle rebuilds, by its dotted key path, without running anything it names."""
     try:
-        root = load_restricted(_StructureUnpickler(PickleInput(data)), data)
+        tensors = list(_walk(read_structure(data), ""))
+        for _, tensor in tensors:
+            _check_geometry(tensor)
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as err:
         raise CorruptFileError(f"cannot read data.pkl: {err}", path=path) from err
     except (RecursionError, MemoryError, OverflowError) as err:
         raise CorruptFileError(f"cannot read data.pkl: {type(err).__name__}", path=path) from err
-    return list(_walk(root, ""))
+    return tensors
 
 
-def _walk(value: Any, name: str, depth: int = 0) -> Iterator[tuple[str, _Tensor]]:
-    if isinstance(value, _Tensor):
+def _check_geometry(tensor: TensorRecord) -> None:
+    offset, sizes, strides = tensor.offset, tensor.sizes, tensor.strides
+    if offset < 0 or len(sizes) != len(strides):
+        raise pickle.UnpicklingError(f"tensor at offset {offset!r} with sizes {sizes!r}, strides {strides!r}")
+    if min(sizes, default=0) < 0 or min(strides, default=0) < 0:
+        raise pickle.UnpicklingError(f"negative sizes {list(sizes)} or strides {list(strides)}")
+
+
+def _walk(value: Any, name: str, depth: int = 0) -> Iterator[tuple[str, TensorRecord]]:
+    if isinstance(value, TensorRecord):
         yield name or "<top level>", value
     elif depth < 64 and isinstance(value, dict):
         for key, item in value.items():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+from collections.abc import Callable, Iterable
 from pathlib import Path, PurePosixPath
 
 from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE_FILE
@@ -30,6 +32,10 @@ BIN_SINGLE_FILE = "pytorch_model.bin"
 BIN_INDEX_FILE = "pytorch_model.bin.index.json"
 TENSOR_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 MANIFEST_NAME = "reshard.json"
+# Optimizer state saved beside the weights, never read as weights: DeepSpeed ``*optim_states.pt``, ColossalAI
+# ``pytorch_optim*``, Megatron's distributed optimizer ``distrib_optim.pt`` (not ``model_optim_rng.pt``, which
+# holds the model).
+OPTIMIZER = re.compile(r"optim_states|optimizer|pytorch_optim|distrib_optim", re.I)
 
 
 def is_hf_folder(path: Path) -> bool:
@@ -41,18 +47,33 @@ def is_hf_folder(path: Path) -> bool:
 
 
 def weight_files(folder: Path) -> list[Path]:
-    """The weight files of one HF folder, in the order the HF loaders look for them.
+    """The weight files of one HF folder (:func:`weight_names` of the files it holds).
 
     An index file, when present, is authoritative: every file it names must exist inside the folder.
     """
+    names = [p.name for p in folder.iterdir() if p.is_file()] if folder.is_dir() else []
+    return [
+        folder / n for n in weight_names(names, lambda index: list(dict.fromkeys(read_index(folder / index).values())))
+    ]
+
+
+def weight_names(names: Iterable[str], index_files: Callable[[str], list[str]]) -> list[str]:
+    """The weight files among the file ``names`` of one folder, in the order the HF loaders look for them.
+
+    One rule for a local folder and a Hub repo's folder, so that the Hub downloads exactly what the local reader
+    then reads: the files an index names (``index_files(index_name)`` reads and checks them), else
+    ``model.safetensors`` / ``pytorch_model.bin``, else every file of the first suffix of
+    :data:`TENSOR_SUFFIXES` present; optimizer state (:data:`OPTIMIZER`) is never a weight file.
+    """
+    present = set(names)
     for index_name in (SAFETENSORS_INDEX_FILE, BIN_INDEX_FILE):
-        if (folder / index_name).is_file():
-            return [folder / f for f in dict.fromkeys(read_index(folder / index_name).values())]
+        if index_name in present:
+            return index_files(index_name)
     for single in (SAFETENSORS_SINGLE_FILE, BIN_SINGLE_FILE):
-        if (folder / single).is_file():
-            return [folder / single]
+        if single in present:
+            return [single]
     for suffix in TENSOR_SUFFIXES:
-        found = sorted(p for p in folder.glob(f"*{suffix}") if p.is_file())
+        found = sorted(n for n in present if n.endswith(suffix) and not OPTIMIZER.search(n))
         if found:
             return found
     return []

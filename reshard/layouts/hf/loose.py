@@ -20,6 +20,7 @@ from reshard.config import find_config
 from reshard.errors import CorruptFileError, MissingRankError, ReshardError
 from reshard.layouts.base import SourceCheckpoint, SourceFacts, refs_from_readers
 from reshard.layouts.hf.folder import (
+    OPTIMIZER,
     TENSOR_SUFFIXES,
     check_unique,
     collect_extras,
@@ -37,8 +38,6 @@ NAME = "loose"
 # A rank token: an optional two-letter parallel kind before "rank" (tp_rank, mp_rank, pp_rank), or "tp".
 RANK_TOKEN = re.compile(r"(?<![a-z0-9])(?P<kind>(?:[a-z]{2}[_-]?)?rank|tp)[_-]?(?P<num>\d+)(?![0-9])", re.I)
 TP_KINDS = {"rank", "tp", "tprank", "mprank"}
-# Optimizer state saved beside the weights (DeepSpeed zero_pp_rank_*_optim_states, ColossalAI pytorch_optim*).
-OPTIMIZER = re.compile(r"optim_states|optimizer|pytorch_optim", re.I)
 HF_SHARD = re.compile(r"-(\d{5})-of-(\d{5})")
 
 

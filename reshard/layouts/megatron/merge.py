@@ -4,10 +4,11 @@ state dict with global layer and expert numbers (the numbering rules are in :mod
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from reshard.errors import CorruptFileError
 from reshard.layouts.base import TensorRef
+from reshard.layouts.megatron.file import MegatronFile
 from reshard.layouts.megatron.stages import (
     EXPERT,
     LAYER,
@@ -18,9 +19,6 @@ from reshard.layouts.megatron.stages import (
     with_expert,
     with_layer,
 )
-
-if TYPE_CHECKING:
-    from reshard.layouts.megatron.reader import MegatronFile
 
 # The last stage's copy of tied embeddings: a duplicate of the first stage's table, not a separate weight.
 TIED_HEAD = ("output_layer.weight", "word_embeddings_for_head.weight", "language_model.output_layer.weight")

@@ -21,7 +21,8 @@ from typing import Any
 from reshard.config import ModelConfig, load_config
 from reshard.errors import CorruptFileError, MissingRankError, ReshardError
 from reshard.layouts.base import SourceCheckpoint, SourceFacts, TargetSpec, numbered_children, refs_from_readers
-from reshard.layouts.hf.loose import OPTIMIZER, check_archive_rank
+from reshard.layouts.hf.folder import OPTIMIZER
+from reshard.layouts.hf.loose import check_archive_rank
 from reshard.layouts.readers import TorchReader
 from reshard.layouts.torch_rank_writer import TorchRanksWriter
 from reshard.options import MAX_RANKS, ReadOptions

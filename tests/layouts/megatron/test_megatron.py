@@ -33,7 +33,7 @@ from safetensors.torch import load_file
 
 from reshard.layouts.base import SourceCheckpoint
 from reshard.layouts.megatron.facts import MegatronFacts
-from reshard.layouts.megatron.reader import MegatronFile
+from reshard.layouts.megatron.file import MegatronFile
 from reshard.layouts.megatron.writer import MegatronWriter
 
 V = TINY.vocab

@@ -19,8 +19,7 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 
 from reshard.errors import HubError
-from reshard.layouts import rank_folder_patterns, tracker_files
-from reshard.layouts.hf.folder import TENSOR_SUFFIXES, weight_names
+from reshard.layouts import TENSOR_SUFFIXES, rank_folder_patterns, tracker_files, weight_names
 
 # What is copied beside the weights: configs, tokenizers, chat templates, remote code, licence, card.
 SIDE_PATTERNS = ("*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py", "*.md", "LICENSE*", "NOTICE*")

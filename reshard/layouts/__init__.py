@@ -14,6 +14,7 @@ from reshard.errors import CorruptFileError, ReshardError
 from reshard.layouts.base import CheckpointWriter, SourceCheckpoint, SourceFacts, TargetSpec, TensorRef
 from reshard.layouts.dist import DCP, TORCH_DIST
 from reshard.layouts.hf import HF, HF_RANKS, LOOSE
+from reshard.layouts.hf.folder import TENSOR_SUFFIXES, weight_names  # the weight-file rule every folder follows
 from reshard.layouts.megatron import MEGATRON
 from reshard.layouts.sat import SAT
 from reshard.layouts.spec import FileProblem, LayoutSpec
@@ -22,6 +23,7 @@ from reshard.options import ReadOptions
 
 __all__ = [
     "LAYOUTS",
+    "TENSOR_SUFFIXES",
     "CheckpointWriter",
     "FileProblem",
     "LayoutSpec",
@@ -36,6 +38,7 @@ __all__ = [
     "rank_folder_patterns",
     "target_layout",
     "tracker_files",
+    "weight_names",
     "writable_layouts",
 ]
 

@@ -9,20 +9,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reshard.dtypes import TensorHeader, name_of
+from reshard.dtypes import name_of
 from reshard.engine.lora_merge import check_lora_replicas
 from reshard.engine.open import OpenedCheckpoint, open_checkpoint
 from reshard.engine.planner import ConversionPlan, TargetTensor, TensorPlan
 from reshard.engine.resume import fingerprint, still_to_do
-from reshard.engine.share import EveryFile, merged, share_of, staged, together
-from reshard.engine.target import TargetPlan, plan_target, planned_tp
+from reshard.engine.share import merged, share_of, staged, together
+from reshard.engine.target import TargetPlan, plan_target, planned_tp, target_spec
 from reshard.engine.warmup import import_torch_in_background
 from reshard.engine.workers import Group, join
 from reshard.errors import ReshardError
 from reshard.hub.source import source_record
 from reshard.io.journal import Journal, Resumed
 from reshard.io.staging import check_output
-from reshard.layouts import TargetSpec
 from reshard.manifest import Manifest, TensorEntry, VocabRecord, write_manifest
 from reshard.options import ConvertOptions
 from reshard.partition import at_tp
@@ -89,36 +88,22 @@ def convert_opened(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
         check_lora_replicas(opened.tensors)
     vocab = conversion.vocab
     tp = conversion.target_tp  # options.tp, but 1 for a layout of global tensors (torch_dist)
-    spec = TargetSpec(
-        tp=tp,
-        rank_headers=[
-            {t.name: TensorHeader(t.rank_shapes[r], t.code) for plan in conversion.tensors for t in plan.targets}
-            for r in range(tp)
-        ],
-        config=target.config,
-        vocab_size=vocab.original,
-        padded_vocab_size=vocab.target_padded,
-        max_shard_size=options.max_shard_size,
-        source=source,
-        megatron_args=target.megatron_args,
-        requested_tp=options.tp,
-        pp=options.pp,
-    )
+    spec = target_spec(target, options)
+    file_plan = layout.writer.file_plan(spec)
     group = join()
     first = group is None or group.rank == 0
     with staged(out, overwrite=options.overwrite, resume=options.resume, group=group) as staging:
         journal, resumed = _journal(staging, ckpt, conversion, layout.name, options, group)
         todo, done = conversion, resumed.files
         if group is not None:  # this worker's files; the others' are left to them as a resumed run leaves its own
-            probe = dataclasses.replace(spec, done_files=EveryFile(), writes_shared=False)
-            todo, others = share_of(group, conversion, layout.writer(staging, probe).data_files())
+            todo, others = share_of(group, conversion, file_plan)
             done = done | others
         spec = dataclasses.replace(
             spec, done_files=done, on_file_done=journal.file_done if journal else None, writes_shared=first
         )
-        writer = layout.writer(staging, spec)
+        writer = layout.writer(staging, spec, file_plan)
         if journal is not None:
-            todo = still_to_do(todo, writer.data_files(), resumed)
+            todo = still_to_do(todo, file_plan, resumed)
         from reshard.engine.execute import execute  # imports torch: after planning, which does without it
 
         def run() -> tuple[dict[str, str], dict[str, bool | None], set[str], list[str]]:

@@ -9,11 +9,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Mapping
 from pathlib import Path
 
 from reshard.engine.planner import ConversionPlan, TensorPlan
 from reshard.io.journal import Resumed
+from reshard.layouts.file_plan import FilePlan
 from reshard.options import ConvertOptions
 
 # Options that change no byte of the output: a resumed run may differ in them.
@@ -45,13 +45,11 @@ def _stat(path: Path) -> tuple[int, int]:
     return stat.st_size, stat.st_mtime_ns
 
 
-def still_to_do(
-    conversion: ConversionPlan, data_files: Mapping[str, frozenset[str]], resumed: Resumed
-) -> ConversionPlan:
+def still_to_do(conversion: ConversionPlan, file_plan: FilePlan, resumed: Resumed) -> ConversionPlan:
     """``conversion`` without the tensors an earlier run finished: journaled, and in kept files only."""
     if not resumed.files and not resumed.tensors:
         return conversion
-    pending = {name for file, names in data_files.items() if file not in resumed.files for name in names}
+    pending = file_plan.tensors_in(file for file in file_plan.files if file not in resumed.files)
 
     def finished(plan: TensorPlan) -> bool:
         return all(t.name in resumed.tensors and t.name not in pending for t in plan.targets)

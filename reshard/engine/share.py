@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -19,42 +19,35 @@ from reshard.engine.planner import ConversionPlan
 from reshard.engine.workers import Group
 from reshard.errors import ReshardError
 from reshard.io.staging import staged_output
+from reshard.layouts.file_plan import FilePlan
 
 T = TypeVar("T")
 
 
-class EveryFile(frozenset):
-    """Holds every file name: a writer told that all its files are done creates none (a probe of its files)."""
-
-    def __contains__(self, item: object) -> bool:
-        return True
-
-
-def file_bytes(conversion: ConversionPlan, data_files: Mapping[str, frozenset[str]]) -> dict[str, int]:
+def file_bytes(conversion: ConversionPlan, file_plan: FilePlan) -> dict[str, int]:
     """About how many bytes each data file holds: each target tensor's bytes spread over the files holding it."""
     holders: dict[str, int] = {}
-    for names in data_files.values():
+    for names in file_plan.files.values():
         for name in names:
             holders[name] = holders.get(name, 0) + 1
     sizes = {t.name: t.nbytes for plan in conversion.tensors for t in plan.targets}
-    return {file: sum(sizes.get(name, 0) // holders[name] for name in names) for file, names in data_files.items()}
+    return {
+        file: sum(sizes.get(name, 0) // holders[name] for name in names) for file, names in file_plan.files.items()
+    }
 
 
-def share_of(
-    group: Group, conversion: ConversionPlan, data_files: Mapping[str, frozenset[str]]
-) -> tuple[ConversionPlan, frozenset[str]]:
+def share_of(group: Group, conversion: ConversionPlan, file_plan: FilePlan) -> tuple[ConversionPlan, frozenset[str]]:
     """What this worker converts, and the data files it leaves to the others."""
-    mine = assign(file_bytes(conversion, data_files), group.size)[group.rank]
-    return tensors_for(conversion, data_files, mine, first=group.rank == 0), frozenset(data_files) - mine
+    mine = assign(file_bytes(conversion, file_plan), group.size)[group.rank]
+    return tensors_for(conversion, file_plan, mine, first=group.rank == 0), frozenset(file_plan.files) - mine
 
 
 def tensors_for(
-    conversion: ConversionPlan, data_files: Mapping[str, frozenset[str]], mine: frozenset[str], *, first: bool
+    conversion: ConversionPlan, file_plan: FilePlan, mine: frozenset[str], *, first: bool
 ) -> ConversionPlan:
     """The part of ``conversion`` a worker converts: tensors with a piece in its files (and, for the ``first``
     worker, the tensors in no data file: their manifest facts must come from somewhere)."""
-    in_mine = {name for file in mine for name in data_files[file]}
-    anywhere = {name for names in data_files.values() for name in names}
+    in_mine, anywhere = file_plan.tensors_in(mine), file_plan.tensors
     kept = tuple(
         plan
         for plan in conversion.tensors

@@ -26,7 +26,6 @@ from reshard.engine.planner import (
 from reshard.errors import AmbiguousPartitionError, PlanError, ReshardError, ShapeMismatchError
 from reshard.layouts.base import SourceCheckpoint, TensorRef
 from reshard.layouts.readers import FileReader
-from reshard.options import Layout
 from reshard.partition import Replicate, ReplicatedHeads, Shard, Vocab
 from reshard.plans.llama import LLAMA_PLAN
 from reshard.vocab import VocabPlan
@@ -80,7 +79,7 @@ def checkpoint(ranks: list[dict[str, Shape | TensorHeader]], config: ModelConfig
         headers = {n: h if isinstance(h, TensorHeader) else TensorHeader(h, "BF16") for n, h in tensors.items()}
         reader = NoBytes(Path(f"/nowhere/rank_{rank}.safetensors"), headers)
         refs.append({name: TensorRef(name, rank, reader, name, header) for name, header in headers.items()})
-    return SourceCheckpoint(Path("/nowhere"), Layout.HF_RANKS, refs, config=config)
+    return SourceCheckpoint(Path("/nowhere"), "hf-ranks", refs, config=config)
 
 
 def planned(source: SourceCheckpoint, target_tp: int, **options: Any) -> ConversionPlan:

@@ -18,7 +18,8 @@ from reshard.engine.planner import ConversionPlan, TargetTensor, TensorPlan
 from reshard.engine.resume import fingerprint, still_to_do
 from reshard.io.journal import Resumed, TensorRecord
 from reshard.layouts.base import SourceCheckpoint
-from reshard.options import ConvertOptions, Layout
+from reshard.layouts.file_plan import FilePlan
+from reshard.options import ConvertOptions
 from reshard.partition import Replicate, Shard
 from reshard.vocab import VocabPlan
 
@@ -49,7 +50,7 @@ JOURNALED = ("kept", "file_redone", "split", "nowhere", "q", "gate", "up")
 
 
 def conversion(plans: dict[str, TensorPlan] = PLANS) -> ConversionPlan:
-    source = SourceCheckpoint(Path("/nowhere"), Layout.HF, [])
+    source = SourceCheckpoint(Path("/nowhere"), "hf", [])
     return ConversionPlan(source, 2, tuple(plans.values()), VocabPlan(None, "unknown"), False)
 
 
@@ -60,7 +61,7 @@ def keys(plan: ConversionPlan) -> list[str]:
 
 def test_only_journaled_tensors_wholly_in_kept_files_are_skipped() -> None:
     resumed = Resumed(files=KEPT, tensors=dict.fromkeys(JOURNALED, RECORD))
-    todo = still_to_do(conversion(), DATA_FILES, resumed)
+    todo = still_to_do(conversion(), FilePlan(DATA_FILES), resumed)
     assert keys(todo) == ["file_redone", "not_journaled", "split", "nowhere_new", "half_fused"]
     assert (todo.target_tp, todo.vocab, todo.uneven) == (2, VocabPlan(None, "unknown"), False)
 
@@ -69,22 +70,22 @@ def test_a_tensor_split_over_a_kept_file_and_one_not_kept_is_redone() -> None:
     """Either of its two files alone being kept is not enough: the other file needs its bytes."""
     journaled = {"split": RECORD}
     for kept in ({"model-00001.safetensors"}, {"model-00002.safetensors"}):
-        todo = still_to_do(conversion(), DATA_FILES, Resumed(files=frozenset(kept), tensors=journaled))
+        todo = still_to_do(conversion(), FilePlan(DATA_FILES), Resumed(files=frozenset(kept), tensors=journaled))
         assert "split" in keys(todo)
     both = frozenset({"model-00001.safetensors", "model-00002.safetensors"})
-    assert "split" not in keys(still_to_do(conversion(), DATA_FILES, Resumed(files=both, tensors=journaled)))
+    assert "split" not in keys(still_to_do(conversion(), FilePlan(DATA_FILES), Resumed(files=both, tensors=journaled)))
 
 
 def test_a_journaled_tensor_whose_file_was_not_kept_is_redone() -> None:
     """A file the journal named but that did not check out (``redone``) is not among the kept files."""
     resumed = Resumed(files=frozenset(), tensors={"file_redone": RECORD}, redone=["model-00002.safetensors"])
-    assert keys(still_to_do(conversion(), DATA_FILES, resumed)) == list(PLANS)
+    assert keys(still_to_do(conversion(), FilePlan(DATA_FILES), resumed)) == list(PLANS)
 
 
 def test_with_nothing_resumed_the_conversion_is_untouched() -> None:
     whole = conversion()
-    assert still_to_do(whole, DATA_FILES, Resumed()) is whole
-    assert keys(still_to_do(whole, DATA_FILES, Resumed(files=KEPT))) == list(PLANS)  # no tensor journaled
+    assert still_to_do(whole, FilePlan(DATA_FILES), Resumed()) is whole
+    assert keys(still_to_do(whole, FilePlan(DATA_FILES), Resumed(files=KEPT))) == list(PLANS)  # no tensor journaled
 
 
 @pytest.fixture

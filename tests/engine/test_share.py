@@ -1,4 +1,4 @@
-"""``reshard.engine.share`` and ``reshard.engine.assign`` on plain data: how several workers share one conversion.
+"""``reshard.engine.share`` and ``reshard.engine.assign`` on plain data (filters of a FilePlan): workers sharing a run.
 
 A worker must convert every tensor with a piece in a file it writes (else that file misses bytes) and no other
 (else it reads for nothing); the tensors in no data file go to rank 0 alone, whose manifest needs their facts.
@@ -16,7 +16,7 @@ from reshard.engine.planner import ConversionPlan, TargetTensor, TensorPlan
 from reshard.engine.share import file_bytes, share_of, tensors_for
 from reshard.engine.workers import Group
 from reshard.layouts.base import SourceCheckpoint
-from reshard.options import Layout
+from reshard.layouts.file_plan import FilePlan
 from reshard.partition import Replicate
 from reshard.vocab import VocabPlan
 
@@ -45,7 +45,7 @@ BYTES = {"f1": 100, "f2": 164, "f3": 36}
 
 
 def conversion(plans: dict[str, TensorPlan] = PLANS) -> ConversionPlan:
-    source = SourceCheckpoint(Path("/nowhere"), Layout.HF, [])
+    source = SourceCheckpoint(Path("/nowhere"), "hf", [])
     return ConversionPlan(source, 1, tuple(plans.values()), VocabPlan(None, "unknown"), False)
 
 
@@ -56,14 +56,14 @@ def units(plan: ConversionPlan) -> list[str]:
 
 
 def test_file_bytes_spread_a_tensor_over_the_files_holding_it() -> None:
-    assert file_bytes(conversion(), DATA_FILES) == BYTES
+    assert file_bytes(conversion(), FilePlan(DATA_FILES)) == BYTES
 
 
 def test_file_bytes_round_a_shared_tensor_down_and_count_unknown_names_as_nothing() -> None:
     """10 bytes over 3 files: 3 each (the estimate only orders the files); a name the plan lacks weighs 0."""
     plans = {"x": TensorPlan((), (TargetTensor("x", (5,), "F16", Replicate()),))}
     files = {"p": frozenset({"x"}), "q": frozenset({"x", "stray"}), "r": frozenset({"x"})}
-    assert file_bytes(conversion(plans), files) == {"p": 3, "q": 3, "r": 3}
+    assert file_bytes(conversion(plans), FilePlan(files)) == {"p": 3, "q": 3, "r": 3}
 
 
 @pytest.mark.parametrize(
@@ -96,7 +96,7 @@ SHARES = {
 
 @pytest.mark.parametrize("size", [1, 2, 3])
 def test_share_of_gives_each_worker_the_tensors_of_its_files(size: int) -> None:
-    shares = [share_of(Group(rank, size), conversion(), DATA_FILES) for rank in range(size)]
+    shares = [share_of(Group(rank, size), conversion(), FilePlan(DATA_FILES)) for rank in range(size)]
     assert [(units(plan), set(left)) for plan, left in shares] == SHARES[size]
 
 
@@ -105,7 +105,7 @@ def test_every_tensor_lands_with_exactly_the_owners_of_its_files(size: int) -> N
     """Whatever the number of workers: each file is written by one worker (left by all the others); a unit of
     work is converted by the owners of the files holding any of its targets and by no other worker (so every
     target reaches the owner of each file holding it); a unit in no data file by rank 0 only."""
-    shares = [share_of(Group(rank, size), conversion(), DATA_FILES) for rank in range(size)]
+    shares = [share_of(Group(rank, size), conversion(), FilePlan(DATA_FILES)) for rank in range(size)]
     owners = {file: [rank for rank, (_, left) in enumerate(shares) if file not in left] for file in DATA_FILES}
     assert all(len(ranks) == 1 for ranks in owners.values()), owners
     owner = {file: ranks[0] for file, ranks in owners.items()}
@@ -118,8 +118,8 @@ def test_every_tensor_lands_with_exactly_the_owners_of_its_files(size: int) -> N
 
 def test_tensors_for_keeps_plan_order_and_the_rest_of_the_conversion() -> None:
     whole = conversion()
-    mine = tensors_for(whole, DATA_FILES, frozenset({"f3", "f1"}), first=False)
+    mine = tensors_for(whole, FilePlan(DATA_FILES), frozenset({"f3", "f1"}), first=False)
     assert units(mine) == ["a", "c", "d", "gh"]
     assert (mine.source, mine.target_tp, mine.vocab, mine.uneven) == (whole.source, 1, whole.vocab, False)
-    assert units(tensors_for(whole, DATA_FILES, frozenset(), first=True)) == ["e"]
-    assert units(tensors_for(whole, DATA_FILES, frozenset(), first=False)) == []
+    assert units(tensors_for(whole, FilePlan(DATA_FILES), frozenset(), first=True)) == ["e"]
+    assert units(tensors_for(whole, FilePlan(DATA_FILES), frozenset(), first=False)) == []

@@ -40,10 +40,10 @@ journal.Journal.file_done = file_done
 """
 KILL_AT_MANIFEST = """
 import os, signal
-import reshard.commands.convert as convert
+import reshard.engine.run as run
 def write_manifest(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGKILL)
-convert.write_manifest = write_manifest
+run.write_manifest = write_manifest
 """
 MAIN = "\nfrom reshard.cli.main import main\nsys.argv[0] = 'reshard'\nmain()\n"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ def conversion_manifest(
     tp: int,
     hashes: Mapping[str, str],
     finite: Mapping[str, bool | None],
-    divergent: set[str],
+    divergent: AbstractSet[str],
 ) -> Manifest:
     """The manifest of ``target`` converted from ``ckpt``, every target tensor with its sha256, whether it is finite
     and whether its source replicas differed; partitions are recorded at ``tp``, the tp asked for."""

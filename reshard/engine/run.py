@@ -10,7 +10,6 @@ writer's :class:`~reshard.layouts.file_plan.FilePlan`); resume and a worker's sh
 from __future__ import annotations
 
 import dataclasses
-import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +30,6 @@ from reshard.io.journal import Resumed
 from reshard.io.staging import check_output
 from reshard.manifest import MANIFEST_NAME, write_manifest
 from reshard.options import ConvertOptions
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -142,8 +139,10 @@ def run_conversion(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
         for side in opened.source.side_files:
             shutil.copy2(side, staging / side.name)
             files.append(side.name)
-        facts = {"hashes": whole.hashes, "finite": whole.finite, "divergent": set(whole.divergent)}
-        write_manifest(staging, conversion_manifest(opened.path, target, tp=options.tp, **facts))
+        manifest = conversion_manifest(
+            opened.path, target, tp=options.tp, hashes=whole.hashes, finite=whole.finite, divergent=whole.divergent
+        )
+        write_manifest(staging, manifest)
         if journal is not None:
             journal.close(remove=True)
     return _result(opened, target, out, options, tuple(files), whole.divergent)

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reshard.commands.convert import Route, convert_opened
 from reshard.engine.open import open_checkpoint
 from reshard.engine.planner import SourceTensor
+from reshard.engine.route import Route
+from reshard.engine.run import run_conversion
 from reshard.engine.warmup import import_torch_in_background
 from reshard.hub.source import hub_origin
 from reshard.io.staging import check_output
@@ -75,7 +76,7 @@ def fix(ckpt: Path, out: Path | None = None, options: ConvertOptions | None = No
 
     Raises:
         MissingRankError: vocab tensors hold only some rank slices (the message names the missing files).
-        ReshardError: the vocab size is unknown, or anything :func:`reshard.commands.convert` refuses.
+        ReshardError: the vocab size is unknown, or anything :func:`reshard.convert` refuses.
 
     Example:
         >>> fix(Path("ckpt-tp2"), options=ConvertOptions(vocab=65535))  # doctest: +SKIP
@@ -94,19 +95,18 @@ def fix(ckpt: Path, out: Path | None = None, options: ConvertOptions | None = No
         source_tp=source.tp,
         missing_files=lambda tp: layout(source.layout).missing_rank_files(source, tp),
     )
-    report = convert_opened(opened, out, options)
+    run = run_conversion(opened, out, options)
     config_before = source.config.vocab_size if source.config else None
-    notes = list(report.notes)
+    notes = list(run.notes)
     if vocab.origin not in ("--vocab", "reshard.json"):
         notes.append(f"vocab size {vocab.original} taken from {vocab.origin}: if that is a padded size, pass --vocab")
-    route = {key: getattr(report, key) for key in Route.__dataclass_fields__}
     return FixReport(
-        **route,
-        vocab=report.vocab,
-        manifest=report.manifest,
-        changed=changed_tensors(opened.tensors, options.tp, report.vocab["target_padded"], uneven=opened.uneven),
+        **run.route.to_dict(),
+        vocab=run.vocab,
+        manifest=str(run.manifest),
+        changed=changed_tensors(opened.tensors, options.tp, run.vocab["target_padded"], uneven=opened.uneven),
         config_vocab=[config_before, vocab.original] if config_before != vocab.original else None,
-        files=report.files,
+        files=list(run.files),
         notes=notes,
     )
 

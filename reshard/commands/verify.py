@@ -17,13 +17,13 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from reshard.commands.convert import convert, convert_opened
 from reshard.commands.verify_checks import Difference, check_files, value_difference
 from reshard.dtypes import name_of
 from reshard.engine.digest import all_finite, sha256_of
 from reshard.engine.gather import gather_canonical
 from reshard.engine.open import OpenedCheckpoint, open_checkpoint
 from reshard.engine.planner import SourceTensor
+from reshard.engine.run import open_for_conversion, run_conversion
 from reshard.errors import DivergentReplicaError, PlanError, ReshardError, ShapeMismatchError
 from reshard.manifest import find_manifest
 from reshard.options import ConvertOptions, ReadOptions, check_tp
@@ -269,8 +269,9 @@ def roundtrip(ckpt: Path, tp: int, options: VerifyOptions) -> VerifyReport:
         there, back = Path(tmp) / f"tp{tp}", Path(tmp) / f"back-tp{own_tp}"
         try:
             # the source's names both ways: the round trip checks the slicing, not a mapping between namings
-            convert_opened(opened, there, options.convert_options(tp=tp, uneven=uneven, keep_names=True))
-            convert(there, back, options.convert_options(tp=own_tp, config=None, uneven=uneven, keep_names=True))
+            run_conversion(opened, there, options.convert_options(tp=tp, uneven=uneven, keep_names=True))
+            back_options = options.convert_options(tp=own_tp, config=None, uneven=uneven, keep_names=True)
+            run_conversion(open_for_conversion(there, back, back_options), back, back_options)
         except PlanError as err:  # this tp cannot hold the model: a finding about this round trip
             report.differences = [Difference("plan", p.tensor, p.detail, p.path) for p in err.problems]
             return report

@@ -8,11 +8,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from reshard.config import ModelConfig
-from reshard.dtypes import name_of
+from reshard.dtypes import TensorHeader, name_of
 from reshard.engine.open import OpenedCheckpoint
 from reshard.engine.planner import ConversionPlan, TensorPlan, identity_plan, mapped_plans, plan_conversion
 from reshard.errors import MappingError, PlanError, ReshardError
-from reshard.layouts import LayoutSpec, SourceCheckpoint, layout, target_layout
+from reshard.layouts import LayoutSpec, SourceCheckpoint, TargetSpec, layout, target_layout
 from reshard.mappings import HF, MappingChoice, choose_mapping, naming_of, require_true_vocab, sizing_config
 from reshard.mappings.megatron_gpt import MEGATRON
 from reshard.mappings.torchtitan_llama import TORCHTITAN
@@ -99,6 +99,28 @@ def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> TargetPlan
     )
     _refuse_copied_heads(conversion, spec, source)
     return TargetPlan(conversion, spec, _config(opened, choice), choice, dropped)
+
+
+def target_spec(target: TargetPlan, options: ConvertOptions) -> TargetSpec:
+    """What the writer is told before the first tensor: every rank's headers, the config, the vocab sizes, the
+    shard size and the parallel sizes (a resumed or shared run adds its done files and callbacks)."""
+    conversion, vocab = target.conversion, target.conversion.vocab
+    tp = conversion.target_tp  # options.tp, but 1 for a layout of global tensors (torch_dist)
+    return TargetSpec(
+        tp=tp,
+        rank_headers=[
+            {t.name: TensorHeader(t.rank_shapes[r], t.code) for plan in conversion.tensors for t in plan.targets}
+            for r in range(tp)
+        ],
+        config=target.config,
+        vocab_size=vocab.original,
+        padded_vocab_size=vocab.target_padded,
+        max_shard_size=options.max_shard_size,
+        source=conversion.source,
+        megatron_args=target.megatron_args,
+        requested_tp=options.tp,
+        pp=options.pp,
+    )
 
 
 def _refuse_copied_heads(conversion: ConversionPlan, spec: LayoutSpec, source: SourceCheckpoint) -> None:

@@ -2,7 +2,7 @@
 
 Every process opens and plans the checkpoint itself (planning reads headers only and is deterministic), so all
 agree on every output file without exchanging a plan. The data files are shared out by bytes
-(:func:`reshard.engine.assign.assign`); each process reads the tensors its files hold and writes only its files,
+(:func:`reshard.engine.worker_shares.assign`); each process reads the tensors its files hold and writes only its files,
 in one staged folder on a file system they all see. Rank 0 makes that folder and publishes it, after a gather of
 every tensor's manifest facts: the output and the manifest are the same bytes for any number of processes.
 
@@ -18,14 +18,17 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from reshard.errors import ReshardError
 
 # A gather waits for the slowest process's share of the whole conversion: hours for a terabyte.
 TIMEOUT = timedelta(days=1)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,24 @@ class Group:
         import torch.distributed as dist
 
         dist.destroy_process_group()
+
+
+def together(group: Group, work: Callable[[], T]) -> list[T]:
+    """``work()`` on every worker; every worker's result, in rank order. If any worker failed, every worker
+    raises the same one line, naming the first that failed and why (a signal is not caught: the process ends,
+    and the others find it lost at this gather)."""
+    try:
+        result, error = work(), None
+    except ReshardError as err:
+        result, error = None, err.one_line()
+    except Exception as err:  # noqa: BLE001 - a worker's failure, of any kind, must reach the others
+        where = f"{err.filename}: " if isinstance(err, OSError) and err.filename else ""
+        result, error = None, f"{where}{getattr(err, 'strerror', None) or err}"
+    outcomes = group.gather((error, result))
+    for rank, (failure, _) in enumerate(outcomes):
+        if failure is not None:
+            raise ReshardError(f"worker {rank}: {failure}", hint="nothing was published")
+    return [outcome for _, outcome in outcomes]
 
 
 def join() -> Group | None:

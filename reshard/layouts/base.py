@@ -12,6 +12,7 @@ from reshard.config import ModelConfig
 from reshard.dtypes import TensorHeader
 from reshard.errors import ReshardError
 from reshard.formats.safetensors.writer import FileHooks
+from reshard.layouts.file_plan import FilePlan
 from reshard.layouts.readers import FileReader
 
 if TYPE_CHECKING:
@@ -215,13 +216,26 @@ class TargetSpec:
 class CheckpointWriter:
     """Receives, tensor by tensor, the target rank slices and lays them out on disk.
 
-    Subclasses write into ``out_dir`` (a temporary folder the caller renames into place when
-    :meth:`close` returns) and return the paths they wrote, relative to it.
+    The calls happen in this order: 0) :meth:`file_plan` (pure: the data files and their tensors, from the spec
+    alone); 1) ``__init__`` with that plan (the writer lays out exactly those files, never another plan);
+    2) :meth:`write` or :meth:`write_unordered` per tensor; 3) :meth:`close`. Subclasses write into ``out_dir``
+    (a temporary folder the caller renames into place when :meth:`close` returns) and return the paths they
+    wrote, relative to it.
     """
 
-    def __init__(self, out_dir: Path, spec: TargetSpec) -> None:
+    def __init__(self, out_dir: Path, spec: TargetSpec, plan: FilePlan) -> None:
         self.out_dir = out_dir
         self.spec = spec
+        self.plan = plan
+
+    @classmethod
+    def file_plan(cls, spec: TargetSpec) -> FilePlan:
+        """Every data file the writer will write for ``spec`` and the tensors each holds; reads and writes nothing.
+
+        Raises:
+            ReshardError: the layout cannot hold the target (found here, before any output exists).
+        """
+        raise NotImplementedError
 
     @classmethod
     def pad_multiple(cls, tp: int, source: SourceCheckpoint, megatron_args: Any) -> int | None:
@@ -259,11 +273,6 @@ class CheckpointWriter:
     def close(self) -> list[Path]:
         raise NotImplementedError
 
-    def data_files(self) -> dict[str, frozenset[str]]:
-        """Every file that holds tensor bytes (path relative to the output folder, POSIX) and the names of the
-        tensors written into it: a resumed run skips a tensor whose files are all done."""
-        raise NotImplementedError
-
 
 class RankFilesWriter(CheckpointWriter):
     """A writer that keeps one file writer per target rank and hands each rank its slice.
@@ -274,8 +283,8 @@ class RankFilesWriter(CheckpointWriter):
 
     concurrent = True
 
-    def __init__(self, out_dir: Path, spec: TargetSpec, rank_writers: list[Any]) -> None:
-        super().__init__(out_dir, spec)
+    def __init__(self, out_dir: Path, spec: TargetSpec, plan: FilePlan, rank_writers: list[Any]) -> None:
+        super().__init__(out_dir, spec, plan)
         self.rank_writers = rank_writers
 
     def write(self, name: str, slices: list[torch.Tensor]) -> None:

@@ -8,7 +8,8 @@ reads and lists it in :data:`reshard.layouts.LAYOUTS`. The calls happen in this 
 1. ``open(path, options)``: headers only, a :class:`~reshard.layouts.base.SourceCheckpoint` whose ``facts`` are
    the layout's own :class:`~reshard.layouts.base.SourceFacts` subclass;
 2. for a conversion into it: ``writer`` (its class methods while planning: ``pad_multiple``, ``check_names``,
-   ``vocab_problems``, ``replicated_heads_refusal``; then an instance that receives the tensors);
+   ``vocab_problems``, ``replicated_heads_refusal``, then ``file_plan``; then an instance built from that file
+   plan that receives the tensors);
 3. ``fix``: ``missing_rank_files`` names what a partial checkpoint lacks; ``verify``: ``check_files`` lists the
    files a written folder of the layout lacks.
 """

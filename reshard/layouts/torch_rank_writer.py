@@ -10,59 +10,81 @@ for the same state dicts, but no rank's state dict is ever held and nothing is s
 from __future__ import annotations
 
 import pickle
-from pathlib import Path
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from reshard.formats.torch_zip.writer import TensorSlot, TorchZipWriter
 from reshard.layouts.base import RankFilesWriter, TargetSpec
+from reshard.layouts.file_plan import FilePlan
 
 if TYPE_CHECKING:
     import torch
 
 
-class TorchRanksWriter(RankFilesWriter):
-    """Writes, for every target rank, the ``torch.save`` file of what :meth:`rank_file` builds, tensor by tensor.
+@dataclass(frozen=True)
+class RankFilePlan(FilePlan):
+    """The ``torch.save`` files of every target rank.
 
-    Subclasses implement :meth:`rank_file` (where rank ``r`` goes and the object to pickle around its
-    state dict) and may override :meth:`finish` to write the layout's other files. ``pickle_module`` is
-    what ``torch.save`` would pickle with. :meth:`rank_file` is called from ``__init__``: set what it
-    needs before calling ``super().__init__``.
+    Attributes:
+        ranks: per target rank, its files (POSIX paths relative to the output) with the tensors each holds, in the
+            order :meth:`TorchRanksWriter.templates` gives their objects.
+    """
+
+    ranks: tuple[tuple[tuple[str, frozenset[str]], ...], ...] = ()
+
+
+class TorchRanksWriter(RankFilesWriter):
+    """Writes, for every target rank, the ``torch.save`` files :meth:`rank_files` plans, each holding the object
+    :meth:`templates` builds around the rank's state dict, tensor by tensor.
+
+    Subclasses implement :meth:`rank_files` (pure: where rank ``r``'s tensors go) and :meth:`templates` (the
+    objects to pickle around its state dict) and may override :meth:`finish` to write the layout's other files.
+    ``pickle_module`` is what ``torch.save`` would pickle with. :meth:`templates` is called from ``__init__``:
+    set what it needs before calling ``super().__init__``.
     """
 
     pickle_module: Any = pickle
 
-    def __init__(self, out_dir: Path, spec: TargetSpec) -> None:
-        self.out_dir, self.spec = out_dir, spec  # rank_files reads them
+    @classmethod
+    def file_plan(cls, spec: TargetSpec) -> RankFilePlan:
+        """Every rank's files, as :meth:`rank_files` places the rank's tensors."""
+        ranks = tuple(
+            tuple((path.as_posix(), frozenset(names)) for path, names in cls.rank_files(spec, rank, list(headers)))
+            for rank, headers in enumerate(spec.rank_headers)
+        )
+        return RankFilePlan({path: names for files in ranks for path, names in files}, ranks)
+
+    @classmethod
+    def rank_files(cls, spec: TargetSpec, rank: int, names: list[str]) -> list[tuple[PurePosixPath, set[str]]]:
+        """Rank ``rank``'s files (paths relative to the output folder) and the tensors of ``names`` each holds (a
+        tensor may be in several files: each gets it)."""
+        raise NotImplementedError
+
+    def __init__(self, out_dir: Path, spec: TargetSpec, plan: RankFilePlan) -> None:
+        self.out_dir, self.spec = out_dir, spec  # templates reads them
         order = {name: i for i, name in enumerate(spec.source.names())}
-        self._files: list[Path] = []
-        self._tensors_of: dict[str, frozenset[str]] = {}
         hooks = spec.file_hooks(out_dir)
         writers = []
-        for rank, headers in enumerate(spec.rank_headers):
+        for rank, (files, headers) in enumerate(zip(plan.ranks, spec.rank_headers, strict=True)):
             names = sorted(headers, key=lambda n: order.get(n, len(order)))
+            templates = self.templates(rank, {name: TensorSlot(name, headers[name]) for name in names})
             zips = []
-            for relative, template in self.rank_files(rank, {name: TensorSlot(name, headers[name]) for name in names}):
+            for (relative, held), template in zip(files, templates, strict=True):
                 (out_dir / relative).parent.mkdir(parents=True, exist_ok=True)
                 keep, on_done = hooks(out_dir / relative)
                 file = TorchZipWriter(
                     out_dir / relative, template, pickle_module=self.pickle_module, keep=keep, on_done=on_done
                 )
+                if frozenset(file.keys) != held:
+                    raise ValueError(f"{relative}: the template holds other tensors than the file plan says")
                 zips.append(file)
-                self._files.append(relative)
-                self._tensors_of[relative.as_posix()] = frozenset(file.keys)
             writers.append(_RankFiles(zips))
-        super().__init__(out_dir, spec, writers)
+        super().__init__(out_dir, spec, plan, writers)
 
-    def data_files(self) -> dict[str, frozenset[str]]:
-        return dict(self._tensors_of)
-
-    def rank_files(self, rank: int, state_dict: dict[str, TensorSlot]) -> list[tuple[Path, Any]]:
-        """Rank ``rank``'s files (paths relative to the output folder) and the object to save in each, with
-        the slots of ``state_dict`` inside them (a slot may stand in several files: each gets the tensor)."""
-        return [self.rank_file(rank, state_dict)]
-
-    def rank_file(self, rank: int, state_dict: dict[str, TensorSlot]) -> tuple[Path, Any]:
-        """The path (relative to the output folder) of rank ``rank``'s one file and the object to save there."""
+    def templates(self, rank: int, state_dict: dict[str, TensorSlot]) -> list[Any]:
+        """The object to save in each of rank ``rank``'s files (in :meth:`rank_files` order), with the slots of
+        ``state_dict`` (in the source's order) inside them."""
         raise NotImplementedError
 
     def finish(self) -> list[Path]:
@@ -72,7 +94,8 @@ class TorchRanksWriter(RankFilesWriter):
     def close(self) -> list[Path]:
         for writer in self.rank_writers:
             writer.close()
-        return [*self._files, *(self.finish() if self.spec.writes_shared else [])]
+        files = [Path(path) for path in self.plan.files]
+        return [*files, *(self.finish() if self.spec.writes_shared else [])]
 
 
 class _RankFiles:

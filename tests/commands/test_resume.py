@@ -40,10 +40,10 @@ journal.Journal.file_done = file_done
 """
 KILL_AT_MANIFEST = """
 import os, signal
-import reshard.commands.convert as convert
+import reshard.engine.run as run
 def write_manifest(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGKILL)
-convert.write_manifest = write_manifest
+run.write_manifest = write_manifest
 """
 MAIN = "\nfrom reshard.cli.main import main\nsys.argv[0] = 'reshard'\nmain()\n"
 
@@ -181,3 +181,71 @@ def test_a_run_shared_by_workers_resumes_after_one_is_killed(
     assert resumed.returncode == 0, resumed.stderr
     assert output_tree(out) == uninterrupted["hf-ranks"]
     assert not partial_folder(out).exists()
+
+
+RECORD_WORK = """
+import json, os
+import reshard.engine.execute as execute_module
+import reshard.io.journal as journal
+real_execute, real_sha256_of = execute_module.execute, execute_module.sha256_of
+real_file_done = journal.Journal.file_done
+def log(**line):
+    with open(os.environ["RECORD"], "a") as record:
+        record.write(json.dumps(line) + "\\n")
+def execute(conversion, writer, **kwargs):
+    log(execute=[t.name for plan in conversion.tensors for t in plan.targets])
+    return real_execute(conversion, writer, **kwargs)
+def sha256_of(tensor):
+    log(hashed=1)
+    return real_sha256_of(tensor)
+def file_done(self, relative):
+    log(file=relative)
+    real_file_done(self, relative)
+execute_module.execute, execute_module.sha256_of, journal.Journal.file_done = execute, sha256_of, file_done
+"""
+
+
+def safetensors_names(data: bytes) -> set[str]:
+    """The tensor names in a safetensors file's header (8 bytes of length, then JSON)."""
+    length = int.from_bytes(data[:8], "little")
+    return set(json.loads(data[8 : 8 + length])) - {"__metadata__"}
+
+
+def test_a_resumed_run_neither_rewrites_kept_files_nor_reads_their_tensors_again(
+    tmp_path: Path, uninterrupted: dict[str, dict[str, bytes]]
+) -> None:
+    """Killed when its third file of four is complete, the resumed run executes (reads, gathers, hashes) only the
+    tensors that are not both journaled and in a kept file, completes only the other files, and leaves the kept
+    files' inodes and modification times alone. Byte identity of the output cannot tell: redoing a kept file's
+    tensors writes nothing (the writer drops them), it only costs the reading that ``--resume`` exists to save.
+
+    The killed run has one job, so what the journal holds at the kill is certain: a tensor is journaled after
+    its bytes are handed to the writer, hence every tensor of the first two files and all but the last of the
+    third (that one is redone, as it must be)."""
+    out, record = tmp_path / "out", tmp_path / "record.jsonl"
+    tree = uninterrupted["hf"]
+    shards = sorted(name for name in tree if name.endswith(".safetensors"))
+    in_file = {name: safetensors_names(tree[name]) for name in shards}
+    assert len(shards) == 4
+    one_job = [*convert_args("hf", out, "--resume"), "--jobs", "1"]
+    killed = reshard(one_job, patch=KILL_AFTER_FILES, env={"KILL_AFTER": str(len(shards) - 1)})
+    assert killed.returncode == -signal.SIGKILL
+    staging = partial_folder(out)
+    kept = journaled_files(staging)
+    assert len(kept) == len(shards) - 1 and set(kept) < set(shards)
+    stats = {name: ((staging / name).stat().st_ino, (staging / name).stat().st_mtime_ns) for name in kept}
+    lines = [json.loads(line) for line in (staging / JOURNAL.format(rank=0)).read_text().splitlines()]
+    journaled = {line["tensor"] for line in lines if "tensor" in line}
+    finished = {name for file in kept for name in in_file[file]} & journaled  # each tensor is in one file at tp 1
+    assert len(finished) >= len(kept)
+
+    resumed = reshard(convert_args("hf", out, "--resume"), patch=RECORD_WORK, env={"RECORD": str(record)})
+    assert resumed.returncode == 0, resumed.stderr
+    assert output_tree(out) == tree
+    log = [json.loads(line) for line in record.read_text().splitlines()]
+    (executed,) = [line["execute"] for line in log if "execute" in line]
+    every = {name for names in in_file.values() for name in names}
+    assert sorted(executed) == sorted(every - finished)
+    assert sum(1 for line in log if "hashed" in line) == len(every - finished)
+    assert sorted(line["file"] for line in log if "file" in line) == sorted(set(shards) - set(kept))
+    assert {name: ((out / name).stat().st_ino, (out / name).stat().st_mtime_ns) for name in kept} == stats

@@ -17,6 +17,8 @@ from safetensors.torch import load_file, save_file
 
 from reshard import ConvertOptions, convert
 from reshard.commands.verify import VerifyOptions, verify
+from reshard.engine.open import OpenedCheckpoint
+from reshard.engine.run import run_conversion
 
 Q1 = "model.layers.1.self_attn.q_proj.weight"
 NORM = "model.layers.0.input_layernorm.weight"
@@ -292,13 +294,13 @@ def test_roundtrip_cleans_up_on_interrupt(checkpoints, tmp_path, monkeypatch, in
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     calls = []
 
-    def convert_then_stop(ckpt: Path, out: Path, options: ConvertOptions):
-        convert(ckpt, out, options)
+    def convert_then_stop(opened: OpenedCheckpoint, out: Path, options: ConvertOptions):
+        run_conversion(opened, out, options)
         calls.append(out)
         assert out.is_dir() and out.parent.parent == scratch
         raise interrupt("stop")
 
-    monkeypatch.setattr(verify_module, "convert", convert_then_stop)
+    monkeypatch.setattr(verify_module, "run_conversion", convert_then_stop)
     with pytest.raises(interrupt, match="stop"):
         verify(checkpoints["hf"], options=VerifyOptions(roundtrip=(2,)))
     assert calls and list(scratch.iterdir()) == []

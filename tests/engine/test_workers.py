@@ -15,7 +15,7 @@ import pytest
 from fixtures.checks import output_tree
 from safetensors.torch import load_file, save_file
 
-from reshard.engine.assign import assign
+from reshard.engine.worker_shares import assign
 
 SAMPLE = Path(__file__).resolve().parents[2] / "sample_ckpts" / "tiny-llama-tp2"
 TARGETS = {"hf": 1, "hf-ranks": 2, "megatron": 2, "sat": 2}

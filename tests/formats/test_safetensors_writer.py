@@ -11,7 +11,13 @@ from fixtures.tp import arange
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from reshard.formats.safetensors.writer import SafetensorsFileWriter, ShardedSafetensorsWriter, byte_chunks, ordered
+from reshard.formats.safetensors.writer import (
+    SafetensorsFileWriter,
+    ShardedSafetensorsWriter,
+    byte_chunks,
+    ordered,
+    plan_shards,
+)
 from reshard.layouts.readers import TensorHeader
 
 
@@ -91,7 +97,8 @@ def test_wrong_order_or_shape_is_refused(tmp_path):
 
 def test_sharded_folder_matches_hub_planner_and_loads(tmp_path):
     tensors = {f"layer.{i}.weight": arange((64,), start=64 * i) for i in range(6)}  # 256 bytes each
-    writer = ShardedSafetensorsWriter(tmp_path, headers_of(tensors), max_shard_size=600)
+    headers = headers_of(tensors)
+    writer = ShardedSafetensorsWriter(tmp_path, headers, plan_shards(headers, max_shard_size=600))
     for name in ordered(writer.headers):
         writer.write(name, tensors[name])
     writer.close()
@@ -111,7 +118,8 @@ def test_sharded_folder_matches_hub_planner_and_loads(tmp_path):
 
 def test_small_state_dict_is_one_file_without_index(tmp_path):
     tensors = {"w": torch.arange(4.0)}
-    writer = ShardedSafetensorsWriter(tmp_path, headers_of(tensors))
+    headers = headers_of(tensors)
+    writer = ShardedSafetensorsWriter(tmp_path, headers, plan_shards(headers))
     writer.write("w", tensors["w"])
     writer.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]

@@ -202,40 +202,76 @@ class SafetensorsFileWriter:
                 self.on_done()
 
 
+@dataclass(frozen=True)
+class ShardPlan:
+    """How one folder's tensors are split into safetensors files: huggingface_hub's ``StateDictSplit`` as plain data.
+
+    Attributes:
+        files: each file's name and the tensors it holds (in the file, tensors sit in :func:`ordered` order).
+        metadata: the index's ``metadata`` (``total_size``) when the folder is sharded; None for one unindexed file.
+    """
+
+    files: Mapping[str, tuple[str, ...]]
+    metadata: Mapping[str, object] | None = None
+
+    @property
+    def index(self) -> dict[str, object] | None:
+        """``model.safetensors.index.json``'s content, when the folder is sharded."""
+        if self.metadata is None:
+            return None
+        weight_map = {name: filename for filename, names in self.files.items() for name in names}
+        return {"metadata": dict(self.metadata), "weight_map": dict(sorted(weight_map.items()))}
+
+    @property
+    def filenames(self) -> list[str]:
+        """Every file the folder gets: the shards, then the index when there is one."""
+        return list(self.files) + ([SAFETENSORS_INDEX_FILE] if self.metadata is not None else [])
+
+
+def plan_shards(
+    headers: Mapping[str, TensorHeader],
+    *,
+    max_shard_size: int | str = "5GB",
+    filename_pattern: str = SAFETENSORS_WEIGHTS_FILE_PATTERN,
+) -> ShardPlan:
+    """Split ``headers`` into files with ``huggingface_hub.split_state_dict_into_shards_factory`` (greedy in the
+    :func:`ordered` order; a tensor larger than ``max_shard_size`` gets a file of its own). Pure: no torch, no disk.
+
+    Example:
+        >>> from reshard.dtypes import TensorHeader
+        >>> plan = plan_shards({"a": TensorHeader((64,), "F32"), "b": TensorHeader((64,), "F32")}, max_shard_size=300)
+        >>> dict(plan.files)
+        {'model-00001-of-00002.safetensors': ('a',), 'model-00002-of-00002.safetensors': ('b',)}
+    """
+    in_order = {name: headers[name] for name in ordered(headers)}
+    split = split_state_dict_into_shards_factory(
+        in_order,
+        get_storage_size=lambda header: header.nbytes,
+        filename_pattern=filename_pattern,
+        max_shard_size=max_shard_size,
+    )
+    files = {filename: tuple(names) for filename, names in split.filename_to_tensors.items()}
+    if not headers:  # an empty state dict still gets its (empty) file
+        files[filename_pattern.format(suffix="")] = ()
+    return ShardPlan(files, dict(split.metadata) if split.is_sharded else None)
+
+
 @dataclass
 class ShardedSafetensorsWriter:
     """Writes one Hugging Face folder of safetensors shards (``model-0000i-of-0000n.safetensors`` and
-    ``model.safetensors.index.json``, or a single ``model.safetensors``) from headers known up front.
-
-    Shards are planned by ``huggingface_hub.split_state_dict_into_shards_factory`` (greedy in the
-    :func:`ordered` order; a tensor larger than ``max_shard_size`` gets a shard of its own).
-    """
+    ``model.safetensors.index.json``, or a single ``model.safetensors``) as :func:`plan_shards` planned it."""
 
     folder: Path
     headers: Mapping[str, TensorHeader]
-    max_shard_size: int | str = "5GB"
-    filename_pattern: str = SAFETENSORS_WEIGHTS_FILE_PATTERN
+    shards: ShardPlan
     hooks: FileHooks | None = None  # per file: whether it is kept as it is, and whom to tell once it is complete
     _files: dict[str, SafetensorsFileWriter] = field(init=False, default_factory=dict)
     _file_of: dict[str, str] = field(init=False, default_factory=dict)
-    _index: dict | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        in_order = {name: self.headers[name] for name in ordered(self.headers)}
-        split = split_state_dict_into_shards_factory(
-            in_order,
-            get_storage_size=lambda header: header.nbytes,
-            filename_pattern=self.filename_pattern,
-            max_shard_size=self.max_shard_size,
-        )
-        self._file_of = dict(split.tensor_to_filename)
-        for filename, names in split.filename_to_tensors.items():
+        for filename, names in self.shards.files.items():
             self._files[filename] = self._file(filename, {n: self.headers[n] for n in names})
-        if split.is_sharded:
-            self._index = {"metadata": dict(split.metadata), "weight_map": dict(sorted(self._file_of.items()))}
-        if not self.headers:  # an empty state dict still gets its (empty) file
-            filename = self.filename_pattern.format(suffix="")
-            self._files[filename] = self._file(filename, {})
+            self._file_of.update(dict.fromkeys(names, filename))
 
     def _file(self, filename: str, headers: Mapping[str, TensorHeader]) -> SafetensorsFileWriter:
         path = self.folder / filename
@@ -243,14 +279,8 @@ class ShardedSafetensorsWriter:
         return SafetensorsFileWriter(path, headers, keep=keep, on_done=on_done)
 
     @property
-    def tensors_of(self) -> dict[str, frozenset[str]]:
-        """Each shard's file name and the tensors it holds."""
-        return {filename: frozenset(writer.headers) for filename, writer in self._files.items()}
-
-    @property
     def filenames(self) -> list[str]:
-        names = list(self._files)
-        return names + ([SAFETENSORS_INDEX_FILE] if self._index is not None else [])
+        return self.shards.filenames
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         self._files[self._file_of[name]].write(name, tensor)
@@ -266,5 +296,6 @@ class ShardedSafetensorsWriter:
             raise ValueError(f"{self.folder}: files not complete: {missing}")
         for writer in self._files.values():
             writer.close()
-        if self._index is not None and index:
-            (self.folder / SAFETENSORS_INDEX_FILE).write_text(json.dumps(self._index, indent=2) + "\n")
+        content = self.shards.index
+        if content is not None and index:
+            (self.folder / SAFETENSORS_INDEX_FILE).write_text(json.dumps(content, indent=2) + "\n")

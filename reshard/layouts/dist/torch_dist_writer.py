@@ -29,6 +29,8 @@ from __future__ import annotations
 import functools
 import json
 import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +41,7 @@ from reshard.io.direct import DirectFile
 from reshard.formats.torch_zip.writer import Region, TensorSlot, TorchZipWriter
 from reshard.formats.dcp_metadata import write as dcp
 from reshard.layouts.base import CheckpointWriter, SourceCheckpoint, TargetSpec
+from reshard.layouts.file_plan import FilePlan
 from reshard.layouts.megatron.reader import TRACKER
 from reshard.layouts.megatron.args import PICKLE_MODULE, retarget_args
 from reshard.megatron_model import arg
@@ -68,21 +71,51 @@ CONFIG_TEXT = json.dumps(
 CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 
 
+@dataclass(frozen=True)
+class TorchDistFilePlan(FilePlan):
+    """Where every archive of a ``torch_dist`` output sits.
+
+    Attributes:
+        global_plan: the global keys, stacked shapes, chunk boxes and ``_extra_state`` objects.
+        args: the Megatron args ``common.pt`` records (the tp asked for, pp, padded vocab, the format).
+        folder: ``release`` or ``iter_XXXXXXX``, relative to the output.
+        names: the data files inside ``folder``, ``__0_0.distcp`` ...
+        sizes: each data file's size in bytes.
+        where: each archive's key -> (data file index, position, length).
+        chunks: each incoming tensor name -> (its chunk's archive key, the chunk's header).
+    """
+
+    global_plan: GlobalPlan | None = None
+    args: Any = None
+    folder: str = ""
+    names: tuple[str, ...] = ()
+    sizes: tuple[int, ...] = ()
+    where: Mapping[str, tuple[int, int, int]] = field(default_factory=dict)
+    chunks: Mapping[str, tuple[str, TensorHeader]] = field(default_factory=dict)
+
+
 class TorchDistWriter(CheckpointWriter):
     """Writes the ``torch_dist`` layout (see the module docstring) from tp-1 target tensors named as Megatron-Core
     names them (``decoder.layers.{i}.*``, experts as ``...local_experts.{e}.*``)."""
 
     concurrent = True
 
-    def __init__(self, out_dir: Path, spec: TargetSpec) -> None:
-        super().__init__(out_dir, spec)
+    @classmethod
+    def file_plan(cls, spec: TargetSpec) -> TorchDistFilePlan:
+        """Place every archive (the objects', then each chunk's) in the data files, split at ``max_shard_size``.
+
+        A chunk's archive depends on its shape and dtype alone, so its size is known from one archive per
+        distinct header; the archive itself is made when its tensor arrives (nothing per chunk is held).
+
+        Raises:
+            ReshardError: names Megatron-Core's ``torch_dist`` cannot hold, or no Megatron args.
+        """
         if spec.tp != 1:
             raise ValueError(f"torch_dist holds global tensors: plan the conversion at tp 1, not {spec.tp}")
         source, headers = spec.source, spec.rank_headers[0]
         torch_dist_keys.check_names(list(headers), source.path)
         args = megatron_args_of(source, spec.megatron_args)
-        self._args = _retarget(args, spec)
-        self._plan = plan_global(
+        plan = plan_global(
             headers,
             source.extras[0] if isinstance(source.facts, MegatronFacts) and source.extras else {},
             layers=_int(arg(args, "num_layers")),
@@ -91,13 +124,42 @@ class TorchDistWriter(CheckpointWriter):
             homogeneous=_homogeneous(args),
             tied=not arg(args, "untie_embeddings_and_output_weights", False),
         )
+        sizes = {key: TorchZipWriter(Path(key), [value], archive=ARCHIVE).size for key, value in plan.objects.items()}
+        chunks: dict[str, tuple[str, TensorHeader]] = {}
+        for tensor in plan.tensors:
+            for chunk in tensor.chunks:
+                key, header = f"{tensor.key}@{chunk.offsets}", TensorHeader(chunk.sizes, tensor.code)
+                chunks[chunk.name] = (key, header)
+                sizes[key] = _archive_size(header)
+        split = split_state_dict_into_shards_factory(
+            sizes, get_storage_size=lambda size: size, max_shard_size=spec.max_shard_size, filename_pattern="{suffix}"
+        )
+        names = tuple(f"__0_{i}.distcp" for i in range(len(split.filename_to_tensors)))
+        ends = [0] * len(names)
+        where: dict[str, tuple[int, int, int]] = {}
+        for index, keys in enumerate(split.filename_to_tensors.values()):
+            for key in keys:
+                where[key], ends[index] = (index, ends[index], sizes[key]), ends[index] + sizes[key]
         facts = megatron_facts(source)
+        folder = "release" if facts.release else f"iter_{int(facts.iteration or 0):07d}"
+        held: list[set[str]] = [set() for _ in names]
+        for name, (key, _) in chunks.items():
+            held[where[key][0]].add(name)
+        files = {f"{folder}/{name}": frozenset(tensors) for name, tensors in zip(names, held, strict=True)}
+        return TorchDistFilePlan(
+            files, plan, _retarget(args, spec), folder, names, tuple(ends), where, chunks
+        )
+
+    def __init__(self, out_dir: Path, spec: TargetSpec, plan: TorchDistFilePlan) -> None:
+        super().__init__(out_dir, spec, plan)
+        facts = megatron_facts(spec.source)
         self._release = facts.release
         self._iteration = int(facts.iteration or 0)
-        self._folder = Path("release" if self._release else f"iter_{self._iteration:07d}")
+        self._args, self._plan = plan.args, plan.global_plan
+        self._folder, self._names, self._where, self._chunks = Path(plan.folder), plan.names, plan.where, plan.chunks
         self._folder_path = out_dir / self._folder
         self._folder_path.mkdir(parents=True, exist_ok=True)
-        self._lay_out(spec.max_shard_size)
+        self._open()
 
     @classmethod
     def check_names(cls, names: list[str], source: SourceCheckpoint) -> None:
@@ -112,43 +174,22 @@ class TorchDistWriter(CheckpointWriter):
         """As Megatron pads the vocab at tp ``tp``: ``make_vocab_size_divisible_by * tp`` (128 * tp by default)."""
         return megatron_pad_multiple(arg(megatron_args_of(source, megatron_args), "make_vocab_size_divisible_by"), tp)
 
-    def _lay_out(self, max_file_bytes: int | str) -> None:
-        """Place every archive (the objects', then each chunk's) in the data files, open them, write the objects.
-
-        A chunk's archive depends on its shape and dtype alone, so its size is known from one archive per
-        distinct header; the archive itself is made when its tensor arrives (nothing per chunk is held).
-        """
+    def _open(self) -> None:
+        """Open the data files the plan places (a kept file of a resumed run stays as it is), write the objects."""
         folder = self._folder_path
-        objects = self._plan.objects
-        sizes = {key: TorchZipWriter(folder / key, [value], archive=ARCHIVE).size for key, value in objects.items()}
-        self._chunks: dict[str, tuple[str, TensorHeader]] = {}  # incoming name -> (chunk key, header)
-        for tensor in self._plan.tensors:
-            for chunk in tensor.chunks:
-                key, header = f"{tensor.key}@{chunk.offsets}", TensorHeader(chunk.sizes, tensor.code)
-                self._chunks[chunk.name] = (key, header)
-                sizes[key] = _archive_size(header)
-        split = split_state_dict_into_shards_factory(
-            sizes, get_storage_size=lambda size: size, max_shard_size=max_file_bytes, filename_pattern="{suffix}"
-        )
-        self._names = [f"__0_{i}.distcp" for i in range(len(split.filename_to_tensors))]
-        ends = [0] * len(self._names)
-        self._where: dict[str, tuple[int, int, int]] = {}  # key -> (file index, position, length)
-        for index, keys in enumerate(split.filename_to_tensors.values()):
-            for key in keys:
-                self._where[key], ends[index] = (index, ends[index], sizes[key]), ends[index] + sizes[key]
         hooks = [self.spec.file_hooks(self.out_dir)(folder / name) for name in self._names]
         self._kept = [keep for keep, _ in hooks]
         self._on_done = [on_done for _, on_done in hooks]
         self._files: list[DirectFile | None] = [
             None if keep else DirectFile(folder / name, end)  # a kept file (a resumed run) is left as it is
-            for name, end, (keep, _) in zip(self._names, ends, hooks, strict=True)
+            for name, end, (keep, _) in zip(self._names, self.plan.sizes, hooks, strict=True)
         ]
         self._left: list[set[str]] = [set() for _ in self._names]  # per file, the chunks still to write
         for key, (index, _, _) in self._where.items():
             self._left[index].add(key)
         self._written: set[str] = set()
         self._lock = threading.Lock()
-        for key, value in objects.items():  # known already: written now
+        for key, value in self._plan.objects.items():  # known already: written now
             if self._files[self._where[key][0]] is not None:
                 TorchZipWriter(folder / key, [value], archive=ARCHIVE, region=self._region(key)).close()
             self._landed(key)
@@ -205,13 +246,6 @@ class TorchDistWriter(CheckpointWriter):
             file.close()
             if self._on_done[index] is not None:
                 self._on_done[index]()
-
-    def data_files(self) -> dict[str, frozenset[str]]:
-        names: list[set[str]] = [set() for _ in self._names]
-        for name, (key, _) in self._chunks.items():
-            names[self._where[key][0]].add(name)
-        files = [(self._folder / name).as_posix() for name in self._names]
-        return {file: frozenset(held) for file, held in zip(files, names, strict=True)}
 
     def close(self) -> list[Path]:
         missing = [

@@ -6,13 +6,14 @@ import json
 import logging
 import re
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE_FILE
 
 from reshard.config import CONFIG_NAME, find_config
 from reshard.errors import CorruptFileError, MissingRankError, ReshardError
-from reshard.formats.safetensors.writer import ShardedSafetensorsWriter
+from reshard.formats.safetensors.writer import ShardedSafetensorsWriter, ShardPlan, plan_shards
 from reshard.layouts.base import (
     RankFilesWriter,
     SourceCheckpoint,
@@ -20,6 +21,7 @@ from reshard.layouts.base import (
     TensorRef,
     refs_from_readers,
 )
+from reshard.layouts.file_plan import FilePlan
 from reshard.layouts.readers import FileReader, open_tensor_file, read_safetensors_header
 from reshard.layouts.spec import FileProblem
 from reshard.options import ReadOptions
@@ -174,19 +176,44 @@ def check_writable(tp: int) -> None:
         )
 
 
+@dataclass(frozen=True)
+class SafetensorsFilePlan(FilePlan):
+    """The files of one or more folders of safetensors shards.
+
+    Attributes:
+        folders: each folder (POSIX, relative to the output; ``""`` for the output itself) with its shard split.
+    """
+
+    folders: tuple[tuple[str, ShardPlan], ...] = ()
+
+
+def safetensors_plan(spec: TargetSpec, folders: list[str]) -> SafetensorsFilePlan:
+    """Rank ``r``'s tensors (``spec.rank_headers[r]``) in shards of ``spec.max_shard_size`` in ``folders[r]``."""
+    splits = tuple(
+        (folder, plan_shards(headers, max_shard_size=spec.max_shard_size))
+        for folder, headers in zip(folders, spec.rank_headers, strict=True)
+    )
+    files = {
+        f"{folder}/{filename}" if folder else filename: frozenset(names)
+        for folder, split in splits
+        for filename, names in split.files.items()
+    }
+    return SafetensorsFilePlan(files, splits)
+
+
 class HFWriter(RankFilesWriter):
     """Writes a canonical HF folder: ``config.json`` and safetensors shards with their index."""
 
-    def __init__(self, out_dir: Path, spec: TargetSpec) -> None:
-        check_writable(spec.tp)
-        writer = ShardedSafetensorsWriter(
-            out_dir, spec.rank_headers[0], max_shard_size=spec.max_shard_size, hooks=spec.file_hooks(out_dir)
-        )
-        super().__init__(out_dir, spec, [writer])
+    def __init__(self, out_dir: Path, spec: TargetSpec, plan: SafetensorsFilePlan) -> None:
+        ((_, shards),) = plan.folders
+        writer = ShardedSafetensorsWriter(out_dir, spec.rank_headers[0], shards, hooks=spec.file_hooks(out_dir))
+        super().__init__(out_dir, spec, plan, [writer])
 
-    def data_files(self) -> dict[str, frozenset[str]]:
-        (writer,) = self.rank_writers
-        return writer.tensors_of
+    @classmethod
+    def file_plan(cls, spec: TargetSpec) -> SafetensorsFilePlan:
+        """One folder of shards (refused for more than one rank: ``hf`` holds one full checkpoint)."""
+        check_writable(spec.tp)
+        return safetensors_plan(spec, [""])
 
     def close(self) -> list[Path]:
         (writer,) = self.rank_writers

@@ -13,7 +13,15 @@ from reshard.config import CONFIG_NAME, find_config
 from reshard.errors import MissingRankError
 from reshard.formats.safetensors.writer import ShardedSafetensorsWriter
 from reshard.layouts.base import RankFilesWriter, SourceCheckpoint, TargetSpec, numbered_children
-from reshard.layouts.hf.folder import check_folder, collect_extras, read_folder, side_files, write_config
+from reshard.layouts.hf.folder import (
+    SafetensorsFilePlan,
+    check_folder,
+    collect_extras,
+    read_folder,
+    safetensors_plan,
+    side_files,
+    write_config,
+)
 from reshard.layouts.spec import FileProblem
 from reshard.manifest import MANIFEST_NAME, find_manifest
 from reshard.options import ReadOptions
@@ -70,24 +78,17 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
 class HFRanksWriter(RankFilesWriter):
     """Writes ``rank_NN/`` safetensors folders plus the top-level ``config.json``."""
 
-    def __init__(self, out_dir: Path, spec: TargetSpec) -> None:
+    def __init__(self, out_dir: Path, spec: TargetSpec, plan: SafetensorsFilePlan) -> None:
         writers = []
-        for rank, headers in enumerate(spec.rank_headers):
-            folder = out_dir / rank_dir(rank)
-            folder.mkdir(parents=True, exist_ok=True)
-            writers.append(
-                ShardedSafetensorsWriter(
-                    folder, headers, max_shard_size=spec.max_shard_size, hooks=spec.file_hooks(out_dir)
-                )
-            )
-        super().__init__(out_dir, spec, writers)
+        for (folder, shards), headers in zip(plan.folders, spec.rank_headers, strict=True):
+            (out_dir / folder).mkdir(parents=True, exist_ok=True)
+            writers.append(ShardedSafetensorsWriter(out_dir / folder, headers, shards, hooks=spec.file_hooks(out_dir)))
+        super().__init__(out_dir, spec, plan, writers)
 
-    def data_files(self) -> dict[str, frozenset[str]]:
-        return {
-            f"{rank_dir(rank)}/{filename}": names
-            for rank, writer in enumerate(self.rank_writers)
-            for filename, names in writer.tensors_of.items()
-        }
+    @classmethod
+    def file_plan(cls, spec: TargetSpec) -> SafetensorsFilePlan:
+        """A folder of shards per rank, ``rank_00/`` ... ``rank_{tp-1:02d}/``."""
+        return safetensors_plan(spec, [rank_dir(rank) for rank in range(spec.tp)])
 
     def close(self) -> list[Path]:
         written = []

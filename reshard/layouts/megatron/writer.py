@@ -11,7 +11,7 @@ stage numbering its layers from 0. Experts are written unsharded (expert-paralle
 
 from __future__ import annotations
 
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from reshard.errors import ReshardError
@@ -20,7 +20,7 @@ from reshard.layouts.megatron.args import PICKLE_MODULE, retarget_args
 from reshard.layouts.megatron.facts import MegatronFacts
 from reshard.layouts.megatron.reader import FILE_NAME, TRACKER
 from reshard.layouts.megatron.stages import LAYER, layer_of, stage_of, stage_of_layers, with_layer
-from reshard.layouts.torch_rank_writer import TorchRanksWriter
+from reshard.layouts.torch_rank_writer import RankFilePlan, TorchRanksWriter
 from reshard.megatron_model import arg
 from reshard.vocab import megatron_pad_multiple, padded_sizes_possible
 
@@ -36,8 +36,19 @@ class MegatronWriter(TorchRanksWriter):
     pickle_module = PICKLE_MODULE
     replicated_heads_refusal = "Megatron stores KV heads as query groups and cannot load copies of a KV head"
 
-    def __init__(self, out_dir: Path, spec: TargetSpec) -> None:
-        self._args = megatron_args_of(spec.source, spec.megatron_args)
+    def __init__(self, out_dir: Path, spec: TargetSpec, plan: RankFilePlan) -> None:
+        self._args, self._stages = _args_and_stages(spec)
+        self._release = megatron_facts(spec.source).release
+        super().__init__(out_dir, spec, plan)  # lays out every rank file (templates needs the above)
+
+    @classmethod
+    def file_plan(cls, spec: TargetSpec) -> RankFilePlan:
+        """Every rank's stage files (:meth:`rank_files`).
+
+        Raises:
+            ReshardError: no Megatron args, or a tensor whose shape differs between ranks (Megatron needs equal ones).
+        """
+        _args_and_stages(spec)
         uneven = sorted(
             {n for h in spec.rank_headers for n, t in h.items() if t.shape != spec.rank_headers[0][n].shape}
         )
@@ -46,11 +57,21 @@ class MegatronWriter(TorchRanksWriter):
                 f"Megatron needs every rank to hold equal shapes, but {uneven[0]} would differ between ranks",
                 hint="drop --uneven: the megatron layout pads the vocab the Megatron way",
             )
-        self._stages = stage_of_layers(int(arg(self._args, "num_layers", 0) or _layers(spec)), spec.pp)
-        facts = megatron_facts(spec.source)
-        self._release = facts.release
-        self._folder = "release" if self._release else f"iter_{int(facts.iteration or 0):07d}"
-        super().__init__(out_dir, spec)  # lays out every rank file (rank_files needs the above)
+        return super().file_plan(spec)
+
+    @classmethod
+    def rank_files(cls, spec: TargetSpec, rank: int, names: list[str]) -> list[tuple[PurePosixPath, set[str]]]:
+        """One file per pipeline stage, ``<folder>/mp_rank_XX[_PPP]/model_optim_rng.pt``, holding the stage's
+        tensors (the last of several stages also the tied embedding, its output layer)."""
+        args, stages = _args_and_stages(spec)
+        tied_head = [name for name in EMBEDDING if name in names][:1] if _tied_on_last(args, len(stages)) else []
+        files = []
+        for stage in range(len(stages)):
+            held = {name for name in names if stage_of(name, stages) == stage}
+            if stage == len(stages) - 1:
+                held.update(tied_head)
+            files.append((_stage_file(spec, rank, stage, len(stages)), held))
+        return files
 
     @classmethod
     def pad_multiple(cls, tp: int, source: SourceCheckpoint, megatron_args: Any) -> int | None:
@@ -80,33 +101,45 @@ class MegatronWriter(TorchRanksWriter):
             )
         ]
 
-    def rank_files(self, rank: int, state_dict: dict[str, Any]) -> list[tuple[Path, Any]]:
+    def templates(self, rank: int, state_dict: dict[str, Any]) -> list[Any]:
         source, facts = self.spec.source, megatron_facts(self.spec.source)
         extras = source.extras[rank * source.tp // self.spec.tp] if isinstance(source.facts, MegatronFacts) else {}
         paths, pp = facts.paths, len(self._stages)
         args = retarget_args(self._args, self.spec.tp, self.spec.padded_vocab_size, pp=pp)
-        files = []
+        objects = []
         for stage, layers in enumerate(self._stages):
             model: dict[str, Any] = {}
             for name in _stage_names(state_dict.keys() | extras.keys(), list(paths), self._stages, stage):
                 value = state_dict[name] if name in state_dict else extras[name]
                 _put(model, _local_path(paths.get(name, (name,)), layers.start), value)
-            if pp > 1 and stage == pp - 1 and not arg(self._args, "untie_embeddings_and_output_weights", False):
+            if stage == pp - 1 and _tied_on_last(self._args, pp):
                 _put_tied_head(model, state_dict)
-            obj = {
-                "args": args,
-                "checkpoint_version": facts.checkpoint_version,
-                "iteration": facts.iteration,
-                "model": model,
-            }
-            folder = f"mp_rank_{rank:02d}" + (f"_{stage:03d}" if pp > 1 else "")
-            files.append((Path(self._folder) / folder / FILE_NAME, obj))
-        return files
+            version, iteration = facts.checkpoint_version, facts.iteration
+            objects.append({"args": args, "checkpoint_version": version, "iteration": iteration, "model": model})
+        return objects
 
     def finish(self) -> list[Path]:
         tracker = "release" if self._release else str(int(megatron_facts(self.spec.source).iteration or 0))
         (self.out_dir / TRACKER).write_text(tracker + "\n")
         return [Path(TRACKER)]
+
+
+def _args_and_stages(spec: TargetSpec) -> tuple[Any, list[range]]:
+    """The args to write and the layers of each pipeline stage (``spec.pp`` of them, split as Megatron-LM does)."""
+    args = megatron_args_of(spec.source, spec.megatron_args)
+    return args, stage_of_layers(int(arg(args, "num_layers", 0) or _layers(spec)), spec.pp)
+
+
+def _tied_on_last(args: Any, pp: int) -> bool:
+    """Whether the last of ``pp`` stages keeps its own copy of tied embeddings (Megatron's output layer)."""
+    return pp > 1 and not arg(args, "untie_embeddings_and_output_weights", False)
+
+
+def _stage_file(spec: TargetSpec, rank: int, stage: int, pp: int) -> PurePosixPath:
+    """Where rank ``rank``'s stage ``stage`` goes: ``release/`` for a new checkpoint, else ``iter_XXXXXXX/``."""
+    facts = megatron_facts(spec.source)
+    folder = "release" if facts.release else f"iter_{int(facts.iteration or 0):07d}"
+    return PurePosixPath(folder, f"mp_rank_{rank:02d}" + (f"_{stage:03d}" if pp > 1 else ""), FILE_NAME)
 
 
 def _layers(spec: TargetSpec) -> int:

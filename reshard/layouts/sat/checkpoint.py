@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from reshard.config import ModelConfig, load_config
@@ -24,7 +24,7 @@ from reshard.layouts.base import SourceCheckpoint, SourceFacts, TargetSpec, numb
 from reshard.layouts.hf.folder import OPTIMIZER
 from reshard.layouts.hf.loose import check_archive_rank
 from reshard.layouts.readers import TorchReader
-from reshard.layouts.torch_rank_writer import TorchRanksWriter
+from reshard.layouts.torch_rank_writer import RankFilePlan, TorchRanksWriter
 from reshard.options import MAX_RANKS, ReadOptions
 from reshard.ranks import listed, missing_count, rank_count
 
@@ -179,15 +179,19 @@ class SatWriter(TorchRanksWriter):
 
     replicated_heads_refusal = "SAT splits every head count exactly (mpu divide) and cannot load copies of a KV head"
 
-    def __init__(self, out_dir: Path, spec: TargetSpec) -> None:
-        source = spec.source
-        self.iteration = source.facts.iteration if isinstance(source.facts, SatFacts) else "1"
-        first = source.top_level[0] if source.top_level else {}
+    def __init__(self, out_dir: Path, spec: TargetSpec, plan: RankFilePlan) -> None:
+        self.iteration = _iteration(spec.source)
+        first = spec.source.top_level[0] if spec.source.top_level else {}
         self._top = {k: first[k] for k in KEPT_TOP_LEVEL if k in first}
-        super().__init__(out_dir, spec)  # lays out every rank file (rank_file needs the above)
+        super().__init__(out_dir, spec, plan)  # lays out every rank file (templates needs the above)
 
-    def rank_file(self, rank: int, state_dict: dict[str, Any]) -> tuple[Path, Any]:
-        return Path(self.iteration) / rank_file_name(rank), {"module": state_dict, **self._top}
+    @classmethod
+    def rank_files(cls, spec: TargetSpec, rank: int, names: list[str]) -> list[tuple[PurePosixPath, set[str]]]:
+        """One file per rank, ``<iteration>/mp_rank_XX_model_states.pt``, holding all its tensors."""
+        return [(PurePosixPath(_iteration(spec.source), rank_file_name(rank)), set(names))]
+
+    def templates(self, rank: int, state_dict: dict[str, Any]) -> list[Any]:
+        return [{"module": state_dict, **self._top}]
 
     def finish(self) -> list[Path]:
         (self.out_dir / LATEST).write_text(self.iteration)
@@ -195,3 +199,8 @@ class SatWriter(TorchRanksWriter):
         config["model_parallel_size"] = self.spec.tp
         (self.out_dir / MODEL_CONFIG).write_text(json.dumps(config, indent=4) + "\n")
         return [Path(LATEST), Path(MODEL_CONFIG)]
+
+
+def _iteration(source: SourceCheckpoint) -> str:
+    """The iteration folder to write: the source's, else ``1``."""
+    return source.facts.iteration if isinstance(source.facts, SatFacts) else "1"

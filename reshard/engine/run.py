@@ -1,0 +1,198 @@
+"""One conversion run, shared by every command that writes a checkpoint (``convert``, ``fix``, ``verify``'s round
+trip): plan the target and its files, stage the output, keep the resume journal, share the files among workers,
+move the bytes, write the manifest and the side files, publish.
+
+The order is fixed: everything that can be refused is planned before the staged folder exists (the target, the
+writer's :class:`~reshard.layouts.file_plan.FilePlan`); resume and a worker's share are filters of that plan; only
+:func:`~reshard.engine.execute.execute` moves bytes; rank 0 alone writes the manifest and publishes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from reshard.engine.conversion_manifest import conversion_manifest
+from reshard.engine.group_staging import staged
+from reshard.engine.lora_merge import check_lora_replicas
+from reshard.engine.open import OpenedCheckpoint, open_checkpoint
+from reshard.engine.planner import ConversionPlan, TensorPlan
+from reshard.engine.resume import open_journal, still_to_do
+from reshard.engine.route import Route
+from reshard.engine.target import TargetPlan, plan_target, planned_tp, target_spec
+from reshard.engine.warmup import import_torch_in_background
+from reshard.engine.worker_shares import share_of
+from reshard.engine.workers import join, together
+from reshard.io.journal import Resumed
+from reshard.io.staging import check_output
+from reshard.manifest import MANIFEST_NAME, write_manifest
+from reshard.options import ConvertOptions
+
+
+@dataclass(frozen=True)
+class ConversionRun:
+    """What one conversion wrote.
+
+    Attributes:
+        route: where from and where to.
+        target: the planned conversion (tensors, layout, config, mapping).
+        files: the files written, relative to the output, sorted (a worker other than rank 0: its own data files).
+        divergent: target tensors made from a source whose replicas differed (rank 0's copy taken).
+        manifest: the output's ``reshard.json``.
+        notes: what the user should know: the source's notes, divergent replicas, what tp/pp mean for the layout.
+    """
+
+    route: Route
+    target: TargetPlan
+    files: tuple[str, ...]
+    divergent: frozenset[str]
+    manifest: Path
+    notes: tuple[str, ...]
+
+    @property
+    def vocab(self) -> dict[str, Any]:
+        """The vocab sizes: the true one and where it came from, the source's padded and the target's padded."""
+        vocab = self.target.conversion.vocab
+        return {
+            "original": vocab.original,
+            "origin": vocab.origin,
+            "source_padded": vocab.source_padded,
+            "target_padded": vocab.target_padded,
+        }
+
+
+@dataclass(frozen=True)
+class _Moved:
+    """One worker's part of the run: every tensor it hashed, whether each is finite, the targets made from divergent
+    replicas, and the files its writer wrote."""
+
+    hashes: dict[str, str]
+    finite: dict[str, bool | None]
+    divergent: frozenset[str]
+    files: tuple[str, ...]
+
+
+def open_for_conversion(ckpt: Path, out: Path, options: ConvertOptions) -> OpenedCheckpoint:
+    """Check ``out`` can be written, then open ``ckpt`` for the tp its target layout is planned at."""
+    import_torch_in_background()
+    check_output(out, source=ckpt, overwrite=options.overwrite)
+    return open_checkpoint(ckpt, options.read, target_tp=planned_tp(options.layout, options.tp))
+
+
+def run_conversion(opened: OpenedCheckpoint, out: Path, options: ConvertOptions) -> ConversionRun:
+    """Convert ``opened`` into ``out`` as ``options`` ask: staged beside ``out`` and renamed into place when complete.
+
+    Raises:
+        ReshardError: any problem with the input or the output path, before or during writing (nothing is left at
+            ``out`` then; with ``--resume``, the partial output is kept to resume from).
+    """
+    target = plan_target(opened, options)
+    conversion, layout = target.conversion, target.layout
+    if not (options.merge_lora or options.allow_divergent_replicas):
+        check_lora_replicas(opened.tensors)
+    spec = target_spec(target, options)
+    file_plan = layout.writer.file_plan(spec)
+    group = join()
+    first = group is None or group.rank == 0
+    with staged(out, overwrite=options.overwrite, resume=options.resume, group=group) as staging:
+        journal, resumed = open_journal(staging, opened.path, conversion, layout.name, options, group)
+        todo, done = conversion, resumed.files
+        if group is not None:  # this worker's files; the others' are left to them as a resumed run leaves its own
+            todo, others = share_of(group, conversion, file_plan)
+            done = done | others
+        if journal is not None:
+            todo = still_to_do(todo, file_plan, resumed)
+        spec = dataclasses.replace(
+            spec, done_files=done, on_file_done=journal.file_done if journal else None, writes_shared=first
+        )
+        writer = layout.writer(staging, spec, file_plan)
+        from reshard.engine.execute import execute  # imports torch: after planning, which does without it
+
+        def move() -> _Moved:
+            divergent: set[str] = set()
+            finite: dict[str, bool | None] = {}
+
+            def journaled(plan: TensorPlan, name: str, digest: str, is_finite: bool | None) -> None:
+                journal.tensor_done(name, digest, is_finite, any(s.name in divergent for s in plan.sources))
+
+            hashes = execute(
+                todo,
+                writer,
+                allow_divergent=options.allow_divergent_replicas,
+                divergent=divergent,
+                progress=options.progress and first,
+                finite=finite,
+                jobs=options.jobs,
+                on_hashed=journaled if journal is not None else None,
+            )
+            files = tuple(str(p) for p in writer.close())
+            return _Moved(hashes, finite, frozenset(_divergent_targets(todo, divergent)), files)
+
+        moved = [move()] if group is None else together(group, move)
+        if not first:
+            return _result(opened, target, out, options, moved[group.rank].files, frozenset())
+        whole = _merged(moved, resumed)
+        files = list(moved[0].files)
+        for side in opened.source.side_files:
+            shutil.copy2(side, staging / side.name)
+            files.append(side.name)
+        manifest = conversion_manifest(
+            opened.path, target, tp=options.tp, hashes=whole.hashes, finite=whole.finite, divergent=whole.divergent
+        )
+        write_manifest(staging, manifest)
+        if journal is not None:
+            journal.close(remove=True)
+    return _result(opened, target, out, options, tuple(files), whole.divergent)
+
+
+def _merged(moved: list[_Moved], resumed: Resumed) -> _Moved:
+    """Every worker's part, then what an earlier run journaled, as one (the files are rank 0's)."""
+    hashes: dict[str, str] = {}
+    finite: dict[str, bool | None] = {}
+    divergent: set[str] = set()
+    for part in moved:
+        hashes |= part.hashes
+        finite |= part.finite
+        divergent |= part.divergent
+    hashes |= {name: record.sha256 for name, record in resumed.tensors.items()}
+    finite |= {name: record.finite for name, record in resumed.tensors.items()}
+    divergent |= {name for name, record in resumed.tensors.items() if record.divergent}
+    return _Moved(hashes, finite, frozenset(divergent), moved[0].files)
+
+
+def _divergent_targets(conversion: ConversionPlan, divergent: set[str]) -> set[str]:
+    """The target tensors made from a source whose replicas differed (the manifest marks them)."""
+    return {
+        t.name for plan in conversion.tensors if any(s.name in divergent for s in plan.sources) for t in plan.targets
+    }
+
+
+def _result(
+    opened: OpenedCheckpoint,
+    target: TargetPlan,
+    out: Path,
+    options: ConvertOptions,
+    files: tuple[str, ...],
+    divergent: frozenset[str],
+) -> ConversionRun:
+    source = opened.source
+    route = Route(
+        source=str(opened.path),
+        source_layout=source.layout,
+        source_tp=source.tp,
+        output=str(out),
+        layout=target.layout.name,
+        tp=target.conversion.target_tp,
+    )
+    notes = list(source.notes)
+    if divergent:
+        notes.append(f"replicated but different between ranks, rank 0's copy taken: {', '.join(sorted(divergent))}")
+    if target.layout.global_tensors:
+        notes.append(
+            f"{target.layout} holds global tensors that Megatron-Core loads at any tp/pp; its args record "
+            f"tensor_model_parallel_size={options.tp}, pipeline_model_parallel_size={options.pp}"
+        )
+    return ConversionRun(route, target, tuple(sorted(files)), divergent, out / MANIFEST_NAME, tuple(notes))

@@ -8,8 +8,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parents[1] / "reshard"
 
 
@@ -80,6 +78,5 @@ def test_the_scan_sees_every_kind_of_import(tmp_path: Path) -> None:
     assert mutual_pairs(root) == ["reshard.a <-> reshard.b", "reshard.c <-> reshard.x.y", "reshard.d <-> reshard.x"]
 
 
-@pytest.mark.xfail(strict=True, reason="mutual imports being removed by the registry refactor (issue 27)")
 def test_no_two_modules_import_each_other() -> None:
     assert mutual_pairs(PACKAGE) == []

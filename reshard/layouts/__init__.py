@@ -12,7 +12,7 @@ from pathlib import Path
 
 from reshard.errors import CorruptFileError, ReshardError
 from reshard.layouts.base import CheckpointWriter, SourceCheckpoint, SourceFacts, TargetSpec, TensorRef
-from reshard.layouts.dist import DCP, TORCH_DIST
+from reshard.layouts.dcp import DCP, TORCH_DIST
 from reshard.layouts.hf import HF, HF_RANKS, LOOSE
 from reshard.layouts.hf.folder import TENSOR_SUFFIXES, weight_names  # the weight-file rule every folder follows
 from reshard.layouts.megatron import MEGATRON

@@ -164,7 +164,7 @@ def _imports(path: Path) -> list[str]:
 def test_the_engine_commands_hub_and_mappings_import_no_layout_package(package: str) -> None:
     """They ask the registry (``reshard.layouts``) and the shared bases, never a layout's own package."""
     layout_packages = {p.name for p in (PACKAGE / "layouts").iterdir() if (p / "__init__.py").is_file()}
-    assert {"hf", "megatron", "sat", "dist"} <= layout_packages
+    assert {"hf", "megatron", "sat", "dcp"} <= layout_packages
     named = sorted(
         f"{path.relative_to(PACKAGE)}: {module}"
         for path in (PACKAGE / package).rglob("*.py")

@@ -2,7 +2,7 @@
 
 The fused forms (QKV interleaved per query group, fc1 ``[gate; up]``, experts, the vocab padded the Megatron
 way) and their splits are exact inverses, so nothing may differ: not a row, not a bias, not the vocab size.
-That Megatron-Core loads the Megatron side with transformers' logits is ``layouts/dist/test_torch_dist_oracle.py``
+That Megatron-Core loads the Megatron side with transformers' logits is ``layouts/dcp/test_torch_dist_oracle.py``
 and ``test_megatron_oracle.py``.
 """
 

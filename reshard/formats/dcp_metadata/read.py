@@ -8,7 +8,7 @@ Three forms are read (reference notes ``dcp-torchdist-deepspeed.md`` 1.1-1.5):
 * no metadata at all: ``shard-{rank}-model-{i}-of-{n}.safetensors`` (``HuggingFaceStorageWriter`` with
   ``save_distributed=True``), each file's ``DCP_SHARDING_INFO`` giving its chunks' offsets.
 
-The index only says what the files claim; :mod:`reshard.layouts.dist.dcp_checks` checks it before any byte is read.
+The index only says what the files claim; :mod:`reshard.layouts.dcp.dcp_checks` checks it before any byte is read.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``reshard.layouts.dist.torch_dist``: Megatron-Core's ``dist_checkpointing`` files (and NeMo 2's ``weights/``) read
+"""``reshard.layouts.dcp.torch_dist``: Megatron-Core's ``dist_checkpointing`` files (and NeMo 2's ``weights/``) read
 as per-layer tensors, checked against the same model's legacy files, which Megatron-Core wrote from the same
 weights, and against the logits Megatron-Core computed."""
 

@@ -1,9 +1,10 @@
-"""Checkpoints of global tensors stored as chunk boxes: PyTorch DCP (torchtitan, FSDP2, accelerate; read) and
-Megatron-Core's ``torch_dist`` (also NeMo 2's ``weights/``; read and written)."""
+"""Checkpoints in PyTorch DCP's storage, global tensors stored as chunk boxes: DCP itself (torchtitan, FSDP2,
+accelerate; read) and Megatron-Core's ``torch_dist`` (also NeMo 2's ``weights/``; read and written). The package is
+not called ``dist``: pytest does not collect test folders of that name, nor do many ``.gitignore`` files keep them."""
 
 from __future__ import annotations
 
-from reshard.layouts.dist import dcp, torch_dist, torch_dist_writer
+from reshard.layouts.dcp import dcp, torch_dist, torch_dist_writer
 from reshard.layouts.megatron.reader import TRACKER, tracked_folder
 from reshard.layouts.spec import LayoutSpec
 

@@ -1,4 +1,4 @@
-"""``reshard.layouts.dist.torch_dist_keys``: Megatron-Core's global keys, shapes and chunk boxes, from names and
+"""``reshard.layouts.dcp.torch_dist_keys``: Megatron-Core's global keys, shapes and chunk boxes, from names and
 shapes.
 
 The expected keys are those Megatron-Core 0.16.1 writes (the oracle test compares whole checkpoints); here each
@@ -11,7 +11,7 @@ import pytest
 
 from reshard.dtypes import TensorHeader
 from reshard.errors import ReshardError, ShapeMismatchError
-from reshard.layouts.dist.torch_dist_keys import check_names, plan_global
+from reshard.layouts.dcp.torch_dist_keys import check_names, plan_global
 
 
 def headers(shapes: dict[str, tuple[int, ...]], code: str = "BF16") -> dict[str, TensorHeader]:

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 from reshard.dtypes import itemsize_of
 from reshard.errors import CorruptFileError
-from reshard.io.direct import Batch, DirectSource
-from reshard.io.vectored import row_views
 from reshard.formats.boxes import Box, Shape, c_strides, contiguous_pieces, runs
 from reshard.formats.chunks import ChunkLayout, torch_archive_layout
 from reshard.formats.dcp_metadata.read import StoredChunk, StoredTensor
+from reshard.io.direct import Batch, DirectSource
+from reshard.io.vectored import row_views
 from reshard.layouts.readers import FileReader, TensorHeader
 
 if TYPE_CHECKING:

@@ -6,7 +6,7 @@
     <nemo>/weights/ + <nemo>/context/model.yaml    (NeMo 2) the same files under weights/, the config in context/
 
 The data files are PyTorch DCP: every tensor is stored with its global shape, so the checkpoint is read as a
-tp=1 checkpoint whose tensors are assembled from chunk boxes (:mod:`reshard.layouts.dist.boxed_reader`, shared with the
+tp=1 checkpoint whose tensors are assembled from chunk boxes (:mod:`reshard.layouts.dcp.boxed_reader`, shared with the
 ``dcp`` layout). Megatron-Core stacks the layers of homogeneous models on a leading axis
 (``decoder.layers.<rest>`` of shape ``[L, ...]``, the global layer index, so pipeline stages need no merge)
 and the experts on the next (``decoder.layers.mlp.experts.experts.<rest>``, ``[L, E, ...]``): each layer and
@@ -29,17 +29,17 @@ from pathlib import Path
 from typing import Any
 
 from reshard.errors import CorruptFileError, ReshardError
-from reshard.layouts.base import SourceCheckpoint, TensorRef
-from reshard.layouts.dist.boxed_reader import BoxedReader, BoxView, StackedView
 from reshard.formats.boxes import Box
-from reshard.layouts.dist.dcp import checked
 from reshard.formats.dcp_metadata.read import StoredTensor, read_index
-from reshard.layouts.megatron.reader import read_tracker
-from reshard.layouts.megatron.facts import MegatronFacts
+from reshard.layouts.base import SourceCheckpoint, TensorRef
+from reshard.layouts.dcp.boxed_reader import BoxedReader, BoxView, StackedView
+from reshard.layouts.dcp.dcp import checked
+from reshard.layouts.dcp.nemo import NEMO_WEIGHTS, nemo_args
 from reshard.layouts.megatron.args import SAFE_GLOBALS
-from reshard.megatron_model import arg, config_from_args
-from reshard.layouts.dist.nemo import NEMO_WEIGHTS, nemo_args
+from reshard.layouts.megatron.facts import MegatronFacts
+from reshard.layouts.megatron.reader import read_tracker
 from reshard.layouts.readers import load_torch_file
+from reshard.megatron_model import arg, config_from_args
 from reshard.options import ReadOptions
 from reshard.sizes import human_bytes
 
@@ -83,7 +83,7 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
 
     Raises:
         CorruptFileError: a backend other than ``torch_dist`` (zarr), or an unreadable ``common.pt``.
-        ReshardError: the DCP index is inconsistent (see :mod:`reshard.layouts.dist.dcp`).
+        ReshardError: the DCP index is inconsistent (see :mod:`reshard.layouts.dcp.dcp`).
     """
     folder = folder_of(path)
     if folder is None:

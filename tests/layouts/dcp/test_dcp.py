@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from reshard.formats.boxes import Box
 from reshard.formats.dcp_metadata.read import read_index
 from reshard.layouts import discover
-from reshard.layouts.dist.boxed_reader import BoxedReader, BoxView
+from reshard.layouts.dcp.boxed_reader import BoxedReader, BoxView
 
 
 def assembled(folder: Path) -> dict[str, torch.Tensor]:

@@ -1,7 +1,7 @@
 """Writing Megatron-Core's ``torch_dist`` format (``dist_checkpointing``), as Megatron-LM saves it, without Megatron.
 
 The output (reference notes ``dcp-torchdist-deepspeed.md`` 2.1; checked against what Megatron-Core 0.16.1
-writes in the oracle, and loaded by it at other tp/pp in ``tests/layouts/dist/test_torch_dist_oracle.py``)::
+writes in the oracle, and loaded by it at other tp/pp in ``tests/layouts/dcp/test_torch_dist_oracle.py``)::
 
     <out>/latest_checkpointed_iteration.txt     the iteration, or "release"
     <out>/iter_XXXXXXX/ (or release/)
@@ -10,7 +10,7 @@ writes in the oracle, and loaded by it at other tp/pp in ``tests/layouts/dist/te
         __0_0.distcp ...    torch.save archives back to back, one per chunk (split at --max-shard-size)
         .metadata           DCP's Metadata pickle: global shapes and where each chunk's bytes are
 
-The tensors are global (:mod:`reshard.layouts.dist.torch_dist_keys`: layers and experts stacked on leading axes,
+The tensors are global (:mod:`reshard.layouts.dcp.torch_dist_keys`: layers and experts stacked on leading axes,
 the rest whole), so the output loads at any tensor- and pipeline-parallel size: the conversion is planned
 at tp 1, whose canonical tensors are Megatron's global forms. ``--tp N`` / ``--pp N`` only say what the
 ``args`` record (and the vocab is padded as Megatron pads it at tp N).
@@ -37,18 +37,18 @@ from typing import TYPE_CHECKING, Any
 from huggingface_hub import split_state_dict_into_shards_factory
 
 from reshard.dtypes import TensorHeader, name_of
-from reshard.io.direct import DirectFile
-from reshard.formats.torch_zip.writer import Region, TensorSlot, TorchZipWriter
 from reshard.formats.dcp_metadata import write as dcp
+from reshard.formats.torch_zip.writer import Region, TensorSlot, TorchZipWriter
+from reshard.io.direct import DirectFile
 from reshard.layouts.base import CheckpointWriter, SourceCheckpoint, TargetSpec
+from reshard.layouts.dcp import torch_dist_keys
+from reshard.layouts.dcp.torch_dist_keys import GlobalPlan, plan_global
 from reshard.layouts.file_plan import FilePlan
-from reshard.layouts.megatron.reader import TRACKER
 from reshard.layouts.megatron.args import PICKLE_MODULE, retarget_args
-from reshard.megatron_model import arg
 from reshard.layouts.megatron.facts import MegatronFacts
+from reshard.layouts.megatron.reader import TRACKER
 from reshard.layouts.megatron.writer import CHECKPOINT_VERSION, megatron_args_of, megatron_facts
-from reshard.layouts.dist import torch_dist_keys
-from reshard.layouts.dist.torch_dist_keys import GlobalPlan, plan_global
+from reshard.megatron_model import arg
 from reshard.vocab import megatron_pad_multiple
 
 if TYPE_CHECKING:
@@ -146,9 +146,7 @@ class TorchDistWriter(CheckpointWriter):
         for name, (key, _) in chunks.items():
             held[where[key][0]].add(name)
         files = {f"{folder}/{name}": frozenset(tensors) for name, tensors in zip(names, held, strict=True)}
-        return TorchDistFilePlan(
-            files, plan, _retarget(args, spec), folder, names, tuple(ends), where, chunks
-        )
+        return TorchDistFilePlan(files, plan, _retarget(args, spec), folder, names, tuple(ends), where, chunks)
 
     def __init__(self, out_dir: Path, spec: TargetSpec, plan: TorchDistFilePlan) -> None:
         super().__init__(out_dir, spec, plan)

@@ -6,7 +6,7 @@
 
 A DCP checkpoint stores every tensor by its global shape and the chunk boxes each rank held, so it is
 presented as a tp=1 checkpoint of global tensors: each tensor is assembled from the boxes over it when
-it is read (:mod:`reshard.layouts.dist.boxed_reader`), and any target tp is one slice of it away. No process
+it is read (:mod:`reshard.layouts.dcp.boxed_reader`), and any target tp is one slice of it away. No process
 group, no torch.distributed import. Only the model's tensors are read: optimizer, scheduler,
 dataloader, rng and training-state entries are skipped and reported (torchtitan saves the model at the
 top level next to ``optimizer.*``, ``lr_scheduler.*``, ``dataloader.*`` and ``train_state.*``; the DCP
@@ -21,10 +21,7 @@ from typing import Any
 
 from reshard.config import CONFIG_NAME, find_config
 from reshard.errors import CorruptFileError, PlanError, ReshardError
-from reshard.layouts.base import SourceCheckpoint, TensorRef
-from reshard.layouts.dist.boxed_reader import BoxedReader, BoxView
 from reshard.formats.chunks import safetensors_entries, starts_as_zip
-from reshard.layouts.dist.dcp_checks import check_files, check_tensor
 from reshard.formats.dcp_metadata.read import (
     HF_SHARD,
     METADATA,
@@ -35,6 +32,9 @@ from reshard.formats.dcp_metadata.read import (
     is_dcp_folder,
     read_index,
 )
+from reshard.layouts.base import SourceCheckpoint, TensorRef
+from reshard.layouts.dcp.boxed_reader import BoxedReader, BoxView
+from reshard.layouts.dcp.dcp_checks import check_files, check_tensor
 from reshard.options import ReadOptions
 from reshard.sizes import human_bytes
 

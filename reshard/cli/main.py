@@ -23,7 +23,7 @@ from reshard.cli.render import render_check, render_convert, render_fix, render_
 from reshard.errors import ReshardError
 from reshard.hub.source import HubCheckpoint
 from reshard.io.interrupts import Interrupted, handled
-from reshard.io.staging import KEPT
+from reshard.io.staging import KEPT, describe_left, remove_leftovers
 from reshard.io.vectored import return_large_frees_to_os
 from reshard.layouts import writable_layouts
 from reshard.options import ConvertOptions, default_jobs
@@ -62,23 +62,32 @@ def reports_errors(command: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        remains: list[Path] = []
         try:
             with handled():
-                return command(*args, **kwargs)
+                try:
+                    return command(*args, **kwargs)
+                finally:  # a last sweep, signals held off, of what a cleanup cut short may have left
+                    remains = remove_leftovers()
         except ReshardError as err:
-            raise InputError(err.one_line()) from err
+            raise InputError(err.one_line() + _left(remains)) from err
         except OSError as err:  # a file the library opened without a more precise error of its own
             logging.getLogger(__name__).info("the error in full (-v)", exc_info=True)
             where = f"{err.filename}: " if err.filename is not None else ""
-            raise InputError(f"{where}{err.strerror or err}") from err
+            raise InputError(f"{where}{err.strerror or err}{_left(remains)}") from err
         except KeyboardInterrupt as err:
             name = err.name if isinstance(err, Interrupted) else "SIGINT"
             kept = getattr(err, "kept", None)
-            left = KEPT.format(staging=kept) if kept else "no partial output or temporary files were left"
+            left = KEPT.format(staging=kept) if kept else describe_left(remove_leftovers())
             click.echo(f"Error: interrupted by {name}: {left}", err=True)
             raise SystemExit(err.exit_code if isinstance(err, Interrupted) else 130) from None
 
     return wrapper
+
+
+def _left(remains: list[Path]) -> str:
+    """Nothing, or what a failed run could not remove (looked for on disk)."""
+    return f" ({describe_left(remains)})" if remains else ""
 
 
 def without_workers(argv: list[str]) -> list[str]:

@@ -241,6 +241,13 @@ def inspect_command(
     show_default=True,
     help="Processes sharing the output files (what torchrun -m reshard convert starts, on this machine).",
 )
+@click.option(
+    "--worker-timeout",
+    type=click.FloatRange(min=0, min_open=True, max=86400),
+    default=None,
+    metavar="SECONDS",
+    help="How long workers wait for each other to join the group [default: 60; env RESHARD_WORKER_TIMEOUT].",
+)
 @writing_options
 @common_read_options
 @reports_errors
@@ -261,6 +268,11 @@ def convert_command(ckpt: Path, out: Path, as_json: bool, quiet: bool, push: Any
         raise click.UsageError("--lora-alpha only applies with --merge-lora")
     options["lora_alpha"] = 1.0 if options["lora_alpha"] is None else options["lora_alpha"]
     workers = options.pop("workers")
+    worker_timeout = options.pop("worker_timeout")
+    if worker_timeout is not None:  # read by engine/workers.py join(), in this process and the ones launch starts
+        from reshard.engine.workers import SETUP_TIMEOUT_ENV
+
+        os.environ[SETUP_TIMEOUT_ENV] = repr(worker_timeout)
     if workers > 1 and "WORLD_SIZE" not in os.environ:
         from reshard.engine.workers import launch
 

@@ -340,3 +340,18 @@ def test_a_hub_that_never_answers_ends_in_one_line_within_the_timeouts(silent_hu
     assert done.returncode == 2 and len(lines) == 1, done.stderr
     assert lines[0].startswith("Error: acme/silent") and f"{silent_hub} did not answer in time" in lines[0], lines
     assert "HF_HUB_DOWNLOAD_TIMEOUT" in lines[0]
+
+
+@pytest.mark.parametrize("command", ["inspect", "convert"])
+def test_a_listing_naming_a_file_outside_the_repo_is_one_line(hub, tiny, tmp_path, cli, command) -> None:
+    files = {
+        f"rank_0{r}/model.safetensors": (tiny / "tp2" / f"model-rank-{r}.safetensors").read_bytes() for r in (0, 1)
+    }
+    files |= {"config.json": (tiny / "full" / "config.json").read_bytes(), "rank_00/../../escape.safetensors": b"x"}
+    hub.publish("acme/escape", files)
+    args = ["-o", tmp_path / "out", "--tp", "1"] if command == "convert" else []
+    result = cli(command, "acme/escape", *args)
+    line = _error(result)
+    assert result.exit_code == 2 and "acme/escape" in line and "rank_00/../../escape.safetensors" in line, line
+    assert "outside the repo" in line
+    assert not (tmp_path / "out").exists() and not (tmp_path.parent / "escape.safetensors").exists()

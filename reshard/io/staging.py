@@ -106,8 +106,11 @@ def write_error(err: OSError, out: Path, staging: Path | None = None, *, kept: b
         errno.EACCES: "write to a folder you may write to",
         errno.EPERM: "write to a folder you may write to",
     }.get(err.errno)
-    remains = [] if kept else left_behind()
-    left = f"; left behind: {', '.join(map(str, remains))}" if remains else "" if kept else "; nothing was left behind"
+    if kept:
+        left = ""
+    else:  # looked for, not assumed: a removal that failed is named
+        remains = left_behind()
+        left = f"; left behind: {', '.join(map(str, remains))}" if remains else "; nothing was left behind"
     return ReshardError(f"cannot write the output: {why}{left}", path=name, hint=hint)
 
 

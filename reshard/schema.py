@@ -8,14 +8,13 @@ a loop over ``10**12`` ranks. Pure: dicts in, :class:`~reshard.errors.CorruptFil
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from reshard.dtypes import code_from_name
-from reshard.errors import CorruptFileError
+from reshard.errors import CorruptFileError, shown
 from reshard.options import MAX_RANKS
 from reshard.partition import partition_from_dict
 
@@ -68,12 +67,9 @@ def _fail(path: Path | None, key: str, value: Any, what: str) -> CorruptFileErro
 
 
 def _show(value: Any) -> str:
-    """The value as the JSON file spells it (``true``, ``"abc"``), shortened."""
-    try:
-        text = json.dumps(value)
-    except (TypeError, ValueError):
-        text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
+    """The value as the JSON file spells it (``true``, ``"abc"``), shortened (never walked or printed whole: a
+    YAML alias bomb or a 5001-digit integer is untrusted too)."""
+    return shown(value, limit=40, as_json=True)
 
 
 def check_int(value: Any, *, path: Path | None, key: str, low: int = 1, high: int = MAX_SIZE) -> int:

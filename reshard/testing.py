@@ -9,7 +9,6 @@ Bytes are not the whole story: a wrong plan that is consistent with itself round
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import torch
 from reshard.cli.render import render_verify
 from reshard.commands.convert import convert
 from reshard.commands.verify import VerifyOptions, VerifyResult, verify
+from reshard.io.staging import temporary_folder
 from reshard.layouts import discover
 from reshard.layouts.hf import HF
 from reshard.options import ConvertOptions, ReadOptions
@@ -88,10 +88,10 @@ def assert_same_logits(
     Example:
         >>> assert_same_logits("hf-model", "ckpt-tp2")  # doctest: +SKIP
     """
-    with tempfile.TemporaryDirectory(prefix="reshard-logits-") as tmp:
+    with temporary_folder(prefix="reshard-logits-") as tmp:
         folders = [
-            _full_folder(Path(reference), Path(tmp) / "reference", None),
-            _full_folder(Path(candidate), Path(tmp) / "candidate", _path(plan)),
+            _full_folder(Path(reference), tmp / "reference", None),
+            _full_folder(Path(candidate), tmp / "candidate", _path(plan)),
         ]
         models = [_load(folder, original) for folder, original in zip(folders, (reference, candidate), strict=True)]
         vocab = models[0].config.vocab_size

@@ -23,7 +23,7 @@ from reshard.cli.render import render_check, render_convert, render_fix, render_
 from reshard.errors import ReshardError
 from reshard.hub.source import HubCheckpoint
 from reshard.io.interrupts import Interrupted, handled
-from reshard.io.staging import KEPT
+from reshard.io.staging import KEPT, describe_left, remove_leftovers
 from reshard.io.vectored import return_large_frees_to_os
 from reshard.layouts import writable_layouts
 from reshard.options import ConvertOptions, default_jobs
@@ -62,23 +62,32 @@ def reports_errors(command: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        remains: list[Path] = []
         try:
             with handled():
-                return command(*args, **kwargs)
+                try:
+                    return command(*args, **kwargs)
+                finally:  # a last sweep, signals held off, of what a cleanup cut short may have left
+                    remains = remove_leftovers()
         except ReshardError as err:
-            raise InputError(err.one_line()) from err
+            raise InputError(err.one_line() + _left(remains)) from err
         except OSError as err:  # a file the library opened without a more precise error of its own
             logging.getLogger(__name__).info("the error in full (-v)", exc_info=True)
             where = f"{err.filename}: " if err.filename is not None else ""
-            raise InputError(f"{where}{err.strerror or err}") from err
+            raise InputError(f"{where}{err.strerror or err}{_left(remains)}") from err
         except KeyboardInterrupt as err:
             name = err.name if isinstance(err, Interrupted) else "SIGINT"
             kept = getattr(err, "kept", None)
-            left = KEPT.format(staging=kept) if kept else "no partial output or temporary files were left"
+            left = KEPT.format(staging=kept) if kept else describe_left(remove_leftovers())
             click.echo(f"Error: interrupted by {name}: {left}", err=True)
             raise SystemExit(err.exit_code if isinstance(err, Interrupted) else 130) from None
 
     return wrapper
+
+
+def _left(remains: list[Path]) -> str:
+    """Nothing, or what a failed run could not remove (looked for on disk)."""
+    return f" ({describe_left(remains)})" if remains else ""
 
 
 def without_workers(argv: list[str]) -> list[str]:
@@ -232,6 +241,13 @@ def inspect_command(
     show_default=True,
     help="Processes sharing the output files (what torchrun -m reshard convert starts, on this machine).",
 )
+@click.option(
+    "--worker-timeout",
+    type=click.FloatRange(min=0, min_open=True, max=86400),
+    default=None,
+    metavar="SECONDS",
+    help="How long workers wait for each other to join the group [default: 60; env RESHARD_WORKER_TIMEOUT].",
+)
 @writing_options
 @common_read_options
 @reports_errors
@@ -252,6 +268,11 @@ def convert_command(ckpt: Path, out: Path, as_json: bool, quiet: bool, push: Any
         raise click.UsageError("--lora-alpha only applies with --merge-lora")
     options["lora_alpha"] = 1.0 if options["lora_alpha"] is None else options["lora_alpha"]
     workers = options.pop("workers")
+    worker_timeout = options.pop("worker_timeout")
+    if worker_timeout is not None:  # read by engine/workers.py join(), in this process and the ones launch starts
+        from reshard.engine.workers import SETUP_TIMEOUT_ENV
+
+        os.environ[SETUP_TIMEOUT_ENV] = repr(worker_timeout)
     if workers > 1 and "WORLD_SIZE" not in os.environ:
         from reshard.engine.workers import launch
 

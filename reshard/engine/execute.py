@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 
 from reshard.engine.buffers import Budget, BufferPool, budget_for
 from reshard.engine.digest import all_finite_in_blocks, sha256_of
-from reshard.engine.gather import Work, gather_and_split, plan_work, read_phase
+from reshard.engine.gather import Work, check_fits, gather_and_split, plan_work, read_phase
 from reshard.errors import ShapeMismatchError
 from reshard.io.direct import Batch
 from reshard.layouts.base import CheckpointWriter, TensorRef
@@ -144,6 +144,7 @@ def execute(
     run journals it).
     """
     works = [plan_work(t, target_tp=conversion.target_tp) for t in conversion.tensors]
+    check_fits(works)  # before the first buffer: a declared size larger than memory is one line, not the allocator's
     if writer.concurrent:  # the largest first (see above); the others' write() calls follow plan order
         largest = max((work.tensor.nbytes for work in works), default=0)
         works.sort(key=lambda work: work.tensor.nbytes != largest)

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -104,6 +105,40 @@ class Work:
     tensor: TensorPlan
     buffer_shapes: tuple[Shape, ...]
     cost: int
+
+
+def memory_available() -> int | None:
+    """Bytes of memory this process may still take (``MemAvailable``, else the free pages); None if unknown."""
+    try:
+        with open("/proc/meminfo", "rb") as meminfo:
+            for line in meminfo:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def check_fits(works: Sequence[Work]) -> None:
+    """Refuse, before any buffer is allocated, a tensor whose gather alone needs more memory than is available
+    (a declared size the allocator would fail on, or that would push the machine into swap)."""
+    available = memory_available()
+    if available is None:
+        return
+    for work in works:
+        if work.cost > available:
+            source = work.tensor.sources[0]
+            elements = math.prod(source.shape)
+            raise ReshardError(
+                f"needs {work.cost:,} bytes of memory to gather ({elements:,} elements, shape {list(source.shape)}), "
+                f"more than the {available:,} bytes available",
+                path=source.refs[0].file if source.refs else None,
+                tensor=work.tensor.name,
+                hint="check the checkpoint's declared sizes, or run on a machine with more memory",
+            )
 
 
 def plan_work(tensor: TensorPlan, *, target_tp: int) -> Work:
@@ -322,7 +357,7 @@ def gather_canonical(tensor: SourceTensor, *, uneven: bool, allow_divergent: boo
     """Read one tensor's rank slices and join them into the canonical tensor, as a conversion does."""
     plan = identity_plan(tensor)
     plan = TensorPlan(plan.sources, (replace(plan.targets[0], rank_shapes=(tuple(tensor.shape),)),))
-    ((_, canonical, _),) = gather_and_split(
-        plan_work(plan, target_tp=1), target_tp=1, uneven=uneven, allow_divergent=allow_divergent
-    )
+    work = plan_work(plan, target_tp=1)
+    check_fits([work])
+    ((_, canonical, _),) = gather_and_split(work, target_tp=1, uneven=uneven, allow_divergent=allow_divergent)
     return canonical

@@ -10,14 +10,20 @@ The processes talk through ``torch.distributed`` with the gloo backend (CPU only
 torchrun gives (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); :func:`launch` starts the same on
 one machine. A process that fails sends its error to the others at the next gather, so all stop with the same
 line naming it; one that dies breaks the others' connections, and they stop too.
+
+Joining the group is bounded: a worker that died (or never started) before joining would otherwise keep the
+others waiting a day. :func:`join` waits :data:`SETUP_TIMEOUT` seconds (``RESHARD_WORKER_TIMEOUT``, which
+``convert --worker-timeout`` sets for its workers), on a thread, so that SIGINT and SIGTERM end the wait.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -27,6 +33,9 @@ from reshard.errors import ReshardError
 
 # A gather waits for the slowest process's share of the whole conversion: hours for a terabyte.
 TIMEOUT = timedelta(days=1)
+# Joining the group waits this long for every worker (seconds); the environment variable changes it.
+SETUP_TIMEOUT = 60.0
+SETUP_TIMEOUT_ENV = "RESHARD_WORKER_TIMEOUT"
 
 T = TypeVar("T")
 
@@ -93,8 +102,51 @@ def join() -> Group | None:
     import torch.distributed as dist  # which this alone would not: it would run on a half-imported torch
 
     if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=TIMEOUT)
+        seconds = setup_timeout()
+        failure = _interruptible(lambda: dist.init_process_group("gloo", timeout=timedelta(seconds=seconds)))
+        if failure is not None:
+            why = str(failure).strip().splitlines()[0] if str(failure).strip() else type(failure).__name__
+            raise ReshardError(
+                f"the workers did not all join within {seconds:g} s ({why})",
+                hint=f"a worker died or was not started, or MASTER_ADDR / MASTER_PORT differ; "
+                f"--worker-timeout or {SETUP_TIMEOUT_ENV} sets the wait; nothing was written",
+            )
+        dist.distributed_c10d._set_pg_timeout(TIMEOUT)  # the gathers wait for the slowest share
     return Group(dist.get_rank(), dist.get_world_size())
+
+
+def setup_timeout() -> float:
+    """How long joining the group may take: ``RESHARD_WORKER_TIMEOUT`` seconds, else :data:`SETUP_TIMEOUT`."""
+    raw = os.environ.get(SETUP_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return SETUP_TIMEOUT
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and 0 < seconds <= TIMEOUT.total_seconds()):
+        raise ReshardError(
+            f"{SETUP_TIMEOUT_ENV}={raw[:40]!r} is not a number of seconds between 0 and {TIMEOUT.total_seconds():g}"
+        )
+    return seconds
+
+
+def _interruptible(call: Callable[[], object]) -> BaseException | None:
+    """Run ``call`` on a thread while this one waits in short steps: a signal's handler runs meanwhile (a call
+    blocked in C++ would hold it off), and ends the wait. The exception ``call`` raised, or None."""
+    failure: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            call()
+        except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
+            failure.append(err)
+
+    thread = threading.Thread(target=target, name="reshard-join", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.1)
+    return failure[0] if failure else None
 
 
 def launch(argv: list[str], workers: int) -> int:

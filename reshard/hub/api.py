@@ -4,6 +4,11 @@ one-line :class:`~reshard.errors.HubError`\\ s, its progress bars, and a count o
 ``HfApi()`` is built per call, never at import: huggingface_hub reads ``HF_ENDPOINT`` once, at its own import,
 and its module-level ``HfApi`` keeps the endpoint it saw then. The token is whatever huggingface_hub resolves
 (``HF_TOKEN``, then the ``hf auth login`` file).
+
+No request waits without end: huggingface_hub's shared ``httpx2`` client has no timeout, and its API calls
+pass ``timeout=None`` (a server that accepts and never answers would hang ``reshard inspect``). Every request
+the client sends gets, where it has none, huggingface_hub's own limits: ``HF_HUB_ETAG_TIMEOUT`` seconds to
+connect and ``HF_HUB_DOWNLOAD_TIMEOUT`` seconds of silence while reading or writing (10 s each by default).
 """
 
 from __future__ import annotations
@@ -30,10 +35,31 @@ class RepoPlace(Protocol):
 
 
 def hub_api() -> HfApi:
-    """An ``HfApi`` for the endpoint and token huggingface_hub sees now."""
+    """An ``HfApi`` for the endpoint and token huggingface_hub sees now (its requests bounded in time)."""
     from huggingface_hub import HfApi
 
+    bounded_session()
     return HfApi()
+
+
+def _bounded(request: Any) -> None:
+    """A request hook: the connect and read limits a request was sent without (an explicit one is kept)."""
+    from huggingface_hub import constants
+
+    given = request.extensions.get("timeout") or {}
+    wait = float(constants.HF_HUB_DOWNLOAD_TIMEOUT)
+    limits = {"connect": float(constants.HF_HUB_ETAG_TIMEOUT), "read": wait, "write": wait, "pool": wait}
+    timeout = {key: given.get(key) if given.get(key) is not None else limit for key, limit in limits.items()}
+    request.extensions = {**request.extensions, "timeout": timeout}
+
+
+def bounded_session() -> None:
+    """Make every request of huggingface_hub's shared client (built anew after ``close_session``) bounded in time."""
+    from huggingface_hub.utils import get_session
+
+    hooks = get_session().event_hooks["request"]
+    if _bounded not in hooks:
+        hooks.append(_bounded)
 
 
 def endpoint() -> str:
@@ -72,6 +98,15 @@ def describe(err: BaseException, where: str, repo: str | None = None) -> HubErro
         SafetensorsParsingError,
     )
 
+    if _is_timeout(err):  # first: huggingface_hub wraps it (a revision it could not resolve, a file not cached)
+        from huggingface_hub import constants
+
+        return HubError(
+            f"{endpoint()} did not answer in time",
+            path=where,
+            hint=f"try again later; HF_HUB_ETAG_TIMEOUT (connect, now {constants.HF_HUB_ETAG_TIMEOUT} s) and "
+            f"HF_HUB_DOWNLOAD_TIMEOUT (read, now {constants.HF_HUB_DOWNLOAD_TIMEOUT} s) set the waits",
+        )
     login = "set HF_TOKEN or run `hf auth login`"
     token = get_token() is not None
     if isinstance(err, GatedRepoError):
@@ -107,6 +142,19 @@ def describe(err: BaseException, where: str, repo: str | None = None) -> HubErro
     return HubError(f"cannot reach {endpoint()}: {_first_line(err)}", path=where)
 
 
+def _is_timeout(err: BaseException) -> bool:
+    import httpx2
+
+    seen: BaseException | None = err
+    for _ in range(8):  # huggingface_hub wraps a transport error in its own
+        if seen is None:
+            return False
+        if isinstance(seen, httpx2.TimeoutException):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 @contextlib.contextmanager
 def hub_errors(where: RepoPlace | str) -> Iterator[None]:
     """Turn huggingface_hub's exceptions (and connection failures) inside the block into one-line HubErrors."""
@@ -129,6 +177,7 @@ def hub_errors(where: RepoPlace | str) -> Iterator[None]:
         SafetensorsParsingError,
         httpx2.TransportError,
     )
+    bounded_session()
     try:
         yield
     except ReshardError:
@@ -183,4 +232,4 @@ def counting() -> Iterator[Transfer]:
         hooks.remove(transfer._add)
 
 
-__all__ = ["Transfer", "counting", "describe", "hub_api", "hub_errors", "progress_bars"]
+__all__ = ["Transfer", "bounded_session", "counting", "describe", "hub_api", "hub_errors", "progress_bars"]

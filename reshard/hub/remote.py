@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import shutil
 import struct
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -28,6 +27,7 @@ from reshard.hub.api import counting, hub_api, hub_errors, progress_bars
 from reshard.hub.download import download_checkpoint, snapshot
 from reshard.hub.select import plan_patterns, weight_files
 from reshard.hub.source import HubCheckpoint, resolve
+from reshard.io.staging import temporary_folder
 from reshard.layouts import SourceCheckpoint, discover
 from reshard.layouts.readers import FileReader, TensorHeader
 from reshard.manifest import Manifest, find_manifest
@@ -105,8 +105,8 @@ def open_headers(ckpt: HubCheckpoint, options: ReadOptions) -> tuple[SourceCheck
                 )
             headers = _read_headers(ckpt, weights, files)
     sizes = _sizes(ckpt, weights)
-    with tempfile.TemporaryDirectory(prefix="reshard-headers-") as tmp:
-        mirror = Path(tmp).joinpath(*_DEPTH)
+    with temporary_folder(prefix="reshard-headers-") as tmp:
+        mirror = tmp.joinpath(*_DEPTH)
         mirror.mkdir(parents=True)
         for name in _present(snapshot_folder, files, plan_patterns(ckpt.path)):
             (mirror / name).parent.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ import posixpath
 import re
 from collections.abc import Callable, Iterable, Sequence
 
-from reshard.errors import HubError
+from reshard.errors import HubError, shown
 from reshard.layouts import TENSOR_SUFFIXES, rank_folder_patterns, tracker_files, weight_names
 
 # What is copied beside the weights: configs, tokenizers, chat templates, remote code, licence, card.
@@ -73,6 +73,24 @@ def side_patterns(root: str, files: Iterable[str]) -> list[str]:
     ]
 
 
+def check_names(files: Iterable[str], *, where: str = "") -> None:
+    """Refuse a repo listing with a name that is not a plain relative path (``rank_00/../../x``, ``/etc/x``,
+    ``a\\b``): names from the Hub are untrusted, and huggingface_hub refuses to download them only later, with
+    a ``ValueError``.
+
+    Raises:
+        HubError: naming the first such file.
+    """
+    for name in files:
+        parts = name.split("/")
+        if not name or name.startswith("/") or "\\" in name or any(p in ("", ".", "..") for p in parts):
+            raise HubError(
+                f"the repo lists {shown(name, limit=200)}, a path outside the repo (or not a plain one): refused",
+                path=where or None,
+                hint="ask the repo's owner to rename it",
+            )
+
+
 def weight_files(files: Sequence[str], root: str, read_text: Callable[[str], str], *, where: str = "") -> list[str]:
     """The weight files under ``root`` (a folder, or one weight file) that reading the checkpoint takes.
 
@@ -82,8 +100,10 @@ def weight_files(files: Sequence[str], root: str, read_text: Callable[[str], str
     the repo in errors.
 
     Raises:
-        HubError: an index that names a file the repo does not hold, or nothing at ``root``.
+        HubError: a listed name that leaves the repo (``..``, absolute), an index that names a file the repo does
+            not hold, or nothing at ``root``.
     """
+    check_names(files, where=where)
     present = set(files)
     if root in present:
         return [root] if root.endswith(TENSOR_SUFFIXES) else []

@@ -1,7 +1,10 @@
 """Output folders are written under a temporary sibling name and renamed into place only when complete.
 
 Nothing is left behind however a run ends: on any error, on SIGINT / SIGTERM (see :mod:`.interrupts`),
-on a full disk or a read-only folder, the staged folder is removed and the output path is as it was. Two
+on a full disk or a read-only folder, the staged folder is removed and the output path is as it was. Every
+removal runs with the signals held off (:func:`~.interrupts.deferred`), as the work it cleans up: a second
+signal (torchrun's SIGTERM after a worker died, a second Ctrl-C) cannot cut it short. What this process made
+is recorded until it is published or removed, so :func:`left_behind` can say, by looking, what is still there. Two
 runs to one output cannot both publish: each holds a lock beside the output while it writes (a second run
 fails at once), and the output is published by a ``rename`` that fails on a non-empty folder, so a finished
 output is never replaced without ``--overwrite``, even by a run that took no lock.
@@ -22,6 +25,52 @@ from reshard.errors import OutputExistsError, ReshardError
 from reshard.io.interrupts import deferred
 
 LOCK_SUFFIX = ".reshard-lock"
+
+# Staged folders, lock files and temporary folders this process made and has neither published nor removed.
+_owned: set[Path] = set()
+
+
+def _remove(path: Path) -> None:
+    """Remove ``path`` (a folder or a file) with SIGINT / SIGTERM held off, and forget it once it is gone."""
+    with deferred():
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        if not os.path.lexists(path):
+            _owned.discard(path)
+
+
+def remove_leftovers() -> list[Path]:
+    """Remove whatever this process staged and still owns (a last sweep when a command ends); what remains."""
+    for path in sorted(_owned):
+        _remove(path)
+    return left_behind()
+
+
+def left_behind() -> list[Path]:
+    """What this process made (staged output, lock, temporary folder) that is still on disk: looked for on disk."""
+    return sorted(path for path in _owned if os.path.lexists(path))
+
+
+def describe_left(paths: list[Path]) -> str:
+    """The end of a message saying what a stopped run left: looked for on disk."""
+    if not paths:
+        return "no partial output or temporary files were left"
+    return f"left behind: {', '.join(str(p) for p in paths)} (remove it)"
+
+
+@contextlib.contextmanager
+def temporary_folder(prefix: str) -> Iterator[Path]:
+    """A private temporary folder, removed on the way out with signals held off (as :func:`staged_output`)."""
+    with deferred():
+        tmp = Path(tempfile.mkdtemp(prefix=prefix))
+        _owned.add(tmp)
+    try:
+        yield tmp
+    finally:
+        _remove(tmp)
 
 
 def check_output(out: Path, *, source: Path, overwrite: bool) -> None:
@@ -57,7 +106,11 @@ def write_error(err: OSError, out: Path, staging: Path | None = None, *, kept: b
         errno.EACCES: "write to a folder you may write to",
         errno.EPERM: "write to a folder you may write to",
     }.get(err.errno)
-    left = "" if kept else "; nothing was left behind"
+    if kept:
+        left = ""
+    else:  # looked for, not assumed: a removal that failed is named
+        remains = left_behind()
+        left = f"; left behind: {', '.join(map(str, remains))}" if remains else "; nothing was left behind"
     return ReshardError(f"cannot write the output: {why}{left}", path=name, hint=hint)
 
 
@@ -72,7 +125,8 @@ def _locked(out: Path) -> Iterator[None]:
     lock = out.parent / f".{out.name}{LOCK_SUFFIX}"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        with deferred():
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as err:  # named as the output: the lock file is reshard's business, not the user's
         raise write_error(OSError(err.errno, err.strerror), out) from err
     try:
@@ -82,11 +136,11 @@ def _locked(out: Path) -> Iterator[None]:
             raise OutputExistsError(
                 "another reshard run is writing this output", path=out, hint="wait for it, or choose another -o"
             ) from None
+        _owned.add(lock)
         try:
             yield
         finally:
-            with contextlib.suppress(OSError):
-                os.unlink(lock)  # while still holding the lock: a run that opens it later takes a new file
+            _remove(lock)  # while still holding the lock: a run that opens it later takes a new file
     finally:
         os.close(fd)
 
@@ -131,7 +185,7 @@ def staged_output(out: Path, *, overwrite: bool = True, resume: bool = False) ->
             if resume:
                 _kept(err, staging)
                 raise
-            shutil.rmtree(staging, ignore_errors=True)
+            _remove(staging)
             if _is_output_error(err, staging):
                 raise write_error(err, out, staging) from err
             raise
@@ -139,10 +193,10 @@ def staged_output(out: Path, *, overwrite: bool = True, resume: bool = False) ->
             if resume:
                 _kept(err, staging)
                 raise
-            shutil.rmtree(staging, ignore_errors=True)
+            _remove(staging)
             raise
         if not resume:  # an earlier --resume run's partial output is stale now
-            shutil.rmtree(partial_folder(out), ignore_errors=True)
+            _remove(partial_folder(out))
 
 
 def _make_staging(out: Path, *, resume: bool) -> Path:
@@ -151,6 +205,7 @@ def _make_staging(out: Path, *, resume: bool) -> Path:
         staging.mkdir(exist_ok=True)
     else:
         staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".reshard-tmp", dir=out.parent))
+        _owned.add(staging)
     staging.chmod(0o777 & ~_umask())  # mkdtemp makes it private; the output is an ordinary folder
     return staging
 
@@ -172,14 +227,16 @@ def _publish(staging: Path, out: Path, *, overwrite: bool) -> None:
         old.rmdir()
         out.rename(old)
         staging.rename(out)
+        _owned.discard(staging)
         shutil.rmtree(old) if old.is_dir() else old.unlink()
         return
     try:
         os.rename(staging, out)  # replaces an empty folder; fails on a non-empty one (a run that finished first)
+        _owned.discard(staging)
     except OSError as err:
         if err.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
             raise
-        shutil.rmtree(staging, ignore_errors=True)
+        _remove(staging)
         raise OutputExistsError(
             "another run finished this output first; it was left as it is", path=out, hint="pass --overwrite"
         ) from None

@@ -19,13 +19,14 @@ with what was found.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping as MappingType
 from dataclasses import dataclass
 from typing import Any
 
 from reshard.config import ModelConfig
-from reshard.errors import MappingError
+from reshard.errors import MappingError, shown
 from reshard.mappings.megatron_config import GPTShape, hf_config
 from reshard.mappings.torchtitan_flavors import FLAVORS, MAX_SEQ_LEN, NORM_EPS, ROPE_THETA, flavor
 
@@ -35,7 +36,11 @@ _SCALINGS = ("llama", "none")
 
 
 def _positive(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    """A positive number, and finite: ``inf`` (TOML allows it) would be written to config.json as ``Infinity``,
+    which is not JSON."""
+    if isinstance(value, float):
+        return math.isfinite(value) and value > 0
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 # The [model] keys read, and what a valid value is.
@@ -164,6 +169,9 @@ def _from_hf(config: ModelConfig, found: FoundShapes) -> TitanModel:
     if missing:
         raise MappingError(f"the transformers config has no {', '.join(missing)}", path=config.path)
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0)) if isinstance(rope, dict) else None
+    if not _positive(theta):
+        raise MappingError(f"rope_theta is {shown(theta)}, not a finite positive number", path=config.path)
     return TitanModel(
         dim=config.hidden_size,
         n_layers=config.get("num_hidden_layers"),
@@ -171,7 +179,7 @@ def _from_hf(config: ModelConfig, found: FoundShapes) -> TitanModel:
         n_heads=config.num_attention_heads,
         n_kv_heads=config.num_key_value_heads,
         head_dim=config.head_dim,
-        rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+        rope_theta=float(theta),
         rope_scaling=rope.get("rope_type", rope.get("type")) == "llama3",
         norm_eps=config.get("rms_norm_eps", NORM_EPS),
         max_seq_len=config.get("max_position_embeddings", MAX_SEQ_LEN),
@@ -184,9 +192,15 @@ def _from_job(section: dict[str, Any], found: FoundShapes, *, where: Any) -> Tit
     name = section.get("name", "llama3")
     if name != "llama3":
         raise MappingError(f"torchtitan model {name!r}: reshard maps llama3 only", path=where)
-    wrong = [f"{key} = {section[key]!r}" for key, valid in _KEYS.items() if key in section and not valid(section[key])]
+    wrong = [
+        f"{key} = {shown(section[key])}" for key, valid in _KEYS.items() if key in section and not valid(section[key])
+    ]
     if wrong:
-        raise MappingError(f"[model] has {', '.join(wrong)}", path=where, hint="counts are positive integers")
+        raise MappingError(
+            f"[model] has {', '.join(wrong)}",
+            path=where,
+            hint="counts are positive integers, the others finite numbers",
+        )
     base = None
     if "flavor" in section:
         base = flavor(str(section["flavor"]))

@@ -7,8 +7,12 @@ The workers are real processes under ``torch.distributed.run`` (gloo, CPU), as a
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -114,3 +118,60 @@ def test_a_worker_killed_mid_run_leaves_nothing_published(tmp_path: Path) -> Non
     done = torchrun(2, str(script), *convert_args("hf-ranks", out))
     assert done.returncode != 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kill_rank_1.py"], done.stderr
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+def alone_in_a_group_of_two(tmp_path: Path, *extra: str, env: dict[str, str] | None = None, port: bool = False):
+    """Rank 0 of two, started as torchrun starts it, whose rank 1 never comes (killed before it joined)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        free = probe.getsockname()[1]
+    group = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "reshard", *convert_args("hf-ranks", tmp_path / "out"), *extra],
+        env={**os.environ, **group, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    return (proc, free) if port else proc
+
+
+@pytest.mark.parametrize("how", ["option", "env"])
+def test_a_worker_that_never_joins_ends_the_others_after_the_worker_timeout(tmp_path: Path, how: str) -> None:
+    extra, env = (["--worker-timeout", "3"], None) if how == "option" else ([], {"RESHARD_WORKER_TIMEOUT": "3"})
+    start = time.monotonic()
+    proc = alone_in_a_group_of_two(tmp_path, *extra, env=env)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and time.monotonic() - start < 45
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: the workers did not all join within 3 s"), lines
+    assert "--worker-timeout" in lines[0] and "Traceback" not in stderr
+    assert [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_a_signal_ends_a_wait_for_workers_that_never_join(tmp_path: Path) -> None:
+    proc, port = alone_in_a_group_of_two(tmp_path, port=True)  # the default wait: a minute
+    deadline = time.monotonic() + 60
+    while not listening(port):  # rank 0 serves the group's store: it is in the set-up now
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.2)
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 143 and time.monotonic() - start < 15
+    assert stderr.strip() == "Error: interrupted by SIGTERM: no partial output or temporary files were left"
+    assert [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_a_bad_worker_timeout_is_one_line(tmp_path: Path) -> None:
+    proc = alone_in_a_group_of_two(tmp_path, env={"RESHARD_WORKER_TIMEOUT": "soon"})
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert stderr.strip() == ("Error: RESHARD_WORKER_TIMEOUT='soon' is not a number of seconds between 0 and 86400"), (
+        stderr
+    )

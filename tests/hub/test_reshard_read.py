@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -289,3 +290,68 @@ def _write_ranks(model_dir: Path, out: Path, tp: int, *, name: str = "pytorch_mo
     """The saved model in ``model_dir`` as a TP trainer's padded rank files in ``out``."""
     config = config or json.loads((model_dir / "config.json").read_text())
     return write_rank_files(out, load_file(model_dir / "model.safetensors"), config, tp, name=name)
+
+
+@pytest.fixture
+def silent_hub() -> Iterator[str]:
+    """An endpoint that accepts every connection and never answers (a hung proxy or server)."""
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    stop.set()
+    thread.join(5)
+    for conn in held:
+        conn.close()
+    server.close()
+
+
+def test_a_hub_that_never_answers_ends_in_one_line_within_the_timeouts(silent_hub, tmp_path) -> None:
+    env = {
+        "HF_ENDPOINT": silent_hub,
+        "HF_HOME": str(tmp_path / "hf_home"),
+        "HF_HUB_ETAG_TIMEOUT": "1",
+        "HF_HUB_DOWNLOAD_TIMEOUT": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "HF_HUB_OFFLINE": "0",
+    }
+    start = time.monotonic()
+    done = subprocess.run(
+        [RESHARD, "inspect", "acme/silent"], env={**os.environ, **env}, capture_output=True, text=True, timeout=120
+    )
+    assert time.monotonic() - start < 60
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0].startswith("Error: acme/silent") and f"{silent_hub} did not answer in time" in lines[0], lines
+    assert "HF_HUB_DOWNLOAD_TIMEOUT" in lines[0]
+
+
+@pytest.mark.parametrize("command", ["inspect", "convert"])
+def test_a_listing_naming_a_file_outside_the_repo_is_one_line(hub, tiny, tmp_path, cli, command) -> None:
+    files = {
+        f"rank_0{r}/model.safetensors": (tiny / "tp2" / f"model-rank-{r}.safetensors").read_bytes() for r in (0, 1)
+    }
+    files |= {"config.json": (tiny / "full" / "config.json").read_bytes(), "rank_00/../../escape.safetensors": b"x"}
+    hub.publish("acme/escape", files)
+    args = ["-o", tmp_path / "out", "--tp", "1"] if command == "convert" else []
+    result = cli(command, "acme/escape", *args)
+    line = _error(result)
+    assert result.exit_code == 2 and "acme/escape" in line and "rank_00/../../escape.safetensors" in line, line
+    assert "outside the repo" in line
+    assert not (tmp_path / "out").exists() and not (tmp_path.parent / "escape.safetensors").exists()

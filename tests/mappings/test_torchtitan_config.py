@@ -170,3 +170,10 @@ def test_load_config_reads_a_job_toml(tmp_path: Path) -> None:
     path.write_text("[model\nname = 1\n")
     with pytest.raises(CorruptFileError, match="cannot read the config"):
         load_config(path)
+
+
+def test_a_rope_theta_of_infinity_in_a_transformers_config_is_refused() -> None:
+    hf = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 192}
+    hf |= {"num_attention_heads": 4, "num_key_value_heads": 2}
+    with pytest.raises(MappingError, match="rope_theta is inf, not a finite positive number"):
+        titan_model(ModelConfig(hf | {"rope_theta": float("inf")}), TINY)

@@ -181,3 +181,14 @@ def test_kept_names_split_by_torchtitan_s_plan_stay_then_map_when_described(tita
     result = cli("convert", kept, "--tp", 1, "--layout", "hf", "--vocab", 1001, "--config", job, "-o", hf)
     assert result.exit_code == 0, result.output
     torch.testing.assert_close(hf_logits(hf, want["tokens"]), want["logits"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
+def test_a_rope_theta_that_is_not_a_finite_number_is_refused_not_written_as_infinity(
+    titan_root, cli, tmp_path, value: str
+) -> None:
+    toml = tmp_path / "inf.toml"
+    toml.write_text(f'[model]\nname = "llama3"\nn_heads = 4\nrope_theta = {value}\nrope_scaling = "none"\n')
+    out = tmp_path / "hf"
+    result = cli("convert", titan_root / "head_fsdp_tp2", "--tp", 1, "--layout", "hf", "-o", out, "--config", toml)
+    assert_refused(result, out, "inf.toml", f"rope_theta = {float(value)!r}", "finite numbers")

@@ -172,3 +172,67 @@ def _(ckpt, marker):
 @case("dcp-unsafe-data-path", "dcp", ".metadata", "unsafe file")
 def _(ckpt, marker):
     rewrite_metadata(ckpt, lambda md: setattr(storage_of(md, EMBED)[1], "relative_path", "../../outside.distcp"))
+
+
+# Hostile values: a few bytes that would hang, exhaust memory or raise through repr/str/int of their whole.
+
+
+def _bomb(levels: int) -> tuple:
+    """``levels`` nested ``(x, x)``: 2^levels leaves for ``repr``, a few bytes pickled (every level shared)."""
+    x: tuple = ()
+    for _ in range(levels):
+        x = (x, x)
+    return x
+
+
+class _Reduced:
+    """Pickles as ``func(*args)`` without calling it (what a hostile file holds)."""
+
+    def __init__(self, func: object, args: tuple) -> None:
+        self.func, self.args = func, args
+
+    def __reduce__(self) -> tuple:
+        return self.func, self.args
+
+
+def _splice(ckpt: Path, change: Callable[[object, str], object], opcodes: bytes) -> None:
+    """Put ``opcodes`` (a pickled value built without memo) where ``change`` put a marker string in ``.metadata``."""
+    marker = "RESHARD-SPLICE-MARKER"
+    rewrite_metadata(ckpt, lambda md: change(md, marker))
+    data = (ckpt / ".metadata").read_bytes()
+    pickled = b"\x8c" + bytes([len(marker)]) + marker.encode()  # SHORT_BINUNICODE (protocol 4); its MEMOIZE stays
+    assert data.count(pickled) == 1
+    (ckpt / ".metadata").write_bytes(data.replace(pickled, opcodes))
+
+
+@case("dcp-size-reference-bomb", "dcp", ".metadata", EMBED, "is not a list of integers")
+def _(ckpt, marker):
+    rewrite_metadata(ckpt, lambda md: setattr(md.state_dict_metadata[EMBED], "size", _bomb(40)))
+
+
+@case("dcp-size-nested-100000-deep", "dcp", ".metadata", EMBED, "is not a list of integers")
+def _(ckpt, marker):
+    deep = b"(" * 100_000 + b"]" + b"l" * 100_000  # [[[...[]...]]], built without recursion
+    _splice(ckpt, lambda md, m: setattr(md.state_dict_metadata[EMBED], "size", m), deep)
+
+
+@case("dcp-size-5001-digits", "dcp", ".metadata", EMBED, "beyond 64 bits")
+def _(ckpt, marker):
+    rewrite_metadata(ckpt, lambda md: setattr(md.state_dict_metadata[EMBED], "size", [10**5000, 64]))
+
+
+@case("dcp-offset-5001-digits", "dcp", ".metadata", EMBED, "beyond 64 bits")
+def _(ckpt, marker):
+    rewrite_metadata(ckpt, lambda md: setattr(md.state_dict_metadata[EMBED].chunks[0], "offsets", [10**5000, 0]))
+
+
+@case("dcp-storage-offset-5001-digits", "dcp", ".metadata", EMBED, "bytes at <an integer of about 5001 digits>")
+def _(ckpt, marker):
+    rewrite_metadata(ckpt, lambda md: setattr(storage_of(md, EMBED)[1], "offset", 10**5000))
+
+
+@case("dcp-path-reference-bomb", "dcp", ".metadata", "cannot read DCP metadata", "other than strings")
+def _(ckpt, marker):
+    import pathlib
+
+    rewrite_metadata(ckpt, lambda md: setattr(md, "planner_data", {"p": _Reduced(pathlib.PosixPath, _bomb(40))}))

@@ -52,6 +52,45 @@ def stacked_size(size: tuple[int, ...]) -> Callable[[object], None]:
     return change
 
 
+NEMO_CONFIG = """_target_: nemo.collections.llm.gpt.model.llama.LlamaModel
+config:
+  num_layers: 4
+  hidden_size: 64
+  ffn_hidden_size: 96
+  num_attention_heads: 8
+  num_query_groups: 2
+  kv_channels: 8
+  normalization: RMSNorm
+  gated_linear_unit: true
+  add_bias_linear: false
+  share_embeddings_and_output_weights: false
+  position_embedding_type: rope
+  rotary_base: 10000
+  seq_length: 64
+"""
+# A YAML alias bomb: 9 levels of 9 references, a few hundred bytes that str() or json.dumps would walk 9^9 times.
+ALIAS_BOMB = "bomb:\n  l0: &l0 [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"  l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]\n" for i in range(1, 10)
+)
+
+
+def as_nemo(config: str, extra: str = "") -> Callable[[Path, Path], None]:
+    """The checkpoint made a NeMo 2 one (Megatron-Core's files under ``weights/``, ``context/model.yaml``),
+    with ``config`` as the model's config lines (``extra`` before them: YAML anchors)."""
+
+    def damage(ckpt: Path, marker: Path) -> None:
+        weights = ckpt.parent / "weights"
+        iteration(ckpt).rename(weights)
+        shutil.rmtree(ckpt)
+        ckpt.mkdir()
+        weights.rename(ckpt / "weights")
+        (ckpt / "weights" / "common.pt").unlink()
+        (ckpt / "context").mkdir()
+        (ckpt / "context" / "model.yaml").write_text(extra + config)
+
+    return damage
+
+
 def zero_heads(common: dict) -> None:
     common["args"].num_attention_heads = 0
 
@@ -94,6 +133,21 @@ CASES: dict[str, tuple[Callable[[Path, Path], None], tuple[str, ...], dict[str, 
     "stacked-without-layers": (
         lambda c, m: rewrite_metadata(iteration(c), stacked_size((0, 0, 64))),
         (QKV,),
+        {},
+    ),
+    "nemo-activation-alias-bomb": (
+        as_nemo(NEMO_CONFIG + "  activation_func:\n    _target_: *l9\n", ALIAS_BOMB),
+        ("model.yaml", "activation_func is [[[[["),
+        {},
+    ),
+    "nemo-size-alias-bomb": (
+        as_nemo(NEMO_CONFIG.replace("hidden_size: 64", "hidden_size: *l9"), ALIAS_BOMB),
+        ("model.yaml", "config.hidden_size", "[[[[[", "not a single value"),
+        {},
+    ),
+    "nemo-size-5001-digits": (
+        as_nemo(NEMO_CONFIG.replace("hidden_size: 64", "hidden_size: 1" + "0" * 5000)),
+        ("model.yaml", "unreadable model config", "4300 digits"),
         {},
     ),
     "stacked-a-million-layers": (

@@ -95,3 +95,34 @@ def test_signal_before_writing_leaves_nothing(bases, tmp_path: Path, monkeypatch
     signal_at_call(monkeypatch, open_module, "plan_sources", signal.SIGINT, at=1)
     outcome = run("convert", ws.ckpt, ARGS["sat"]["convert"], ws)
     assert interrupted(outcome, ws, before, signal.SIGINT) == []
+
+
+def test_a_signal_during_the_cleanup_of_a_failed_run_does_not_cut_it_short(bases, tmp_path: Path, monkeypatch) -> None:
+    """A run fails (not by a signal), and SIGTERM comes while its staged folder is being removed (torchrun stopping
+    the survivors of a dead worker): the removal finishes, then the signal ends the run, saying so after a look."""
+    from reshard.errors import ReshardError
+
+    ws = Workspace(tmp_path)
+    copy_base(bases["hf_ranks"], ws.ckpt)
+    before = snapshot(ws.ckpt)
+
+    def failing(tensor):
+        raise ReshardError("a worker was lost (Connection closed by peer)")
+
+    monkeypatch.setattr(execute_module, "sha256_of", failing)
+    removals = signal_at_call(monkeypatch, staging_module.shutil, "rmtree", signal.SIGTERM, at=1)
+    outcome = run("convert", ws.ckpt, ["--tp", "4"], ws)
+    assert removals[0] >= 1
+    assert interrupted(outcome, ws, before, signal.SIGTERM) == []
+
+
+def test_the_message_says_what_was_left_when_a_removal_fails(bases, tmp_path: Path, monkeypatch) -> None:
+    """'Nothing was left' is the result of a look: a staged folder that could not be removed is named."""
+    ws = Workspace(tmp_path)
+    copy_base(bases["hf_ranks"], ws.ckpt)
+    signal_at_call(monkeypatch, execute_module, "sha256_of", signal.SIGTERM, at=2)
+    monkeypatch.setattr(staging_module.shutil, "rmtree", lambda path, ignore_errors=False: None)
+    outcome = run("convert", ws.ckpt, ["--tp", "4"], ws)
+    left = [p for p in ws.outs.iterdir() if p.name.endswith(".reshard-tmp")]
+    assert outcome.exit_code == 143 and len(left) == 1
+    assert outcome.stderr.strip() == f"Error: interrupted by SIGTERM: left behind: {left[0]} (remove it)"

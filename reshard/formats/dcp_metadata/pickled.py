@@ -118,8 +118,13 @@ def _size(values: Any = ()) -> tuple[Any, ...]:
 
 
 def _path(*parts: Any) -> str:
-    """``pathlib.PosixPath(*parts)`` as a string (only ever reported, never opened)."""
-    return "/".join(str(part) for part in parts)
+    """``pathlib.PosixPath(*parts)`` as a string (only ever reported, never opened): strings only, as pathlib
+    takes (``str`` of anything else, a reference bomb of tuples, would never end)."""
+    if len(parts) > 256 or not all(isinstance(part, str) for part in parts):
+        raise pickle.UnpicklingError("a pickled path is made of something other than strings")
+    if sum(len(part) for part in parts) > 4096:
+        raise pickle.UnpicklingError("a pickled path is longer than 4096 characters")
+    return "/".join(parts)
 
 
 _DCP = "torch.distributed.checkpoint"

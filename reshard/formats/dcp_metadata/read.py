@@ -20,7 +20,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from reshard.dtypes import code_from_name, name_of
-from reshard.errors import CorruptFileError, MissingRankError
+from reshard.errors import CorruptFileError, MissingRankError, shown
 from reshard.formats.boxes import Box, Shape
 from reshard.formats.chunks import safetensors_entries
 from reshard.formats.dcp_metadata import pickled as pk
@@ -30,6 +30,8 @@ METADATA = ".metadata"
 RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
 HF_SHARD = re.compile(r"^shard-(\d{5})-model-(\d{5})-of-(\d{5})\.safetensors$")
 SHARDING_INFO = "DCP_SHARDING_INFO"
+INT64 = 2**63  # torch sizes, offsets and byte counts are int64
+MAX_DIMS = 64  # torch's own limit on a tensor's dimensions
 
 
 @dataclass(frozen=True)
@@ -190,9 +192,11 @@ def _storage_map(path: Path, storage: dict[Any, Any], folder: Path) -> dict[tupl
         name, offset, length = info.relative_path, info.offset, info.length
         pure = PurePosixPath(name) if isinstance(name, str) else None
         if pure is None or len(pure.parts) != 1 or pure.name in ("", ".", "..") or "\\" in name:
-            raise CorruptFileError(f"storage entry names an unsafe file {name!r}", path=path, tensor=fqn)
-        if not (_is_int(offset) and _is_int(length) and offset >= 0 and length >= 0):
-            raise CorruptFileError(f"storage entry has bytes at {offset!r}, length {length!r}", path=path, tensor=fqn)
+            raise CorruptFileError(f"storage entry names an unsafe file {shown(name)}", path=path, tensor=fqn)
+        if not (_is_int(offset) and _is_int(length) and 0 <= offset < INT64 and 0 <= length < INT64):
+            raise CorruptFileError(
+                f"storage entry has bytes at {shown(offset)}, length {shown(length)}", path=path, tensor=fqn
+            )
         transforms = info.transform_descriptors or ()
         if not isinstance(transforms, (list, tuple)) or not all(isinstance(t, str) for t in transforms):
             raise CorruptFileError("malformed transform_descriptors", path=path, tensor=fqn)
@@ -208,7 +212,7 @@ def _tensor(path: Path, fqn: str, entry: Any, where: dict[tuple[str, Shape | Non
     shape = _ints(entry.size, path, fqn, "size")
     dtype = getattr(entry.properties, "dtype", None)
     if not isinstance(dtype, pk.Dtype):
-        raise CorruptFileError(f"tensor properties without a torch dtype ({dtype!r})", path=path, tensor=fqn)
+        raise CorruptFileError(f"tensor properties without a torch dtype ({shown(dtype)})", path=path, tensor=fqn)
     if not isinstance(entry.chunks, list):
         raise CorruptFileError("chunks is not a list", path=path, tensor=fqn)
     chunks = []
@@ -235,8 +239,11 @@ def _is_int(value: Any) -> bool:
 
 
 def _ints(value: Any, path: Path, fqn: str, what: str) -> Shape:
-    if not isinstance(value, (tuple, list)) or not all(_is_int(v) for v in value):
-        raise CorruptFileError(f"{what} {value!r} is not a list of integers", path=path, tensor=fqn)
+    """``value`` as a tuple of int64s (torch's sizes and offsets); untrusted, so shown bounded."""
+    if not isinstance(value, (tuple, list)) or len(value) > MAX_DIMS or not all(_is_int(v) for v in value):
+        raise CorruptFileError(f"{what} {shown(value)} is not a list of integers", path=path, tensor=fqn)
+    if not all(-INT64 <= v < INT64 for v in value):
+        raise CorruptFileError(f"{what} {shown(value)} holds an integer beyond 64 bits", path=path, tensor=fqn)
     return tuple(value)
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from reshard.errors import CorruptFileError
+from reshard.errors import CorruptFileError, shown
 
 NEMO_WEIGHTS = "weights"
 MODEL_YAML = Path("context") / "model.yaml"
@@ -46,22 +46,29 @@ def nemo_args(checkpoint: Path) -> argparse.Namespace | None:
         return None
     try:
         data = yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError) as err:
-        raise CorruptFileError(f"unreadable model config: {str(err) or type(err).__name__}", path=path) from err
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError, ValueError) as err:  # ValueError: an
+        # integer past Python's 4300 digits
+        why = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise CorruptFileError(f"unreadable model config: {why[:200]}", path=path) from err
     config = data.get("config") if isinstance(data, dict) else None
     if not isinstance(config, dict):
         raise CorruptFileError("no 'config' mapping (NeMo writes the model's config there)", path=path)
+    for key in [*KEPT, *RENAMED]:  # one value each: a list or mapping (a YAML alias bomb) is refused here, by name
+        if isinstance(config.get(key), (list, dict)):
+            raise CorruptFileError(f"{shown(config[key])} is not a single value", path=path, tensor=f"config.{key}")
     args: dict[str, Any] = {key: config[key] for key in KEPT if key in config}
     args |= {new: config[old] for old, new in RENAMED.items() if old in config}
-    args["swiglu"] = bool(config.get("gated_linear_unit")) and _activation(config) == "silu"
+    args["swiglu"] = bool(config.get("gated_linear_unit")) and _activation(config, path) == "silu"
     args["untie_embeddings_and_output_weights"] = not config.get("share_embeddings_and_output_weights", True)
     groups, heads = config.get("num_query_groups"), config.get("num_attention_heads")
     args["group_query_attention"] = groups is not None and groups != heads
     return argparse.Namespace(**args)
 
 
-def _activation(config: dict[str, Any]) -> str | None:
+def _activation(config: dict[str, Any], path: Path) -> str | None:
     """The activation's function name (``torch.nn.functional.silu`` -> ``silu``); fiddle keeps it as ``_target_``."""
     activation = config.get("activation_func")
     target = activation.get("_target_") if isinstance(activation, dict) else activation
-    return str(target).rsplit(".", 1)[-1] if target else None
+    if target is not None and not isinstance(target, str):  # str() of a YAML alias bomb would never end
+        raise CorruptFileError(f"activation_func is {shown(target)}, not a function's name", path=path)
+    return target.rsplit(".", 1)[-1] if target else None

@@ -324,3 +324,36 @@ def megatron_args(
         pipeline_model_parallel_size=1,
         transformer_impl="transformer_engine",
     )
+
+
+_AGREE = ("num_hidden_layers", "num_experts_per_tok", "norm_topk_prob", "tie_word_embeddings")
+
+
+def config_disagreements(given: ModelConfig, args: Any) -> list[str]:
+    """Where a ``--config`` and the Megatron ``args`` describe different models: one line per field, both values.
+
+    The args are checked as for a conversion (:func:`gpt_shape_from_args`): what they set and no config can carry
+    is refused even with a ``--config``.
+    """
+    shape = gpt_shape_from_args(args)
+    family = given.model_type if given.model_type in _ARCHITECTURES else None
+    derived = hf_config(shape, vocab_size=None, dtype="float32", family=family)
+    found = []
+    given_rope = given.get("rope_parameters") or given.get("rope_scaling") or {}
+    kind = given_rope.get("rope_type") or given_rope.get("type") or "default"
+    rope = derived["rope_parameters"]
+    if kind != rope["rope_type"] or (kind != "default" and given_rope.get("factor") != rope.get("factor")):
+        found.append(
+            f"RoPE {kind} factor {given_rope.get('factor')} in --config, {rope['rope_type']} factor "
+            f"{rope.get('factor')} in the args"
+        )
+    theta = given_rope.get("rope_theta", given.get("rope_theta"))
+    if theta is not None and float(theta) != rope["rope_theta"]:
+        found.append(f"rope_theta {theta} in --config, rotary_base {rope['rope_theta']} in the args")
+    keys = _AGREE + (("mlp_only_layers",) if "mlp_only_layers" in derived else ())
+    for key in keys:
+        if key in derived and (key in given.raw or key == "mlp_only_layers"):
+            mine = given.get(key) if key != "mlp_only_layers" else list(given.get(key) or [])
+            if mine != derived[key]:
+                found.append(f"{key} {mine!r} in --config, {derived[key]!r} from the args")
+    return found

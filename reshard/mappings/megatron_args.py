@@ -108,6 +108,7 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "heterogeneous_layers_config_path": ((None,), "heterogeneous layers"),
     "heterogeneous_layers_config_encoded_json": ((None,), "heterogeneous layers"),
     "spec": ((None,), "a custom layer spec"),
+    "heterogeneous_block_specs": (_OFF, "heterogeneous layers"),
     "use_mup": (_OFF, "muP multipliers"),
 }
 
@@ -159,6 +160,14 @@ IRRELEVANT: tuple[tuple[str, str], ...] = (
         "data: the inputs of training runs",
     ),
     (
+        r"ict_|biencoder|retriever|titles_data|query_in_block|use_one_sent|evidence_data|block_data"
+        r"|embedding_path|indexer_|bert_|img_h|img_w|num_channels|patch_dim|classes_fraction"
+        r"|data_per_class_fraction|dino_|iter_per_epoch|vision_|num_classes|max_tokens_to_oom"
+        r"|output_bert_embeddings|mask_factor|mask_type|sample_rate|valid_|epochs$|lazy_mpu_init"
+        r"|standalone_embedding_stage|use_tp_pp_dp_mapping|enable_experimental|deprecated_use_mcore_models",
+        "other tasks' and tools' options (BERT, retrieval, vision, inference servers, start-up)",
+    ),
+    (
         r"tokenizer|vocab_file|merge_file|vocab_extra_ids|tiktoken|special_tokens|trust_remote_code",
         "the tokenizer (the true vocab size is read separately)",
     ),
@@ -183,7 +192,8 @@ IRRELEVANT: tuple[tuple[str, str], ...] = (
     (
         r".*dropout$|init_method|embedding_init|perform_initialization|seed$|data_parallel_random_init"
         r"|init_model_with_meta|use_cpu_initialization|recompute|distribute_saved|cpu_offloading|offload"
-        r"|fine_grained_activation|min_offloaded|moe_layer_recompute|num_microbatches",
+        r"|fine_grained_activation|min_offloaded|moe_layer_recompute|num_microbatches|output_layer_init_method"
+        r"|finalize_model_grads_func|no_sync_func|param_sync_func|_cpu_offloading_context",
         "dropout (off at inference), initialization, recomputation and offloading",
     ),
     (

@@ -4,6 +4,8 @@ both numbers, before an output exists."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -127,3 +129,17 @@ def test_stacked_tensors_holding_different_layer_counts() -> None:
 def test_a_layer_past_the_stages_is_an_error_not_a_traceback() -> None:
     with pytest.raises(ReshardError, match="layer 2 is past the 2 layers"):
         stage_of("decoder.layers.2.mlp.linear_fc1.weight", stage_of_layers(2, 2))
+
+
+@pytest.mark.oracle
+def test_every_field_of_megatron_core_s_transformer_config_is_in_the_table() -> None:
+    """Megatron-Core 0.16.1's ``TransformerConfig`` (with ``ModelParallelConfig``), read in a subprocess: every
+    field is carried, refused or irrelevant, except the three Megatron-LM calls otherwise (``swiglu``,
+    ``num_experts``), which are refused when set."""
+    code = "import dataclasses, json; from megatron.core.transformer import TransformerConfig as T; "
+    code += "print(json.dumps([f.name for f in dataclasses.fields(T)]))"
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    fields = json.loads(found.stdout.strip().splitlines()[-1])
+    assert len(fields) > 200
+    unknown = {f for f in fields if classify(f) == "unknown"}
+    assert unknown == {"gated_linear_unit", "activation_func", "num_moe_experts"}

@@ -6,6 +6,8 @@ vocab size. Pure reading of the namespace (or the dict ``--trust-pickle`` may gi
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,14 @@ from reshard.config import ModelConfig
 from reshard.schema import check_ints
 from reshard.vocab import DEFAULT_MEGATRON_MULTIPLE
 
-__all__ = ["ARGS_SIZES", "arg", "config_from_args", "true_vocab_size", "vocab_from_tokenizer_files"]
+__all__ = [
+    "ARGS_SIZES",
+    "arg",
+    "config_from_args",
+    "count_problems",
+    "true_vocab_size",
+    "vocab_from_tokenizer_files",
+]
 
 # Args that size the model: positive integers when set (checked before any arithmetic on them).
 ARGS_SIZES = (
@@ -93,3 +102,41 @@ def config_from_args(args: Any, path: Path) -> ModelConfig | None:
     if vocab is not None:
         raw["vocab_size"] = vocab
     return ModelConfig({k: v for k, v in raw.items() if v is not None}, path)
+
+
+_LAYER = re.compile(r"^(?:decoder|language_model\.encoder)\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"^(?:decoder|language_model\.encoder)\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+
+
+def count_problems(names: Iterable[str], args: Any) -> list[str]:
+    """Where the tensors and the args count layers or experts differently, one line each with both numbers.
+
+    Pure: global tensor names (layers and experts numbered over the whole model) and the args in.
+    """
+    layers: set[int] = set()
+    experts: dict[tuple[int, str], set[int]] = {}
+    for name in names:
+        if match := _LAYER.match(name):
+            layers.add(int(match.group(1)))
+        if match := _EXPERT.match(name):
+            experts.setdefault((int(match.group(1)), match.group(3)), set()).add(int(match.group(2)))
+    problems = []
+    held = max(layers) + 1 if layers else 0
+    num_layers = arg(args, "num_layers")
+    if layers and isinstance(num_layers, int) and num_layers != held:
+        problems.append(f"the args say num_layers={num_layers}, but the tensors hold {held} layers")
+    missing = sorted(set(range(held)) - layers)
+    if missing:
+        problems.append(f"the tensors hold layers up to {held - 1} but none of layer(s) {missing}")
+    by_layer: dict[int, dict[str, int]] = {}
+    for (layer, part), numbers in sorted(experts.items()):
+        by_layer.setdefault(layer, {})[part] = max(numbers) + 1
+    num_experts = arg(args, "num_experts")
+    for layer, counts in by_layer.items():
+        if len(set(counts.values())) > 1:
+            listed = ", ".join(f"{part} {count}" for part, count in counts.items())
+            problems.append(f"layer {layer}: its experts' tensors count different experts ({listed})")
+        elif isinstance(num_experts, int) and num_experts != next(iter(counts.values())):
+            found = next(iter(counts.values()))
+            problems.append(f"the args say num_experts={num_experts}, but layer {layer} holds {found} experts")
+    return problems

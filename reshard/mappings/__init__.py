@@ -24,6 +24,7 @@ from reshard.errors import MappingError
 from reshard.layouts import SourceCheckpoint, find_layout
 from reshard.mappings.base import Entry, MappedGroup, Mapping
 from reshard.mappings.megatron_config import (
+    config_disagreements,
     gpt_shape_from_args,
     gpt_shape_from_hf,
     hf_config,
@@ -139,10 +140,17 @@ def _megatron_to_hf(source: SourceCheckpoint, *, vocab_size: int | None, dtype: 
     describe the model (a folder written with ``--keep-names``): its names stay.
     """
     config = source.config
+    args = source.facts.megatron_args
     if config is not None and config.model_type in DENSE_FAMILIES + MOE_FAMILIES:  # --config gave the target's
+        disagree = config_disagreements(config, args) if args is not None else []
+        if disagree:
+            raise MappingError(
+                "--config and the Megatron args describe different models: " + "; ".join(disagree),
+                path=source.path,
+                hint="correct --config, or leave it out: the args describe the model",
+            )
         target = config.raw if vocab_size is None else config.with_vocab_size(vocab_size)
         return MappingChoice(megatron_to_hf(config.model_type), target)
-    args = source.facts.megatron_args
     if args is None:  # Megatron's names without Megatron's files (written with --keep-names): they stay
         return None
     shape = gpt_shape_from_args(args)

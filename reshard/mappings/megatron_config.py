@@ -17,6 +17,7 @@ from typing import Any
 
 from reshard.config import ModelConfig
 from reshard.errors import MappingError
+from reshard.mappings.megatron_args import check_args
 from reshard.megatron_model import arg
 from reshard.vocab import DEFAULT_MEGATRON_MULTIPLE
 
@@ -44,6 +45,7 @@ class GPTShape:
     norm_epsilon: float = 1e-5
     rotary_base: float = 10000.0
     rope_scaling_factor: float | None = None  # Llama 3.1 rope scaling (--use-rope-scaling)
+    rope_interpolation_factor: float | None = None  # --rotary-seq-len-interpolation-factor: positions / factor
     add_qkv_bias: bool = False
     add_bias_linear: bool = False
     qk_layernorm: bool = False
@@ -55,6 +57,7 @@ class GPTShape:
     moe_shared_expert_gate: bool = False
     moe_router_pre_softmax: bool = False  # softmax over every expert before the top-k (no renormalization)
     moe_router_score_function: str = "softmax"
+    dense_layers: tuple[int, ...] = ()  # the layers of an MoE with a dense MLP (--moe-layer-freq)
 
 
 def gpt_shape_from_args(args: Any) -> GPTShape:
@@ -75,11 +78,21 @@ def gpt_shape_from_args(args: Any) -> GPTShape:
             "this Megatron model has no transformers family: " + "; ".join(problems),
             hint="keep Megatron's names with --keep-names, or convert to --layout megatron",
         )
+    check_args(args)
+    interpolation = arg(args, "rotary_seq_len_interpolation_factor")
+    if interpolation is not None and (not isinstance(interpolation, (int, float)) or interpolation <= 0):
+        raise MappingError(f"rotary_seq_len_interpolation_factor={interpolation!r}: not a positive number")
+    if interpolation is not None and arg(args, "use_rope_scaling", False):
+        raise MappingError(
+            f"rotary_seq_len_interpolation_factor={interpolation!r} with use_rope_scaling: transformers' rope "
+            "types are one or the other"
+        )
+    num_layers = int(arg(args, "num_layers"))
     heads = int(arg(args, "num_attention_heads"))
     hidden = int(arg(args, "hidden_size"))
     groups = arg(args, "num_query_groups") if arg(args, "group_query_attention", False) else None
     return GPTShape(
-        num_layers=int(arg(args, "num_layers")),
+        num_layers=num_layers,
         hidden_size=hidden,
         ffn_hidden_size=int(arg(args, "ffn_hidden_size")),
         num_attention_heads=heads,
@@ -102,6 +115,19 @@ def gpt_shape_from_args(args: Any) -> GPTShape:
         moe_shared_expert_gate=bool(arg(args, "moe_shared_expert_gate", False)),
         moe_router_pre_softmax=bool(arg(args, "moe_router_pre_softmax", False)),
         moe_router_score_function=str(arg(args, "moe_router_score_function", "softmax")),
+        rope_interpolation_factor=None if interpolation in (None, 1) else float(interpolation),
+        dense_layers=_dense_layers(arg(args, "moe_layer_freq", 1), num_layers) if arg(args, "num_experts") else (),
+    )
+
+
+def _dense_layers(freq: Any, num_layers: int) -> tuple[int, ...]:
+    """The layers ``--moe-layer-freq`` leaves dense: every layer not a multiple of an int N, the 0s of a list."""
+    if isinstance(freq, int) and not isinstance(freq, bool) and freq > 0:
+        return tuple(i for i in range(num_layers) if i % freq)
+    if isinstance(freq, (list, tuple)) and len(freq) == num_layers and all(f in (0, 1) for f in freq):
+        return tuple(i for i, f in enumerate(freq) if f == 0)
+    raise MappingError(
+        f"moe_layer_freq={freq!r}: neither a positive int nor a list of {num_layers} 0s and 1s (one per layer)"
     )
 
 
@@ -126,6 +152,9 @@ def hf_family(shape: GPTShape) -> str:
 def _moe_family(shape: GPTShape) -> str:
     if shape.add_bias_linear:
         _no_family("MoE with linear biases")
+    if shape.dense_layers and not (shape.qk_layernorm or shape.moe_shared_expert_intermediate_size):
+        layers = list(shape.dense_layers)
+        _no_family(f"dense layers {layers} among MoE layers without query/key norms (Mixtral has none)")
     if shape.moe_router_score_function != "softmax":
         _no_family(f"a {shape.moe_router_score_function} router")
     if shape.moe_shared_expert_intermediate_size:
@@ -154,6 +183,8 @@ def hf_config(shape: GPTShape, *, vocab_size: int | None, dtype: str, family: st
     """The ``config.json`` of ``family`` (default :func:`hf_family`) for this model and true vocab size."""
     family = family or hf_family(shape)
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": shape.rotary_base}
+    if shape.rope_interpolation_factor is not None:
+        rope = {"rope_type": "linear", "rope_theta": shape.rotary_base, "factor": shape.rope_interpolation_factor}
     if shape.rope_scaling_factor is not None:
         rope = {
             "rope_type": "llama3",
@@ -193,7 +224,7 @@ def hf_config(shape: GPTShape, *, vocab_size: int | None, dtype: str, family: st
                 "moe_intermediate_size": expert_size,
                 "norm_topk_prob": not shape.moe_router_pre_softmax,
                 "decoder_sparse_step": 1,
-                "mlp_only_layers": [],
+                "mlp_only_layers": list(shape.dense_layers),
             }
         if family == "qwen2_moe":
             config |= {
@@ -212,10 +243,19 @@ def gpt_shape_from_hf(config: ModelConfig) -> GPTShape:
         )
     rope = config.get("rope_parameters") or {}
     scaling = rope.get("factor") if rope.get("rope_type") == "llama3" else None
+    interpolation = rope.get("factor") if rope.get("rope_type") == "linear" else None
+    if rope.get("rope_type", "default") not in ("default", "llama3", "linear"):
+        raise MappingError(f"rope_type {rope.get('rope_type')!r}: Megatron's GPT has no such RoPE")
+    layers = config.get("num_hidden_layers")
+    step = config.get("decoder_sparse_step") or 1
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise MappingError(f"decoder_sparse_step {step!r}: not a positive integer", path=config.path)
+    only = set(config.get("mlp_only_layers") or ())
+    dense = tuple(i for i in range(layers or 0) if i in only or (i + 1) % step) if family != "mixtral" else ()
     experts = config.get("num_local_experts") or config.get("num_experts")
     bias = bool(config.get("attention_bias", False))
     return GPTShape(
-        num_layers=config.get("num_hidden_layers"),
+        num_layers=layers,
         hidden_size=config.get("hidden_size"),
         ffn_hidden_size=config.get("intermediate_size"),
         num_attention_heads=config.num_attention_heads,
@@ -225,6 +265,8 @@ def gpt_shape_from_hf(config: ModelConfig) -> GPTShape:
         norm_epsilon=config.get("rms_norm_eps", 1e-6),
         rotary_base=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
         rope_scaling_factor=scaling,
+        rope_interpolation_factor=interpolation,
+        dense_layers=dense if experts else (),
         add_qkv_bias=family in ("qwen2", "qwen2_moe") or bias,
         add_bias_linear=bias,
         qk_layernorm=family in ("qwen3", "qwen3_moe"),
@@ -272,9 +314,46 @@ def megatron_args(
         moe_shared_expert_intermediate_size=shape.moe_shared_expert_intermediate_size,
         moe_shared_expert_gate=shape.moe_shared_expert_gate,
         moe_router_pre_softmax=shape.moe_router_pre_softmax,
+        moe_layer_freq=[0 if i in shape.dense_layers else 1 for i in range(shape.num_layers)]
+        if shape.dense_layers
+        else 1,
+        rotary_seq_len_interpolation_factor=shape.rope_interpolation_factor,
         make_vocab_size_divisible_by=divisible_by,
         vocab_size=vocab_size,
         tensor_model_parallel_size=1,
         pipeline_model_parallel_size=1,
         transformer_impl="transformer_engine",
     )
+
+
+_AGREE = ("num_hidden_layers", "num_experts_per_tok", "norm_topk_prob", "tie_word_embeddings")
+
+
+def config_disagreements(given: ModelConfig, args: Any) -> list[str]:
+    """Where a ``--config`` and the Megatron ``args`` describe different models: one line per field, both values.
+
+    The args are checked as for a conversion (:func:`gpt_shape_from_args`): what they set and no config can carry
+    is refused even with a ``--config``.
+    """
+    shape = gpt_shape_from_args(args)
+    family = given.model_type if given.model_type in _ARCHITECTURES else None
+    derived = hf_config(shape, vocab_size=None, dtype="float32", family=family)
+    found = []
+    given_rope = given.get("rope_parameters") or given.get("rope_scaling") or {}
+    kind = given_rope.get("rope_type") or given_rope.get("type") or "default"
+    rope = derived["rope_parameters"]
+    if kind != rope["rope_type"] or (kind != "default" and given_rope.get("factor") != rope.get("factor")):
+        found.append(
+            f"RoPE {kind} factor {given_rope.get('factor')} in --config, {rope['rope_type']} factor "
+            f"{rope.get('factor')} in the args"
+        )
+    theta = given_rope.get("rope_theta", given.get("rope_theta"))
+    if theta is not None and float(theta) != rope["rope_theta"]:
+        found.append(f"rope_theta {theta} in --config, rotary_base {rope['rope_theta']} in the args")
+    keys = _AGREE + (("mlp_only_layers",) if "mlp_only_layers" in derived else ())
+    for key in keys:
+        if key in derived and (key in given.raw or key == "mlp_only_layers"):
+            mine = given.get(key) if key != "mlp_only_layers" else list(given.get(key) or [])
+            if mine != derived[key]:
+                found.append(f"{key} {mine!r} in --config, {derived[key]!r} from the args")
+    return found

@@ -15,7 +15,8 @@ What the table does (and why each row is not a plain rename):
 * MoE: the router becomes ``gate`` (``block_sparse_moe.gate`` for Mixtral), expert ``{E}`` of
   ``local_experts`` (global expert numbers, as reshard presents every expert-parallel layout) becomes
   ``experts.{E}``, its fc1 split into gate and up (Mixtral's ``w1`` / ``w3``, ``w2`` down); Qwen2-MoE's
-  ``shared_experts`` become ``shared_expert`` and ``shared_experts.gate_weight`` ``shared_expert_gate``.
+  ``shared_experts`` become ``shared_expert`` and ``shared_experts.gate_weight`` ``shared_expert_gate``; the dense
+  layers of a Qwen2/3-MoE (``mlp_only_layers``, Megatron's ``--moe-layer-freq``) keep the dense MLP's rows.
 * Legacy (pre-mcore) names under ``language_model.`` are read too.
 * Dropped on purpose: Transformer Engine's ``_extra_state`` (FP8 scaling metadata), rotary ``inv_freq``.
 
@@ -129,7 +130,14 @@ def _moe_mlp(family: str) -> tuple[Entry, ...]:
             *_mlp(_L + "mlp.shared_experts.", _HF + "mlp.shared_expert.", HF_MLP, bias=False),
             rename(_L + "mlp.shared_experts.gate_weight", _HF + "mlp.shared_expert_gate.weight"),
         )
-    return (*rows, router, *shared, rename(_L + "pre_mlp_layernorm.weight", _HF + "post_attention_layernorm.weight"))
+    dense = ()
+    if family != "mixtral":  # Qwen2/3-MoE's mlp_only_layers: Megatron's dense layers (--moe-layer-freq)
+        dense = (
+            *_mlp(_L + "mlp.", _HF + "mlp.", HF_MLP, bias=False),
+            rename(_L + "mlp.linear_fc1.layer_norm_weight", _HF + "post_attention_layernorm.weight", alternative=True),
+        )
+    norm = rename(_L + "pre_mlp_layernorm.weight", _HF + "post_attention_layernorm.weight")
+    return (*rows, router, *shared, *dense, norm)
 
 
 def megatron_to_hf(family: str) -> Mapping:

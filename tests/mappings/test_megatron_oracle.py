@@ -25,6 +25,8 @@ CASES = {
     "moe-tp2": (Spec("moe", tp=2), "mixtral"),
     "moe-shared-gate-tp2": (Spec("moe-shared-gate", tp=2), "qwen2_moe"),
     "qk-norm-tp2": (Spec("qk-norm", tp=2), "qwen3"),
+    "rope-linear-tp2": (Spec("rope-linear", tp=2), "llama"),  # rope_parameters linear, factor 4
+    "moe-dense-first-tp2": (Spec("moe-dense-first", tp=2), "qwen3_moe"),  # mlp_only_layers [0]
 }
 
 

@@ -57,6 +57,8 @@ COMMON = (
     Spec("llama-tied", pp=2),
     Spec("llama", pp=2, vpp=2),  # legacy files hold model0 and model1
     Spec("llama", tp=2, overrides=(("divisible_by", "8"),)),  # 1008 rows at tp 2, 1000 at tp 1
+    Spec("rope-linear", tp=2),
+    Spec("moe-dense-first", tp=2),
 )
 
 

@@ -92,7 +92,7 @@ def build(variant: Variant, spec: Spec, *, seed: int) -> list:
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     moe = variant.experts > 0
@@ -115,6 +115,7 @@ def build(variant: Variant, spec: Spec, *, seed: int) -> list:
         moe_shared_expert_intermediate_size=variant.shared_ffn or None,
         moe_shared_expert_gate=variant.shared_gate,
         qk_layernorm=variant.qk_norm,
+        moe_layer_freq=variant.moe_layer_freq,
         moe_aux_loss_coeff=0.0,
         moe_token_dispatcher_type="allgather",
         tensor_model_parallel_size=spec.tp,
@@ -134,9 +135,12 @@ def build(variant: Variant, spec: Spec, *, seed: int) -> list:
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
     )
-    layer_spec = get_gpt_layer_local_spec(
-        num_experts=variant.experts or None, normalization="RMSNorm", qk_layernorm=variant.qk_norm
-    )
+    if variant.dense_first:  # dense and MoE layers: one spec per layer, from moe_layer_freq
+        layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    else:
+        layer_spec = get_gpt_layer_local_spec(
+            num_experts=variant.experts or None, normalization="RMSNorm", qk_layernorm=variant.qk_norm
+        )
     torch.manual_seed(seed)
     chunks = []
     for vp_stage in range(spec.vpp):
@@ -152,6 +156,7 @@ def build(variant: Variant, spec: Spec, *, seed: int) -> list:
             share_embeddings_and_output_weights=variant.tied,
             position_embedding_type="rope",
             rotary_base=variant.rotary_base,
+            seq_len_interpolation_factor=variant.interpolation or None,
             vp_stage=vp,
         )
         _randomize_constants(model, f"{seed}/{ps.get_pipeline_model_parallel_rank()}/{vp_stage}")

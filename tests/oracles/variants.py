@@ -43,6 +43,12 @@ class Variant:
     rotary_base: int = 10000
     norm_eps: float = 1e-5
     init_std: float = 0.05  # larger than Megatron's 0.02 so the logits are far from zero
+    interpolation: float = 0.0  # rotary_seq_len_interpolation_factor (0: none): positions divided by it
+    dense_first: int = 0  # the first layers with a dense MLP in an MoE (moe_layer_freq [0] * n + [1] * rest)
+
+    @property
+    def moe_layer_freq(self) -> int | list[int]:
+        return [0] * self.dense_first + [1] * (self.layers - self.dense_first) if self.dense_first else 1
 
     def padded_vocab(self, tp: int) -> int:
         """Megatron-LM's ``vocab_size_with_padding``: a multiple of ``make_vocab_size_divisible_by * tp``."""
@@ -76,6 +82,10 @@ VARIANTS: dict[str, Variant] = {
     "moe-shared-gate": Variant("moe-shared-gate", layers=2, experts=4, shared_ffn=48, shared_gate=True, qkv_bias=True),
     # Qwen3-like: query/key norms, tied embeddings.
     "qk-norm": Variant("qk-norm", layers=2, qk_norm=True, tied=True),
+    # Llama-like with RoPE positions interpolated by 4 (transformers' rope_type linear).
+    "rope-linear": Variant("rope-linear", layers=2, interpolation=4.0),
+    # Qwen3-MoE-like whose first layer is dense (transformers' mlp_only_layers [0]).
+    "moe-dense-first": Variant("moe-dense-first", layers=3, experts=4, qk_norm=True, dense_first=1),
 }
 
 

@@ -39,7 +39,7 @@ from reshard.layouts.megatron.args import SAFE_GLOBALS
 from reshard.layouts.megatron.facts import MegatronFacts
 from reshard.layouts.megatron.reader import read_tracker
 from reshard.layouts.readers import load_torch_file
-from reshard.megatron_model import arg, config_from_args
+from reshard.megatron_model import arg, config_from_args, count_problems
 from reshard.options import ReadOptions
 from reshard.sizes import human_bytes
 
@@ -120,9 +120,30 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
         checkpoint_version=common.get("checkpoint_version"),
         release=folder.name == "release",
     )
+    problems = _stack_problems({_strip(fqn): tuple(t.shape) for fqn, t in model.items()})
+    problems += count_problems(views, args) if args is not None else []
+    if problems:
+        source.refusal = ReshardError("; ".join(problems), path=folder, hint="the checkpoint does not add up")
     if source.config is None:
         source.notes.append("no Megatron args (common.pt) or NeMo config: model sizes must come from --config")
     return source
+
+
+def _stack_problems(shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """Stacked tensors that disagree on their leading layer axis, or expert tensors on their expert axis."""
+    problems = []
+    for what, axis, names in (
+        ("layers", 0, [n for n in shapes if STACKED.match(n)]),
+        ("experts", 1, [n for n in shapes if STACKED.match(n) and EXPERTS in n]),
+    ):
+        counts: dict[int, str] = {}
+        for name in names:
+            if len(shapes[name]) > axis:
+                counts.setdefault(shapes[name][axis], name)
+        if len(counts) > 1:
+            listed = ", ".join(f"{name} {count}" for count, name in sorted(counts.items(), reverse=True))
+            problems.append(f"stacked tensors hold different numbers of {what}: {listed}")
+    return problems
 
 
 def _spec_names(views: dict[str, BoxView | StackedView], args: Any) -> dict[str, BoxView | StackedView]:

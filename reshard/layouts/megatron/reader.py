@@ -26,7 +26,7 @@ from reshard.layouts.base import SourceCheckpoint
 from reshard.layouts.megatron.facts import MegatronFacts
 from reshard.layouts.megatron.file import MegatronFile
 from reshard.layouts.megatron.merge import merge_stages
-from reshard.megatron_model import arg, config_from_args, vocab_from_tokenizer_files
+from reshard.megatron_model import arg, config_from_args, count_problems, vocab_from_tokenizer_files
 from reshard.options import ReadOptions
 from reshard.ranks import SHOWN, listed
 from reshard.schema import check_int
@@ -223,6 +223,8 @@ def _describe(
     problems = []
     if isinstance(version, (int, float)) and version < 2.0:
         problems.append(f"checkpoint_version {version} stores QKV in an older order: load and re-save it in Megatron")
+    if args is not None:
+        problems += count_problems(source.names(), args)
     for problem in problems:
         source.notes.append(problem)
     if problems:

@@ -79,10 +79,22 @@ def stage_of_layers(num_layers: int, pp: int) -> list[range]:
 
 
 def stage_of(name: str, stages: list[range]) -> int:
-    """The stage a global tensor name belongs to: its layer's, else first (embeddings) or last (head, final norm)."""
+    """The stage a global tensor name belongs to: its layer's, else first (embeddings) or last (head, final norm).
+
+    Raises:
+        ReshardError: the layer is in none of the stages.
+    """
     layer = layer_of(name)
     if layer is not None:
-        return next(p for p, layers in enumerate(stages) if layer in layers)
+        found = [p for p, layers in enumerate(stages) if layer in layers]
+        if not found:
+            total = sum(len(layers) for layers in stages)
+            raise ReshardError(
+                f"layer {layer} is past the {total} layers the pipeline stages hold",
+                tensor=name,
+                hint="the args' num_layers and the tensors disagree",
+            )
+        return found[0]
     if LAST_STAGE.search(name):
         return len(stages) - 1
     return 0

@@ -416,7 +416,7 @@ def test_expert_parallel_ranks_merge_into_global_experts(cli, tmp_path: Path) ->
     """Expert-parallel rank e holds local_experts 0..n-1 of the global experts e*n..; the other tensors are the
     same on every expert rank and are read once."""
     root = tmp_path / "ep"
-    args = megatron_args(TINY, 1, num_experts=4, expert_model_parallel_size=2)
+    args = megatron_args(replace(TINY, layers=1), 1, num_experts=4, expert_model_parallel_size=2)  # one layer held
     router = torch.arange(4 * TINY.hidden, dtype=torch.float32).reshape(4, TINY.hidden)
     experts = {
         e: torch.arange(2 * TINY.ffn * TINY.hidden, dtype=torch.float32).reshape(2 * TINY.ffn, TINY.hidden) + 1000 * e

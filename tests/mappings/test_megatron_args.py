@@ -1,0 +1,145 @@
+"""The closed table of Megatron arguments, and Megatron sources whose parts do not add up: refused by name, with
+both numbers, before an output exists."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from fixtures.megatron import TINY, full_model, megatron_args, write_megatron
+from reshard.layouts.dist.torch_dist import _stack_problems
+
+from reshard.errors import MappingError, ReshardError
+from reshard.layouts.megatron.stages import stage_of, stage_of_layers
+from reshard.mappings.megatron_args import args_problems, check_args, classify
+from reshard.megatron_model import count_problems
+
+Full = dict[str, torch.Tensor]
+
+
+@pytest.fixture(scope="module")
+def full() -> Full:
+    return full_model(TINY)
+
+
+def write(root: Path, full: Full, **extra: object) -> Path:
+    return write_megatron(root, full, 1, args=megatron_args(TINY, 1, record_vocab=True, **extra))
+
+
+REFUSED = {
+    "moe_router_topk_scaling_factor": {"moe_router_topk_scaling_factor": 2.5},
+    "moe_router_num_groups": {"moe_router_num_groups": 2, "moe_router_group_topk": 1},
+    "moe_router_enable_expert_bias": {"moe_router_enable_expert_bias": True},
+    "apply_layernorm_1p": {"apply_layernorm_1p": True},
+    "softmax_scale": {"softmax_scale": 0.5},
+    "frobnicate": {"frobnicate": 3},  # unknown to the table and set: refused too
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_an_argument_transformers_cannot_compute_is_refused_by_name(
+    cli, full: Full, tmp_path: Path, name: str
+) -> None:
+    ckpt = write(tmp_path / "m", full, **REFUSED[name])
+    out = tmp_path / "hf"
+    result = cli("convert", ckpt, "--tp", 1, "--layout", "hf", "-o", out)
+    assert result.exit_code == 2 and not out.exists(), result.output
+    value = REFUSED[name][name]
+    assert f"{name}={value!r}" in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_irrelevant_and_default_arguments_pass(cli, full: Full, tmp_path: Path) -> None:
+    extra = dict(lr=3e-4, hidden_dropout=0.1, seed=1234, micro_batch_size=4, save_interval=100, use_flash_attn=True)
+    extra |= dict(moe_router_topk_scaling_factor=None, moe_router_num_groups=None, some_new_flag=False)
+    ckpt = write(tmp_path / "m", full, **extra)
+    result = cli("convert", ckpt, "--tp", 1, "--layout", "hf", "-o", tmp_path / "hf")
+    assert result.exit_code == 0, result.output
+
+
+def test_the_table_classifies() -> None:
+    assert classify("rotary_seq_len_interpolation_factor") == "carried"
+    assert classify("moe_router_group_topk") == "refused"
+    assert classify("attention_dropout") == classify("tensor_model_parallel_size") == "irrelevant"
+    assert classify("lr_decay_style") == classify("tokenizer_model") == "irrelevant"
+    assert classify("frobnicate") == "unknown"
+    assert args_problems({"moe_router_load_balancing_type": ["aux_loss", "seq_aux_loss"]}) == []
+    assert args_problems({"moe_router_load_balancing_type": "sinkhorn"})
+    with pytest.raises(MappingError, match=r"moe_router_topk_scaling_factor=2\.5"):
+        check_args({"moe_router_topk_scaling_factor": 2.5})
+
+
+def test_interpolated_rope_is_carried_and_a_disagreeing_config_refused(cli, full: Full, tmp_path: Path) -> None:
+    ckpt = write(tmp_path / "m", full, rotary_seq_len_interpolation_factor=4, rotary_base=500000)
+    out = tmp_path / "hf"
+    result = cli("convert", ckpt, "--tp", 1, "--layout", "hf", "-o", out)
+    assert result.exit_code == 0, result.output
+    config = json.loads((out / "config.json").read_text())
+    assert config["rope_parameters"] == {"rope_type": "linear", "rope_theta": 500000.0, "factor": 4.0}
+
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
+    given = tmp_path / "config.json"
+    given.write_text(json.dumps(config))
+    refused = tmp_path / "refused"
+    result = cli("convert", ckpt, "--tp", 1, "--layout", "hf", "--config", given, "-o", refused)
+    assert result.exit_code == 2 and not refused.exists(), result.output
+    assert "RoPE default" in result.output and "linear factor 4.0" in result.output
+
+
+@pytest.mark.parametrize("layout", ["hf", "megatron"])
+def test_args_counting_other_layers_than_the_tensors_are_refused(cli, full: Full, tmp_path: Path, layout: str) -> None:
+    args = megatron_args(TINY, 1, record_vocab=True)
+    args.num_layers = 3
+    ckpt = write_megatron(tmp_path / "m", full, 1, args=args)
+    out = tmp_path / "out"
+    result = cli("convert", ckpt, "--tp", 1, "--layout", layout, "-o", out)
+    assert result.exit_code == 2 and not out.exists(), result.output
+    assert "num_layers=3" in result.output and "hold 2 layers" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_counts_of_layers_and_experts() -> None:
+    expert = "decoder.layers.{}.mlp.experts.local_experts.{}.linear_fc{}.weight"
+    names = [expert.format(0, e, 1) for e in range(4)] + [expert.format(0, e, 2) for e in range(3)]
+    (problem,) = count_problems(names, {"num_layers": 1, "num_experts": 4})
+    assert "linear_fc1.weight 4" in problem and "linear_fc2.weight 3" in problem
+    names = [expert.format(0, e, k) for e in range(3) for k in (1, 2)]
+    assert count_problems(names, {"num_layers": 1, "num_experts": 4}) == [
+        "the args say num_experts=4, but layer 0 holds 3 experts"
+    ]
+    assert count_problems(names, {"num_layers": 1, "num_experts": 3}) == []
+
+
+def test_stacked_tensors_holding_different_layer_counts() -> None:
+    shapes = {
+        "decoder.layers.self_attention.linear_qkv.weight": (2, 48, 32),
+        "decoder.layers.mlp.linear_fc1.weight": (3, 96, 32),
+        "decoder.layers.mlp.experts.experts.linear_fc1.weight": (2, 4, 64, 32),
+        "decoder.layers.mlp.experts.experts.linear_fc2.weight": (2, 3, 32, 32),
+        "embedding.word_embeddings.weight": (64, 32),
+    }
+    layers, experts = _stack_problems(shapes)
+    assert "different numbers of layers" in layers and "linear_fc1.weight 3" in layers and "weight 2" in layers
+    assert "different numbers of experts" in experts and " 4" in experts and " 3" in experts
+
+
+def test_a_layer_past_the_stages_is_an_error_not_a_traceback() -> None:
+    with pytest.raises(ReshardError, match="layer 2 is past the 2 layers"):
+        stage_of("decoder.layers.2.mlp.linear_fc1.weight", stage_of_layers(2, 2))
+
+
+@pytest.mark.oracle
+def test_every_field_of_megatron_core_s_transformer_config_is_in_the_table() -> None:
+    """Megatron-Core 0.16.1's ``TransformerConfig`` (with ``ModelParallelConfig``), read in a subprocess: every
+    field is carried, refused or irrelevant, except the three Megatron-LM calls otherwise (``swiglu``,
+    ``num_experts``), which are refused when set."""
+    code = "import dataclasses, json; from megatron.core.transformer import TransformerConfig as T; "
+    code += "print(json.dumps([f.name for f in dataclasses.fields(T)]))"
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    fields = json.loads(found.stdout.strip().splitlines()[-1])
+    assert len(fields) > 200
+    unknown = {f for f in fields if classify(f) == "unknown"}
+    assert unknown == {"gated_linear_unit", "activation_func", "num_moe_experts"}

@@ -9,7 +9,7 @@ tables knows is refused as soon as it is set (a value other than ``None`` or ``F
 Megatron-LM flag and optional value), so a newer Megatron's argument is never dropped silently.
 
 The table follows Megatron-Core 0.16.1's ``TransformerConfig`` / ``ModelParallelConfig`` and Megatron-LM's
-``arguments.py`` names (NeMo 2's ``model.yaml`` is read under the same names, see ``layouts/dist/nemo.py``).
+``arguments.py`` names (NeMo 2's ``model.yaml`` is read under the same names, see ``layouts/dcp/nemo.py``).
 """
 
 from __future__ import annotations

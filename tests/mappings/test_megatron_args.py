@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 from fixtures.megatron import TINY, full_model, megatron_args, write_megatron
-from reshard.layouts.dist.torch_dist import _stack_problems
 
 from reshard.errors import MappingError, ReshardError
+from reshard.layouts.dcp.torch_dist import _stack_problems
 from reshard.layouts.megatron.stages import stage_of, stage_of_layers
 from reshard.mappings.megatron_args import args_problems, check_args, classify
 from reshard.megatron_model import count_problems

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reshard.engine.open import open_checkpoint
+from reshard.engine.open import OpenedCheckpoint, open_checkpoint
 from reshard.engine.planner import SourceTensor
 from reshard.engine.route import Route
 from reshard.engine.run import run_conversion
@@ -26,7 +26,7 @@ from reshard.io.staging import check_output
 from reshard.layouts import layout
 from reshard.options import ConvertOptions
 from reshard.partition import Vocab, rank_shapes
-from reshard.vocab import check_vocab_rows, require_vocab
+from reshard.vocab import check_vocab_rows, require_vocab, source_padded_rows
 
 logger = logging.getLogger(__name__)
 SUFFIX = ".fixed"
@@ -42,6 +42,13 @@ class FixReport(Route):
     config_vocab: list[int | None] | None = None
     files: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    written: bool = True  # False: the checkpoint needed nothing and no output was written (no --force)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = super().to_dict()
+        if self.written:  # said only when nothing was written
+            del data["written"]
+        return data
 
 
 def default_output(ckpt: Path) -> Path:
@@ -95,6 +102,18 @@ def fix(ckpt: Path, out: Path | None = None, options: ConvertOptions | None = No
         source_tp=source.tp,
         missing_files=lambda tp: layout(source.layout).missing_rank_files(source, tp),
     )
+    if not options.force and needs_nothing(opened, options):
+        return FixReport(
+            source=str(ckpt),
+            source_layout=source.layout,
+            source_tp=source.tp,
+            output=str(out),
+            layout=source.layout,
+            tp=options.tp,
+            vocab={"original": vocab.original, "origin": vocab.origin, "source_padded": vocab.original},
+            notes=["nothing to fix: no tensor changes shape and the vocab is already its true size; nothing written"],
+            written=False,
+        )
     run = run_conversion(opened, out, options)
     config_before = source.config.vocab_size if source.config else None
     notes = list(run.notes)
@@ -108,6 +127,24 @@ def fix(ckpt: Path, out: Path | None = None, options: ConvertOptions | None = No
         config_vocab=[config_before, vocab.original] if config_before != vocab.original else None,
         files=list(run.files),
         notes=notes,
+    )
+
+
+def needs_nothing(opened: OpenedCheckpoint, options: ConvertOptions) -> bool:
+    """Whether ``fix`` would write a copy of ``opened`` and nothing else: a canonical ``hf`` safetensors checkpoint
+    at tp 1 read as it is (no ``--config``, ``--tp``, ``--merge-lora``), no pad rows, the config's vocab true."""
+    source, vocab = opened.source, opened.vocab
+    config_vocab = source.config.vocab_size if source.config else None
+    return (
+        source.layout == "hf"
+        and source.tp == options.tp == 1
+        and options.config is None
+        and not options.merge_lora
+        and not opened.problems
+        and all(path.suffix == ".safetensors" for path in source.files)
+        and source_padded_rows(opened.tensors) in (None, vocab.original)
+        and config_vocab in (None, vocab.original)
+        and not changed_tensors(opened.tensors, options.tp, vocab.original, uneven=opened.uneven)
     )
 
 

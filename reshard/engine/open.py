@@ -15,7 +15,7 @@ from pathlib import Path
 
 from reshard.config import find_config
 from reshard.engine.lora_merge import merge_lora_source
-from reshard.engine.planner import SourceTensor, plan_sources
+from reshard.engine.planner import SourceTensor, mixed_runs, plan_sources
 from reshard.errors import ReshardError
 from reshard.hub.source import HubCheckpoint
 from reshard.layouts import SourceCheckpoint, TensorRef, check_manifest, discover
@@ -107,6 +107,9 @@ def open_checkpoint(
         uneven=uneven,
         replicas_equal=_replicas_equal if read_bytes else None,
     )
+    mixed = mixed_runs(source, tensors)
+    if mixed is not None:
+        raise mixed
     if not any(t.problem for t in tensors):  # a --vocab far below the rows is refused by name as more than padding
         check_vocab_shrink(vocab, manifest, source.config, source_tp=source.tp, allow=options.allow_vocab_shrink)
     return OpenedCheckpoint(ckpt, source, manifest, plan, vocab, uneven, tuple(tensors))

@@ -117,8 +117,9 @@ def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> TargetPlan
             uneven=opened.uneven,
         )
         others = [p for p in err.problems if p not in err.unsplit]
-        unsplit = _unsplit_in_one(err.unsplit, tp, works, source.config)
-        raise (unsplit if not others else PlanError([*others, unsplit])) from err
+        said = [*others, _unsplit_in_one(err.unsplit, tp, works, source.config)]
+        summary = said[0].one_line() if len(said) == 1 else PlanError(said).detail
+        raise PlanError(err.problems, unsplit=err.unsplit, summary=summary) from err
     _refuse_copied_heads(conversion, spec, source)
     return TargetPlan(conversion, spec, _config(opened, choice), choice, dropped)
 

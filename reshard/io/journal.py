@@ -193,7 +193,7 @@ def _read_lines(path: Path, fingerprint: str) -> list[dict[str, Any]]:
     for raw in text.split("\n")[:-1]:  # the part after the last newline was cut short
         try:
             line = json.loads(raw)
-        except (json.JSONDecodeError, RecursionError):
+        except (ValueError, RecursionError):  # JSONDecodeError, and integers past the digit limit
             line = None
         if not lines:
             if not _well_formed(line, first=True):

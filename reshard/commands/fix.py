@@ -10,7 +10,9 @@ the true size (dropping pad rows, whatever they hold), and writes a canonical ``
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +24,7 @@ from reshard.engine.route import Route
 from reshard.engine.run import run_conversion
 from reshard.engine.warmup import import_torch_in_background
 from reshard.hub.source import hub_origin
-from reshard.io.staging import check_output
+from reshard.io.staging import check_output, write_error
 from reshard.layouts import layout
 from reshard.options import ConvertOptions
 from reshard.partition import Vocab, rank_shapes
@@ -103,6 +105,7 @@ def fix(ckpt: Path, out: Path | None = None, options: ConvertOptions | None = No
         missing_files=lambda tp: layout(source.layout).missing_rank_files(source, tp),
     )
     if not options.force and needs_nothing(opened, options):
+        _refuse_unwritable(out)  # -o names a place --force could not write either: bad input, as on any fix
         return FixReport(
             source=str(ckpt),
             source_layout=source.layout,
@@ -128,6 +131,16 @@ def fix(ckpt: Path, out: Path | None = None, options: ConvertOptions | None = No
         files=list(run.files),
         notes=notes,
     )
+
+
+def _refuse_unwritable(out: Path) -> None:
+    """Refuse ``out`` when the folder it would be created in may not be written (permission bits), as writing it
+    would."""
+    parent = out.absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise write_error(PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(parent)), out)
 
 
 def needs_nothing(opened: OpenedCheckpoint, options: ConvertOptions) -> bool:

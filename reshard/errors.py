@@ -146,9 +146,13 @@ class MappingError(ReshardError, ValueError):
 class PlanError(ReshardError):
     """Several problems found while planning, reported together before any byte is written."""
 
-    def __init__(self, problems: Iterable[ReshardError]) -> None:
+    def __init__(
+        self, problems: Iterable[ReshardError], *, unsplit: Iterable[ReshardError] = (), summary: str | None = None
+    ) -> None:
         self.problems = list(problems)
-        lines = [p.one_line() for p in self.problems]
+        self.unsplit = [p for p in unsplit if p in self.problems]  # those that are a tensor the tp cannot split
+        # summary: the message when some problems are said together (every tensor a tp cannot split, in one line)
+        lines = [p.one_line() for p in self.problems] if summary is None else [summary]
         head = lines[0] if len(lines) == 1 else f"{len(lines)} problems:\n  " + "\n  ".join(lines)
         super().__init__(head)
 

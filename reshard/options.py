@@ -45,6 +45,7 @@ class ReadOptions:
         plan: a user plan file whose rules come before the built-in plan, or ``"transformers"``.
         trust_pickle: fully unpickle torch files (only for files the user trusts).
         vocab: the true vocab size; None takes it from the manifest, then the config.
+        allow_vocab_shrink: accept a ``vocab`` below the true size the manifest or config gives (drops rows).
         uneven: read and split sizes that do not divide as ``torch.chunk`` does.
         merge_lora: merge LoRA adapters into their base weights on every source rank first.
         lora_alpha: LoRA alpha for merging (scaling = alpha / rank).
@@ -54,6 +55,7 @@ class ReadOptions:
     plan: Path | str | None = None
     trust_pickle: bool = False
     vocab: int | None = None
+    allow_vocab_shrink: bool = False
     uneven: bool = False
     merge_lora: bool = False
     lora_alpha: float = 1.0
@@ -69,6 +71,7 @@ class ConvertOptions:
         layout: target layout (``hf``, ``hf-ranks``, ``megatron``, ``sat``, ``torch_dist``); None picks from the
             source.
         vocab: the true vocab size; None takes it from the manifest, then the config.
+        allow_vocab_shrink: accept a ``vocab`` below the true size the manifest or config gives (drops rows).
         pad_multiple: pad the vocab to a multiple of this (default: the target tp, or the layout's rule).
         uneven: split sizes that do not divide as ``torch.chunk`` does instead of padding or refusing.
         max_shard_size: largest safetensors file before a new shard starts (``"5GB"`` or bytes).
@@ -86,12 +89,15 @@ class ConvertOptions:
             otherwise (a Megatron checkpoint written as ``hf`` keeps Megatron's names and fused tensors).
         resume: stage the output under a fixed name with a journal (:mod:`reshard.io.journal`), keep it when the
             run fails or is stopped, and finish what an earlier such run left there.
+        force: ``fix`` writes its output even when the checkpoint needs nothing (no tensor changes shape and the
+            vocab is already its true size); without it such a ``fix`` says so and writes nothing.
     """
 
     tp: int = 1
     pp: int = 1
     layout: str | None = None
     vocab: int | None = None
+    allow_vocab_shrink: bool = False
     pad_multiple: int | None = None
     uneven: bool = False
     max_shard_size: int | str = "5GB"
@@ -106,6 +112,7 @@ class ConvertOptions:
     jobs: int = field(default_factory=default_jobs)
     keep_names: bool = False
     resume: bool = False
+    force: bool = False
 
     def __post_init__(self) -> None:
         check_tp(self.tp)
@@ -118,6 +125,7 @@ class ConvertOptions:
             plan=self.plan,
             trust_pickle=self.trust_pickle,
             vocab=self.vocab,
+            allow_vocab_shrink=self.allow_vocab_shrink,
             uneven=self.uneven,
             merge_lora=self.merge_lora,
             lora_alpha=self.lora_alpha,

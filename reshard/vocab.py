@@ -99,6 +99,43 @@ def resolve_vocab(explicit: int | None, manifest: Manifest | None, config: Model
     return VocabPlan(None, "unknown")
 
 
+def check_vocab_shrink(
+    vocab: VocabPlan, manifest: Manifest | None, config: ModelConfig | None, *, source_tp: int, allow: bool = False
+) -> None:
+    """Refuse a ``--vocab`` below the true size the manifest or the config gives: it would drop real rows.
+
+    A config's size counts as true unless it could be that vocab padded (a multiple of ``m * source_tp`` or ``m``,
+    ``m`` in :data:`PAD_MULTIPLES`, less than one multiple above it: a trainer that saved its padded size). The
+    manifest's original size is always true.
+
+    Raises:
+        ReshardError: ``--vocab`` is below the true size and ``allow`` (``--allow-vocab-shrink``) is off.
+    """
+    if vocab.origin != "--vocab" or allow or vocab.original is None:
+        return
+    asked = vocab.original
+    if manifest is not None and manifest.vocab.original is not None and asked < manifest.vocab.original:
+        true, where, path = manifest.vocab.original, "the reshard.json beside it", None
+    elif config is not None and config.vocab_size and asked < config.vocab_size:
+        true, where, path = config.vocab_size, config.path.name if config.path else "the config", config.path
+        if _could_be_padded(true, asked, source_tp):
+            return
+    else:
+        return
+    raise ReshardError(
+        f"--vocab {asked} is below the vocab size {true} that {where} gives: the {true - asked} rows "
+        f"{asked}..{true - 1} of every vocab tensor would be dropped",
+        path=path,
+        hint="pass the true vocab size, or --allow-vocab-shrink to drop those rows on purpose",
+    )
+
+
+def _could_be_padded(padded: int, size: int, tp: int) -> bool:
+    """``padded`` is ``size`` rounded up to some pad multiple (``m`` or ``m * tp``, at least 2)."""
+    multiples = {m * t for m in PAD_MULTIPLES for t in {1, max(tp, 1)}} - {1}
+    return any(padded % k == 0 and padded - size < k for k in multiples)
+
+
 def require_vocab(vocab: VocabPlan, *, path: Any, config: ModelConfig | None) -> int:
     """The true vocab size, or an error saying that nothing tells it (for ``fix``, which must cut pad rows)."""
     if vocab.original is not None:

@@ -144,6 +144,10 @@ def publish(report: Any, render: Callable[[Any], str], push: Any, *, progress: b
     report.source = shown(report.source)
     if push is None:
         return report, render
+    if not getattr(report, "written", True):
+        raise ReshardError(
+            "nothing to fix, so nothing was written to push", path=report.source, hint="--force writes a copy to push"
+        )
     from reshard.hub.push import push_output
 
     result = push_output(Path(report.output), push, changed=report.changed, command=command_line(), progress=progress)

@@ -201,6 +201,11 @@ def inspect_command(
 @click.option("--pp", type=click.IntRange(min=1), default=1, show_default=True, help="Pipeline stages (megatron).")
 @click.option("-o", "--output", "out", type=PATH, required=True, help="Output folder.")
 @click.option("--vocab", type=click.IntRange(min=1), help="True vocab size (default: reshard.json, then config).")
+@click.option(
+    "--allow-vocab-shrink",
+    is_flag=True,
+    help="Accept a --vocab below the size reshard.json or config.json gives (drops those rows).",
+)
 @click.option("--pad-multiple", type=click.IntRange(min=1), help="Pad the vocab to a multiple of K (default: tp).")
 @click.option("--uneven", is_flag=True, help="Split sizes that do not divide as torch.chunk does, without padding.")
 @click.option(
@@ -294,6 +299,12 @@ def convert_command(ckpt: Path, out: Path, as_json: bool, quiet: bool, push: Any
     help="Output folder (default: CKPT.fixed beside it; NAME.fixed here for a repo).",
 )
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="Ranks to write (1: full).")
+@click.option(
+    "--allow-vocab-shrink",
+    is_flag=True,
+    help="Accept a --vocab below the size reshard.json or config.json gives (drops those rows).",
+)
+@click.option("--force", is_flag=True, help="Write the output even when the checkpoint needs no fix.")
 @writing_options
 @common_read_options
 @reports_errors

@@ -99,6 +99,12 @@ def _mapping_line(mapping: dict[str, Any] | None) -> list[str]:
 
 def render_fix(report: FixReport) -> str:
     vocab = report.vocab
+    if not report.written:
+        return (
+            f"{report.source} ({report.source_layout}, tp={report.source_tp}): nothing to fix: no tensor changes "
+            f"shape and the vocab is already {vocab['original']} (from {vocab['origin']}); nothing written "
+            "(--force writes a copy anyway)"
+        )
     lines = [
         f"{report.source} ({report.source_layout}, tp={report.source_tp}) -> {report.output} "
         f"({report.layout}, tp={report.tp})",
@@ -146,7 +152,9 @@ def render_check(report: CheckReport) -> str:
         names = problem.tensors
         where = f" ({names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "") + ")" if names else ""
         lines.append(f"{problem.severity}: {problem.message}{where}")
-    lines.append(f"splits {report.tp} ways" if report.ok else f"cannot be split {report.tp} ways")
+    works = report.tp_sizes_that_work
+    also = f" (tp sizes that work: {', '.join(map(str, works))})" if works else ""
+    lines.append(f"splits {report.tp} ways" if report.ok else f"cannot be split {report.tp} ways{also}")
     return "\n".join(lines)
 
 

@@ -59,6 +59,7 @@ class CheckReport:
     tensors: list[CheckedTensor]
     problems: list[Problem]
     model_class: str | None = None  # the class transformers built from a bare config (None for a checkpoint)
+    tp_sizes_that_work: list[int] | None = None  # when it cannot be split tp ways: the tps that split every tensor
 
     @property
     def ok(self) -> bool:
@@ -66,8 +67,9 @@ class CheckReport:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self) | {"ok": self.ok}
-        if self.model_class is None:
-            del data["model_class"]
+        for key in ("model_class", "tp_sizes_that_work"):
+            if data[key] is None:
+                del data[key]
         return data
 
 
@@ -139,7 +141,31 @@ def check_model(
         problems += _transformers_plan_notes(skeleton)
     model_type = config.model_type if config else None
     model_class = skeleton.model_class if skeleton is not None else None
-    return CheckReport(source, kind, model_type, plan.name, tp, uneven, tensors, problems, model_class)
+    report = CheckReport(source, kind, model_type, plan.name, tp, uneven, tensors, problems, model_class)
+    if not report.ok and any(row.rank_shape is None for row in tensors if row.name in partitions):
+        report.tp_sizes_that_work = _tps_that_split(partitions, shapes, vocab, pad_multiple, uneven)
+    return report
+
+
+def _tps_that_split(
+    partitions: dict[str, tuple[Rule, Partition]],
+    shapes: dict[str, Shape],
+    vocab: int | None,
+    pad_multiple: int | None,
+    uneven: bool,
+    limit: int = 64,
+) -> list[int]:
+    """Every tp up to ``limit`` at which each planned tensor splits (the vocab padded to ``pad_multiple`` or tp)."""
+    works = []
+    for tp in range(1, limit + 1):
+        try:
+            for name, (_, partition) in partitions.items():
+                padded = padded_vocab(partition, shapes[name], vocab, pad_multiple or tp, uneven)
+                rank_shapes(partition, shapes[name], tp, padded=padded, uneven=uneven)
+        except ShapeMismatchError:
+            continue
+        works.append(tp)
+    return works
 
 
 def _where(name: str, scoped: ModelConfig | None, skeleton: ModelSkeleton | None) -> str:

@@ -10,23 +10,25 @@ the true size (dropping pad rows, whatever they hold), and writes a canonical ``
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reshard.engine.open import open_checkpoint
+from reshard.engine.open import OpenedCheckpoint, open_checkpoint
 from reshard.engine.planner import SourceTensor
 from reshard.engine.route import Route
 from reshard.engine.run import run_conversion
 from reshard.engine.warmup import import_torch_in_background
 from reshard.hub.source import hub_origin
-from reshard.io.staging import check_output
+from reshard.io.staging import check_output, write_error
 from reshard.layouts import layout
 from reshard.options import ConvertOptions
 from reshard.partition import Vocab, rank_shapes
-from reshard.vocab import check_vocab_rows, require_vocab
+from reshard.vocab import check_vocab_rows, require_vocab, source_padded_rows
 
 logger = logging.getLogger(__name__)
 SUFFIX = ".fixed"
@@ -42,6 +44,13 @@ class FixReport(Route):
     config_vocab: list[int | None] | None = None
     files: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    written: bool = True  # False: the checkpoint needed nothing and no output was written (no --force)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = super().to_dict()
+        if self.written:  # said only when nothing was written
+            del data["written"]
+        return data
 
 
 def default_output(ckpt: Path) -> Path:
@@ -95,6 +104,19 @@ def fix(ckpt: Path, out: Path | None = None, options: ConvertOptions | None = No
         source_tp=source.tp,
         missing_files=lambda tp: layout(source.layout).missing_rank_files(source, tp),
     )
+    if not options.force and needs_nothing(opened, options):
+        _refuse_unwritable(out)  # -o names a place --force could not write either: bad input, as on any fix
+        return FixReport(
+            source=str(ckpt),
+            source_layout=source.layout,
+            source_tp=source.tp,
+            output=str(out),
+            layout=source.layout,
+            tp=options.tp,
+            vocab={"original": vocab.original, "origin": vocab.origin, "source_padded": vocab.original},
+            notes=["nothing to fix: no tensor changes shape and the vocab is already its true size; nothing written"],
+            written=False,
+        )
     run = run_conversion(opened, out, options)
     config_before = source.config.vocab_size if source.config else None
     notes = list(run.notes)
@@ -108,6 +130,34 @@ def fix(ckpt: Path, out: Path | None = None, options: ConvertOptions | None = No
         config_vocab=[config_before, vocab.original] if config_before != vocab.original else None,
         files=list(run.files),
         notes=notes,
+    )
+
+
+def _refuse_unwritable(out: Path) -> None:
+    """Refuse ``out`` when the folder it would be created in may not be written (permission bits), as writing it
+    would."""
+    parent = out.absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise write_error(PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(parent)), out)
+
+
+def needs_nothing(opened: OpenedCheckpoint, options: ConvertOptions) -> bool:
+    """Whether ``fix`` would write a copy of ``opened`` and nothing else: a canonical ``hf`` safetensors checkpoint
+    at tp 1 read as it is (no ``--config``, ``--tp``, ``--merge-lora``), no pad rows, the config's vocab true."""
+    source, vocab = opened.source, opened.vocab
+    config_vocab = source.config.vocab_size if source.config else None
+    return (
+        source.layout == "hf"
+        and source.tp == options.tp == 1
+        and options.config is None
+        and not options.merge_lora
+        and not opened.problems
+        and all(path.suffix == ".safetensors" for path in source.files)
+        and source_padded_rows(opened.tensors) in (None, vocab.original)
+        and config_vocab in (None, vocab.original)
+        and not changed_tensors(opened.tensors, options.tp, vocab.original, uneven=opened.uneven)
     )
 
 

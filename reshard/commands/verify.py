@@ -7,6 +7,7 @@ a file that cannot be read at all is a :class:`~reshard.errors.ReshardError` (ex
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ from reshard.engine.planner import SourceTensor
 from reshard.engine.run import open_for_conversion, run_conversion
 from reshard.errors import DivergentReplicaError, PlanError, ReshardError, ShapeMismatchError
 from reshard.manifest import find_manifest
+from reshard.mappings import HF, naming_of
 from reshard.options import ConvertOptions, ReadOptions, check_tp
 from reshard.progress import quiet_unless
 
@@ -221,6 +223,33 @@ def compare_checkpoints(ckpt: Path, other: Path, options: VerifyOptions) -> Veri
     """
     report = VerifyReport("compare", str(ckpt), str(other))
     a, b = _open(ckpt, options.read()), _open(other, options.read(own_config=False))
+    with _same_names(a, b, options) as (a, b):
+        _compare(a, b, options, report)
+    return report
+
+
+@contextlib.contextmanager
+def _same_names(
+    a: OpenedCheckpoint, b: OpenedCheckpoint, options: VerifyOptions
+) -> Iterator[tuple[OpenedCheckpoint, OpenedCheckpoint]]:
+    """``a`` and ``b`` under the same names: when one names its tensors as transformers does and the other as
+    Megatron or torchtitan do (a checkpoint and its own conversion), the other one converted to ``hf`` in a
+    temporary folder (removed however this ends), through the same mapping ``convert`` applies."""
+    namings = naming_of(a.source), naming_of(b.source)
+    if None in namings or namings[0] == namings[1] or HF not in namings:
+        yield a, b
+        return
+    hf, mapped = (a, b) if namings[0] == HF else (b, a)
+    with tempfile.TemporaryDirectory(prefix="reshard-verify-names-") as tmp:
+        out = Path(tmp) / "hf"
+        convert = options.convert_options(tp=1, layout="hf", config=None, vocab=hf.vocab.original)
+        run_conversion(open_for_conversion(mapped.path, out, convert), out, convert)
+        renamed = _open(out, options.read(own_config=False))
+        yield (a, renamed) if mapped is b else (renamed, b)
+
+
+def _compare(a: OpenedCheckpoint, b: OpenedCheckpoint, options: VerifyOptions, report: VerifyReport) -> None:
+    ckpt, other = report.checkpoint, report.against
     ours, theirs = a.by_name(), b.by_name()
     diffs = report.differences
     diffs += [Difference("missing", n, f"not in {other}", _files(t)) for n, t in ours.items() if n not in theirs]
@@ -253,7 +282,6 @@ def compare_checkpoints(ckpt: Path, other: Path, options: VerifyOptions) -> Veri
                     difference,
                 )
             )
-    return report
 
 
 def roundtrip(ckpt: Path, tp: int, options: VerifyOptions) -> VerifyReport:

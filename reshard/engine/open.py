@@ -15,15 +15,15 @@ from pathlib import Path
 
 from reshard.config import find_config
 from reshard.engine.lora_merge import merge_lora_source
-from reshard.engine.planner import SourceTensor, plan_sources
+from reshard.engine.planner import SourceTensor, mixed_runs, plan_sources
 from reshard.errors import ReshardError
 from reshard.hub.source import HubCheckpoint
 from reshard.layouts import SourceCheckpoint, TensorRef, check_manifest, discover
 from reshard.manifest import Manifest, find_manifest, written_uneven
 from reshard.options import ReadOptions
-from reshard.plans import Plan, select_plan
+from reshard.plans import Plan, check_family, select_plan
 from reshard.plans.recorded import RecordedPlan
-from reshard.vocab import VocabPlan, resolve_vocab
+from reshard.vocab import VocabPlan, check_vocab_shrink, resolve_vocab
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,7 @@ def open_checkpoint(
         source = merge_lora_source(source, alpha=options.lora_alpha)
     check_manifest(source, manifest)
     vocab = resolve_vocab(options.vocab, manifest, source.config)
+    check_family(source.config, source.names())
     plan = select_plan(source.config, source.names(), plan_file=options.plan)
     if recorded_plan and manifest is not None and options.plan is None:
         plan = RecordedPlan.of(manifest, fallback=plan)
@@ -106,6 +107,11 @@ def open_checkpoint(
         uneven=uneven,
         replicas_equal=_replicas_equal if read_bytes else None,
     )
+    mixed = mixed_runs(source, tensors)
+    if mixed is not None:
+        raise mixed
+    if not any(t.problem for t in tensors):  # a --vocab far below the rows is refused by name as more than padding
+        check_vocab_shrink(vocab, manifest, source.config, source_tp=source.tp, allow=options.allow_vocab_shrink)
     return OpenedCheckpoint(ckpt, source, manifest, plan, vocab, uneven, tuple(tensors))
 
 

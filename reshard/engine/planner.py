@@ -277,7 +277,8 @@ def plan_conversion(
     )
     if groups is None:
         groups = [identity_plan(t) for t in tensors if not t.problem]
-    planned = []
+    planned: list[TensorPlan] = []
+    unsplit: list[ReshardError] = []
     for group in groups:
         if any(s.problem for s in group.sources):
             continue
@@ -286,7 +287,7 @@ def plan_conversion(
             try:
                 shapes = rank_shapes(target.partition, target.shape, target_tp, padded=target_padded, uneven=uneven)
             except ShapeMismatchError as err:
-                problems.append(
+                unsplit.append(
                     ShapeMismatchError(
                         f"{target.partition.describe()} of {list(target.shape)} cannot be split {target_tp} ways: "
                         f"{err.detail}",
@@ -295,14 +296,70 @@ def plan_conversion(
                         hint=_tp_hint(target.partition),
                     )
                 )
+                problems.append(unsplit[-1])
                 continue
             targets.append(replace(target, rank_shapes=tuple(shapes)))
         if len(targets) == len(group.targets):
             planned.append(replace(group, targets=tuple(targets)))
     if problems:
-        raise PlanError(problems)
+        raise PlanError(problems, unsplit=unsplit)
     planned.sort(key=lambda t: safetensors_order(t.name, t.code))
     return ConversionPlan(source, target_tp, tuple(planned), vocab, uneven)
+
+
+def mixed_runs(source: SourceCheckpoint, tensors: Sequence[SourceTensor]) -> ReshardError | None:
+    """The rank files of runs at different tps mixed in one checkpoint (ranks 0-3 of a tp=4 run beside ranks 4-7
+    of a tp=8 run), told by their shapes: the ranks fall into runs of consecutive ranks, at least two ranks each,
+    that agree on every shape within a run and differ between runs. Only asked when some tensor could not be
+    planned (then this is the cause to name, not each tensor's sizes or the vocab)."""
+    if source.tp < 4 or not any(t.problem for t in tensors):
+        return None
+    names = sorted(set.intersection(*(set(rank) for rank in source.ranks)))
+    signatures = [tuple(rank[n].shape for n in names) for rank in source.ranks]
+    runs: list[list[int]] = []
+    for r, signature in enumerate(signatures):
+        if runs and signatures[runs[-1][0]] == signature:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    if len(runs) < 2 or any(len(run) < 2 for run in runs) or len({signatures[run[0]] for run in runs}) < len(runs):
+        return None
+    name = next(n for i, n in enumerate(names) if len({signatures[run[0]][i] for run in runs}) > 1)
+    held = ", ".join(f"ranks {run[0]}-{run[-1]} hold {list(source.ranks[run[0]][name].shape)}" for run in runs)
+    return ShapeMismatchError(
+        f"the rank files seem to be of {len(runs)} runs at different tps, mixed: {held}",
+        path=source.path,
+        tensor=name,
+        hint="keep the rank files of one run together",
+    )
+
+
+def tps_that_split(
+    groups: Sequence[TensorPlan],
+    *,
+    vocab_size: int | None,
+    source_padded: int | None,
+    pad_multiple: int | None = None,
+    uneven: bool = False,
+    limit: int = 64,
+) -> list[int]:
+    """Every tp up to ``limit`` that splits each target tensor of ``groups`` (for the message of a tp that does not):
+    the same shape arithmetic as :func:`plan_conversion`, the vocab padded to ``pad_multiple`` (default: the tp)."""
+    works = []
+    for tp in range(1, limit + 1):
+        padded = None
+        if source_padded is not None:
+            padded = padded_size(vocab_size or source_padded, pad_multiple or tp, uneven=uneven)
+            if padded % tp and not uneven:
+                continue
+        try:
+            for group in groups:
+                for target in group.targets:
+                    rank_shapes(target.partition, target.shape, tp, padded=padded, uneven=uneven)
+        except ShapeMismatchError:
+            continue
+        works.append(tp)
+    return works
 
 
 def _tp_hint(partition: Partition) -> str:

@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 from reshard.engine.planner import ConversionPlan, TensorPlan
 from reshard.engine.workers import Group
@@ -20,15 +21,15 @@ from reshard.layouts.file_plan import FilePlan
 from reshard.options import ConvertOptions
 
 # Options that change no byte of the output: a resumed run may differ in them.
-NEUTRAL_OPTIONS = ("progress", "jobs", "overwrite", "resume")
+NEUTRAL_OPTIONS = ("progress", "jobs", "overwrite", "resume", "force", "allow_vocab_shrink")
 
 
-def fingerprint(ckpt: Path, conversion: ConversionPlan, layout: str, options: ConvertOptions) -> str:
-    """sha256 of what the output's bytes depend on: the source files (names, sizes, modification times), the
-    target layout, every target tensor (name, dtype, per-rank shapes) and the options that change bytes."""
+def conversion_facts(ckpt: Path, conversion: ConversionPlan, layout: str, options: ConvertOptions) -> dict[str, Any]:
+    """What the output's bytes depend on: the source files (names, sizes, modification times), the target layout,
+    every target tensor (name, dtype, per-rank shapes) and the options that change bytes."""
     ckpt = Path(ckpt)
     files = [ckpt] if ckpt.is_file() else sorted(p for p in ckpt.rglob("*") if p.is_file())
-    facts = {
+    return {
         "source": [[p.relative_to(ckpt).as_posix() if p != ckpt else p.name, *_stat(p)] for p in files],
         "layout": layout,
         "tensors": sorted(
@@ -40,7 +41,47 @@ def fingerprint(ckpt: Path, conversion: ConversionPlan, layout: str, options: Co
             f.name: str(getattr(options, f.name)) for f in dataclasses.fields(options) if f.name not in NEUTRAL_OPTIONS
         },
     }
+
+
+def fingerprint(ckpt: Path, conversion: ConversionPlan, layout: str, options: ConvertOptions) -> str:
+    """sha256 of :func:`conversion_facts`."""
+    return _hash(conversion_facts(ckpt, conversion, layout, options))
+
+
+def _hash(facts: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()
+
+
+def difference(before: Any, now: dict[str, Any]) -> str | None:
+    """What differs between the facts an earlier run recorded (``before``, untrusted) and ``now``: the options
+    (``--vocab 1000 -> 1001``), then the source files, then the target; None when ``before`` tells nothing."""
+    if not isinstance(before, dict):
+        return None
+    said: list[str] = []
+    old_options = before.get("options") if isinstance(before.get("options"), dict) else {}
+    for name, value in now["options"].items():
+        if name in old_options and old_options[name] != value:
+            said.append(f"--{name.replace('_', '-')} {_short(old_options[name])} then, {_short(value)} now")
+    old_source = before.get("source") if isinstance(before.get("source"), list) else []
+    old_files = {str(entry[0]): entry[1:] for entry in old_source if isinstance(entry, list) and entry}
+    new_files = {entry[0]: entry[1:] for entry in now["source"]}
+    for name in sorted(old_files.keys() - new_files.keys())[:3]:
+        said.append(f"source file {_short(name)} is gone")
+    for name in sorted(new_files.keys() - old_files.keys())[:3]:
+        said.append(f"source file {_short(name)} is new")
+    for name in sorted(n for n in new_files.keys() & old_files.keys() if new_files[n] != old_files[n])[:3]:
+        said.append(f"source file {_short(name)} changed (size or modification time)")
+    if before.get("layout") != now["layout"]:
+        said.append(f"target layout {_short(before.get('layout'))} then, {now['layout']} now")
+    if not said and before.get("tensors") != now["tensors"]:
+        said.append("the target tensors' names, dtypes or shapes differ")
+    return "; ".join(said) or None
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """An untrusted value for a message, never longer than ``limit``."""
+    text = ("unset" if value == "None" else value) if isinstance(value, str) else "?"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _stat(path: Path) -> tuple[int, int]:
@@ -67,12 +108,17 @@ def open_journal(
     checks out (rank 0 checks it and tells the others: all must agree on it). Nothing without ``--resume``."""
     if not options.resume:
         return None, Resumed()
-    mark = fingerprint(ckpt, conversion, layout, options)
+    facts = conversion_facts(ckpt, conversion, layout, options)
+    mark = _hash(facts)
+
+    def resume() -> tuple[Journal, Resumed]:
+        return Journal.resume(staging, mark, facts=facts, describe=lambda before: difference(before, facts))
+
     if group is None:
-        return Journal.resume(staging, mark)
+        return resume()
     if group.rank == 0:
         try:
-            journal, resumed = Journal.resume(staging, mark)
+            journal, resumed = resume()
         except ReshardError as err:
             group.broadcast(err.one_line())
             raise
@@ -81,4 +127,4 @@ def open_journal(
     resumed = group.broadcast(None)
     if isinstance(resumed, str):  # rank 0 found the partial output unusable, and says why
         raise ReshardError(resumed)
-    return Journal.start(staging, mark, rank=group.rank), resumed
+    return Journal.start(staging, mark, rank=group.rank, facts=facts), resumed

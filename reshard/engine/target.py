@@ -10,7 +10,14 @@ from typing import Any
 from reshard.config import ModelConfig
 from reshard.dtypes import TensorHeader, name_of
 from reshard.engine.open import OpenedCheckpoint
-from reshard.engine.planner import ConversionPlan, TensorPlan, identity_plan, mapped_plans, plan_conversion
+from reshard.engine.planner import (
+    ConversionPlan,
+    TensorPlan,
+    identity_plan,
+    mapped_plans,
+    plan_conversion,
+    tps_that_split,
+)
 from reshard.errors import MappingError, PlanError, ReshardError
 from reshard.layouts import LayoutSpec, SourceCheckpoint, TargetSpec, layout, target_layout
 from reshard.mappings import HF, MappingChoice, choose_mapping, naming_of, require_true_vocab, sizing_config
@@ -87,16 +94,32 @@ def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> TargetPlan
     if opened.vocab.original is None:
         rows = source_padded_rows(opened.tensors)
         problems += writer.vocab_problems(source, padded_rows=rows, pad_multiple=pad_multiple or options.tp)
-    conversion = plan_conversion(
-        source,
-        opened.tensors,
-        vocab=vocab,
-        target_tp=tp,
-        pad_multiple=pad_multiple,
-        uneven=opened.uneven,
-        groups=groups,
-        problems=problems,
-    )
+    try:
+        conversion = plan_conversion(
+            source,
+            opened.tensors,
+            vocab=vocab,
+            target_tp=tp,
+            pad_multiple=pad_multiple,
+            uneven=opened.uneven,
+            groups=groups,
+            problems=problems,
+        )
+    except PlanError as err:
+        if not err.unsplit:
+            raise
+        plans = groups if groups is not None else [identity_plan(t) for t in opened.tensors if not t.problem]
+        works = tps_that_split(
+            plans,
+            vocab_size=vocab.original,
+            source_padded=source_padded_rows(opened.tensors),
+            pad_multiple=options.pad_multiple,
+            uneven=opened.uneven,
+        )
+        others = [p for p in err.problems if p not in err.unsplit]
+        said = [*others, _unsplit_in_one(err.unsplit, tp, works, source.config)]
+        summary = said[0].one_line() if len(said) == 1 else PlanError(said).detail
+        raise PlanError(err.problems, unsplit=err.unsplit, summary=summary) from err
     _refuse_copied_heads(conversion, spec, source)
     return TargetPlan(conversion, spec, _config(opened, choice), choice, dropped)
 
@@ -120,6 +143,27 @@ def target_spec(target: TargetPlan, options: ConvertOptions) -> TargetSpec:
         megatron_args=target.megatron_args,
         requested_tp=options.tp,
         pp=options.pp,
+    )
+
+
+def _unsplit_in_one(
+    unsplit: list[ReshardError], tp: int, works: list[int], config: ModelConfig | None
+) -> ReshardError:
+    """The tensors ``tp`` cannot split as one problem: the head counts it does not divide, how many tensors, one
+    example per kind of cause (the hint tells them apart), and the tp sizes that split every tensor."""
+    heads = [
+        f"{key}={count}"
+        for key in ("num_attention_heads", "num_key_value_heads")
+        if config is not None and isinstance(count := config.get(key), int) and count > 0 and count % tp
+    ]
+    why = f" ({', '.join(heads)}: not divisible by {tp})" if heads else ""
+    examples: dict[str | None, ReshardError] = {}
+    for problem in unsplit:
+        examples.setdefault(problem.hint, problem)
+    return ReshardError(
+        f"tp={tp} cannot split {len(unsplit)} tensor(s) of this model{why}; e.g. "
+        + "; ".join(p.one_line() for p in examples.values()),
+        hint=f"tp sizes that work: {', '.join(map(str, works))}" if works else "no tp up to 64 splits every tensor",
     )
 
 

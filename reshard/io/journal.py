@@ -8,6 +8,13 @@ written (its size and sha256, hashed from the disk). A line is appended and flus
 killed at any point leaves a journal whose every complete line is true; a torn last line is ignored. Each
 worker of a run shared among processes keeps its own journal; a resumed run reads them all.
 
+The journal is checked like a manifest before anything in it is trusted: every field's type and format (a sha256
+is 64 hex digits, a size a count of bytes, ``finite`` true, false or null), and each line after the first carries
+``check``, the sha256 of the fingerprint and the line's own content, so a line edited or zeroed since (or of
+another conversion) is detected. A line that fails any check is dropped, never a crash: its tensor is read again,
+its file written again. The first line also holds the facts the fingerprint is the hash of, so that a partial
+output of another conversion is refused naming what differs (an option, a source file, the target).
+
 Resuming checks the fingerprint, then every file the journal calls complete, by size and by hashing it
 again: a file that matches is kept and no byte of it is written again, anything else is written anew. A
 tensor is read again unless its manifest facts are in the journal and every file holding it is kept.
@@ -18,7 +25,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +36,7 @@ from reshard.errors import ReshardError
 
 JOURNAL = ".reshard-journal-{rank}.jsonl"  # one per worker (one process: rank 0)
 HASH_BLOCK = 8 << 20
+SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -67,33 +77,51 @@ class Journal:
         >>> journal.file_done("model.safetensors")  # hashes the file, appends its line  # doctest: +SKIP
     """
 
-    def __init__(self, staging: Path, handle: Any) -> None:
+    def __init__(self, staging: Path, handle: Any, fingerprint: str = "") -> None:
         self.staging = staging
         self._handle = handle
         self._lock = threading.Lock()
+        self._fingerprint = fingerprint
 
     @classmethod
-    def start(cls, staging: Path, fingerprint: str, *, rank: int = 0) -> Journal:
-        """A new journal for worker ``rank`` (one process is rank 0); an older one of that rank is replaced."""
-        journal = cls(staging, (staging / JOURNAL.format(rank=rank)).open("w", encoding="utf-8"))
-        journal._append({"fingerprint": fingerprint})
+    def start(cls, staging: Path, fingerprint: str, *, rank: int = 0, facts: dict[str, Any] | None = None) -> Journal:
+        """A new journal for worker ``rank`` (one process is rank 0); an older one of that rank is replaced.
+        ``facts``: what ``fingerprint`` is the hash of, kept so that another run can name what differs."""
+        journal = cls(staging, (staging / JOURNAL.format(rank=rank)).open("w", encoding="utf-8"), fingerprint)
+        journal._write({"fingerprint": fingerprint} | ({"facts": facts} if facts is not None else {}))
         return journal
 
     @classmethod
-    def resume(cls, staging: Path, fingerprint: str) -> tuple[Journal, Resumed]:
+    def resume(
+        cls,
+        staging: Path,
+        fingerprint: str,
+        *,
+        facts: dict[str, Any] | None = None,
+        describe: Callable[[Any], str | None] | None = None,
+    ) -> tuple[Journal, Resumed]:
         """What every worker's journal in ``staging`` calls complete and still checks out, and the journal of rank
         0 to append to, holding all of it (a staged folder without journals starts afresh). With several workers
         rank 0 calls this and hands the :class:`Resumed` on; the others :meth:`start` their own journals after.
 
+        Args:
+            staging: the staged folder.
+            fingerprint: this conversion's.
+            facts: what ``fingerprint`` is the hash of (written into the new journal's first line).
+            describe: given the facts an earlier journal recorded, what differs from this conversion's.
+
         Raises:
-            ReshardError: a journal is of another conversion (other source files, target or options).
+            ReshardError: a journal is of another conversion (names what differs when its facts are there).
         """
-        journals = [_read_lines(path) for path in sorted(staging.glob(JOURNAL.format(rank="*")))]
+        journals = [_read_lines(path, fingerprint) for path in sorted(staging.glob(JOURNAL.format(rank="*")))]
         journals = [lines for lines in journals if lines]
-        if any(lines[0]["fingerprint"] != fingerprint for lines in journals):
+        other = next((lines[0] for lines in journals if lines[0]["fingerprint"] != fingerprint), None)
+        if other is not None:
+            difference = describe(other.get("facts")) if describe is not None else None
             raise ReshardError(
-                "the partial output of an interrupted run is of another conversion (other source files, target "
-                "or options)",
+                "the partial output of an interrupted run is of another conversion ("
+                + (difference or "other source files, target or options")
+                + ")",
                 path=staging,
                 hint="run the command that made it, or remove that folder to start again",
             )
@@ -107,7 +135,7 @@ class Journal:
         kept = {name: facts for name, facts in claimed.items() if _digest(staging / name, facts[0]) == facts[1]}
         resumed.files = frozenset(kept)
         resumed.redone = sorted(set(claimed) - set(kept))
-        journal = cls.start(staging, fingerprint)  # written again: no torn line stays inside
+        journal = cls.start(staging, fingerprint, facts=facts)  # written again: no torn line stays inside
         for name, (size, sha256) in sorted(kept.items()):
             journal._append({"file": name, "size": size, "sha256": sha256})
         for name, record in resumed.tensors.items():
@@ -131,6 +159,9 @@ class Journal:
                 path.unlink(missing_ok=True)
 
     def _append(self, line: dict[str, Any]) -> None:
+        self._write(line | {"check": line_check(self._fingerprint, line)})
+
+    def _write(self, line: dict[str, Any]) -> None:
         text = json.dumps(line, sort_keys=True) + "\n"
         with self._lock:
             self._handle.write(text)
@@ -145,36 +176,61 @@ def _digest(path: Path, size: int) -> str | None:
         return None
 
 
-def _read_lines(path: Path) -> list[dict[str, Any]]:
-    """The journal's complete lines (a line torn by a kill, and anything after it, is dropped)."""
+def line_check(fingerprint: str, line: dict[str, Any]) -> str:
+    """The ``check`` of a journal line: sha256 of the conversion's fingerprint and the line's other fields."""
+    content = {key: value for key, value in line.items() if key != "check"}
+    return hashlib.sha256((fingerprint + json.dumps(content, sort_keys=True)).encode()).hexdigest()
+
+
+def _read_lines(path: Path, fingerprint: str) -> list[dict[str, Any]]:
+    """The journal's first line and every later line that checks out (:func:`_well_formed`); a line torn by a
+    kill, a damaged line and a line whose ``check`` does not match are dropped (their work is done again)."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
         return []
-    lines = []
+    lines: list[dict[str, Any]] = []
     for raw in text.split("\n")[:-1]:  # the part after the last newline was cut short
         try:
             line = json.loads(raw)
-        except json.JSONDecodeError:
-            break
-        if not _well_formed(line, first=not lines):
-            break
-        lines.append(line)
+        except (ValueError, RecursionError):  # JSONDecodeError, and integers past the digit limit
+            line = None
+        if not lines:
+            if not _well_formed(line, first=True):
+                return []  # no fingerprint: nothing in this journal can be tied to a conversion
+            lines.append(line)
+        elif _well_formed(line, first=False) and line["check"] == line_check(fingerprint, line):
+            lines.append(line)
     return lines
 
 
 def _well_formed(line: Any, *, first: bool) -> bool:
-    """A line as :class:`Journal` writes them (the folder is reshard's, but a damaged line must not crash)."""
+    """A line as :class:`Journal` writes them, every field of its type and format (the folder is reshard's, but a
+    damaged line must not crash)."""
     if not isinstance(line, dict):
         return False
     if first:
-        return isinstance(line.get("fingerprint"), str)
-    if isinstance(line.get("tensor"), str):
-        return isinstance(line.get("sha256"), str) and isinstance(line.get("divergent"), bool)
+        return isinstance(line.get("fingerprint"), str) and isinstance(line.get("facts", {}), dict | None)
+    if not (isinstance(line.get("check"), str) and _is_sha256(line.get("sha256"))):
+        return False
+    if "tensor" in line:
+        return (
+            set(line) == {"tensor", "sha256", "finite", "divergent", "check"}
+            and isinstance(line["tensor"], str)
+            and (line["finite"] is None or isinstance(line["finite"], bool))
+            and isinstance(line["divergent"], bool)
+        )
     return (
-        isinstance(line.get("file"), str)
+        set(line) == {"file", "size", "sha256", "check"}
+        and isinstance(line["file"], str)
+        and bool(line["file"])
         and ".." not in Path(line["file"]).parts
         and not Path(line["file"]).is_absolute()
-        and isinstance(line.get("size"), int)
-        and isinstance(line.get("sha256"), str)
+        and isinstance(line["size"], int)
+        and not isinstance(line["size"], bool)
+        and line["size"] >= 0
     )
+
+
+def _is_sha256(value: Any) -> bool:
+    return isinstance(value, str) and SHA256.fullmatch(value) is not None

@@ -37,6 +37,7 @@ __all__ = [
     "Family",
     "Plan",
     "Rule",
+    "check_family",
     "infer_partition",
     "load_plan_file",
     "select_plan",
@@ -51,6 +52,7 @@ class Family:
     model_types: tuple[str, ...]
     signature: str  # a regex some tensor name of the family always matches
     own_names: bool = False  # names no transformers model uses: they win over a config.json's model_type
+    foreign: bool = False  # another framework's names: a config.json beside them describes the model they map to
 
     @property
     def name(self) -> str:
@@ -69,9 +71,9 @@ FAMILIES: list[Family] = [
     Family(gemma.GEMMA_PLAN, gemma.MODEL_TYPES, gemma.SIGNATURE),
     Family(moe.MOE_PLAN, moe.MODEL_TYPES, moe.SIGNATURE),
     Family(llama.LLAMA_PLAN, llama.MODEL_TYPES, llama.SIGNATURE),
-    Family(megatron.MEGATRON_PLAN, megatron.MODEL_TYPES, megatron.SIGNATURE),
-    Family(sat.SAT_PLAN, sat.MODEL_TYPES, sat.SIGNATURE),
-    Family(torchtitan.TORCHTITAN_PLAN, torchtitan.MODEL_TYPES, torchtitan.SIGNATURE, own_names=True),
+    Family(megatron.MEGATRON_PLAN, megatron.MODEL_TYPES, megatron.SIGNATURE, foreign=True),
+    Family(sat.SAT_PLAN, sat.MODEL_TYPES, sat.SIGNATURE, foreign=True),
+    Family(torchtitan.TORCHTITAN_PLAN, torchtitan.MODEL_TYPES, torchtitan.SIGNATURE, own_names=True, foreign=True),
 ]
 
 
@@ -101,6 +103,81 @@ def detect_family(config: ModelConfig | None, names: Iterable[str]) -> Family | 
         if any(pattern.search(n) for n in names):
             return family
     return None
+
+
+# Tensors that tell model types apart where a family's names do not: (pattern, the types that always have such a
+# tensor, the types that never do). Types in neither set are not judged by that pattern.
+TELLS: tuple[tuple[str, str, frozenset[str], frozenset[str]], ...] = (
+    (
+        gemma.SIGNATURE,
+        "*.pre_feedforward_layernorm.weight",
+        frozenset({"gemma2", "gemma3", "gemma3_text"}),
+        frozenset({"gemma", *llama.MODEL_TYPES, *moe.MODEL_TYPES, *deepseek.MODEL_TYPES, *phi3.MODEL_TYPES}),
+    ),
+    (
+        r"self_attn\.q_norm\.weight$",
+        "*.self_attn.q_norm.weight",
+        frozenset({"qwen3", "qwen3_moe"}),
+        frozenset({"llama", "mistral", "qwen2", "mixtral", "qwen2_moe", *deepseek.MODEL_TYPES, *phi3.MODEL_TYPES}),
+    ),
+    (
+        deepseek.SIGNATURE,
+        "*.self_attn.kv_a_proj_with_mqa.weight",
+        frozenset(deepseek.MODEL_TYPES),
+        frozenset({*llama.MODEL_TYPES, *moe.MODEL_TYPES, *gemma.MODEL_TYPES, *phi3.MODEL_TYPES}),
+    ),
+    (
+        phi3.SIGNATURE,
+        "*.self_attn.qkv_proj.weight",
+        frozenset(phi3.MODEL_TYPES),
+        frozenset({*llama.MODEL_TYPES, *moe.MODEL_TYPES, *gemma.MODEL_TYPES, *deepseek.MODEL_TYPES}),
+    ),
+)
+
+
+def check_family(config: ModelConfig | None, names: Iterable[str]) -> None:
+    """Refuse a config of another family than the tensors (a Gemma2 ``config.json`` beside Llama tensors would
+    publish a model whose extra norms transformers initialises at random).
+
+    Judged only when the config's ``model_type`` is one a built-in family knows and the names are transformers'
+    (not Megatron's, SAT's or torchtitan's, which a config describes after mapping): the names' signature family
+    must be the config's (Llama's names are in every family's), and the tensors that tell model types apart
+    (:data:`TELLS`) must be there exactly when the model type has them.
+
+    Raises:
+        ReshardError: the family or model type of the config does not match the tensors, naming both and a tensor.
+    """
+    model_type = config.model_type if config is not None else None
+    claimed = next((f for f in FAMILIES if model_type and model_type in f.model_types), None)
+    if claimed is None or claimed.foreign:
+        return
+    names = sorted({plain_name(n) for n in names})
+    found = next((f for f in FAMILIES if any(re.search(f.signature, n) for n in names)), None)
+    if found is None or found.foreign:
+        return
+    where = f"{config.path}: " if config.path else ""
+    hint = "pass the config.json of this checkpoint's model (--config)"
+    example = next(n for n in names if re.search(found.signature, n))
+    if found is not claimed and found.plan is not llama.LLAMA_PLAN:
+        raise ReshardError(
+            f"{where}the config is of model_type {model_type!r} (family {claimed.name}), but the tensors are of "
+            f"family {found.name}: {example!r}",
+            hint=hint,
+        )
+    for pattern, label, has, lacks in TELLS:
+        present = [n for n in names if re.search(pattern, n)]
+        if model_type in has and not present:
+            raise ReshardError(
+                f"{where}the config is of model_type {model_type!r}, whose models have tensors {label}, but none "
+                f"of the {len(names)} tensors is one (they are of family {found.name}: {example!r})",
+                hint=hint,
+            )
+        if model_type in lacks and present:
+            raise ReshardError(
+                f"{where}the config is of model_type {model_type!r}, whose models have no tensor {label}, but "
+                f"{len(present)} of the tensors are (e.g. {present[0]!r})",
+                hint=hint,
+            )
 
 
 def select_plan(config: ModelConfig | None, names: Iterable[str], *, plan_file: Path | str | None = None) -> Plan:

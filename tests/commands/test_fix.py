@@ -100,8 +100,22 @@ def test_fix_full_padded_checkpoint_unpads_into_ckpt_fixed(cli, tmp_path, origin
     assert_same_model(tmp_path / fixed, original)
 
 
-def test_fix_of_a_sound_checkpoint_changes_nothing(cli, tmp_path, original):
+def test_fix_of_a_sound_checkpoint_says_so_and_writes_nothing(cli, tmp_path, original):
+    before = snapshot(original[1])
     result = cli("fix", original[1], "--vocab", V, "-o", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == (
+        f"{original[1]} (hf, tp=1): nothing to fix: no tensor changes shape and the vocab is already {V} "
+        "(from --vocab); nothing written (--force writes a copy anyway)\n"
+    )
+    assert list(tmp_path.iterdir()) == [] and snapshot(original[1]) == before
+    result = cli("fix", original[1], "-o", tmp_path / "out", "--json")
+    assert result.exit_code == 0 and json.loads(result.stdout)["written"] is False
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_fix_force_of_a_sound_checkpoint_changes_nothing(cli, tmp_path, original):
+    result = cli("fix", original[1], "--vocab", V, "--force", "-o", tmp_path / "out")
     assert result.exit_code == 0, result.output
     assert "  no tensor changed shape" in result.stdout
     assert "config.json vocab_size" not in result.stdout

@@ -126,11 +126,40 @@ def test_the_partial_output_of_another_conversion_is_refused(tmp_path: Path) -> 
     out = tmp_path / "out"
     killed = reshard(convert_args("hf-ranks", out, "--resume"), patch=KILL_AFTER_FILES, env={"KILL_AFTER": "1"})
     assert killed.returncode == -signal.SIGKILL
-    other = reshard([*convert_args("hf-ranks", out, "--resume"), "--vocab", "1000"])
+    other = reshard([*convert_args("hf-ranks", out, "--resume"), "--vocab", "1000", "--allow-vocab-shrink"])
     assert other.returncode == 2
     assert other.stderr.count("\n") == 1
     assert "of another conversion" in other.stderr and str(partial_folder(out)) in other.stderr
+    assert "(--vocab unset then, 1000 now)" in other.stderr  # the option that differs, by name
     assert partial_folder(out).exists() and not out.exists()
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda line: line | {"sha256": "0" * 64},  # zeroed: the line's check no longer matches
+        lambda line: {key: value for key, value in line.items() if key != "finite"},  # a field missing
+        lambda line: line | {"finite": "yes"},  # a field of another type
+        lambda line: line | {"sha256": "not a digest", "check": "x"},
+    ],
+    ids=["zeroed-sha256", "no-finite", "finite-a-string", "malformed"],
+)
+def test_damaged_journal_lines_are_dropped_and_their_work_redone(
+    tmp_path: Path, uninterrupted: dict[str, dict[str, bytes]], damage
+) -> None:
+    out = tmp_path / "out"
+    killed = reshard(convert_args("hf", out, "--resume"), patch=KILL_AT_MANIFEST)  # every tensor line written
+    assert killed.returncode == -signal.SIGKILL
+    journal = partial_folder(out) / JOURNAL.format(rank=0)
+    lines = [json.loads(line) for line in journal.read_text().splitlines()]
+    assert any("tensor" in line for line in lines)
+    lines = [damage(line) if "tensor" in line else line for line in lines]
+    journal.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+    resumed = reshard(convert_args("hf", out, "--resume"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert output_tree(out) == uninterrupted["hf"]  # every sha256 in reshard.json is the true one again
+    assert reshard(["verify", str(out), "-q"]).returncode == 0
 
 
 def test_sigterm_keeps_the_work_done_and_says_how_to_finish(

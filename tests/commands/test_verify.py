@@ -328,3 +328,24 @@ def test_sat_sample_verifies_and_roundtrips(cli) -> None:
     assert result.exit_code == 0, result.stdout
     checks = json.loads(result.stdout)["checks"]
     assert [(c["check"], c["tensors"]) for c in checks] == [("manifest", len(recorded)), ("roundtrip", len(recorded))]
+
+
+def test_an_hf_folder_and_its_megatron_conversion_compare_through_the_name_mapping(cli, tmp_path):
+    """Megatron names its tensors otherwise (fused QKV and gate/up): compared through the mapping convert applies,
+    a correct conversion is OK both ways, and another model's conversion differs in values under the hf names."""
+    tiny_llama(tmp_path / "hf", vocab=1001)
+    tiny_llama(tmp_path / "other", vocab=1001, seed=1)
+    for name in ("hf", "other"):
+        args = ("convert", tmp_path / name, "--tp", 2, "--layout", "megatron", "-o", tmp_path / f"{name}-megatron")
+        assert cli(*args, "-q").exit_code == 0
+    expected = len(load_folder(tmp_path / "hf"))
+    for a, b in (("hf", "hf-megatron"), ("hf-megatron", "hf")):
+        result = cli("verify", tmp_path / a, tmp_path / b, "--json")
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["checks"][0]["tensors"] == expected
+    result = cli("verify", tmp_path / "hf", tmp_path / "other-megatron", "--json")
+    assert result.exit_code == 1
+    differences = json.loads(result.stdout)["checks"][0]["differences"]
+    assert {d["kind"] for d in differences} == {"values"}
+    assert "model.layers.0.self_attn.q_proj.weight" in {d["tensor"] for d in differences}
+    assert not list(tmp_path.glob(".*"))  # nothing left beside

@@ -1,0 +1,126 @@
+"""Inputs that do not add up are refused with the numbers that disagree (issue 31): a config of another family than
+the tensors, a ``--vocab`` below the true size."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from fixtures.checks import assert_refused
+from fixtures.models import tiny_llama, tiny_qwen3
+
+VOCAB = 1001
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama") / "orig"
+    tiny_llama(path, vocab=VOCAB)
+    return path
+
+
+def with_config(src, dst, **changes):
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text()) | changes
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize(
+    ("model_type", "architecture", "fragment"),
+    [
+        ("gemma2", "Gemma2ForCausalLM", "'gemma2', whose models have tensors *.pre_feedforward_layernorm.weight"),
+        ("qwen3", "Qwen3ForCausalLM", "'qwen3', whose models have tensors *.self_attn.q_norm.weight"),
+        ("deepseek_v3", "DeepseekV3ForCausalLM", "'deepseek_v3', whose models have tensors *.self_attn.kv_a_proj"),
+    ],
+)
+def test_a_config_of_another_family_is_refused(cli, tmp_path, llama_dir, model_type, architecture, fragment):
+    ckpt = with_config(llama_dir, tmp_path / "ckpt", model_type=model_type, architectures=[architecture])
+    result = cli("convert", ckpt, "--tp", 2, "-o", tmp_path / "out")
+    assert_refused(result, tmp_path / "out", fragment, "model.layers.0.self_attn.q_proj.weight")
+
+
+def test_a_config_given_with_config_of_another_family_is_refused(cli, tmp_path, llama_dir):
+    config = json.loads((llama_dir / "config.json").read_text()) | {"model_type": "gemma2"}
+    (tmp_path / "gemma2.json").write_text(json.dumps(config))
+    result = cli("convert", llama_dir, "--tp", 2, "--config", tmp_path / "gemma2.json", "-o", tmp_path / "out")
+    assert_refused(result, tmp_path / "out", "gemma2.json: the config is of model_type 'gemma2'")
+
+
+def test_a_llama_config_on_qwen3_tensors_is_refused(cli, tmp_path):
+    tiny_qwen3(tmp_path / "qwen3", vocab=VOCAB)
+    ckpt = with_config(tmp_path / "qwen3", tmp_path / "ckpt", model_type="llama", architectures=["LlamaForCausalLM"])
+    result = cli("convert", ckpt, "--tp", 2, "-o", tmp_path / "out")
+    assert_refused(result, tmp_path / "out", "'llama', whose models have no tensor *.self_attn.q_norm.weight")
+
+
+def test_the_config_of_its_own_family_converts(cli, tmp_path, llama_dir):
+    result = cli("convert", llama_dir, "--tp", 2, "-o", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+
+
+def test_fix_refuses_a_vocab_below_the_configs(cli, tmp_path, llama_dir):
+    result = cli("fix", llama_dir, "--vocab", VOCAB - 5, "-o", tmp_path / "out")
+    assert_refused(
+        result,
+        tmp_path / "out",
+        f"--vocab {VOCAB - 5} is below the vocab size {VOCAB} that config.json gives: the 5 rows 996..1000 of every "
+        "vocab tensor would be dropped",
+        "--allow-vocab-shrink",
+    )
+
+
+def test_convert_refuses_a_vocab_below_the_manifests(cli, tmp_path, llama_dir):
+    result = cli("convert", llama_dir, "--tp", 2, "-o", tmp_path / "tp2")
+    assert result.exit_code == 0, result.output
+    config = json.loads((tmp_path / "tp2" / "config.json").read_text()) | {"vocab_size": 1024}
+    (tmp_path / "tp2" / "config.json").write_text(json.dumps(config))
+    result = cli("convert", tmp_path / "tp2", "--tp", 1, "--vocab", 1000, "-o", tmp_path / "out")
+    assert_refused(result, tmp_path / "out", "--vocab 1000 is below the vocab size 1001 that the reshard.json")
+
+
+def test_allow_vocab_shrink_drops_the_rows_on_purpose(cli, tmp_path, llama_dir):
+    result = cli("fix", llama_dir, "--vocab", VOCAB - 5, "--allow-vocab-shrink", "-o", tmp_path / "out", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["vocab_size"] == VOCAB - 5
+
+
+SAMPLE = Path(__file__).resolve().parents[2] / "sample_ckpts" / "tiny-llama-tp2"
+
+
+def test_a_tp_that_does_not_divide_the_heads_is_one_line_with_the_tps_that_work(cli, tmp_path):
+    result = cli("convert", SAMPLE, "--tp", 3, "-o", tmp_path / "out")
+    line = assert_refused(
+        result,
+        tmp_path / "out",
+        "tp=3 cannot split 14 tensor(s) of this model (num_attention_heads=8, num_key_value_heads=4: not divisible "
+        "by 3); e.g. ",
+        "model.layers.0.self_attn.k_proj.weight: replicated_heads(dim=0, heads=4) of [32, 64] cannot be split 3 ways",
+    )
+    assert line.endswith("(tp sizes that work: 1, 2, 4, 8)")
+    check = cli("check", SAMPLE, "--tp", 3)
+    assert check.exit_code == 1
+    assert check.stdout.splitlines()[-1] == "cannot be split 3 ways (tp sizes that work: 1, 2, 4, 8)"
+    check = cli("check", SAMPLE, "--tp", 3, "--json")
+    assert json.loads(check.stdout)["tp_sizes_that_work"] == [1, 2, 4, 8]
+    assert "tp_sizes_that_work" not in json.loads(cli("check", SAMPLE, "--tp", 2, "--json").stdout)
+
+
+def test_rank_files_of_two_runs_mixed_are_named_by_their_shapes(cli, tmp_path):
+    for tp in (4, 8):
+        assert cli("convert", SAMPLE, "--tp", tp, "-o", tmp_path / f"tp{tp}", "-q").exit_code == 0
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    shutil.copy(tmp_path / "tp8" / "config.json", mixed)
+    for rank in range(8):
+        shutil.copytree(tmp_path / ("tp4" if rank < 4 else "tp8") / f"rank_{rank:02d}", mixed / f"rank_{rank:02d}")
+    for command in (["convert", mixed, "--tp", 1], ["fix", mixed]):
+        result = cli(*command, "-o", tmp_path / "out")
+        assert_refused(
+            result,
+            tmp_path / "out",
+            f"{mixed}: lm_head.weight: the rank files seem to be of 2 runs at different tps, mixed: ranks 0-3 hold "
+            "[251, 64], ranks 4-7 hold [126, 64] (keep the rank files of one run together)",
+        )

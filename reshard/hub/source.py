@@ -68,6 +68,13 @@ def checkpoint_argument(text: str) -> Path | HubCheckpoint:
     if text.startswith(_URL):
         uri_text = text
     elif not text.startswith(("/", ".", "~")) and text.split("@", 1)[0].count("/") == 1:
+        first = text.split("/", 1)[0]
+        if os.path.isdir(first):  # ``runs/ckpt-tp2`` beside a folder ``runs``: a local path mistyped, not a repo
+            raise ReshardError(
+                f"no such file or folder (not read as a Hub repo: {first!r} is a local folder)",
+                path=text,
+                hint=f"check the path; to read the Hub repo, write hf://{text}",
+            )
         uri_text = "hf://" + text  # org/name[@revision][/path]
     else:
         raise ReshardError("no such file or folder", path=text)

@@ -272,6 +272,21 @@ def test_a_local_path_wins_over_a_repo_of_the_same_name(hub, tiny, tmp_path, cli
     assert len(hub.requests) == start
 
 
+def test_a_missing_local_path_that_looks_like_a_repo_id_is_named_as_missing(hub, tiny, tmp_path, cli, monkeypatch):
+    """``runs/ckpt-tp2`` beside a folder ``runs`` is a mistyped local path: said so, without asking the Hub."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    start = len(hub.requests)
+
+    done = cli("inspect", "runs/ckpt-tp2")
+
+    assert done.exit_code == 2
+    error = done.stderr.strip().splitlines()[-1]  # click's usage error for a CKPT argument, as for any missing path
+    assert "runs/ckpt-tp2: no such file or folder (not read as a Hub repo: 'runs' is a local folder)" in error
+    assert "hf://runs/ckpt-tp2" in error
+    assert len(hub.requests) == start
+
+
 def test_single_file_and_subfolder_checkpoints(hub, tiny, tmp_path, cli):
     save_file(load_file(tiny / "full" / "model.safetensors"), tmp_path / "model.safetensors")
     files = {"run1/config.json": (tiny / "full" / "config.json").read_bytes()}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -26,6 +25,7 @@ from reshard.engine.open import OpenedCheckpoint, open_checkpoint
 from reshard.engine.planner import SourceTensor
 from reshard.engine.run import open_for_conversion, run_conversion
 from reshard.errors import DivergentReplicaError, PlanError, ReshardError, ShapeMismatchError
+from reshard.io.staging import temporary_folder
 from reshard.manifest import find_manifest
 from reshard.mappings import HF, naming_of
 from reshard.options import ConvertOptions, ReadOptions, check_tp
@@ -240,8 +240,8 @@ def _same_names(
         yield a, b
         return
     hf, mapped = (a, b) if namings[0] == HF else (b, a)
-    with tempfile.TemporaryDirectory(prefix="reshard-verify-names-") as tmp:
-        out = Path(tmp) / "hf"
+    with temporary_folder("reshard-verify-names-") as tmp:
+        out = tmp / "hf"
         convert = options.convert_options(tp=1, layout="hf", config=None, vocab=hf.vocab.original)
         run_conversion(open_for_conversion(mapped.path, out, convert), out, convert)
         renamed = _open(out, options.read(own_config=False))
@@ -287,14 +287,15 @@ def _compare(a: OpenedCheckpoint, b: OpenedCheckpoint, options: VerifyOptions, r
 def roundtrip(ckpt: Path, tp: int, options: VerifyOptions) -> VerifyReport:
     """Convert ``ckpt`` to ``tp`` ranks in a temporary folder, back to its own tp, and compare bit-exactly.
 
-    The temporary folder (under ``$TMPDIR``) is removed however this ends, Ctrl-C included. A tp the
+    The temporary folder (under ``$TMPDIR``) is removed however this ends, with SIGINT / SIGTERM held off
+    while it is (:func:`~reshard.io.staging.temporary_folder`), so a second signal cannot cut it short. A tp the
     model cannot be split into is reported as a difference of this round trip, not raised.
     """
     opened = open_checkpoint(ckpt, options.read(), target_tp=tp)
     own_tp, uneven = opened.source.tp, opened.uneven
     report = VerifyReport("roundtrip", str(ckpt), f"tp={tp} and back", tp=tp)
-    with tempfile.TemporaryDirectory(prefix=f"reshard-verify-tp{tp}-") as tmp:
-        there, back = Path(tmp) / f"tp{tp}", Path(tmp) / f"back-tp{own_tp}"
+    with temporary_folder(f"reshard-verify-tp{tp}-") as tmp:
+        there, back = tmp / f"tp{tp}", tmp / f"back-tp{own_tp}"
         try:
             # the source's names both ways: the round trip checks the slicing, not a mapping between namings
             run_conversion(opened, there, options.convert_options(tp=tp, uneven=uneven, keep_names=True))

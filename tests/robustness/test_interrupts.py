@@ -126,3 +126,18 @@ def test_the_message_says_what_was_left_when_a_removal_fails(bases, tmp_path: Pa
     left = [p for p in ws.outs.iterdir() if p.name.endswith(".reshard-tmp")]
     assert outcome.exit_code == 143 and len(left) == 1
     assert outcome.stderr.strip() == f"Error: interrupted by SIGTERM: left behind: {left[0]} (remove it)"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_the_removal_of_the_roundtrip_folder_does_not_cut_it_short(
+    bases, tmp_path: Path, monkeypatch, signum
+) -> None:
+    """verify --roundtrip's temporary folder is removed with the signals held off, as a staged output is: a signal
+    that comes while it is being removed ends the run after the removal, and the message says so after a look."""
+    ws = Workspace(tmp_path)
+    copy_base(bases["hf_ranks"], ws.ckpt)
+    before = snapshot(ws.ckpt)
+    removals = signal_at_call(monkeypatch, staging_module.shutil, "rmtree", signum, at=1)
+    outcome = run("verify", ws.ckpt, ["--roundtrip", "2"], ws)
+    assert removals[0] >= 1
+    assert interrupted(outcome, ws, before, signum) == []

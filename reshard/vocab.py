@@ -259,8 +259,11 @@ def check_vocab_rows(
     source_tp: int,
     missing_files: Callable[[int], list[str] | None],
     multiples: Sequence[int] = PAD_MULTIPLES,
+    recorded_tp: int | None = None,
+    origin: str = "--vocab",
 ) -> None:
-    """Refuse vocab tensors with too few rows (missing rank slices) or implausibly many (vocab too small).
+    """Refuse vocab tensors with too few rows (missing rank slices, or a vocab above the rows every rank holds)
+    or implausibly many (vocab too small).
 
     Args:
         tensors: the planned source tensors.
@@ -268,12 +271,25 @@ def check_vocab_rows(
         source_tp: how many ranks the source has.
         missing_files: for a tp, the names of the rank files that would complete it (None: unknown).
         multiples: the per-rank pad multiples to consider.
+        recorded_tp: the tp the checkpoint records for itself (its ``reshard.json``), if any.
+        origin: where ``vocab`` came from (``--vocab``, ``reshard.json``, ``config.json``), for the message.
 
     Raises:
         MissingRankError: a vocab tensor holds only some rank slices; the message explains the shape.
-        ShapeMismatchError: gathering would drop more rows than any framework pads with.
+        ShapeMismatchError: ``vocab`` exceeds the rows every rank's file holds together (nothing is missing),
+            or gathering would drop more rows than any framework pads with.
     """
     short = find_short(tensors, vocab)
+    if short and _all_ranks_held(short, vocab, source_tp, missing_files, multiples, recorded_tp):
+        held = max(sum(s.rows) for s in short)
+        asked = f"--vocab {vocab}" if origin == "--vocab" else f"the vocab size {vocab} (from {origin})"
+        ranks = f"the {source_tp} rank files" if source_tp > 1 else "the checkpoint"
+        raise ShapeMismatchError(
+            f"{asked} exceeds the {held} vocab rows {ranks} hold ({', '.join(short[0].names)}); "
+            "every rank's file is present",
+            path=short[0].file,
+            hint=f"pass the true vocab size, at most {held}",
+        )
     if short:
         raise MissingRankError(
             "; ".join(_diagnose(s, vocab, source_tp, missing_files, multiples) for s in short),
@@ -290,6 +306,24 @@ def check_vocab_rows(
                     tensor=t.name,
                     hint="check --vocab",
                 )
+
+
+def _all_ranks_held(
+    short: Sequence[ShortVocab],
+    vocab: int,
+    present: int,
+    missing_files: Callable[[int], list[str] | None],
+    multiples: Sequence[int],
+    recorded_tp: int | None,
+) -> bool:
+    """Whether the rows are short because ``vocab`` is too large, not because rank files are missing: the tp the
+    checkpoint records is the tp found, or (nothing recorded) every rank slice is whole and no larger tp explains
+    the rows, from several rank files or from a file whose name carries no rank number (nothing to be missing)."""
+    if recorded_tp is not None:
+        return recorded_tp == present
+    if any(len(set(s.rows)) != 1 or explain(s.rows[0], present, vocab, multiples) for s in short):
+        return False
+    return present > 1 or missing_files(present + 1) is None
 
 
 def _diagnose(

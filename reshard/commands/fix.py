@@ -26,6 +26,8 @@ from reshard.engine.warmup import import_torch_in_background
 from reshard.hub.source import hub_origin
 from reshard.io.staging import check_output, write_error
 from reshard.layouts import layout
+from reshard.layouts.base import SourceCheckpoint
+from reshard.manifest import find_manifest
 from reshard.options import ConvertOptions
 from reshard.partition import Vocab, rank_shapes
 from reshard.vocab import check_vocab_rows, require_vocab, source_padded_rows
@@ -103,6 +105,8 @@ def fix(ckpt: Path, out: Path | None = None, options: ConvertOptions | None = No
         vocab.original,
         source_tp=source.tp,
         missing_files=lambda tp: layout(source.layout).missing_rank_files(source, tp),
+        recorded_tp=_recorded_tp(source),
+        origin=vocab.origin,
     )
     if not options.force and needs_nothing(opened, options):
         _refuse_unwritable(out)  # -o names a place --force could not write either: bad input, as on any fix
@@ -131,6 +135,15 @@ def fix(ckpt: Path, out: Path | None = None, options: ConvertOptions | None = No
         files=list(run.files),
         notes=notes,
     )
+
+
+def _recorded_tp(source: SourceCheckpoint) -> int | None:
+    """The tp the checkpoint's ``reshard.json`` records for its own layout (None: it records none)."""
+    manifest = find_manifest(source.path)
+    if manifest is None or manifest.target.get("layout") != source.layout:
+        return None
+    tp = manifest.target.get("tp")
+    return tp if type(tp) is int else None
 
 
 def _refuse_unwritable(out: Path) -> None:

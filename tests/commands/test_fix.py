@@ -270,3 +270,36 @@ def test_fix_the_committed_sample(cli, tmp_path):
     written = load_folder(tmp_path / "fixed")
     assert written.keys() == expected.keys()
     assert all(torch.equal(written[k], v) for k, v in expected.items())
+
+
+@pytest.mark.parametrize(
+    ("tp", "name"),
+    [(2, "pytorch_model_rank{r}.bin"), (4, "rank_{r:02d}/model.safetensors")],
+    ids=["bin-tp2", "hf-ranks-tp4"],
+)
+def test_fix_vocab_above_the_rows_held_by_every_rank_says_so(cli, tmp_path, original, tp, name):
+    """Every rank's file is present (as many as the config and the files record): --vocab 70000 exceeds the
+    65536 rows they hold, and the message says that, not that rank files are missing."""
+    ckpt = write_ranks(original[1], tmp_path / "ckpt", tp, name=name)
+    before = snapshot(ckpt)
+    result = cli("fix", ckpt, "--vocab", 70000, "-o", tmp_path / "out")
+    assert result.exit_code == 2
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "--vocab 70000 exceeds the 65536 vocab rows" in lines[0]
+    assert "missing rank files" not in lines[0] and "put every rank's file" not in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"] and snapshot(ckpt) == before
+
+
+def test_fix_vocab_above_the_rows_of_the_recorded_tp_says_so(cli, tmp_path, original):
+    """reshard.json records tp=2 and both rank folders are there: --vocab 131000 (which tp=4 slices of 32768 rows
+    would explain) exceeds the 65536 rows held, and no rank folder is called missing."""
+    ckpt = tmp_path / "ckpt"
+    assert cli("convert", original[1], "--tp", 2, "-o", ckpt).exit_code == 0
+    before = snapshot(ckpt)
+    result = cli("fix", ckpt, "--vocab", 131000, "-o", tmp_path / "out")
+    assert result.exit_code == 2
+    assert len(result.stderr.splitlines()) == 1
+    assert "--vocab 131000 exceeds the 65536 vocab rows the 2 rank files hold" in result.stderr
+    assert "missing rank files" not in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"] and snapshot(ckpt) == before

@@ -14,7 +14,7 @@ import errno
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -72,8 +72,9 @@ def fix(ckpt: Path, out: Path | None = None, options: ConvertOptions | None = No
     """Repair ``ckpt`` into a canonical checkpoint at ``out`` (default ``CKPT.fixed``), never touching ``ckpt``.
 
     Gathers per-rank files (``hf-ranks``, loose ``*rank{r}*`` files, any layout ``discover`` reads),
-    drops vocab padding down to the true size, and writes ``hf`` (``options.tp == 1``) or the source's
-    layout family re-sliced for ``options.tp`` ranks, with ``config.json`` set to the true vocab size and
+    drops vocab padding down to the true size, and writes ``hf`` (``options.tp == 1``, whatever the source's
+    layout: a Megatron or SAT source too, unlike ``convert``) or the source's layout family re-sliced for
+    ``options.tp`` ranks, with ``config.json`` set to the true vocab size and
     a ``reshard.json`` recording the original, the padded sizes found and every tensor's sha256.
 
     Args:
@@ -93,6 +94,8 @@ def fix(ckpt: Path, out: Path | None = None, options: ConvertOptions | None = No
         >>> fix(Path("ckpt-tp2"), options=ConvertOptions(vocab=65535))  # doctest: +SKIP
     """
     options = options or ConvertOptions()
+    if options.layout is None and options.tp == 1:  # a canonical hf folder, also from a Megatron or SAT source
+        options = replace(options, layout="hf")
     ckpt = Path(ckpt)
     import_torch_in_background()
     out = Path(out) if out is not None else default_output(ckpt)

@@ -303,3 +303,33 @@ def test_fix_vocab_above_the_rows_of_the_recorded_tp_says_so(cli, tmp_path, orig
     assert "--vocab 131000 exceeds the 65536 vocab rows the 2 rank files hold" in result.stderr
     assert "missing rank files" not in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"] and snapshot(ckpt) == before
+
+
+def test_fix_of_a_megatron_source_writes_hf_with_the_true_vocab(cli, tmp_path):
+    """fix's purpose is a canonical checkpoint: a Megatron source at tp 2 (vocab 50 padded to 56) becomes an hf
+    folder at tp 1 with 50 vocab rows, not Megatron at tp 1 with the pad rows kept (convert keeps Megatron)."""
+    from fixtures.megatron import TINY, full_model, write_megatron
+
+    full = full_model(TINY)
+    src = write_megatron(tmp_path / "src", full, 2)
+    before = snapshot(src)
+    result = cli("fix", src, "--vocab", TINY.vocab, "-o", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert f"{src} (megatron, tp=2) -> {tmp_path / 'out'} (hf, tp=1)" in result.stdout
+    assert {p.name for p in (tmp_path / "out").iterdir()} == {"model.safetensors", "config.json", MANIFEST_NAME}
+    written = load_file(tmp_path / "out" / "model.safetensors")
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        assert written[name].shape[0] == TINY.vocab, name
+    assert torch.equal(written["model.embed_tokens.weight"], full["emb"])
+    assert torch.equal(written["lm_head.weight"], full["out"])
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["vocab_size"] == TINY.vocab
+    assert snapshot(src) == before
+
+
+def test_fix_of_a_megatron_source_at_tp_above_1_keeps_megatron(cli, tmp_path):
+    from fixtures.megatron import TINY, full_model, write_megatron
+
+    src = write_megatron(tmp_path / "src", full_model(TINY), 2)
+    result = cli("fix", src, "--vocab", TINY.vocab, "--tp", 4, "-o", tmp_path / "out", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["layout"] == "megatron"

@@ -147,7 +147,7 @@ CASES: dict[str, tuple[Callable[[Path, Path], None], tuple[str, ...], dict[str, 
     ),
     "nemo-unknown-field-alias-bomb": (
         as_nemo(NEMO_CONFIG + "  a_newer_field: *l9\n", ALIAS_BOMB),
-        ("model.yaml", "config.a_newer_field", "[[[[[", "not a single value"),
+        ("model.yaml", "config.a_newer_field", "[[[[[", "larger or deeper than a config's value"),
         {},
     ),
     "nemo-size-5001-digits": (

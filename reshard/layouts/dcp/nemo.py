@@ -53,9 +53,24 @@ STANDARD_SPECS = frozenset(
     "default_layer_spec transformer_engine_layer_spec transformer_engine_full_layer_spec local_layer_spec "
     "get_gpt_layer_with_transformer_engine_spec get_gpt_layer_local_spec".split()
 )
-# Arguments whose value is a list in Megatron-LM's args (a flat list of single values is read).
-LISTS = frozenset("moe_layer_freq window_size no_rope_freq mrope_section moe_router_load_balancing_type".split())
-MAX_LIST = 4096
+# The carried arguments (``mappings/megatron_args.CARRIED``) reshard's readers take as one value: a list or a
+# mapping there (a YAML alias bomb) is refused here, by name. ``moe_layer_freq`` may be a flat list.
+SINGLE = frozenset(
+    (
+        "num_layers hidden_size ffn_hidden_size num_attention_heads group_query_attention num_query_groups "
+        "kv_channels max_position_embeddings seq_length norm_epsilon layernorm_epsilon normalization swiglu "
+        "position_embedding_type use_rotary_position_embeddings add_position_embedding rotary_base rotary_percent "
+        "rotary_interleaved rotary_seq_len_interpolation_factor use_rope_scaling rope_scaling_factor "
+        "add_bias_linear add_qkv_bias qk_layernorm untie_embeddings_and_output_weights vocab_size "
+        "padded_vocab_size make_vocab_size_divisible_by true_vocab_size num_experts moe_router_topk "
+        "moe_ffn_hidden_size moe_shared_expert_intermediate_size moe_shared_expert_gate moe_router_pre_softmax "
+        "moe_router_score_function low_freq_factor high_freq_factor old_context_len"
+    ).split()
+)
+LISTS = frozenset({"moe_layer_freq"})
+# Any other field is passed on as it is (the table ignores an irrelevant one and prints a refused or unknown one
+# that is set): a value of more than this many items and characters is no config's, and is refused by name.
+MAX_ITEMS = 4096
 
 
 def nemo_args(checkpoint: Path) -> argparse.Namespace | None:
@@ -66,8 +81,9 @@ def nemo_args(checkpoint: Path) -> argparse.Namespace | None:
     carries, passes or refuses each one.
 
     Raises:
-        CorruptFileError: the file is not YAML, holds no ``config`` mapping, or a field read as one value holds
-            a list or mapping (a YAML alias bomb is refused by name, never printed whole).
+        CorruptFileError: the file is not YAML, holds no ``config`` mapping, a field read as one value holds a
+            list or mapping, or a field holds more than a config does (a YAML alias bomb): refused by name, the
+            value never printed whole.
     """
     path = checkpoint / MODEL_YAML
     if not path.is_file():
@@ -81,8 +97,6 @@ def nemo_args(checkpoint: Path) -> argparse.Namespace | None:
     config = data.get("config") if isinstance(data, dict) else None
     if not isinstance(config, dict):
         raise CorruptFileError("no 'config' mapping (NeMo writes the model's config there)", path=path)
-    from reshard.mappings.megatron_args import classify  # here: reshard.mappings imports the layouts
-
     args: dict[str, Any] = {}
     for key, value in config.items():
         if not isinstance(key, str):
@@ -94,9 +108,7 @@ def nemo_args(checkpoint: Path) -> argparse.Namespace | None:
             if spec is not None and spec.rsplit(".", 1)[-1] not in STANDARD_SPECS:
                 args["spec"] = spec
             continue
-        name = RENAMED.get(key, key)
-        if classify(name) != "irrelevant":  # nothing reads an irrelevant field: its value is never walked
-            args[name] = _single(value, key, name, path)
+        args[RENAMED.get(key, key)] = _checked(value, key, RENAMED.get(key, key), path)
     args["swiglu"] = bool(config.get("gated_linear_unit")) and _activation(config, path) == "silu"
     args["untie_embeddings_and_output_weights"] = not config.get("share_embeddings_and_output_weights", True)
     groups, heads = config.get("num_query_groups"), config.get("num_attention_heads")
@@ -106,21 +118,33 @@ def nemo_args(checkpoint: Path) -> argparse.Namespace | None:
         for key, wanted in LLAMA3_ROPE.items():  # Megatron-Core and transformers' llama3 as written: fixed values
             if args.pop(key, wanted) != wanted:
                 args[key] = config[key]  # an argument the table does not know: refused, by name and value
-    else:
-        for key in LLAMA3_ROPE:  # read only with scale_factor
-            if args.get(key) is None:
-                args.pop(key, None)
     return argparse.Namespace(**args)
 
 
-def _single(value: Any, key: str, name: str, path: Path) -> Any:
-    """``value`` when it is one value (or, for the arguments Megatron-LM keeps as lists, a flat list of them)."""
-    if isinstance(value, list) and name in LISTS and len(value) <= MAX_LIST:
-        if all(item is None or isinstance(item, (bool, int, float, str)) for item in value):
-            return value
-    if isinstance(value, (list, dict)):
+def _checked(value: Any, key: str, name: str, path: Path) -> Any:
+    """``value`` when the readers can take it: one value for :data:`SINGLE` (a flat list for :data:`LISTS`), and
+    at most :data:`MAX_ITEMS` items and characters for any field (so printing a refused one is bounded)."""
+    flat = isinstance(value, list) and all(item is None or isinstance(item, (bool, int, float)) for item in value)
+    if name in SINGLE and isinstance(value, (list, dict)) and not (name in LISTS and flat):
         raise CorruptFileError(f"{shown(value)} is not a single value", path=path, tensor=f"config.{key}")
+    budget = [MAX_ITEMS]
+    if not _small(value, budget, 0):
+        raise CorruptFileError(
+            f"{shown(value)} is larger or deeper than a config's value", path=path, tensor=f"config.{key}"
+        )
     return value
+
+
+def _small(value: Any, budget: list[int], depth: int) -> bool:
+    """Whether ``value`` holds at most ``budget`` items and characters, 16 levels deep (an alias bomb does not)."""
+    budget[0] -= 1 + (len(value) if isinstance(value, str) else 0)
+    if budget[0] < 0 or depth > 16:
+        return False
+    if isinstance(value, dict):
+        return all(_small(k, budget, depth + 1) and _small(v, budget, depth + 1) for k, v in value.items())
+    if isinstance(value, list):
+        return all(_small(item, budget, depth + 1) for item in value)
+    return True
 
 
 def _target(value: Any, key: str, path: Path) -> str | None:

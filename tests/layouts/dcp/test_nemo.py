@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from reshard.errors import CorruptFileError
-from reshard.layouts.dcp.nemo import nemo_args
-from reshard.mappings.megatron_args import args_problems
+from reshard.layouts.dcp.nemo import LISTS, SINGLE, nemo_args
+from reshard.mappings.megatron_args import CARRIED, args_problems
 
 BASE = """\
 config:
@@ -55,12 +55,30 @@ def test_refused_by_the_table(tmp_path: Path, lines: str, problem: str) -> None:
     assert any(p.startswith(problem) for p in args_problems(read(tmp_path, lines))), problem
 
 
-def test_irrelevant_values_are_not_read_and_others_are_single(tmp_path: Path) -> None:
-    bomb = "bomb: &b [[x, x], [x, x]]\n"
-    (tmp_path / "context").mkdir()
-    (tmp_path / "context" / "model.yaml").write_text(bomb + BASE + "  init_method: *b\n  hidden_dropout: *b\n")
+def test_structured_values(tmp_path: Path) -> None:
+    """A small structure passes to the table (ignored when irrelevant, printed when refused); a field read as one
+    value holding a structure, or a structure no config holds (an alias bomb), is refused by name."""
+    bomb = "bomb:\n  l0: &l0 [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"  l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]\n" for i in range(1, 10)
+    )
+    model_yaml = tmp_path / "context" / "model.yaml"
+    model_yaml.parent.mkdir()
+    model_yaml.write_text(BASE + "  init_method: {_target_: torch.nn.init.normal_, _partial_: true, std: 0.02}\n")
     assert args_problems(nemo_args(tmp_path)) == []
-    (tmp_path / "context" / "model.yaml").write_text(bomb + BASE + "  unknown_field: *b\n")
-    with pytest.raises(CorruptFileError, match="not a single value") as err:
-        nemo_args(tmp_path)
-    assert "config.unknown_field" in str(err.value)
+    model_yaml.write_text(BASE + "  rope_parameters: {factor: 2}\n")
+    (problem,) = args_problems(nemo_args(tmp_path))
+    assert problem.startswith("rope_parameters={'factor': 2} (an argument reshard does not know")
+    for text, field, message in [
+        (BASE + "  hidden_size: [64]\n", "hidden_size", "not a single value"),
+        (bomb + BASE + "  unknown_field: *l9\n", "unknown_field", "larger or deeper"),
+        (bomb + BASE + "  init_method: *l9\n", "init_method", "larger or deeper"),
+    ]:
+        model_yaml.write_text(text)
+        with pytest.raises(CorruptFileError, match=message) as err:
+            nemo_args(tmp_path)
+        assert f"config.{field}" in str(err.value) and len(str(err.value)) < 400
+
+
+def test_every_carried_argument_is_read_as_one_value() -> None:
+    """nemo.SINGLE follows the table: a carried argument is a number, a flag or a name (moe_layer_freq a list)."""
+    assert set(CARRIED) - LISTS <= SINGLE

@@ -145,6 +145,11 @@ CASES: dict[str, tuple[Callable[[Path, Path], None], tuple[str, ...], dict[str, 
         ("model.yaml", "config.hidden_size", "[[[[[", "not a single value"),
         {},
     ),
+    "nemo-unknown-field-alias-bomb": (
+        as_nemo(NEMO_CONFIG + "  a_newer_field: *l9\n", ALIAS_BOMB),
+        ("model.yaml", "config.a_newer_field", "[[[[[", "larger or deeper than a config's value"),
+        {},
+    ),
     "nemo-size-5001-digits": (
         as_nemo(NEMO_CONFIG.replace("hidden_size: 64", "hidden_size: 1" + "0" * 5000)),
         ("model.yaml", "unreadable model config", "4300 digits"),

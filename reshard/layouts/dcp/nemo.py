@@ -11,6 +11,7 @@ tokenizer, not the vocab size, in the context: the true vocab size comes from ``
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,26 +21,69 @@ from reshard.errors import CorruptFileError, shown
 
 NEMO_WEIGHTS = "weights"
 MODEL_YAML = Path("context") / "model.yaml"
-# Megatron-Core TransformerConfig / GPTConfig names -> Megatron-LM args names (same meaning).
+# Megatron-Core TransformerConfig / NeMo GPTConfig names -> Megatron-LM args names (same meaning). Every other
+# field of ``config`` keeps its name (Megatron-Core's config and Megatron-LM's args share them) and meets the
+# closed table of :mod:`reshard.mappings.megatron_args` like a Megatron-LM argument: carried, irrelevant, or
+# refused when set (an unknown field included).
 RENAMED = {
     "layernorm_epsilon": "norm_epsilon",
     "num_moe_experts": "num_experts",
     "seq_length": "max_position_embeddings",
+    "seq_len_interpolation_factor": "rotary_seq_len_interpolation_factor",
+    "scale_factor": "rope_scaling_factor",  # Llama31Config: Llama 3.1 RoPE scaling, always applied
+    "first_pipeline_num_layers": "num_layers_in_first_pipeline_stage",
+    "last_pipeline_num_layers": "num_layers_in_last_pipeline_stage",
 }
-KEPT = (
-    "num_layers hidden_size ffn_hidden_size num_attention_heads num_query_groups kv_channels normalization "
-    "add_bias_linear add_qkv_bias qk_layernorm position_embedding_type rotary_base rotary_percent "
-    "rotary_interleaved make_vocab_size_divisible_by moe_router_topk moe_ffn_hidden_size "
-    "moe_shared_expert_intermediate_size moe_shared_expert_gate moe_router_pre_softmax "
-    "moe_router_score_function seq_length"
-).split()
+# Fields read here and translated (not passed on under their own name).
+TRANSLATED = ("gated_linear_unit", "activation_func", "share_embeddings_and_output_weights")
+# NeMo-only fields of ``config`` that do not change what the model computes (name pattern, why; ``re.fullmatch``).
+NEMO_IRRELEVANT: tuple[tuple[str, str], ...] = (
+    (r"_.*_", "fiddle's bookkeeping (_target_, _call_, _partial_): the config's class, not a field"),
+    (r"forward_step_fn|data_step_fn", "the training step's functions"),
+    (r"generation_config", "default sampling settings, not the forward pass"),
+    (r"scatter_embedding_sequence_parallel", "parallelism: how the embeddings are split over devices"),
+    (r"use_transformer_engine_full_layer_spec|use_transformer_engine_op_fuser", "kernels: the same layers fused"),
+)
+_NEMO_IRRELEVANT = [re.compile(pattern) for pattern, _ in NEMO_IRRELEVANT]
+# Llama31Config's RoPE scaling: Megatron-Core's (and transformers' llama3 as reshard writes it) fixed values.
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "old_context_len": 8192}
+# NeMo's GPT layer specs (Transformer Engine's or the local one, chosen by num_moe_experts and qk_layernorm): the
+# model the table describes. Any other ``transformer_layer_spec`` is Megatron's refused custom ``spec``.
+STANDARD_SPECS = frozenset(
+    "default_layer_spec transformer_engine_layer_spec transformer_engine_full_layer_spec local_layer_spec "
+    "get_gpt_layer_with_transformer_engine_spec get_gpt_layer_local_spec".split()
+)
+# The carried arguments (``mappings/megatron_args.CARRIED``) reshard's readers take as one value: a list or a
+# mapping there (a YAML alias bomb) is refused here, by name. ``moe_layer_freq`` may be a flat list.
+SINGLE = frozenset(
+    (
+        "num_layers hidden_size ffn_hidden_size num_attention_heads group_query_attention num_query_groups "
+        "kv_channels max_position_embeddings seq_length norm_epsilon layernorm_epsilon normalization swiglu "
+        "position_embedding_type use_rotary_position_embeddings add_position_embedding rotary_base rotary_percent "
+        "rotary_interleaved rotary_seq_len_interpolation_factor use_rope_scaling rope_scaling_factor "
+        "add_bias_linear add_qkv_bias qk_layernorm untie_embeddings_and_output_weights vocab_size "
+        "padded_vocab_size make_vocab_size_divisible_by true_vocab_size num_experts moe_router_topk "
+        "moe_ffn_hidden_size moe_shared_expert_intermediate_size moe_shared_expert_gate moe_router_pre_softmax "
+        "moe_router_score_function low_freq_factor high_freq_factor old_context_len"
+    ).split()
+)
+LISTS = frozenset({"moe_layer_freq"})
+# Any other field is passed on as it is (the table ignores an irrelevant one and prints a refused or unknown one
+# that is set): a value of more than this many items and characters is no config's, and is refused by name.
+MAX_ITEMS = 4096
 
 
 def nemo_args(checkpoint: Path) -> argparse.Namespace | None:
     """Megatron-LM ``args`` for the model in a NeMo 2 checkpoint's ``context/model.yaml`` (None without one).
 
+    Every field of ``config`` is passed on under Megatron-LM's name (:data:`RENAMED`, :data:`TRANSLATED`),
+    except the NeMo-only ones :data:`NEMO_IRRELEVANT` declares, so the closed table of Megatron's arguments
+    carries, passes or refuses each one.
+
     Raises:
-        CorruptFileError: the file is not YAML, or holds no ``config`` mapping.
+        CorruptFileError: the file is not YAML, holds no ``config`` mapping, a field read as one value holds a
+            list or mapping, or a field holds more than a config does (a YAML alias bomb): refused by name, the
+            value never printed whole.
     """
     path = checkpoint / MODEL_YAML
     if not path.is_file():
@@ -53,22 +97,65 @@ def nemo_args(checkpoint: Path) -> argparse.Namespace | None:
     config = data.get("config") if isinstance(data, dict) else None
     if not isinstance(config, dict):
         raise CorruptFileError("no 'config' mapping (NeMo writes the model's config there)", path=path)
-    for key in [*KEPT, *RENAMED]:  # one value each: a list or mapping (a YAML alias bomb) is refused here, by name
-        if isinstance(config.get(key), (list, dict)):
-            raise CorruptFileError(f"{shown(config[key])} is not a single value", path=path, tensor=f"config.{key}")
-    args: dict[str, Any] = {key: config[key] for key in KEPT if key in config}
-    args |= {new: config[old] for old, new in RENAMED.items() if old in config}
+    args: dict[str, Any] = {}
+    for key, value in config.items():
+        if not isinstance(key, str):
+            raise CorruptFileError(f"a field named {shown(key)}, not a name", path=path)
+        if key in TRANSLATED or any(pattern.fullmatch(key) for pattern in _NEMO_IRRELEVANT):
+            continue
+        if key == "transformer_layer_spec":
+            spec = _target(value, key, path)
+            if spec is not None and spec.rsplit(".", 1)[-1] not in STANDARD_SPECS:
+                args["spec"] = spec
+            continue
+        args[RENAMED.get(key, key)] = _checked(value, key, RENAMED.get(key, key), path)
     args["swiglu"] = bool(config.get("gated_linear_unit")) and _activation(config, path) == "silu"
     args["untie_embeddings_and_output_weights"] = not config.get("share_embeddings_and_output_weights", True)
     groups, heads = config.get("num_query_groups"), config.get("num_attention_heads")
     args["group_query_attention"] = groups is not None and groups != heads
+    if args.get("rope_scaling_factor") is not None:
+        args["use_rope_scaling"] = True
+        for key, wanted in LLAMA3_ROPE.items():  # Megatron-Core and transformers' llama3 as written: fixed values
+            if args.pop(key, wanted) != wanted:
+                args[key] = config[key]  # an argument the table does not know: refused, by name and value
     return argparse.Namespace(**args)
+
+
+def _checked(value: Any, key: str, name: str, path: Path) -> Any:
+    """``value`` when the readers can take it: one value for :data:`SINGLE` (a flat list for :data:`LISTS`), and
+    at most :data:`MAX_ITEMS` items and characters for any field (so printing a refused one is bounded)."""
+    flat = isinstance(value, list) and all(item is None or isinstance(item, (bool, int, float)) for item in value)
+    if name in SINGLE and isinstance(value, (list, dict)) and not (name in LISTS and flat):
+        raise CorruptFileError(f"{shown(value)} is not a single value", path=path, tensor=f"config.{key}")
+    budget = [MAX_ITEMS]
+    if not _small(value, budget, 0):
+        raise CorruptFileError(
+            f"{shown(value)} is larger or deeper than a config's value", path=path, tensor=f"config.{key}"
+        )
+    return value
+
+
+def _small(value: Any, budget: list[int], depth: int) -> bool:
+    """Whether ``value`` holds at most ``budget`` items and characters, 16 levels deep (an alias bomb does not)."""
+    budget[0] -= 1 + (len(value) if isinstance(value, str) else 0)
+    if budget[0] < 0 or depth > 16:
+        return False
+    if isinstance(value, dict):
+        return all(_small(k, budget, depth + 1) and _small(v, budget, depth + 1) for k, v in value.items())
+    if isinstance(value, list):
+        return all(_small(item, budget, depth + 1) for item in value)
+    return True
+
+
+def _target(value: Any, key: str, path: Path) -> str | None:
+    """The function or class a fiddle entry names (``{_target_: a.b.c}`` or the dotted name itself)."""
+    target = value.get("_target_") if isinstance(value, dict) else value
+    if target is not None and not isinstance(target, str):  # str() of a YAML alias bomb would never end
+        raise CorruptFileError(f"{key} is {shown(target)}, not a function's name", path=path)
+    return target
 
 
 def _activation(config: dict[str, Any], path: Path) -> str | None:
     """The activation's function name (``torch.nn.functional.silu`` -> ``silu``); fiddle keeps it as ``_target_``."""
-    activation = config.get("activation_func")
-    target = activation.get("_target_") if isinstance(activation, dict) else activation
-    if target is not None and not isinstance(target, str):  # str() of a YAML alias bomb would never end
-        raise CorruptFileError(f"activation_func is {shown(target)}, not a function's name", path=path)
+    target = _target(config.get("activation_func"), "activation_func", path)
     return target.rsplit(".", 1)[-1] if target else None

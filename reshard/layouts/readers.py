@@ -200,7 +200,7 @@ class SafetensorsReader(DirectReader):
 
 
 def read_safetensors_header(path: Path) -> tuple[dict[str, TensorHeader], dict[str, str]]:
-    """Parse a safetensors header, checked as the safetensors library checks it (:mod:`.safetensors_header`).
+    """Parse a safetensors header, checked as the library checks it (:mod:`reshard.formats.safetensors.header`).
 
     Raises:
         CorruptFileError: truncated file, unreadable header, or offsets that do not fit.

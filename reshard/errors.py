@@ -130,6 +130,10 @@ class CorruptFileError(ReshardError):
     """A file that cannot be read as what it claims to be (truncated safetensors, bad index)."""
 
 
+class NoModelError(ReshardError):
+    """A checkpoint that holds no model tensors, only training state (an optimizer's folder, ...)."""
+
+
 class OutputExistsError(ReshardError, FileExistsError):
     """The output path exists and is not empty, and ``--overwrite`` was not given."""
 

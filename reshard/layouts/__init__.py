@@ -6,11 +6,12 @@ Adding a layout is a package with its :class:`~reshard.layouts.spec.LayoutSpec` 
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable
 from pathlib import Path
 
-from reshard.errors import CorruptFileError, ReshardError
+from reshard.errors import CorruptFileError, NoModelError, ReshardError
 from reshard.layouts.base import CheckpointWriter, SourceCheckpoint, SourceFacts, TargetSpec, TensorRef
 from reshard.layouts.dcp import DCP, TORCH_DIST
 from reshard.layouts.hf import HF, HF_RANKS, LOOSE
@@ -42,6 +43,8 @@ __all__ = [
     "writable_layouts",
 ]
 
+logger = logging.getLogger(__name__)
+
 # Every layout, in the order a folder is tried: torch_dist before dcp (its data files are DCP) and megatron (the same
 # tracker file); an HF folder last (a folder of rank files holds weight files too). A single file is read as hf.
 LAYOUTS: tuple[LayoutSpec, ...] = (TORCH_DIST, DCP, MEGATRON, SAT, HF_RANKS, LOOSE, HF)
@@ -58,10 +61,60 @@ def discover(path: Path, options: ReadOptions | None = None) -> SourceCheckpoint
         raise ReshardError("no such file or folder", path=path)
     if path.is_file():
         return HF.open(path, options)
-    for spec in LAYOUTS:
-        if spec.detect(path):
-            return spec.open(path, options)
-    raise ReshardError(f"no checkpoint found (looked for {', '.join(s.looked_for for s in LAYOUTS)})", path=path)
+    spec = _detected(path)
+    if spec is not None:
+        return spec.open(path, options)
+    return _inside(path, options)
+
+
+def _detected(folder: Path) -> LayoutSpec | None:
+    return next((spec for spec in LAYOUTS if spec.detect(folder)), None)
+
+
+def _inside(path: Path, options: ReadOptions) -> SourceCheckpoint:
+    """The one checkpoint with model tensors in the folders of ``path``, a folder no layout reads itself: trainers
+    save one of those beside others that hold training state (HF Trainer's ``checkpoint-N/`` holds accelerate's
+    ``pytorch_model_fsdp_0/`` and ``optimizer_0/``, or DeepSpeed's ``global_stepN/``). What was picked is said
+    on stderr and in the notes; several candidates, or none, are refused naming each."""
+    models: list[SourceCheckpoint] = []
+    others: list[str] = []
+    for sub in _subfolders(path):
+        spec = _detected(sub)
+        if spec is None:
+            continue
+        try:
+            models.append(spec.open(sub, options))
+        except NoModelError as err:
+            others.append(f"{sub.name}/ ({spec.name}: {err.detail})")
+        except ReshardError as err:
+            others.append(f"{sub.name}/ ({spec.name}, which cannot be read: {err.detail})")
+    if len(models) == 1:
+        source = models[0]
+        also = f"; also inside: {'; '.join(others)}" if others else ""
+        note = f"{path.name}/ is not a checkpoint itself: reading {source.path.name}/ ({source.layout}) in it{also}"
+        logger.warning(note)
+        source.notes.insert(0, note)
+        return source
+    looked = f"looked for {', '.join(s.looked_for for s in LAYOUTS)}"
+    if models:
+        held = ", ".join(f"{m.path.name}/ ({m.layout})" for m in models)
+        raise ReshardError(
+            f"holds {len(models)} checkpoints: {held}", path=path, hint="point reshard at the one to read"
+        )
+    if others:
+        raise ReshardError(f"no checkpoint found ({looked}); inside: {'; '.join(others)}", path=path)
+    raise ReshardError(f"no checkpoint found ({looked})", path=path)
+
+
+def _subfolders(path: Path, limit: int = 256) -> list[Path]:
+    """The folders in ``path`` by name, the first ``limit`` found (a folder of thousands of runs is not walked)."""
+    found: list[Path] = []
+    for entry in path.iterdir():
+        if entry.is_dir() and not entry.name.startswith("."):
+            found.append(entry)
+            if len(found) >= limit:
+                break
+    return sorted(found)
 
 
 def check_manifest(source: SourceCheckpoint, manifest: Manifest | None) -> None:

@@ -31,3 +31,15 @@ def dcp_copy(dcp_root: Path, tmp_path: Path):
         return target
 
     return copy
+
+
+@pytest.fixture(scope="session")
+def trainer_root(pytestconfig: pytest.Config) -> Path:
+    """The folders of ``fixtures/trainer_dirs_writer.py`` (real DCP, accelerate and Trainer writers), cached."""
+    from fixtures.trainer_dirs import fixture_key as trainer_key
+    from fixtures.trainer_dirs import write_fixtures as write_trainer_dirs
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("TQDM_DISABLE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+            patch.setenv(name, "1")
+        return write_trainer_dirs(pytestconfig.cache.mkdir("trainer-dirs") / trainer_key())

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.config import CONFIG_NAME, find_config
-from reshard.errors import CorruptFileError, PlanError, ReshardError
+from reshard.errors import CorruptFileError, NoModelError, PlanError, ReshardError
 from reshard.formats.chunks import safetensors_entries, starts_as_zip
 from reshard.formats.dcp_metadata.read import (
     HF_SHARD,
@@ -34,20 +34,12 @@ from reshard.formats.dcp_metadata.read import (
 )
 from reshard.layouts.base import SourceCheckpoint, TensorRef
 from reshard.layouts.dcp.boxed_reader import BoxedReader, BoxView
+from reshard.layouts.dcp.containers import model_entries
 from reshard.layouts.dcp.dcp_checks import check_files, check_tensor
 from reshard.options import ReadOptions
 from reshard.sizes import human_bytes
 
-# State-dict keys that hold training state, not the model (any container of an entry's key path).
-NOT_MODEL = frozenset(
-    "optimizer optimizers optim optim_state optimizer_state lr_scheduler lr_schedulers scheduler schedulers "
-    "dataloader dataloaders data_loader train_state trainer_state training_state rng rng_state rng_states "
-    "rng_tracker_states grad_scaler scaler".split()
-)
-
 NAME = "dcp"
-# Keys that a trainer nests the model under: dropped from the names when every model tensor sits under one.
-MODEL_KEYS = ("model", "module", "state_dict")
 _OWN_FILES = (METADATA, "reshard.json", CONFIG_NAME, "model.safetensors.index.json")
 
 
@@ -65,54 +57,27 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
             past a file's end, missing data files, compressed chunks); each problem names file and tensor.
     """
     index = read_index(path, trust_pickle=options.trust_pickle)
-    model, skipped = _split(index)
-    model, sizes = checked(model)
-    names, prefix = _names(index, list(model))
+    entries = model_entries(index)
+    groups = _groups(index, entries.skipped)
+    if not entries.tensors:
+        raise _no_model(path, len(index.values) - len(set(index.values) & set(entries.skipped)), groups)
+    model, sizes = checked(entries.tensors)
+    names = entries.names
     reader = BoxedReader(path, {names[fqn]: BoxView.whole(tensor) for fqn, tensor in model.items()})
     refs = {name: TensorRef(name, 0, reader, name, reader.headers[name]) for name in reader.headers}
     source = SourceCheckpoint(path, NAME, [refs], config=find_config(path), side_files=_side_files(path))
     source.notes.append(_summary(index, model, sizes))
     source.notes.extend(index.notes)
-    if prefix:
+    if entries.container:
+        prefix = ".".join(str(key) for key in entries.container)
         source.notes.append(f"model tensors are stored under '{prefix}.': read by their names inside it")
-    values = {fqn: size for fqn, size in index.values.items() if fqn not in skipped}
+    values = {fqn: size for fqn, size in index.values.items() if fqn not in entries.skipped}
     source.extras.append({names.get(fqn, fqn): f"{human_bytes(size)} pickled value" for fqn, size in values.items()})
-    groups = _groups(index, skipped)
     source.top_level.append(groups)
     if groups:
         total = sum(g["bytes"] for g in groups.values())
-        listed = ", ".join(f"{key} ({_counts(g)}, {human_bytes(g['bytes'])})" for key, g in groups.items())
-        source.notes.append(f"skipped, not model weights: {listed}; {human_bytes(total)} in all")
+        source.notes.append(f"skipped, not model weights: {_listed(groups)}; {human_bytes(total)} in all")
     return source
-
-
-def _key_path(index: DcpIndex, fqn: str) -> tuple[Any, ...]:
-    return index.paths.get(fqn) or tuple(fqn.split(".", 1))
-
-
-def _split(index: DcpIndex) -> tuple[dict[str, StoredTensor], set[str]]:
-    """The model's tensors, and the fqns (tensors and values) that are training state."""
-    skipped = {
-        fqn
-        for fqn in [*index.tensors, *index.values]
-        if any(isinstance(k, str) and k in NOT_MODEL for k in _key_path(index, fqn)[:-1])
-    }
-    return {fqn: t for fqn, t in index.tensors.items() if fqn not in skipped}, skipped
-
-
-def _names(index: DcpIndex, fqns: list[str]) -> tuple[dict[str, str], str | None]:
-    """Names for the model's tensors: the fqns, or the keys inside ``model`` when every tensor is under it."""
-    paths = [index.paths.get(fqn) for fqn in fqns]
-    if fqns and all(p and len(p) == 2 and isinstance(p[1], str) and p[0] == paths[0][0] for p in paths):
-        if paths[0][0] in MODEL_KEYS:
-            names = {fqn: p[1] for fqn, p in zip(fqns, paths, strict=True)}
-            extra = {
-                fqn: key_path[1]
-                for fqn in index.values
-                if (key_path := index.paths.get(fqn)) and len(key_path) == 2 and key_path[0] == paths[0][0]
-            }
-            return {**names, **extra}, paths[0][0]
-    return {fqn: fqn for fqn in fqns}, None
 
 
 def checked(model: dict[str, StoredTensor]) -> tuple[dict[str, StoredTensor], dict[Path, int]]:
@@ -174,12 +139,11 @@ def _in_blob(
     return StoredChunk(chunk.box, chunk.file, chunk.position, chunk.length, chunk.transforms, data=entry.data)
 
 
-def _groups(index: DcpIndex, skipped: set[str]) -> dict[str, dict[str, int]]:
-    """The skipped entries by their top-level key: how many tensors and values, and their bytes on disk."""
+def _groups(index: DcpIndex, skipped: dict[str, str]) -> dict[str, dict[str, int]]:
+    """The skipped entries by the key path they were skipped for: how many tensors and values, their bytes."""
     groups: dict[str, dict[str, int]] = {}
-    for fqn in sorted(skipped):
-        top = str(_key_path(index, fqn)[0])
-        group = groups.setdefault(top, {"tensors": 0, "values": 0, "bytes": 0})
+    for fqn, state in sorted(skipped.items()):
+        group = groups.setdefault(state, {"tensors": 0, "values": 0, "bytes": 0})
         if fqn in index.tensors:
             group["tensors"] += 1
             group["bytes"] += index.tensors[fqn].stored_bytes
@@ -187,6 +151,36 @@ def _groups(index: DcpIndex, skipped: set[str]) -> dict[str, dict[str, int]]:
             group["values"] += 1
             group["bytes"] += index.values[fqn]
     return groups
+
+
+def _listed(groups: dict[str, dict[str, int]]) -> str:
+    return ", ".join(f"{key} ({_counts(g)}, {human_bytes(g['bytes'])})" for key, g in groups.items())
+
+
+def _no_model(path: Path, values: int, groups: dict[str, dict[str, int]]) -> NoModelError:
+    """The error for a folder with no model tensors (``values``: other entries), naming what it holds and the DCP
+    folders beside it."""
+    held = [_listed(groups)] if groups else []
+    held += [_plural(values, "other pickled value")] if values else []
+    beside = [p.name + "/" for p in _siblings(path) if p != path and is_dcp_folder(p)]
+    return NoModelError(
+        f"holds no model tensors, only {'; '.join(held)}" if held else "holds no model tensors, nor anything else",
+        path=path,
+        hint=f"point reshard at the folder that holds the model: {', '.join(beside)} beside it"
+        if beside
+        else "point reshard at the folder the model's weights were saved in",
+    )
+
+
+def _siblings(path: Path, limit: int = 64) -> list[Path]:
+    """The first ``limit`` folders beside ``path``, by name (a parent of thousands of runs is not walked)."""
+    found = []
+    for entry in path.parent.iterdir():
+        if entry.is_dir():
+            found.append(entry)
+            if len(found) >= limit:
+                break
+    return sorted(found)
 
 
 def _counts(group: dict[str, int]) -> str:

@@ -38,6 +38,10 @@ MANIFEST_NAME = "reshard.json"
 # ``pytorch_optim*``, Megatron's distributed optimizer ``distrib_optim.pt`` (not ``model_optim_rng.pt``, which
 # holds the model).
 OPTIMIZER = re.compile(r"optim_states|optimizer|pytorch_optim|distrib_optim", re.I)
+# What HF Trainer and accelerate save beside the weights of a checkpoint-N/ folder: never weight files.
+TRAINER_STATE = re.compile(
+    r"^(training_args\.bin|scheduler\.pt|scaler\.pt|rng_state(_\d+)?\.pth|random_states_\d+\.pkl)$"
+)
 
 
 def is_hf_folder(path: Path) -> bool:
@@ -65,7 +69,8 @@ def weight_names(names: Iterable[str], index_files: Callable[[str], list[str]]) 
     One rule for a local folder and a Hub repo's folder, so that the Hub downloads exactly what the local reader
     then reads: the files an index names (``index_files(index_name)`` reads and checks them), else
     ``model.safetensors`` / ``pytorch_model.bin``, else every file of the first suffix of
-    :data:`TENSOR_SUFFIXES` present; optimizer state (:data:`OPTIMIZER`) is never a weight file.
+    :data:`TENSOR_SUFFIXES` present; optimizer state (:data:`OPTIMIZER`) and a trainer's other state
+    (:data:`TRAINER_STATE`) are never weight files.
     """
     present = set(names)
     for index_name in (SAFETENSORS_INDEX_FILE, BIN_INDEX_FILE):
@@ -75,7 +80,9 @@ def weight_names(names: Iterable[str], index_files: Callable[[str], list[str]]) 
         if single in present:
             return [single]
     for suffix in TENSOR_SUFFIXES:
-        found = sorted(n for n in present if n.endswith(suffix) and not OPTIMIZER.search(n))
+        found = sorted(
+            n for n in present if n.endswith(suffix) and not OPTIMIZER.search(n) and not TRAINER_STATE.match(n)
+        )
         if found:
             return found
     return []

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,8 @@ class HubCheckpoint:
         path: a folder or file inside the repo ("" for its root).
         commit: the 40-hex commit ``revision`` resolved to (None until :func:`resolve`).
         cache_dir: the Hugging Face cache to use (None: huggingface_hub's, ``HF_HUB_CACHE``).
+        typed_as_path: the argument as given when it could as well be a local path (``runs/ckpt-tp2``): if the repo
+            cannot be had, the missing path is said first.
     """
 
     repo_id: str
@@ -38,6 +40,7 @@ class HubCheckpoint:
     path: str = ""
     commit: str | None = None
     cache_dir: Path | None = None
+    typed_as_path: str | None = field(default=None, repr=False, compare=False)
 
     def __str__(self) -> str:
         """``org/name@commit/path`` once resolved (``@revision`` before): itself a valid CKPT argument."""
@@ -65,6 +68,7 @@ def checkpoint_argument(text: str) -> Path | HubCheckpoint:
     from huggingface_hub import constants, parse_hf_uri
     from huggingface_hub.errors import HfUriError
 
+    typed_as_path = None
     if text.startswith(_URL):
         uri_text = text
     elif not text.startswith(("/", ".", "~")) and text.split("@", 1)[0].count("/") == 1:
@@ -75,7 +79,7 @@ def checkpoint_argument(text: str) -> Path | HubCheckpoint:
                 path=text,
                 hint=f"check the path; to read the Hub repo, write hf://{text}",
             )
-        uri_text = "hf://" + text  # org/name[@revision][/path]
+        uri_text, typed_as_path = "hf://" + text, text  # org/name[@revision][/path]
     else:
         raise ReshardError("no such file or folder", path=text)
     try:
@@ -86,7 +90,7 @@ def checkpoint_argument(text: str) -> Path | HubCheckpoint:
         raise ReshardError("no such file or folder, nor a Hub repo id (org/name[@revision])", path=text) from None
     if uri.type != "model":
         raise ReshardError(f"a {uri.type} repo: reshard reads checkpoints from model repos", path=text)
-    return HubCheckpoint(uri.id, uri.revision, uri.path_in_repo.strip("/"))
+    return HubCheckpoint(uri.id, uri.revision, uri.path_in_repo.strip("/"), typed_as_path=typed_as_path)
 
 
 def with_cache(ckpt: Path | HubCheckpoint, cache_dir: Path | None) -> Path | HubCheckpoint:
@@ -108,14 +112,33 @@ def resolve(ckpt: HubCheckpoint) -> HubCheckpoint:
 
     from reshard.hub.api import hub_api, hub_errors
 
-    with hub_errors(ckpt):
-        resolved = hub_api().resolve_revision(
-            ckpt.repo_id,
-            revision=ckpt.revision,
-            cache_dir=ckpt.cache_dir,
-            local_files_only=constants.is_offline_mode(),  # the cache's refs/, without a warning per call
-        )
+    try:
+        with hub_errors(ckpt):
+            resolved = hub_api().resolve_revision(
+                ckpt.repo_id,
+                revision=ckpt.revision,
+                cache_dir=ckpt.cache_dir,
+                local_files_only=constants.is_offline_mode(),  # the cache's refs/, without a warning per call
+            )
+    except HubError as err:
+        from huggingface_hub.errors import GatedRepoError
+
+        if ckpt.typed_as_path is None or isinstance(err.__cause__, GatedRepoError):  # a gated repo was meant
+            raise
+        raise _no_such_path(ckpt.typed_as_path, err) from err
     return replace(ckpt, commit=resolved.resolved)
+
+
+def _no_such_path(text: str, err: HubError) -> ReshardError:
+    """A path like ``runs/ckpt-tp2`` whose folder does not exist and that no Hub repo answered for: the missing
+    path first, then why it is not a repo either (the Hub's hint is left out: the user most likely meant a path)."""
+    why = err.detail.removeprefix("not a local path, and ")
+    first = text.split("/", 1)[0]
+    return ReshardError(
+        f"no such file or folder (there is no {first!r} here), and not a Hub repo either: {why}",
+        path=text,
+        hint=f"check the path; a Hub repo is read as hf://{text}",
+    )
 
 
 def hub_origin(path: Path) -> dict[str, str] | None:

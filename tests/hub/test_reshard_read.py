@@ -287,6 +287,46 @@ def test_a_missing_local_path_that_looks_like_a_repo_id_is_named_as_missing(hub,
     assert len(hub.requests) == start
 
 
+def test_a_missing_path_like_a_repo_id_offline_is_said_missing_first(tmp_path, cli, monkeypatch):
+    """``runs/ckpt-tp2`` with no ``runs`` here, offline: no such folder first, then why it is no repo either, in one
+    line, without the Hub's ``unset HF_HUB_OFFLINE`` hint."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    done = cli("inspect", "runs/ckpt-tp2")
+
+    assert done.exit_code == 2
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(
+        "Error: runs/ckpt-tp2: no such file or folder (there is no 'runs' here), and not a Hub repo either: "
+        "not in the cache, and the Hub cannot be reached"
+    )
+    assert line.endswith("(check the path; a Hub repo is read as hf://runs/ckpt-tp2)")
+    assert "HF_HUB_OFFLINE" not in line.split("(check the path")[1]
+
+
+def test_a_missing_path_like_a_repo_id_online_is_said_missing_first(hub, tmp_path, cli, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+
+    done = cli("inspect", "runs/ckpt-tp2")
+
+    assert done.exit_code == 2
+    assert done.stderr.strip().splitlines() == [
+        f"Error: runs/ckpt-tp2: no such file or folder (there is no 'runs' here), and not a Hub repo either: "
+        f"{hub.endpoint} has no such repo (or it is private and the token's user cannot see it) "
+        "(check the path; a Hub repo is read as hf://runs/ckpt-tp2)"
+    ]
+
+
+def test_an_hf_uri_keeps_the_hub_error(hub, tmp_path, cli, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+
+    done = cli("inspect", "hf://runs/ckpt-tp2")
+
+    assert done.exit_code == 2
+    assert "has no such repo" in done.stderr and "no such file or folder" not in done.stderr
+
+
 def test_single_file_and_subfolder_checkpoints(hub, tiny, tmp_path, cli):
     save_file(load_file(tiny / "full" / "model.safetensors"), tmp_path / "model.safetensors")
     files = {"run1/config.json": (tiny / "full" / "config.json").read_bytes()}

@@ -121,18 +121,19 @@ def resolve(ckpt: HubCheckpoint) -> HubCheckpoint:
                 local_files_only=constants.is_offline_mode(),  # the cache's refs/, without a warning per call
             )
     except HubError as err:
-        from huggingface_hub.errors import GatedRepoError
+        from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled, RevisionResolutionError
 
-        if ckpt.typed_as_path is None or isinstance(err.__cause__, GatedRepoError):  # a gated repo was meant
-            raise
+        unreachable = (LocalEntryNotFoundError, RevisionResolutionError, OfflineModeIsEnabled)
+        if ckpt.typed_as_path is None or not isinstance(err.__cause__, unreachable) or "in time" in err.detail:
+            raise  # a repo the Hub answered for (no such repo: "not a local path" already comes first), or a timeout
         raise _no_such_path(ckpt.typed_as_path, err) from err
     return replace(ckpt, commit=resolved.resolved)
 
 
 def _no_such_path(text: str, err: HubError) -> ReshardError:
-    """A path like ``runs/ckpt-tp2`` whose folder does not exist and that no Hub repo answered for: the missing
+    """A path like ``runs/ckpt-tp2`` whose folder does not exist, offline or with the Hub out of reach: the missing
     path first, then why it is not a repo either (the Hub's hint is left out: the user most likely meant a path)."""
-    why = err.detail.removeprefix("not a local path, and ")
+    why = err.detail
     first = text.split("/", 1)[0]
     return ReshardError(
         f"no such file or folder (there is no {first!r} here), and not a Hub repo either: {why}",

@@ -107,7 +107,7 @@ def inspect_checkpoint(
             "padding_rows": None if padded is None or vocab.original is None else padded - vocab.original,
         },
         mapping=mapping,
-        notes=list(source.notes) + ([why_not] if why_not else []),
+        notes=source.notes_for(layout=None, vocab_known=vocab.original is not None) + ([why_not] if why_not else []),
         extras=_not_tensors(source),
         hub=source.hub,
     )

@@ -187,7 +187,7 @@ def _result(
         layout=target.layout.name,
         tp=target.conversion.target_tp,
     )
-    notes = list(source.notes)
+    notes = source.notes_for(layout=target.layout.name, vocab_known=opened.vocab.original is not None)
     if divergent:
         notes.append(f"replicated but different between ranks, rank 0's copy taken: {', '.join(sorted(divergent))}")
     if target.layout.global_tensors:

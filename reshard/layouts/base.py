@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -85,6 +86,13 @@ class SourceFacts:
     megatron_args: Any = None
 
 
+class NoteScope(Enum):
+    """When a note about a source is true."""
+
+    OWN_LAYOUT = "own-layout"  # only of an output in the source's own layout (how to load what it does not carry)
+    VOCAB_UNKNOWN = "vocab-unknown"  # only while no true vocab size is known
+
+
 @dataclass
 class SourceCheckpoint:
     """A checkpoint as ``tp`` ranks, each a mapping ``name -> TensorRef``, plus what came with it.
@@ -97,6 +105,7 @@ class SourceCheckpoint:
         extras: per rank, non-tensor state-dict entries (Megatron ``_extra_state`` blobs, ...).
         top_level: per rank, other top-level keys of torch files (``args``, optimizer state, ...).
         notes: things ``inspect`` should tell the user (legacy files, dropped keys, grouping).
+        scoped_notes: notes true only of some uses of it (:class:`NoteScope`); :meth:`notes_for` picks them.
         side_files: files to copy beside the output (tokenizer, generation config, ...).
         facts: what the layout read for writers and mappings (its own :class:`SourceFacts` subclass).
         refusal: why a conversion of it is refused though ``inspect`` and ``check`` read it (a legacy QKV order,
@@ -111,6 +120,7 @@ class SourceCheckpoint:
     extras: list[dict[str, Any]] = field(default_factory=list)
     top_level: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    scoped_notes: list[tuple[NoteScope, str]] = field(default_factory=list)
     side_files: list[Path] = field(default_factory=list)
     facts: SourceFacts = field(default_factory=SourceFacts)
     refusal: ReshardError | None = None
@@ -127,6 +137,14 @@ class SourceCheckpoint:
             for ref in rank.values():
                 seen.setdefault(ref.file)
         return list(seen)
+
+    def notes_for(self, *, layout: str | None, vocab_known: bool) -> list[str]:
+        """The notes true of what is done with it: every plain note; those of :attr:`NoteScope.OWN_LAYOUT` when
+        ``layout`` (the output's) is its own or None (``inspect``, which reports on the source itself); those of
+        :attr:`NoteScope.VOCAB_UNKNOWN` while no true vocab size is known (no ``--vocab``, manifest or config)."""
+        wanted = {NoteScope.OWN_LAYOUT} if layout in (None, self.layout) else set()
+        wanted |= set() if vocab_known else {NoteScope.VOCAB_UNKNOWN}
+        return [*self.notes, *(text for scope, text in self.scoped_notes if scope in wanted)]
 
     def names(self) -> list[str]:
         """Every tensor name, in the order the ranks first list them."""

@@ -333,3 +333,26 @@ def test_fix_of_a_megatron_source_at_tp_above_1_keeps_megatron(cli, tmp_path):
     result = cli("fix", src, "--vocab", TINY.vocab, "--tp", 4, "-o", tmp_path / "out", "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["layout"] == "megatron"
+
+
+@pytest.mark.parametrize("command", ["fix", "convert"])
+def test_an_hf_output_of_megatron_gets_only_the_notes_true_of_it(cli, tmp_path, command):
+    """Written as hf with --vocab: Megatron's "load it with --no-load-optim" and "the args do not record the true
+    vocab" are not true of it; written back as Megatron, the first is; inspect without --vocab says both."""
+    from fixtures.megatron import TINY, full_model, write_megatron
+
+    src = write_megatron(tmp_path / "src", full_model(TINY), 2)
+    extra = ["--layout", "hf"] if command == "convert" else []
+    result = cli(command, src, "--vocab", TINY.vocab, "--tp", 1, *extra, "-o", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert "(hf, tp=1)" in result.stdout
+    assert "--no-load-optim" not in result.stdout and "do not record the true vocab" not in result.stdout
+
+    kept = cli("convert", src, "--vocab", TINY.vocab, "--tp", 1, "-o", tmp_path / "kept")
+    assert kept.exit_code == 0, kept.output
+    assert "(megatron, tp=1)" in kept.stdout
+    assert "note: not carried over by convert: " in kept.stdout and "--no-load-optim" in kept.stdout
+    assert "do not record the true vocab" not in kept.stdout
+    inspected = cli("inspect", src)
+    assert "note: not carried over by convert: " in inspected.stdout
+    assert "note: the args do not record the true vocab size" in inspected.stdout

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from reshard.config import ModelConfig
 from reshard.errors import CorruptFileError, MissingRankError, ReshardError
-from reshard.layouts.base import SourceCheckpoint
+from reshard.layouts.base import NoteScope, SourceCheckpoint
 from reshard.layouts.megatron.facts import MegatronFacts
 from reshard.layouts.megatron.file import MegatronFile
 from reshard.layouts.megatron.merge import merge_stages
@@ -205,15 +205,21 @@ def _describe(
     if source.config is None:
         source.notes.append("no usable Megatron args in the files: model sizes must come from --config")
     elif source.config.vocab_size is None:
-        source.notes.append(
-            "the args do not record the true vocab size: without --vocab (or a manifest) the padded vocab "
-            "table is kept as is, pad rows included"
+        source.scoped_notes.append(
+            (
+                NoteScope.VOCAB_UNKNOWN,
+                "the args do not record the true vocab size: without --vocab (or a manifest) the padded vocab "
+                "table is kept as is, pad rows included",
+            )
         )
     dropped = sorted({k for t in source.top_level for k in t} - set(KEPT_KEYS))
     if dropped:
-        source.notes.append(
-            f"not carried over by convert: {', '.join(dropped)} "
-            "(load the output with --no-load-optim --no-load-rng, or --finetune)"
+        source.scoped_notes.append(
+            (
+                NoteScope.OWN_LAYOUT,
+                f"not carried over by convert: {', '.join(dropped)} "
+                "(load the output with --no-load-optim --no-load-rng, or --finetune)",
+            )
         )
     if pp > 1 or ep > 1 or first.chunks > 1:
         source.notes.append(

@@ -102,11 +102,14 @@ def resolve_vocab(explicit: int | None, manifest: Manifest | None, config: Model
 def check_vocab_shrink(
     vocab: VocabPlan, manifest: Manifest | None, config: ModelConfig | None, *, source_tp: int, allow: bool = False
 ) -> None:
-    """Refuse a ``--vocab`` below the true size the manifest or the config gives: it would drop real rows.
+    """Refuse a ``--vocab`` below the true size the source records: it would drop real rows.
 
-    A config's size counts as true unless it could be that vocab padded (a multiple of ``m * source_tp`` or ``m``,
-    ``m`` in :data:`PAD_MULTIPLES`, less than one multiple above it: a trainer that saved its padded size). The
-    manifest's original size is always true.
+    What counts, first found: the manifest's original size; a config that records its padding (Megatron's args:
+    ``vocab_size`` when given, else ``padded_vocab_size`` padded to ``make_vocab_size_divisible_by * tp``, which
+    holds a true size of one multiple below it at most); an HF config's ``vocab_size``, which records no padding:
+    it counts as true unless it could be ``--vocab`` padded (a multiple of ``m * source_tp`` or ``m``, ``m`` in
+    :data:`PAD_MULTIPLES`, less than one multiple above it: a trainer that saved its padded size; nothing else in
+    such a folder tells).
 
     Raises:
         ReshardError: ``--vocab`` is below the true size and ``allow`` (``--allow-vocab-shrink``) is off.
@@ -114,20 +117,47 @@ def check_vocab_shrink(
     if vocab.origin != "--vocab" or allow or vocab.original is None:
         return
     asked = vocab.original
+    record = _padding_record(config, source_tp)
+    hint = "pass the true vocab size, or --allow-vocab-shrink to drop those rows on purpose"
     if manifest is not None and manifest.vocab.original is not None and asked < manifest.vocab.original:
         true, where, path = manifest.vocab.original, "the reshard.json beside it", None
     elif config is not None and config.vocab_size and asked < config.vocab_size:
         true, where, path = config.vocab_size, config.path.name if config.path else "the config", config.path
-        if _could_be_padded(true, asked, source_tp):
+        if record is None and _could_be_padded(true, asked, source_tp):
             return
+    elif config is not None and record is not None and round_up(asked, record[1]) < record[0]:
+        padded, multiple = record
+        lowest = padded - multiple + 1
+        raise ReshardError(
+            f"--vocab {asked} is below what the padded_vocab_size {padded} recorded in {_name(config)} can hold: "
+            f"padded to a multiple of {multiple} (make_vocab_size_divisible_by x tp {source_tp}), its true size is "
+            f"{lowest}..{padded}; the rows {asked}..{lowest - 1} of every vocab tensor would be dropped",
+            path=config.path,
+            hint=hint,
+        )
     else:
         return
     raise ReshardError(
         f"--vocab {asked} is below the vocab size {true} that {where} gives: the {true - asked} rows "
         f"{asked}..{true - 1} of every vocab tensor would be dropped",
         path=path,
-        hint="pass the true vocab size, or --allow-vocab-shrink to drop those rows on purpose",
+        hint=hint,
     )
+
+
+def _padding_record(config: ModelConfig | None, tp: int) -> tuple[int, int] | None:
+    """``(padded rows, pad multiple)`` when the config records how its vocab was padded (Megatron's args)."""
+    if config is None:
+        return None
+    padded, divisible = config.raw.get("padded_vocab_size"), config.raw.get("make_vocab_size_divisible_by")
+    sizes = (padded, divisible)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in sizes):
+        return None
+    return padded, megatron_pad_multiple(divisible, max(tp, 1))
+
+
+def _name(config: ModelConfig) -> str:
+    return config.path.name if config.path else "the config"
 
 
 def _could_be_padded(padded: int, size: int, tp: int) -> bool:

@@ -87,6 +87,41 @@ def test_allow_vocab_shrink_drops_the_rows_on_purpose(cli, tmp_path, llama_dir):
     assert json.loads((tmp_path / "out" / "config.json").read_text())["vocab_size"] == VOCAB - 5
 
 
+def test_a_vocab_below_what_megatrons_padded_size_can_hold_is_refused(cli, tmp_path):
+    """The args record padded_vocab_size 56 = 50 padded to a multiple of 4 x tp 2: a true size of 49..56. --vocab 40
+    would drop rows 40..48, which cannot be padding; --vocab 50 drops only pad rows."""
+    from fixtures.megatron import TINY, full_model, write_megatron
+
+    src = write_megatron(tmp_path / "src", full_model(TINY), 2)
+    result = cli("fix", src, "--vocab", 40, "-o", tmp_path / "out")
+    assert_refused(
+        result,
+        tmp_path / "out",
+        "--vocab 40 is below what the padded_vocab_size 56 recorded in model_optim_rng.pt can hold: padded to a "
+        "multiple of 8 (make_vocab_size_divisible_by x tp 2), its true size is 49..56; the rows 40..48 of every "
+        "vocab tensor would be dropped",
+        "--allow-vocab-shrink",
+    )
+    assert cli("fix", src, "--vocab", 50, "-o", tmp_path / "fixed").exit_code == 0
+
+
+def test_a_true_vocab_the_args_record_is_never_taken_for_padding(cli, tmp_path):
+    """args.vocab_size 50 is the true size (--vocab-size): --vocab 49 drops a real row, though 50 is a multiple of
+    2 that the guess for a config's lone size would have taken for 49 padded."""
+    from fixtures.megatron import TINY, full_model, megatron_args, write_megatron
+
+    args = megatron_args(TINY, 2, record_vocab=True)
+    src = write_megatron(tmp_path / "src", full_model(TINY), 2, args=args)
+    result = cli("fix", src, "--vocab", 49, "-o", tmp_path / "out")
+    assert_refused(
+        result,
+        tmp_path / "out",
+        "--vocab 49 is below the vocab size 50 that model_optim_rng.pt gives: the 1 rows 49..49 of every vocab "
+        "tensor would be dropped",
+        "--allow-vocab-shrink",
+    )
+
+
 SAMPLE = Path(__file__).resolve().parents[2] / "sample_ckpts" / "tiny-llama-tp2"
 
 

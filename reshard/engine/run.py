@@ -30,6 +30,7 @@ from reshard.io.journal import Resumed
 from reshard.io.staging import check_output
 from reshard.manifest import MANIFEST_NAME, write_manifest
 from reshard.options import ConvertOptions
+from reshard.plans import built_family
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,7 @@ def run_conversion(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
             ``out`` then; with ``--resume``, the partial output is kept to resume from).
     """
     target = plan_target(opened, options)
+    family = built_family.start(opened.source.config, opened.source.names())  # heard before publishing
     conversion, layout = target.conversion, target.layout
     if not (options.merge_lora or options.allow_divergent_replicas):
         check_lora_replicas(opened.tensors)
@@ -132,6 +134,8 @@ def run_conversion(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
             return _Moved(hashes, finite, frozenset(_divergent_targets(todo, divergent)), files)
 
         moved = [move()] if group is None else together(group, move)
+        if family is not None:
+            family.result()
         if not first:
             return _result(opened, target, out, options, moved[group.rank].files, frozenset())
         whole = _merged(moved, resumed)

@@ -38,6 +38,7 @@ __all__ = [
     "Plan",
     "Rule",
     "check_family",
+    "judged_families",
     "infer_partition",
     "load_plan_file",
     "select_plan",
@@ -135,6 +136,20 @@ TELLS: tuple[tuple[str, str, frozenset[str], frozenset[str]], ...] = (
 )
 
 
+def judged_families(config: ModelConfig | None, names: list[str]) -> tuple[Family, Family] | None:
+    """The config's family and the names' family, when a config can be judged against the names: its
+    ``model_type`` is one a built-in family knows and the names are transformers' (not Megatron's, SAT's or
+    torchtitan's, which a config describes after mapping); else None."""
+    model_type = config.model_type if config is not None else None
+    claimed = next((f for f in FAMILIES if model_type and model_type in f.model_types), None)
+    if claimed is None or claimed.foreign:
+        return None
+    found = next((f for f in FAMILIES if any(re.search(f.signature, n) for n in names)), None)
+    if found is None or found.foreign:
+        return None
+    return claimed, found
+
+
 def check_family(config: ModelConfig | None, names: Iterable[str]) -> None:
     """Refuse a config of another family than the tensors (a Gemma2 ``config.json`` beside Llama tensors would
     publish a model whose extra norms transformers initialises at random).
@@ -147,14 +162,12 @@ def check_family(config: ModelConfig | None, names: Iterable[str]) -> None:
     Raises:
         ReshardError: the family or model type of the config does not match the tensors, naming both and a tensor.
     """
-    model_type = config.model_type if config is not None else None
-    claimed = next((f for f in FAMILIES if model_type and model_type in f.model_types), None)
-    if claimed is None or claimed.foreign:
-        return
     names = sorted({plain_name(n) for n in names})
-    found = next((f for f in FAMILIES if any(re.search(f.signature, n) for n in names)), None)
-    if found is None or found.foreign:
+    judged = judged_families(config, names)
+    if judged is None:
         return
+    claimed, found = judged
+    model_type = config.model_type
     where = f"{config.path}: " if config.path else ""
     hint = "pass the config.json of this checkpoint's model (--config)"
     example = next(n for n in names if re.search(found.signature, n))

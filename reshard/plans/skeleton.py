@@ -33,13 +33,15 @@ class ModelSkeleton:
     """The model transformers would build for a config: its TP plan and parameter shapes (no data).
 
     ``tp_plan`` is None when the model has no plan at all; ``sub_models`` lists the sub-models the plan
-    leaves out (outermost first: a sub-model without a plan hides its own sub-models).
+    leaves out (outermost first: a sub-model without a plan hides its own sub-models); ``tied`` names the tensors
+    tied to another (``lm_head.weight`` with ``tie_word_embeddings``), which a checkpoint may leave out.
     """
 
     tp_plan: dict[str, str] | None
     shapes: dict[str, tuple[int, ...]]
     model_class: str
     sub_models: tuple[SubModel, ...] = ()
+    tied: frozenset[str] = frozenset()
 
     def without_plan(self) -> list[SubModel]:
         return [s for s in self.sub_models if not s.has_plan]
@@ -93,7 +95,8 @@ def build_skeleton(config: ModelConfig | None) -> ModelSkeleton:
         own_config = module.config is not model.config  # not the base model a head class wraps
         if own_config and any(shape_name.startswith(name + ".") for shape_name in shapes):
             subs.append(SubModel(name, type(module).__name__, has_plan))
-    return ModelSkeleton(None if plan is None else dict(plan), shapes, model_class.__name__, tuple(subs))
+    tied = frozenset(getattr(model, "all_tied_weights_keys", None) or ())
+    return ModelSkeleton(None if plan is None else dict(plan), shapes, model_class.__name__, tuple(subs), tied)
 
 
 def _no_init_weights() -> contextlib.AbstractContextManager:

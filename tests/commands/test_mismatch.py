@@ -61,6 +61,39 @@ def test_the_config_of_its_own_family_converts(cli, tmp_path, llama_dir):
     assert result.exit_code == 0, result.output
 
 
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        (
+            {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]},
+            "transformers builds Qwen2ForCausalLM for this config (model_type 'qwen2'), and 6 of its 27 tensors are "
+            "not among the checkpoint's 21 (21 are), e.g. 'model.layers.0.self_attn.k_proj.bias'",
+        ),
+        (
+            {"num_hidden_layers": 3},
+            "transformers builds LlamaForCausalLM for this config (model_type 'llama'), and 9 of its 30 tensors are "
+            "not among the checkpoint's 21 (21 are), e.g. 'model.layers.2.input_layernorm.weight'",
+        ),
+    ],
+    ids=["qwen2-biases", "a-layer-more"],
+)
+def test_a_config_whose_built_model_lacks_tensors_is_refused(cli, tmp_path, llama_dir, changes, expected):
+    """No name signature tells a Qwen2 config (q/k/v biases) or one layer more from Llama's tensors: the model
+    transformers builds for the config on the meta device does."""
+    ckpt = with_config(llama_dir, tmp_path / "ckpt", **changes)
+    for command in (["convert", ckpt, "--tp", 2], ["fix", ckpt, "--vocab", VOCAB, "--force"]):
+        result = cli(*command, "-o", tmp_path / "out")
+        line = assert_refused(result, tmp_path / "out", expected, "from_pretrained would initialise them at random")
+        assert line.startswith(f"Error: {ckpt / 'config.json'}: ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_a_tied_head_left_out_is_not_missing(cli, tmp_path):
+    tiny_llama(tmp_path / "tied", vocab=VOCAB, tie=True)
+    result = cli("convert", tmp_path / "tied", "--tp", 2, "-o", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+
+
 def test_fix_refuses_a_vocab_below_the_configs(cli, tmp_path, llama_dir):
     result = cli("fix", llama_dir, "--vocab", VOCAB - 5, "-o", tmp_path / "out")
     assert_refused(

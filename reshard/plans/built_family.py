@@ -16,12 +16,48 @@ import threading
 from collections.abc import Iterable
 
 from reshard.config import ModelConfig
-from reshard.errors import ReshardError
+from reshard.errors import ReshardError, shown
 from reshard.plans import judged_families
 from reshard.plans.lora import plain_name
 from reshard.plans.skeleton import ModelSkeleton, build_skeleton
 
 __all__ = ["FamilyCheck", "check_built_family", "start"]
+
+HINT = "pass the config.json of this checkpoint's model (--config)"
+# Layer counts: every layer has a tensor of its own, so more layers than the checkpoint has tensors is a refusal
+# before anything is built (and a damaged count of 10^12 layers would take a build without end).
+LAYER_COUNTS = frozenset({"num_hidden_layers", "n_layer"})
+# Counts that size the build too, but need not each have a tensor (experts fused into one tensor per layer): past
+# the checkpoint's tensors, the model is not built and the names' signatures judge alone.
+COUNTS = frozenset({*LAYER_COUNTS, "num_experts", "num_local_experts", "n_routed_experts"})
+
+
+def _over(raw: object, tensors: int, keys: frozenset[str], depth: int = 0) -> tuple[str, object] | None:
+    """A count of ``keys`` in the config (or its sub-configs) above ``tensors``, as ``(key, value)``."""
+    if not isinstance(raw, dict) or depth > 3:
+        return None
+    for key, value in raw.items():
+        if key in keys and isinstance(value, int) and value > tensors:
+            return key, value
+        found = _over(value, tensors, keys, depth + 1) if isinstance(value, dict) else None
+        if found is not None:
+            return found
+    return None
+
+
+def check_layer_count(config: ModelConfig, names: list[str]) -> None:
+    """Refuse a config with more layers than ``names`` has tensors, before anything is built (no import)."""
+    layers = _over(config.raw, len(names), LAYER_COUNTS)
+    if layers is not None:
+        raise ReshardError(
+            f"{_where(config)}the config says {layers[0]} {shown(layers[1])}, more layers than the checkpoint has "
+            f"tensors ({len(names)}): from_pretrained would initialise the missing ones at random",
+            hint=HINT,
+        )
+
+
+def _where(config: ModelConfig) -> str:
+    return f"{config.path}: " if config.path else ""
 
 
 def check_built_family(config: ModelConfig | None, names: Iterable[str]) -> None:
@@ -33,6 +69,9 @@ def check_built_family(config: ModelConfig | None, names: Iterable[str]) -> None
     """
     plain = sorted({plain_name(n) for n in names})
     if config is None or judged_families(config, plain) is None:
+        return
+    check_layer_count(config, plain)
+    if _over(config.raw, len(plain), COUNTS) is not None:
         return
     try:
         skeleton = build_skeleton(config)
@@ -51,12 +90,12 @@ def _missing(skeleton: ModelSkeleton, have: set[str], config: ModelConfig) -> Re
     if not missing:
         return None
     shared = len(have & set(skeleton.shapes))
-    where = f"{config.path}: " if config.path else ""
     return ReshardError(
-        f"{where}transformers builds {skeleton.model_class} for this config (model_type {config.model_type!r}), and "
-        f"{len(missing)} of its {len(skeleton.shapes)} tensors are not among the checkpoint's {len(have)} ({shared} "
-        f"are), e.g. {missing[0]!r}: from_pretrained would initialise them at random",
-        hint="pass the config.json of this checkpoint's model (--config)",
+        f"{_where(config)}transformers builds {skeleton.model_class} for this config (model_type "
+        f"{config.model_type!r}), and {len(missing)} of its {len(skeleton.shapes)} tensors are not among the "
+        f"checkpoint's {len(have)} ({shared} are), e.g. {missing[0]!r}: from_pretrained would initialise them at "
+        "random",
+        hint=HINT,
     )
 
 
@@ -82,7 +121,14 @@ class FamilyCheck:
 
 
 def start(config: ModelConfig | None, names: list[str]) -> FamilyCheck | None:
-    """Start the check on a thread when the config can be judged against the names (else None: nothing to wait)."""
-    if config is None or judged_families(config, sorted({plain_name(n) for n in names})) is None:
+    """Start the check on a thread when the config can be judged against the names (else None: nothing to wait);
+    a layer count past the tensors is refused at once.
+
+    Raises:
+        ReshardError: the config has more layers than the checkpoint has tensors.
+    """
+    plain = sorted({plain_name(n) for n in names})
+    if config is None or judged_families(config, plain) is None:
         return None
+    check_layer_count(config, plain)
     return FamilyCheck(config, names)

@@ -88,6 +88,17 @@ def test_a_config_whose_built_model_lacks_tensors_is_refused(cli, tmp_path, llam
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
+def test_a_layer_count_past_the_tensors_is_refused_without_building_the_model(cli, tmp_path, llama_dir):
+    """10^12 layers would take a meta build without end: refused at once, by the counts."""
+    ckpt = with_config(llama_dir, tmp_path / "ckpt", num_hidden_layers=10**12)
+    result = cli("convert", ckpt, "--tp", 2, "-o", tmp_path / "out")
+    assert_refused(
+        result,
+        tmp_path / "out",
+        "the config says num_hidden_layers 1000000000000, more layers than the checkpoint has tensors (21)",
+    )
+
+
 def test_a_tied_head_left_out_is_not_missing(cli, tmp_path):
     tiny_llama(tmp_path / "tied", vocab=VOCAB, tie=True)
     result = cli("convert", tmp_path / "tied", "--tp", 2, "-o", tmp_path / "out")

@@ -7,10 +7,9 @@
 A DCP checkpoint stores every tensor by its global shape and the chunk boxes each rank held, so it is
 presented as a tp=1 checkpoint of global tensors: each tensor is assembled from the boxes over it when
 it is read (:mod:`reshard.layouts.dcp.boxed_reader`), and any target tp is one slice of it away. No process
-group, no torch.distributed import. Only the model's tensors are read: optimizer, scheduler,
-dataloader, rng and training-state entries are skipped and reported (torchtitan saves the model at the
-top level next to ``optimizer.*``, ``lr_scheduler.*``, ``dataloader.*`` and ``train_state.*``; the DCP
-tutorials nest it as ``model.*`` next to ``optim.*``, and then the ``model.`` prefix is dropped).
+group, no torch.distributed import. Only the model's tensors are read, by their names inside the container the
+trainer nested them in; optimizer, scheduler, dataloader, rng and training-state entries are skipped and reported
+(:mod:`reshard.layouts.dcp.containers`). A folder with no model tensors is refused (:class:`NoModelError`).
 """
 
 from __future__ import annotations

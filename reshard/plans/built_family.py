@@ -6,8 +6,9 @@ is one transformers would initialise at random in the published model.
 planning, with no import; this check needs transformers, whose import costs seconds of CPU, so a conversion starts
 it on a thread when planning ends (:func:`start`) and hears its answer before publishing (:meth:`FamilyCheck.result`):
 the bytes move meanwhile, and a refusal still leaves nothing behind. Where transformers cannot build the class (an
-unknown model type, a config it rejects) or the model has sub-models (composite models rename tensors on load), the
-signature check stands alone.
+unknown model type, a config it rejects), the model has sub-models, or some tensor of the checkpoint is not the
+model's under its own name (transformers renames it on load: per-expert tensors fused, LoRA wrappers), the signature
+check stands alone.
 """
 
 from __future__ import annotations
@@ -85,8 +86,12 @@ def check_built_family(config: ModelConfig | None, names: Iterable[str]) -> None
 
 
 def _missing(skeleton: ModelSkeleton, have: set[str], config: ModelConfig) -> ReshardError | None:
-    wanted = set(skeleton.shapes) - skeleton.tied
-    missing = sorted(wanted - have)
+    """The refusal when the built model lacks tensors; judged only where every tensor of the checkpoint is one of the
+    model's under its own name: transformers renames others on load (per-expert tensors fused, LoRA wrappers), so
+    a name missing then says nothing."""
+    if not have <= set(skeleton.shapes):
+        return None
+    missing = sorted(set(skeleton.shapes) - skeleton.tied - have)
     if not missing:
         return None
     shared = len(have & set(skeleton.shapes))

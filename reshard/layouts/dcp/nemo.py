@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from reshard.errors import CorruptFileError, shown
+from reshard.errors import CorruptFileError, ReshardError, shown
 
 NEMO_WEIGHTS = "weights"
 MODEL_YAML = Path("context") / "model.yaml"
@@ -45,6 +45,23 @@ NEMO_IRRELEVANT: tuple[tuple[str, str], ...] = (
     (r"use_transformer_engine_full_layer_spec|use_transformer_engine_op_fuser", "kernels: the same layers fused"),
 )
 _NEMO_IRRELEVANT = [re.compile(pattern) for pattern, _ in NEMO_IRRELEVANT]
+# The top-level keys of ``model.yaml`` (the model class's constructor arguments: ``GPTModel(config, optim, tokenizer,
+# model_transform, model_context_managers)``), each read, irrelevant (why), or refused when set (why). Any other
+# key is refused by name: nothing NeMo puts there is dropped unread.
+TOP_READ = "config"
+TOP_IRRELEVANT = {
+    "_target_": "the model's class: what it computes is its config",
+    "_partial_": "fiddle's bookkeeping",
+    "_call_": "fiddle's bookkeeping",
+    "optim": "the optimizer: training only",
+    "tokenizer": "the tokenizer: which text the ids stand for, not what the model computes from them",
+}
+TOP_REFUSED_WHEN_SET = {
+    "model_transform": "the model is transformed after it is built (PEFT such as LoRA: the weights are adapters "
+    "or a wrapped model, not the plain model)",
+    "model_context_managers": "the model is built under context managers (e.g. FP8 parameters) whose effect on the "
+    "weights is not known",
+}
 # Llama31Config's RoPE scaling: Megatron-Core's (and transformers' llama3 as reshard writes it) fixed values.
 LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "old_context_len": 8192}
 # NeMo's GPT layer specs (Transformer Engine's or the local one, chosen by num_moe_experts and qk_layernorm): the
@@ -81,6 +98,7 @@ def nemo_args(checkpoint: Path) -> argparse.Namespace | None:
     carries, passes or refuses each one.
 
     Raises:
+        ReshardError: a top-level key that is set and changes the model (PEFT's ``model_transform``), or unknown.
         CorruptFileError: the file is not YAML, holds no ``config`` mapping, a field read as one value holds a
             list or mapping, or a field holds more than a config does (a YAML alias bomb): refused by name, the
             value never printed whole.
@@ -94,7 +112,9 @@ def nemo_args(checkpoint: Path) -> argparse.Namespace | None:
         # integer past Python's 4300 digits
         why = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise CorruptFileError(f"unreadable model config: {why[:200]}", path=path) from err
-    config = data.get("config") if isinstance(data, dict) else None
+    if isinstance(data, dict):
+        _check_top_level(data, path)
+    config = data.get(TOP_READ) if isinstance(data, dict) else None
     if not isinstance(config, dict):
         raise CorruptFileError("no 'config' mapping (NeMo writes the model's config there)", path=path)
     args: dict[str, Any] = {}
@@ -119,6 +139,32 @@ def nemo_args(checkpoint: Path) -> argparse.Namespace | None:
             if args.pop(key, wanted) != wanted:
                 args[key] = config[key]  # an argument the table does not know: refused, by name and value
     return argparse.Namespace(**args)
+
+
+def _check_top_level(data: dict[Any, Any], path: Path) -> None:
+    """Every top-level key of ``model.yaml`` is read, irrelevant, or refused (:data:`TOP_REFUSED_WHEN_SET` when
+    it holds anything, any unknown key), by name.
+
+    Raises:
+        ReshardError: a transform or context manager is set, or a key is not known.
+    """
+    for key, value in data.items():
+        if key == TOP_READ or key in TOP_IRRELEVANT:
+            continue
+        if key in TOP_REFUSED_WHEN_SET:
+            if value is None or value == [] or value == {}:
+                continue
+            named = _target(value, key, path) if isinstance(value, (dict, str)) else None
+            raise ReshardError(
+                f"{key}={shown(named or value)}: {TOP_REFUSED_WHEN_SET[key]}",
+                path=path,
+                hint="convert the checkpoint of the model without it (for PEFT, merge the adapters in NeMo first)",
+            )
+        raise ReshardError(
+            f"unknown top-level key {shown(key)}: not known to leave the model unchanged",
+            path=path,
+            hint=f"reshard reads {TOP_READ} and knows {', '.join([*TOP_IRRELEVANT, *TOP_REFUSED_WHEN_SET])}",
+        )
 
 
 def _checked(value: Any, key: str, name: str, path: Path) -> Any:

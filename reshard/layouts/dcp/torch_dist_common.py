@@ -51,7 +51,13 @@ def read_common(folder: Path, index: DcpIndex, options: ReadOptions) -> tuple[di
         notes.append(f"no Megatron args: neither {COMMON} nor a {COMMON_STATE} entry in the data files")
         return {}, notes, path
     data = _read(stored)
-    obj = load_torch_file(stored.file, trust_pickle=options.trust_pickle, notes=notes, allowed=SAFE_GLOBALS, data=data)
+    try:
+        obj = load_torch_file(
+            stored.file, trust_pickle=options.trust_pickle, notes=notes, allowed=SAFE_GLOBALS, data=data
+        )
+    except ReshardError as err:  # named by the file alone: add the entry
+        err.tensor = err.tensor or COMMON_STATE
+        raise
     if not (isinstance(obj, list) and len(obj) == 1 and isinstance(obj[0], dict)):
         what = f"a list of {len(obj)}" if isinstance(obj, list) else f"a {type(obj).__name__}"
         raise CorruptFileError(f"holds {what}, not [dict]", path=stored.file, tensor=COMMON_STATE)

@@ -20,6 +20,8 @@ import yaml
 from reshard.errors import CorruptFileError, ReshardError, shown
 
 NEMO_WEIGHTS = "weights"
+# NeMo's PEFT checkpoint IO writes it beside an adapter-only save (nemo/lightning/pytorch/callbacks/peft.py).
+ADAPTER_METADATA = "adapter_metadata.json"
 MODEL_YAML = Path("context") / "model.yaml"
 # Megatron-Core TransformerConfig / NeMo GPTConfig names -> Megatron-LM args names (same meaning). Every other
 # field of ``config`` keeps its name (Megatron-Core's config and Megatron-LM's args share them) and meets the
@@ -139,6 +141,20 @@ def nemo_args(checkpoint: Path) -> argparse.Namespace | None:
             if args.pop(key, wanted) != wanted:
                 args[key] = config[key]  # an argument the table does not know: refused, by name and value
     return argparse.Namespace(**args)
+
+
+def refuse_adapters(weights: Path) -> None:
+    """A NeMo PEFT checkpoint holds the adapters only (the base model is another checkpoint): refused by name.
+
+    Raises:
+        ReshardError: ``weights`` holds NeMo's ``adapter_metadata.json``.
+    """
+    if (weights / ADAPTER_METADATA).is_file():
+        raise ReshardError(
+            f"a NeMo PEFT checkpoint ({ADAPTER_METADATA}): its weights are adapters for a base model, not a model",
+            path=weights,
+            hint="merge the adapters into the base model in NeMo (llm.peft.merge_lora) and convert that",
+        )
 
 
 def _check_top_level(data: dict[Any, Any], path: Path) -> None:

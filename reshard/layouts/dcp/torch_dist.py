@@ -35,7 +35,7 @@ from reshard.formats.dcp_metadata.read import StoredTensor, read_index
 from reshard.layouts.base import SourceCheckpoint, TensorRef
 from reshard.layouts.dcp.boxed_reader import BoxedReader, BoxView, StackedView
 from reshard.layouts.dcp.dcp import checked
-from reshard.layouts.dcp.nemo import NEMO_WEIGHTS, nemo_args
+from reshard.layouts.dcp.nemo import NEMO_WEIGHTS, nemo_args, refuse_adapters
 from reshard.layouts.dcp.torch_dist_common import read_common
 from reshard.layouts.megatron.facts import MegatronFacts
 from reshard.layouts.megatron.reader import read_tracker
@@ -83,7 +83,8 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
     Raises:
         CorruptFileError: a backend other than ``torch_dist`` (zarr), or unreadable common state (``common.pt`` or
             the data files' ``common_state``, :mod:`reshard.layouts.dcp.torch_dist_common`).
-        ReshardError: the DCP index is inconsistent (see :mod:`reshard.layouts.dcp.dcp`).
+        ReshardError: the DCP index is inconsistent (see :mod:`reshard.layouts.dcp.dcp`), or a NeMo PEFT checkpoint
+            (adapters only).
     """
     folder = folder_of(path)
     if folder is None:
@@ -91,6 +92,7 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
     backend = _backend(folder / CONFIG)
     if backend != "torch_dist":
         raise CorruptFileError(f"sharded backend {backend!r}: only torch_dist is read", path=folder / CONFIG)
+    refuse_adapters(folder)
     index = read_index(folder, trust_pickle=options.trust_pickle)
     stored = {fqn: t for fqn, t in index.tensors.items() if not SKIPPED.search(_strip(fqn))}
     model, sizes = checked(stored)

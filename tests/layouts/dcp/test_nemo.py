@@ -124,3 +124,15 @@ def test_top_level_keys_that_change_the_model_are_refused(tmp_path: Path, lines:
     with pytest.raises(ReshardError) as refused:
         top_level(tmp_path, lines)
     assert named in str(refused.value) and "model.yaml" in str(refused.value)
+
+
+def test_a_peft_adapter_checkpoint_is_refused(cli, tmp_path: Path) -> None:
+    """NeMo's PEFT checkpoint IO saves the adapters alone, with ``adapter_metadata.json`` naming the base model."""
+    weights = tmp_path / "ckpt" / "weights"
+    weights.mkdir(parents=True)
+    (weights / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
+    (weights / ".metadata").write_bytes(b"")
+    (weights / "adapter_metadata.json").write_text('{"model_ckpt_path": "/base/weights"}')
+    result = cli("convert", tmp_path / "ckpt", "--tp", 1, "--layout", "hf", "-o", tmp_path / "out")
+    assert result.exit_code == 2, result.output
+    assert "a NeMo PEFT checkpoint (adapter_metadata.json)" in result.output and not (tmp_path / "out").exists()

@@ -30,7 +30,6 @@ class ConvertReport(Route):
     changed: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     mapping: dict[str, Any] | None = None
-    tokenizer: str | None = None
 
 
 def convert(ckpt: Path, out: Path, options: ConvertOptions) -> ConvertReport:
@@ -62,7 +61,6 @@ def convert(ckpt: Path, out: Path, options: ConvertOptions) -> ConvertReport:
         changed=_changed_shapes(conversion),
         notes=list(run.notes),
         mapping=_mapping_summary(run.target),
-        tokenizer=run.tokenizer,
     )
 
 

@@ -192,6 +192,8 @@ def _result(
         tp=target.conversion.target_tp,
     )
     notes = list(source.notes)
+    if tokenizer not in (None, "source"):
+        notes.append(f"the output carries the tokenizer of {tokenizer}")
     if divergent:
         notes.append(f"replicated but different between ranks, rank 0's copy taken: {', '.join(sorted(divergent))}")
     if target.layout.global_tensors:

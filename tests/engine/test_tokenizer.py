@@ -122,3 +122,5 @@ def test_nemo_keeps_its_tokenizer_and_generation_config_in_its_context(tmp_path:
     (context / "model.yaml").write_text(yaml + "  pretrained_model_name: meta-llama/Llama-3.1-8B\n")
     named = nemo_tokenizer(tmp_path / "nemo")
     assert named is not None and named.folder is None and named.name == "meta-llama/Llama-3.1-8B"
+    (context / "model.yaml").write_text(yaml + '  pretrained_model_name: "a\\0b"\n')  # NUL: no file system's name
+    assert nemo_tokenizer(tmp_path / "nemo").folder is None

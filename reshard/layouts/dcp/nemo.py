@@ -131,8 +131,12 @@ def nemo_tokenizer(checkpoint: Path) -> NamedTokenizer | None:
     if isinstance(name, dict):  # DirOrStringArtifact of a plain string: {_target_: ..., attr: NAME, skip: true}
         name = name.get("attr")
     for candidate in ([name] if isinstance(name, str) and name else []) + [NEMO_TOKENIZER]:
-        folder = (context / candidate[:4096]).resolve()
-        if folder.is_relative_to(context.resolve()) and folder.is_dir():
+        try:
+            folder = (context / candidate[:4096]).resolve()
+            inside = folder.is_relative_to(context.resolve()) and folder.is_dir()
+        except (OSError, ValueError):  # a name no file system holds (NUL, too long)
+            inside = False
+        if inside:
             return NamedTokenizer(str(folder), "the NeMo context", folder)
     return NamedTokenizer(name[:4096], "the NeMo context") if isinstance(name, str) and name else None
 

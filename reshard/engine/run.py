@@ -93,6 +93,10 @@ def run_conversion(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
     """
     target = plan_target(opened, options)
     tokenizer = carried_tokenizer(opened.tokenizer, target.layout)
+    if opened.tokenizer is not None and tokenizer is None:
+        opened.source.notes.append(
+            f"the {target.layout} layout carries no tokenizer: {opened.tokenizer.origin} is not copied"
+        )
     target = dataclasses.replace(target, config=with_token_ids(target.config, tokenizer))
     conversion, layout = target.conversion, target.layout
     if not (options.merge_lora or options.allow_divergent_replicas):

@@ -38,6 +38,10 @@ def test_the_args_tokenizer_gives_the_vocab_and_goes_beside_the_output(cli, tmp_
     config = json.loads((out / "config.json").read_text())
     assert (config["vocab_size"], config["bos_token_id"], config["eos_token_id"]) == (SIZES.vocab, 1, 2)
     assert load_file(out / "model.safetensors")["model.embed_tokens.weight"].shape[0] == SIZES.vocab
+    result = cli("convert", src, "--tp", 1, "--layout", "megatron", "-o", tmp_path / "tp1", "--json")
+    assert result.exit_code == 0, result.output
+    assert any("the megatron layout carries no tokenizer" in n for n in json.loads(result.stdout)["notes"])
+    assert not list((tmp_path / "tp1").rglob("tokenizer*"))
 
 
 def test_a_tokenizer_that_disagrees_with_vocab_or_the_args_is_refused_with_both_numbers(cli, tmp_path: Path) -> None:

@@ -49,6 +49,8 @@ class ReadOptions:
         uneven: read and split sizes that do not divide as ``torch.chunk`` does.
         merge_lora: merge LoRA adapters into their base weights on every source rank first.
         lora_alpha: LoRA alpha for merging (scaling = alpha / rank).
+        tokenizer: the tokenizer an HF output carries (``--tokenizer``): a folder, or a Hub repo id as the user
+            wrote it; None takes the one the checkpoint names or holds.
     """
 
     config: Path | None = None
@@ -59,6 +61,7 @@ class ReadOptions:
     uneven: bool = False
     merge_lora: bool = False
     lora_alpha: float = 1.0
+    tokenizer: Path | str | None = None
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,8 @@ class ConvertOptions:
             otherwise (a Megatron checkpoint written as ``hf`` keeps Megatron's names and fused tensors).
         resume: stage the output under a fixed name with a journal (:mod:`reshard.io.journal`), keep it when the
             run fails or is stopped, and finish what an earlier such run left there.
+        tokenizer: the tokenizer an HF output carries (``--tokenizer DIR|REPO``); None takes the one the checkpoint
+            names (Megatron's args, NeMo's context) or holds (an HF folder's files).
         force: ``fix`` writes its output even when the checkpoint needs nothing (no tensor changes shape and the
             vocab is already its true size); without it such a ``fix`` says so and writes nothing.
     """
@@ -113,6 +118,7 @@ class ConvertOptions:
     keep_names: bool = False
     resume: bool = False
     force: bool = False
+    tokenizer: Path | str | None = None
 
     def __post_init__(self) -> None:
         check_tp(self.tp)
@@ -129,4 +135,5 @@ class ConvertOptions:
             uneven=self.uneven,
             merge_lora=self.merge_lora,
             lora_alpha=self.lora_alpha,
+            tokenizer=self.tokenizer,
         )

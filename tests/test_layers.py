@@ -22,6 +22,7 @@ DOMAIN = {
     "ranks",
     "megatron_model",
     "version",
+    "tokenizer",
 }
 PACKAGES = {
     "io": "io",

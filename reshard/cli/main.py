@@ -240,6 +240,11 @@ def inspect_command(
     help="Keep the work done if the run stops (journaled); finish what an earlier --resume run left.",
 )
 @click.option(
+    "--tokenizer",
+    metavar="DIR|REPO",
+    help="Tokenizer an HF output carries (default: the one the checkpoint names or holds); a folder or a Hub repo.",
+)
+@click.option(
     "--workers",
     type=click.IntRange(min=1),
     default=1,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from reshard.engine.planner import ConversionPlan
 from reshard.engine.route import Route
 from reshard.engine.run import open_for_conversion, run_conversion
 from reshard.engine.target import TargetPlan
+from reshard.engine.tokenizer import no_tokenizer_warning
 from reshard.options import ConvertOptions
 
 logger = logging.getLogger(__name__)
@@ -46,6 +48,8 @@ def convert(ckpt: Path, out: Path, options: ConvertOptions) -> ConvertReport:
     """
     ckpt, out = Path(ckpt), Path(out)
     run = run_conversion(open_for_conversion(ckpt, out, options), out, options)
+    if int(os.environ.get("RANK", "0") or 0) == 0:  # under torchrun, rank 0 publishes and reports
+        no_tokenizer_warning(out, run.target.layout, run.files)
     conversion = run.target.conversion
     return ConvertReport(
         **run.route.to_dict(),

@@ -5,7 +5,8 @@
 
 :func:`nemo_args` translates that config into Megatron-LM's ``args`` names, so the plans, the mapping to
 transformers and the Megatron writers read a NeMo model as they read a Megatron-LM one. NeMo keeps the
-tokenizer, not the vocab size, in the context: the true vocab size comes from ``--vocab`` (or a manifest).
+tokenizer, not the vocab size, in the context (:func:`nemo_tokenizer`): the true vocab size comes from that
+tokenizer when it is there, else from ``--vocab`` (or a manifest).
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ from typing import Any
 import yaml
 
 from reshard.errors import CorruptFileError, ReshardError, shown
+from reshard.tokenizer import GENERATION_CONFIG, NamedTokenizer
 
 NEMO_WEIGHTS = "weights"
 # NeMo's PEFT checkpoint IO writes it beside an adapter-only save (nemo/lightning/pytorch/callbacks/peft.py).
 ADAPTER_METADATA = "adapter_metadata.json"
 MODEL_YAML = Path("context") / "model.yaml"
+NEMO_TOKENIZER = "nemo_tokenizer"  # where NeMo's import (save_hf_tokenizer_assets) puts a Hugging Face tokenizer
 # Megatron-Core TransformerConfig / NeMo GPTConfig names -> Megatron-LM args names (same meaning). Every other
 # field of ``config`` keeps its name (Megatron-Core's config and Megatron-LM's args share them) and meets the
 # closed table of :mod:`reshard.mappings.megatron_args` like a Megatron-LM argument: carried, irrelevant, or
@@ -106,14 +109,9 @@ def nemo_args(checkpoint: Path) -> argparse.Namespace | None:
             value never printed whole.
     """
     path = checkpoint / MODEL_YAML
-    if not path.is_file():
+    data = _model_yaml(checkpoint)
+    if data is None:
         return None
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError, ValueError) as err:  # ValueError: an
-        # integer past Python's 4300 digits
-        why = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise CorruptFileError(f"unreadable model config: {why[:200]}", path=path) from err
     if isinstance(data, dict):
         _check_top_level(data, path)
     config = data.get(TOP_READ) if isinstance(data, dict) else None
@@ -181,6 +179,51 @@ def _check_top_level(data: dict[Any, Any], path: Path) -> None:
             path=path,
             hint=f"reshard reads {TOP_READ} and knows {', '.join([*TOP_IRRELEVANT, *TOP_REFUSED_WHEN_SET])}",
         )
+
+
+def nemo_tokenizer(checkpoint: Path) -> NamedTokenizer | None:
+    """The tokenizer a NeMo 2 checkpoint keeps in its context: the folder ``model.yaml``'s
+    ``tokenizer.pretrained_model_name`` names (NeMo's ``io_dump`` copies a local tokenizer folder into
+    ``context/`` and writes its name there, e.g. ``nemo_tokenizer``), else ``context/nemo_tokenizer/``. A name that
+    is not a folder of the context (a Hub id) is returned without a folder."""
+    context = checkpoint / MODEL_YAML.parent
+    data = _model_yaml(checkpoint)
+    section = data.get("tokenizer") if isinstance(data, dict) else None
+    name = section.get("pretrained_model_name") if isinstance(section, dict) else None
+    if isinstance(name, dict):  # DirOrStringArtifact of a plain string: {_target_: ..., attr: NAME, skip: true}
+        name = name.get("attr")
+    for candidate in ([name] if isinstance(name, str) and name else []) + [NEMO_TOKENIZER]:
+        try:
+            folder = (context / candidate[:4096]).resolve()
+            inside = folder.is_relative_to(context.resolve()) and folder.is_dir()
+        except (OSError, ValueError):  # a name no file system holds (NUL, too long)
+            inside = False
+        if inside:
+            return NamedTokenizer(str(folder), "the NeMo context", folder)
+    return NamedTokenizer(name[:4096], "the NeMo context") if isinstance(name, str) and name else None
+
+
+def nemo_side_files(checkpoint: Path) -> list[Path]:
+    """Files of the context that go beside an HF output: the generation config NeMo's import keeps."""
+    found = checkpoint / MODEL_YAML.parent / "artifacts" / GENERATION_CONFIG
+    return [found] if found.is_file() else []
+
+
+def _model_yaml(checkpoint: Path) -> Any:
+    """``context/model.yaml`` parsed (None without one).
+
+    Raises:
+        CorruptFileError: the file is not YAML.
+    """
+    path = checkpoint / MODEL_YAML
+    if not path.is_file():
+        return None
+    try:
+        return yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError, ValueError) as err:  # ValueError: an
+        # integer past Python's 4300 digits
+        why = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise CorruptFileError(f"unreadable model config: {why[:200]}", path=path) from err
 
 
 def _checked(value: Any, key: str, name: str, path: Path) -> Any:

@@ -35,11 +35,11 @@ from reshard.formats.dcp_metadata.read import StoredTensor, read_index
 from reshard.layouts.base import SourceCheckpoint, TensorRef
 from reshard.layouts.dcp.boxed_reader import BoxedReader, BoxView, StackedView
 from reshard.layouts.dcp.dcp import checked
-from reshard.layouts.dcp.nemo import NEMO_WEIGHTS, nemo_args, refuse_adapters
+from reshard.layouts.dcp.nemo import NEMO_WEIGHTS, nemo_args, nemo_side_files, nemo_tokenizer, refuse_adapters
 from reshard.layouts.dcp.torch_dist_common import read_common
 from reshard.layouts.megatron.facts import MegatronFacts
 from reshard.layouts.megatron.reader import read_tracker
-from reshard.megatron_model import arg, config_from_args, count_problems
+from reshard.megatron_model import arg, config_from_args, count_problems, named_tokenizer
 from reshard.options import ReadOptions
 from reshard.sizes import human_bytes
 
@@ -116,6 +116,10 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
         source.notes.append(
             f"skipped, not model weights: {len(skipped)} entries ({human_bytes(total)}), e.g. {skipped[0]}"
         )
+    if folder.name == NEMO_WEIGHTS:
+        source.tokenizer, source.side_files = nemo_tokenizer(path), nemo_side_files(path)
+    elif args is not None:
+        source.tokenizer = named_tokenizer(args)
     source.facts = MegatronFacts(
         megatron_args=args,
         iteration=common.get("iteration"),

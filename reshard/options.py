@@ -49,6 +49,9 @@ class ReadOptions:
         uneven: read and split sizes that do not divide as ``torch.chunk`` does.
         merge_lora: merge LoRA adapters into their base weights on every source rank first.
         lora_alpha: LoRA alpha for merging (scaling = alpha / rank).
+        weights: which copy of the weights to read where a checkpoint keeps two (DeepSpeed ZeRO-0/1/2):
+            ``master`` (the fp32 master weights of the optimizer, what training continues from) or ``module``
+            (the copy in the training dtype).
     """
 
     config: Path | None = None
@@ -59,6 +62,7 @@ class ReadOptions:
     uneven: bool = False
     merge_lora: bool = False
     lora_alpha: float = 1.0
+    weights: str = "master"
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,7 @@ class ConvertOptions:
             run fails or is stopped, and finish what an earlier such run left there.
         force: ``fix`` writes its output even when the checkpoint needs nothing (no tensor changes shape and the
             vocab is already its true size); without it such a ``fix`` says so and writes nothing.
+        weights: which copy of the weights to read where a checkpoint keeps two (see :class:`ReadOptions`).
     """
 
     tp: int = 1
@@ -113,6 +118,7 @@ class ConvertOptions:
     keep_names: bool = False
     resume: bool = False
     force: bool = False
+    weights: str = "master"
 
     def __post_init__(self) -> None:
         check_tp(self.tp)
@@ -129,4 +135,5 @@ class ConvertOptions:
             uneven=self.uneven,
             merge_lora=self.merge_lora,
             lora_alpha=self.lora_alpha,
+            weights=self.weights,
         )

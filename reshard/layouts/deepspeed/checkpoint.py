@@ -1,0 +1,451 @@
+"""The ``deepspeed`` layout: DeepSpeed ZeRO checkpoints as ``engine.save_checkpoint`` writes them (HF Trainer,
+LLaMA-Factory, TRL, OpenRLHF), read without DeepSpeed.
+
+::
+
+    <root>/latest                                               the tag folder's name (``global_step{N}``)
+    <root>/<tag>/mp_rank_00_model_states.pt                     ZeRO-0/1/2: ``module`` (training dtype), shapes
+    <root>/<tag>/zero_pp_rank_{dp}_mp_rank_00_model_states.pt   ZeRO-3: one per data-parallel rank, ``module`` empty
+    <root>/<tag>/[bf16_]zero_pp_rank_{dp}_mp_rank_00_optim_states.pt   each rank's piece of the fp32 master
+
+The model is the fp32 master weights, rebuilt from the optimizer files as DeepSpeed's ``zero_to_fp32`` does
+(:mod:`reshard.layouts.deepspeed.zero`), each parameter read as byte ranges of the partitions
+(:mod:`reshard.layouts.deepspeed.pieces`); frozen parameters and buffers come from the model states, tied
+weights from ``shared_params``. ``--weights module`` takes the training-dtype ``module`` copy instead (ZeRO-0/1/2).
+"pp_rank" in these names is the DATA-parallel rank; a tensor-parallel ``mp_rank`` other than 00
+(Megatron-DeepSpeed) is refused by name.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from reshard.config import find_config
+from reshard.dtypes import TensorHeader
+from reshard.errors import CorruptFileError, MissingRankError, ReshardError
+from reshard.formats.torch_zip.structure import read_structure
+from reshard.layouts.base import SourceCheckpoint, TensorRef
+from reshard.layouts.deepspeed.pickles import STAND_INS
+from reshard.layouts.deepspeed.pieces import Piece, PiecesReader
+from reshard.layouts.deepspeed.zero import Flat, Segment, zero2_pieces, zero3_pieces
+from reshard.layouts.readers import load_torch_file, offsets_in_file, torch_header
+from reshard.options import MAX_RANKS, ReadOptions
+from reshard.ranks import listed
+
+NAME = "deepspeed"
+LATEST = "latest"
+SAT_CONFIG = "model_config.json"  # SwissArmyTransformer saves through DeepSpeed too: such a folder stays ``sat``
+MODEL_STATES = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+ZERO3_MODEL_STATES = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+OPTIM_STATES = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+# Files of DeepSpeed features reshard does not rebuild, refused by name.
+PIPELINE_FILE = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$")
+EXPERT_FILE = re.compile(r"^(?:layer_\d+_expert_\d+_mp_rank_\d+_model|expp_rank_\d+_mp_rank_\d+_optim)_states\.pt$")
+REQUIRED = ("module", "param_shapes", "buffer_names", "ds_version")
+MAX_PICKLE = 64 << 20  # a model-states data.pkl: names and shapes, far below this
+WEIGHTS = ("master", "module")
+
+
+def detect(path: Path) -> bool:
+    """A DeepSpeed root (``latest`` naming a tag folder) or tag folder: ZeRO optimizer or model-states files, or a
+    model-states file whose pickle records ``ds_version`` and ``param_shapes``; not under SAT's
+    ``model_config.json``."""
+    if not path.is_dir() or (path / SAT_CONFIG).is_file() or (path.parent / SAT_CONFIG).is_file():
+        return False
+    try:
+        return _locate(path) is not None
+    except (OSError, ReshardError):
+        return False
+
+
+def _is_tag_folder(folder: Path) -> bool:
+    names = [child.name for child in folder.iterdir()]
+    if any(OPTIM_STATES.match(n) or ZERO3_MODEL_STATES.match(n) for n in names):
+        return True
+    states = sorted(n for n in names if MODEL_STATES.match(n))
+    return bool(states) and _pickles_deepspeed_keys(folder / states[0])
+
+
+def _pickles_deepspeed_keys(file: Path) -> bool:
+    """Whether the top-level dict of a torch archive names ``ds_version`` and ``param_shapes`` (its ``data.pkl``
+    only is read, by the structure-only unpickler)."""
+    try:
+        with zipfile.ZipFile(file) as archive:
+            pickled = next((i for i in archive.infolist() if i.filename.endswith("/data.pkl")), None)
+            if pickled is None or pickled.file_size > MAX_PICKLE:
+                return False
+            obj = read_structure(archive.read(pickled))
+    except Exception:  # noqa: BLE001 - any unreadable file is simply not DeepSpeed's
+        return False
+    return isinstance(obj, Mapping) and "ds_version" in obj and "param_shapes" in obj
+
+
+def _locate(path: Path) -> Path | None:
+    """The tag folder to read for ``path``: itself, the one ``latest`` names, or the only one inside."""
+    if _is_tag_folder(path):
+        return path
+    latest = path / LATEST
+    if latest.is_file():
+        tag = latest.read_bytes()[:4096].decode("utf-8", "replace").strip()
+        if not tag or "/" in tag or "\\" in tag or tag in (".", ".."):
+            raise CorruptFileError(f"does not name a checkpoint folder: {tag!r}", path=latest)
+        folder = path / tag
+        return folder if folder.is_dir() and _is_tag_folder(folder) else None
+    tags = [child for child in sorted(path.iterdir()) if child.is_dir() and _is_tag_folder(child)]
+    return tags[0] if len(tags) == 1 else None
+
+
+def _numbered(folder: Path, pattern: re.Pattern[str]) -> dict[tuple[int, ...], Path]:
+    found: dict[tuple[int, ...], Path] = {}
+    for child in sorted(folder.iterdir()):
+        match = pattern.match(child.name)
+        if match:
+            key = tuple(int(g) for g in match.groups())
+            if key in found:
+                raise ReshardError(
+                    f"{found[key].name} and {child.name} both hold rank {key[0]}", path=folder, hint="keep one"
+                )
+            found[key] = child
+    return found
+
+
+def _refuse_other_features(folder: Path, model: dict, zero3: dict, optim: dict) -> None:
+    """Tensor-parallel, pipeline and expert-parallel DeepSpeed checkpoints, refused by name."""
+    for child in sorted(folder.iterdir()):
+        if PIPELINE_FILE.match(child.name):
+            raise ReshardError(
+                "a DeepSpeed pipeline (PipelineModule) checkpoint: its per-layer files are not read",
+                path=child,
+                hint="reshard reads DeepSpeed ZeRO checkpoints of one model (HF Trainer, TRL, ...)",
+            )
+        if EXPERT_FILE.match(child.name):
+            raise ReshardError("a DeepSpeed expert-parallel (MoE) checkpoint: expert files are not read", path=child)
+    tp_ranks = {key[0] for key in model} | {key[1] for key in zero3} | {key[1] for key in optim}
+    if tp_ranks - {0}:
+        other = min(tp_ranks - {0})
+        raise ReshardError(
+            f"a tensor-parallel DeepSpeed checkpoint (mp_rank_{other:02d} files, Megatron-DeepSpeed): "
+            "reshard reads DeepSpeed's data parallelism (ZeRO) only",
+            path=folder,
+            hint="write it with tensor parallelism 1, or convert it with Megatron-DeepSpeed's own tools",
+        )
+
+
+def _load(file: Path, options: ReadOptions) -> dict[str, Any]:
+    """A DeepSpeed file unpickled lazily (tensors memory-mapped, nothing read) with the stand-ins of
+    :mod:`reshard.layouts.deepspeed.pickles`."""
+    notes: list[str] = []
+    obj = load_torch_file(file, trust_pickle=options.trust_pickle, notes=notes, allowed=STAND_INS)
+    if notes:
+        raise CorruptFileError("a legacy (non-zip) torch file: its partitions cannot be read in place", path=file)
+    if not isinstance(obj, Mapping):
+        raise CorruptFileError(f"holds a {type(obj).__name__}, not a DeepSpeed checkpoint dict", path=file)
+    return dict(obj)
+
+
+def _piece(file: Path, key: str, tensor: Any) -> Piece:
+    """Where a memory-mapped tensor's bytes are in ``file``."""
+    position = offsets_in_file(file, {key: tensor}).get(key)
+    if position is None:
+        raise CorruptFileError("stored strided or outside the file: cannot be read in place", path=file, tensor=key)
+    return Piece(file, position, tensor.numel() * tensor.element_size())
+
+
+def _segment(file: Path, key: str, tensor: Any) -> Segment:
+    import torch
+
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() != 1 or tensor.dtype != torch.float32:
+        got = f"{tensor.dtype} of shape {list(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor)
+        raise CorruptFileError(f"is {got}, not a flat float32 partition", path=file, tensor=key)
+    piece = _piece(file, key, tensor)
+    return Segment(file, piece.position, tensor.numel(), 4, key)
+
+
+def _shapes(value: Any, file: Path, key: str) -> dict[str, tuple[int, ...]]:
+    if not isinstance(value, Mapping) or not all(
+        isinstance(n, str) and isinstance(s, tuple) and all(type(d) is int and d >= 0 for d in s)
+        for n, s in value.items()
+    ):
+        raise CorruptFileError("is not a mapping of parameter names to shapes", path=file, tensor=key)
+    return {name: tuple(shape) for name, shape in value.items()}
+
+
+def _osd(obj: dict[str, Any], file: Path) -> dict[str, Any]:
+    osd = obj.get("optimizer_state_dict")
+    if not isinstance(osd, Mapping):
+        raise CorruptFileError("no optimizer_state_dict: not a ZeRO optimizer file", path=file)
+    return dict(osd)
+
+
+def _partition_count(osd: dict[str, Any], file: Path) -> int:
+    count = osd.get("partition_count")
+    counts = count if isinstance(count, list) else [count]
+    if not counts or not all(type(c) is int and 1 <= c <= MAX_RANKS for c in counts):
+        raise CorruptFileError(f"partition_count is {count!r}", path=file, tensor="partition_count")
+    return max(counts)
+
+
+def _ranks_in_order(found: dict[tuple[int, ...], Path], what: str, folder: Path, dp: int | None) -> list[Path]:
+    """The files of data-parallel ranks 0 .. n-1 in order; a missing one named."""
+    by_rank = {key[0]: path for key, path in found.items()}
+    count = max(by_rank) + 1 if dp is None else dp
+    extra = sorted(r for r in by_rank if r >= count)
+    if extra:
+        raise ReshardError(
+            f"{by_rank[extra[0]].name} is of data-parallel rank {extra[0]} but the checkpoint records {count} ranks",
+            path=folder,
+            hint="remove the stray file",
+        )
+    missing = [r for r in range(count) if r not in by_rank]
+    if missing:
+        names = listed([f"{what} of data-parallel rank {r}" for r in missing], len(missing))
+        raise MissingRankError(f"missing {names} ({count} ranks wrote this checkpoint)", path=folder)
+    return [by_rank[r] for r in range(count)]
+
+
+def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
+    """Read a DeepSpeed checkpoint from its pickles (tensors memory-mapped, no tensor byte read)."""
+    folder = _locate(path)
+    if folder is None:
+        raise MissingRankError("no DeepSpeed checkpoint folder ('latest' names none)", path=path)
+    weights = getattr(options, "weights", "master")
+    model, zero3, optim = (_numbered(folder, p) for p in (MODEL_STATES, ZERO3_MODEL_STATES, OPTIM_STATES))
+    _refuse_other_features(folder, model, zero3, optim)
+    if model and zero3:
+        raise ReshardError("holds both ZeRO-0/1/2 and ZeRO-3 model-states files", path=folder, hint="keep one run's")
+    states_files = [model[(0,)]] if model else _ranks_in_order(zero3, "zero_pp_rank_*_model_states.pt", folder, None)
+    states = _load(states_files[0], options)
+    missing_keys = [k for k in REQUIRED if k not in states]
+    if missing_keys:
+        missing = ", ".join(missing_keys)
+        raise CorruptFileError(f"no {missing}: not a DeepSpeed model-states file", path=states_files[0])
+    if states.get("mp_world_size") not in (None, 1):
+        raise ReshardError(
+            f"mp_world_size is {states['mp_world_size']!r}: a tensor-parallel DeepSpeed checkpoint is not read",
+            path=states_files[0],
+        )
+    module = states["module"]
+    if not isinstance(module, Mapping):
+        raise CorruptFileError("'module' is not a state dict", path=states_files[0], tensor="module")
+    recorded = states.get("dp_world_size")
+    notes: list[str] = []
+    pieces: dict[str, list[Piece]] = {}
+    headers: dict[str, TensorHeader] = {}
+    described: dict[str, str] = {}
+
+    def from_module(name: str) -> None:
+        tensor = module[name]
+        pieces[name] = [_piece(states_files[0], f"module.{name}", tensor)]
+        headers[name] = torch_header(tensor, path=states_files[0], key=name)
+
+    if zero3 and weights == "module":
+        raise ReshardError("ZeRO-3 keeps no module copy of the weights", path=folder, hint="drop --weights module")
+    if not optim or weights == "module":
+        if zero3:
+            raise MissingRankError("no *_optim_states.pt files: ZeRO-3 keeps its weights only there", path=folder)
+        for name in module:
+            from_module(name)
+        why = "--weights module" if optim else "no optimizer files (ZeRO-0, or saved without them)"
+        notes.append(f"DeepSpeed module copy read as it is ({why}); the fp32 master weights are not used")
+        optim_files: list[Path] = []
+    else:
+        dp = recorded if type(recorded) is int and 1 <= recorded <= MAX_RANKS else None
+        optim_files = _ranks_in_order(optim, "*_optim_states.pt", folder, dp)
+        dp = len(optim_files)
+        if zero3:
+            states_files = _ranks_in_order(zero3, "zero_pp_rank_*_model_states.pt", folder, dp)
+        stage = _master(folder, states, states_files, optim_files, zero3=bool(zero3), options=options,
+                        pieces=pieces, headers=headers)  # fmt: skip
+        for name in pieces:
+            described[name] = f"fp32 master weight from the partitions of {dp} optimizer files"
+        _frozen(states, states_files, options, pieces, headers, zero3=bool(zero3), notes=notes)
+        for name in _names(states.get("buffer_names"), states_files[0], "buffer_names"):
+            if name in module and name not in pieces:
+                from_module(name)
+        shared = _shared(states.get("shared_params"), states_files[0])
+        leftover = [n for n in module if n not in pieces and n not in shared]
+        if leftover and zero3:
+            why = "is in the module but in no parameter group, frozen parameter or buffer"
+            raise CorruptFileError(why, path=folder, tensor=leftover[0])
+        for name in leftover:
+            from_module(name)
+        if leftover:
+            notes.append(
+                f"{len(leftover)} tensors have no fp32 master (frozen under ZeRO-1, or not parameters): "
+                f"read from the {headers[leftover[0]].code} module copy ({listed(leftover, len(leftover))})"
+            )
+        notes.append(
+            f"DeepSpeed ZeRO-{stage} over {dp} data-parallel ranks (ds_version {states.get('ds_version')}): "
+            f"fp32 master weights rebuilt from {dp} optimizer files"
+            + ("" if zero3 else "; the module copy is not used (--weights module takes it)")
+        )
+        moments = _moments(folder, optim_files[0], options)
+        if moments:
+            notes.append(f"skipped optimizer state in {dp} files: {', '.join(moments)}")
+    reader = PiecesReader(folder, {k: tuple(v) for k, v in pieces.items()}, headers, described)
+    shared = _shared(states.get("shared_params"), states_files[0]) if optim_files else {}
+    refs: dict[str, TensorRef] = {}
+    for name in [*module, *(n for n in pieces if n not in module)]:
+        key = shared.get(name, name) if name not in pieces else name
+        if key in pieces:
+            refs[name] = TensorRef(name, 0, reader, key, headers[key])
+        elif name in shared:
+            raise CorruptFileError(f"shared with {key!r}, which no file holds", path=states_files[0], tensor=name)
+    if shared:
+        notes.append(f"tied weights (shared_params): {', '.join(f'{a} = {o}' for a, o in shared.items())}")
+    source = SourceCheckpoint(path, NAME, [refs], config=find_config(folder, options.config))
+    source.notes.extend(notes)
+    return source
+
+
+def _master(
+    folder: Path,
+    states: dict[str, Any],
+    states_files: list[Path],
+    optim_files: list[Path],
+    *,
+    zero3: bool,
+    options: ReadOptions,
+    pieces: dict[str, list[Piece]],
+    headers: dict[str, TensorHeader],
+) -> int:
+    """Fill ``pieces`` and ``headers`` with the fp32 master of every trainable parameter; returns the stage."""
+    dp = len(optim_files)
+    key = "fp32_flat_groups" if zero3 else "single_partition_of_fp32_groups"
+    groups: list[list[Segment]] = []
+    paddings = None
+    for rank, file in enumerate(optim_files):
+        osd = _osd(_load(file, options), file)
+        if key not in osd:
+            other = "single_partition_of_fp32_groups" if zero3 else "fp32_flat_groups"
+            why = "a ZeRO-1/2 optimizer file beside ZeRO-3 model states" if other in osd else "no fp32 partitions"
+            raise CorruptFileError(f"no {key}: {why}", path=file)
+        count = _partition_count(osd, file)
+        if count != dp:
+            raise ReshardError(
+                f"written by {count} data-parallel ranks but {dp} optimizer files are in the folder",
+                path=file,
+                tensor="partition_count",
+                hint="every rank's *_optim_states.pt of one save must be present, and no other",
+            )
+        flats = osd[key]
+        if not isinstance(flats, list | tuple) or not flats:
+            raise CorruptFileError(f"{key} is not a list of tensors", path=file, tensor=key)
+        groups.append([_segment(file, f"{key}[{g}]", t) for g, t in enumerate(flats)])
+        if rank == 0 and not zero3:
+            paddings = osd.get("param_alignment_paddings")
+    param_shapes = states["param_shapes"]
+    if not isinstance(param_shapes, list):
+        raise CorruptFileError("is not a list of groups", path=states_files[0], tensor="param_shapes")
+    shapes = [_shapes(g, states_files[0], "param_shapes") for g in param_shapes]
+    if zero3:
+        merged = {name: shape for group in shapes for name, shape in group.items()}
+        found = zero3_pieces(merged, [Flat(tuple(rank)) for rank in groups], path=states_files[0])
+    else:
+        if len({len(rank) for rank in groups}) != 1:
+            raise CorruptFileError("the optimizer files hold different numbers of parameter groups", path=folder)
+        per_group = [Flat(tuple(rank[g] for rank in groups)) for g in range(len(groups[0]))]
+        if paddings is not None and not _int_lists(paddings):
+            raise CorruptFileError(
+                "is not a list of lists of integers", path=optim_files[0], tensor="param_alignment_paddings"
+            )
+        merged = {name: shape for group in shapes for name, shape in group.items()}
+        found = zero2_pieces(shapes, per_group, paddings, dp, path=states_files[0])
+    for name, parts in found.items():
+        pieces[name] = parts
+        headers[name] = TensorHeader(merged[name], "F32")
+    return 3 if zero3 else _stage(states)
+
+
+def _int_lists(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(p, list) and all(type(x) is int for x in p) for p in value)
+
+
+def _stage(states: dict[str, Any]) -> int:
+    """ZeRO-1 or 2, as the config records it (both lay out the optimizer files alike)."""
+    config = states.get("ds_config")
+    zero = config.get("zero_optimization") if isinstance(config, Mapping) else None
+    stage = zero.get("stage") if isinstance(zero, Mapping) else None
+    return stage if stage in (1, 2) else 2
+
+
+def _frozen(
+    states: dict[str, Any],
+    states_files: list[Path],
+    options: ReadOptions,
+    pieces: dict[str, list[Piece]],
+    headers: dict[str, TensorHeader],
+    *,
+    zero3: bool,
+    notes: list[str],
+) -> None:
+    """Frozen parameters (no gradient, so no fp32 master): whole in rank 0's model states under ZeRO-2, one
+    fragment per rank under ZeRO-3 (concatenated and cut to size, like trainable ones); ZeRO-1 records none."""
+    if states.get("frozen_param_shapes") is None:
+        return
+    shapes = _shapes(states["frozen_param_shapes"], states_files[0], "frozen_param_shapes")
+    if not shapes:
+        return
+    every = [states] + [_load(f, options) for f in states_files[1:]] if zero3 else [states]
+    for name, shape in shapes.items():
+        fragments = []
+        for file, rank_states in zip(states_files, every, strict=False):
+            held = rank_states.get("frozen_param_fragments")
+            if not isinstance(held, Mapping) or name not in held:
+                raise CorruptFileError("a frozen parameter without its fragment", path=file, tensor=name)
+            fragments.append((file, held[name]))
+        dtypes = {tensor.dtype for _, tensor in fragments}
+        if len(dtypes) != 1:
+            why = f"fragments of dtypes {sorted(map(str, dtypes))}"
+            raise CorruptFileError(why, path=states_files[0], tensor=name)
+        header = torch_header(fragments[0][1], path=states_files[0], key=name)
+        itemsize = fragments[0][1].element_size()
+        segments = []
+        for file, tensor in fragments:
+            piece = _piece(file, f"frozen_param_fragments.{name}", tensor)
+            segments.append(Segment(file, piece.position, tensor.numel(), itemsize, name))
+        flat = Flat(tuple(segments))
+        numel = math.prod(shape)
+        if flat.numel < numel:
+            why = f"fragments of {flat.numel} elements for {numel}"
+            raise CorruptFileError(why, path=states_files[0], tensor=name)
+        pieces[name] = flat.span(0, numel)
+        headers[name] = TensorHeader(shape, header.code)
+    notes.append(f"{len(shapes)} frozen parameters read in their training dtype from the model states")
+
+
+def _names(value: Any, file: Path, key: str) -> list[str]:
+    if value is None:
+        return []
+    if not isinstance(value, list | tuple) or not all(isinstance(n, str) for n in value):
+        raise CorruptFileError("is not a list of names", path=file, tensor=key)
+    return list(value)
+
+
+def _shared(value: Any, file: Path) -> dict[str, str]:
+    """``alias -> owner`` of tied weights (only rank 0's file fills it)."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise CorruptFileError("is not a mapping of names", path=file, tensor="shared_params")
+    return dict(value)
+
+
+def _moments(folder: Path, file: Path, options: ReadOptions) -> list[str]:
+    """The names of the optimizer state reshard does not carry (Adam's ``exp_avg``, ``exp_avg_sq``, ``step``)."""
+    osd = _osd(_load(file, options), file)
+    inner = osd.get("base_optimizer_state", osd.get("optimizer_state_dict"))
+    state = inner.get("state") if isinstance(inner, Mapping) else None
+    if isinstance(inner, list):  # ZeRO-1/2 keep one state per group
+        state = {i: s for i, g in enumerate(inner) if isinstance(g, Mapping) for s in [g]}
+    names: set[str] = set()
+    if isinstance(state, Mapping):
+        for entry in state.values():
+            if isinstance(entry, Mapping):
+                names.update(str(k) for k in entry)
+    return sorted(names)

@@ -22,6 +22,7 @@ import math
 import re
 import zipfile
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,8 @@ from reshard.ranks import listed
 
 NAME = "deepspeed"
 LATEST = "latest"
+LATEST_UNIVERSAL = "latest_universal"  # ds_to_universal's, beside latest
+UNIVERSAL = "zero"  # a universal checkpoint's folder of per-parameter files
 SAT_CONFIG = "model_config.json"  # SwissArmyTransformer saves through DeepSpeed too: such a folder stays ``sat``
 MODEL_STATES = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 ZERO3_MODEL_STATES = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
@@ -86,16 +89,19 @@ def _pickles_deepspeed_keys(file: Path) -> bool:
 
 
 def _locate(path: Path) -> Path | None:
-    """The tag folder to read for ``path``: itself, the one ``latest`` names, or the only one inside."""
+    """The tag folder to read for ``path``: itself, the one ``latest`` names (else ``latest_universal``: the
+    folder ``ds_to_universal`` wrote), or the only one inside."""
     if _is_tag_folder(path):
         return path
-    latest = path / LATEST
-    if latest.is_file():
-        tag = latest.read_bytes()[:4096].decode("utf-8", "replace").strip()
-        if not tag or "/" in tag or "\\" in tag or tag in (".", ".."):
-            raise CorruptFileError(f"does not name a checkpoint folder: {tag!r}", path=latest)
-        folder = path / tag
-        return folder if folder.is_dir() and _is_tag_folder(folder) else None
+    for name in (LATEST, LATEST_UNIVERSAL):
+        tracker = path / name
+        if tracker.is_file():
+            tag = tracker.read_bytes()[:4096].decode("utf-8", "replace").strip()
+            if not tag or "/" in tag or "\\" in tag or tag in (".", ".."):
+                raise CorruptFileError(f"does not name a checkpoint folder: {tag!r}", path=tracker)
+            folder = path / tag
+            if folder.is_dir() and _is_tag_folder(folder):
+                return folder
     tags = [child for child in sorted(path.iterdir()) if child.is_dir() and _is_tag_folder(child)]
     return tags[0] if len(tags) == 1 else None
 
@@ -136,13 +142,18 @@ def _refuse_other_features(folder: Path, model: dict, zero3: dict, optim: dict) 
         )
 
 
-def _load(file: Path, options: ReadOptions) -> dict[str, Any]:
+def _load_any(file: Path, options: ReadOptions) -> Any:
     """A DeepSpeed file unpickled lazily (tensors memory-mapped, nothing read) with the stand-ins of
     :mod:`reshard.layouts.deepspeed.pickles`."""
     notes: list[str] = []
     obj = load_torch_file(file, trust_pickle=options.trust_pickle, notes=notes, allowed=STAND_INS)
     if notes:
-        raise CorruptFileError("a legacy (non-zip) torch file: its partitions cannot be read in place", path=file)
+        raise CorruptFileError("a legacy (non-zip) torch file: its tensors cannot be read in place", path=file)
+    return obj
+
+
+def _load(file: Path, options: ReadOptions) -> dict[str, Any]:
+    obj = _load_any(file, options)
     if not isinstance(obj, Mapping):
         raise CorruptFileError(f"holds a {type(obj).__name__}, not a DeepSpeed checkpoint dict", path=file)
     return dict(obj)
@@ -208,99 +219,158 @@ def _ranks_in_order(found: dict[tuple[int, ...], Path], what: str, folder: Path,
     return [by_rank[r] for r in range(count)]
 
 
+@dataclass
+class _Tensors:
+    """What a checkpoint's tensors are made of, filled as the files are read."""
+
+    states_file: Path
+    module: Mapping[str, Any]
+    pieces: dict[str, list[Piece]] = field(default_factory=dict)
+    headers: dict[str, TensorHeader] = field(default_factory=dict)
+    described: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def from_module(self, name: str) -> None:
+        """``name`` as the module copy holds it (training dtype)."""
+        tensor = self.module[name]
+        self.pieces[name] = [_piece(self.states_file, f"module.{name}", tensor)]
+        self.headers[name] = torch_header(tensor, path=self.states_file, key=name)
+
+
 def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
     """Read a DeepSpeed checkpoint from its pickles (tensors memory-mapped, no tensor byte read)."""
     folder = _locate(path)
     if folder is None:
         raise MissingRankError("no DeepSpeed checkpoint folder ('latest' names none)", path=path)
-    weights = getattr(options, "weights", "master")
     model, zero3, optim = (_numbered(folder, p) for p in (MODEL_STATES, ZERO3_MODEL_STATES, OPTIM_STATES))
     _refuse_other_features(folder, model, zero3, optim)
     if model and zero3:
         raise ReshardError("holds both ZeRO-0/1/2 and ZeRO-3 model-states files", path=folder, hint="keep one run's")
+    universal = not optim and (folder / UNIVERSAL).is_dir()
     states_files = [model[(0,)]] if model else _ranks_in_order(zero3, "zero_pp_rank_*_model_states.pt", folder, None)
-    states = _load(states_files[0], options)
-    missing_keys = [k for k in REQUIRED if k not in states]
-    if missing_keys:
-        missing = ", ".join(missing_keys)
-        raise CorruptFileError(f"no {missing}: not a DeepSpeed model-states file", path=states_files[0])
+    states = _model_states(states_files[0], options)
+    found = _Tensors(states_files[0], states["module"])
+    if zero3 and getattr(options, "weights", "master") == "module":
+        raise ReshardError("ZeRO-3 keeps no module copy of the weights", path=folder, hint="drop --weights module")
+    if getattr(options, "weights", "master") == "module" or not (optim or universal):
+        if zero3:
+            raise MissingRankError("no *_optim_states.pt files: ZeRO-3 keeps its weights only there", path=folder)
+        for name in found.module:
+            found.from_module(name)
+        why = "--weights module" if optim else "no optimizer files (ZeRO-0, or saved without them)"
+        found.notes.append(f"DeepSpeed module copy read as it is ({why}); the fp32 master weights are not used")
+        shared: dict[str, str] = {}
+    else:
+        recorded = states.get("dp_world_size")
+        dp = recorded if type(recorded) is int and 1 <= recorded <= MAX_RANKS else None
+        if universal:
+            if zero3:
+                states_files = _ranks_in_order(zero3, "zero_pp_rank_*_model_states.pt", folder, dp)
+            stage, origin, moments = _universal(folder / UNIVERSAL, states, found, options, zero3=bool(zero3))
+        else:
+            optim_files = _ranks_in_order(optim, "*_optim_states.pt", folder, dp)
+            dp = len(optim_files)
+            if zero3:
+                states_files = _ranks_in_order(zero3, "zero_pp_rank_*_model_states.pt", folder, dp)
+            stage = _master(folder, states, states_files, optim_files, zero3=bool(zero3), options=options,
+                            pieces=found.pieces, headers=found.headers)  # fmt: skip
+            origin = f"rebuilt from {dp} optimizer files"
+            moments = _moments(optim_files[0], options)
+        for name in found.pieces:
+            found.described[name] = f"fp32 master weight {origin}"
+        shared = _rest(states, states_files, options, found, zero3=bool(zero3))
+        found.notes.append(
+            f"DeepSpeed ZeRO-{stage} over {dp or '?'} data-parallel ranks (ds_version {states.get('ds_version')}): "
+            f"fp32 master weights {origin}"
+            + ("" if zero3 else "; the module copy is not used (--weights module takes it)")
+        )
+        if moments:
+            found.notes.append(f"skipped optimizer state: {', '.join(moments)}")
+    return _source(path, folder, found, shared, options)
+
+
+def _model_states(file: Path, options: ReadOptions) -> dict[str, Any]:
+    """Rank 0's model-states file, checked to be DeepSpeed's of one tensor-parallel rank."""
+    states = _load(file, options)
+    missing = [k for k in REQUIRED if k not in states]
+    if missing:
+        raise CorruptFileError(f"no {', '.join(missing)}: not a DeepSpeed model-states file", path=file)
     if states.get("mp_world_size") not in (None, 1):
         raise ReshardError(
             f"mp_world_size is {states['mp_world_size']!r}: a tensor-parallel DeepSpeed checkpoint is not read",
-            path=states_files[0],
+            path=file,
         )
-    module = states["module"]
-    if not isinstance(module, Mapping):
-        raise CorruptFileError("'module' is not a state dict", path=states_files[0], tensor="module")
-    recorded = states.get("dp_world_size")
-    notes: list[str] = []
-    pieces: dict[str, list[Piece]] = {}
-    headers: dict[str, TensorHeader] = {}
-    described: dict[str, str] = {}
+    if not isinstance(states["module"], Mapping):
+        raise CorruptFileError("'module' is not a state dict", path=file, tensor="module")
+    return states
 
-    def from_module(name: str) -> None:
-        tensor = module[name]
-        pieces[name] = [_piece(states_files[0], f"module.{name}", tensor)]
-        headers[name] = torch_header(tensor, path=states_files[0], key=name)
 
-    if zero3 and weights == "module":
-        raise ReshardError("ZeRO-3 keeps no module copy of the weights", path=folder, hint="drop --weights module")
-    if not optim or weights == "module":
-        if zero3:
-            raise MissingRankError("no *_optim_states.pt files: ZeRO-3 keeps its weights only there", path=folder)
-        for name in module:
-            from_module(name)
-        why = "--weights module" if optim else "no optimizer files (ZeRO-0, or saved without them)"
-        notes.append(f"DeepSpeed module copy read as it is ({why}); the fp32 master weights are not used")
-        optim_files: list[Path] = []
-    else:
-        dp = recorded if type(recorded) is int and 1 <= recorded <= MAX_RANKS else None
-        optim_files = _ranks_in_order(optim, "*_optim_states.pt", folder, dp)
-        dp = len(optim_files)
-        if zero3:
-            states_files = _ranks_in_order(zero3, "zero_pp_rank_*_model_states.pt", folder, dp)
-        stage = _master(folder, states, states_files, optim_files, zero3=bool(zero3), options=options,
-                        pieces=pieces, headers=headers)  # fmt: skip
-        for name in pieces:
-            described[name] = f"fp32 master weight from the partitions of {dp} optimizer files"
-        _frozen(states, states_files, options, pieces, headers, zero3=bool(zero3), notes=notes)
-        for name in _names(states.get("buffer_names"), states_files[0], "buffer_names"):
-            if name in module and name not in pieces:
-                from_module(name)
-        shared = _shared(states.get("shared_params"), states_files[0])
-        leftover = [n for n in module if n not in pieces and n not in shared]
-        if leftover and zero3:
-            why = "is in the module but in no parameter group, frozen parameter or buffer"
-            raise CorruptFileError(why, path=folder, tensor=leftover[0])
-        for name in leftover:
-            from_module(name)
-        if leftover:
-            notes.append(
-                f"{len(leftover)} tensors have no fp32 master (frozen under ZeRO-1, or not parameters): "
-                f"read from the {headers[leftover[0]].code} module copy ({listed(leftover, len(leftover))})"
-            )
-        notes.append(
-            f"DeepSpeed ZeRO-{stage} over {dp} data-parallel ranks (ds_version {states.get('ds_version')}): "
-            f"fp32 master weights rebuilt from {dp} optimizer files"
-            + ("" if zero3 else "; the module copy is not used (--weights module takes it)")
+def _rest(
+    states: dict[str, Any], states_files: list[Path], options: ReadOptions, found: _Tensors, *, zero3: bool
+) -> dict[str, str]:
+    """Frozen parameters, buffers and what else the module holds beside the fp32 masters; the tied weights."""
+    _frozen(states, states_files, options, found.pieces, found.headers, zero3=zero3, notes=found.notes)
+    for name in _names(states.get("buffer_names"), states_files[0], "buffer_names"):
+        if name in found.module and name not in found.pieces:
+            found.from_module(name)
+    shared = _shared(states.get("shared_params"), states_files[0])
+    leftover = [n for n in found.module if n not in found.pieces and n not in shared]
+    if leftover and zero3:
+        why = "is in the module but in no parameter group, frozen parameter or buffer"
+        raise CorruptFileError(why, path=states_files[0], tensor=leftover[0])
+    for name in leftover:
+        found.from_module(name)
+    if leftover:
+        found.notes.append(
+            f"{len(leftover)} tensors have no fp32 master (frozen under ZeRO-1, or not parameters): "
+            f"read from the {found.headers[leftover[0]].code} module copy ({listed(leftover, len(leftover))})"
         )
-        moments = _moments(folder, optim_files[0], options)
-        if moments:
-            notes.append(f"skipped optimizer state in {dp} files: {', '.join(moments)}")
-    reader = PiecesReader(folder, {k: tuple(v) for k, v in pieces.items()}, headers, described)
-    shared = _shared(states.get("shared_params"), states_files[0]) if optim_files else {}
+    return shared
+
+
+def _source(
+    path: Path, folder: Path, found: _Tensors, shared: dict[str, str], options: ReadOptions
+) -> SourceCheckpoint:
+    """The checkpoint as one rank, in the module's order; a tied weight reads its owner's bytes."""
+    reader = PiecesReader(folder, {k: tuple(v) for k, v in found.pieces.items()}, found.headers, found.described)
     refs: dict[str, TensorRef] = {}
-    for name in [*module, *(n for n in pieces if n not in module)]:
-        key = shared.get(name, name) if name not in pieces else name
-        if key in pieces:
-            refs[name] = TensorRef(name, 0, reader, key, headers[key])
+    for name in [*found.module, *(n for n in found.pieces if n not in found.module)]:
+        key = name if name in found.pieces else shared.get(name, name)
+        if key in found.pieces:
+            refs[name] = TensorRef(name, 0, reader, key, found.headers[key])
         elif name in shared:
-            raise CorruptFileError(f"shared with {key!r}, which no file holds", path=states_files[0], tensor=name)
+            raise CorruptFileError(f"shared with {key!r}, which no file holds", path=found.states_file, tensor=name)
     if shared:
-        notes.append(f"tied weights (shared_params): {', '.join(f'{a} = {o}' for a, o in shared.items())}")
+        found.notes.append(f"tied weights (shared_params): {', '.join(f'{a} = {o}' for a, o in shared.items())}")
     source = SourceCheckpoint(path, NAME, [refs], config=find_config(folder, options.config))
-    source.notes.extend(notes)
+    source.notes.extend(found.notes)
     return source
+
+
+def _universal(
+    zero: Path, states: dict[str, Any], found: _Tensors, options: ReadOptions, *, zero3: bool
+) -> tuple[int, str, list[str]]:
+    """The fp32 master of every trainable parameter from ``ds_to_universal``'s ``zero/<name>/fp32.pt``: ZeRO-1/2
+    ``{"param": tensor, "cat_dim": 0}``, ZeRO-3 a flat tensor (``checkpoint/ds_to_universal.py``); returns the stage,
+    where the weights come from and the optimizer state skipped."""
+    import torch
+
+    shapes = {n: s for g in states["param_shapes"] for n, s in _shapes(g, found.states_file, "param_shapes").items()}
+    skipped: set[str] = set()
+    for name, shape in shapes.items():
+        file = zero / name / "fp32.pt"
+        if not file.is_file():
+            raise MissingRankError("no fp32.pt for this parameter in the universal checkpoint", path=file, tensor=name)
+        stored = _load_any(file, options)
+        tensor = stored.get("param") if isinstance(stored, Mapping) else stored
+        numel = math.prod(shape)
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.float32 or tensor.numel() != numel:
+            got = f"{tensor.dtype} {list(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise CorruptFileError(f"holds {got}, not the float32 {list(shape)} of {name}", path=file, tensor=name)
+        found.pieces[name] = [_piece(file, name, tensor)]
+        found.headers[name] = TensorHeader(shape, "F32")
+        skipped.update(p.stem for p in file.parent.iterdir() if p.name != file.name)
+    return (3 if zero3 else _stage(states)), "from ds_to_universal's zero/<name>/fp32.pt", sorted(skipped)
 
 
 def _master(
@@ -436,7 +506,7 @@ def _shared(value: Any, file: Path) -> dict[str, str]:
     return dict(value)
 
 
-def _moments(folder: Path, file: Path, options: ReadOptions) -> list[str]:
+def _moments(file: Path, options: ReadOptions) -> list[str]:
     """The names of the optimizer state reshard does not carry (Adam's ``exp_avg``, ``exp_avg_sq``, ``step``)."""
     osd = _osd(_load(file, options), file)
     inner = osd.get("base_optimizer_state", osd.get("optimizer_state_dict"))

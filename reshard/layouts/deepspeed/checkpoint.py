@@ -55,7 +55,7 @@ WEIGHTS = ("master", "module")
 
 
 def detect(path: Path) -> bool:
-    """A DeepSpeed root (``latest`` naming a tag folder) or tag folder: ZeRO optimizer or model-states files, or a
+    """A DeepSpeed root (``latest`` naming a tag folder) or tag folder: ZeRO-3 model-states files, or a
     model-states file whose pickle records ``ds_version`` and ``param_shapes``; not under SAT's
     ``model_config.json``."""
     if not path.is_dir() or (path / SAT_CONFIG).is_file() or (path.parent / SAT_CONFIG).is_file():
@@ -67,8 +67,10 @@ def detect(path: Path) -> bool:
 
 
 def _is_tag_folder(folder: Path) -> bool:
+    """ZeRO-3 model-states files, or a rank-0 model-states file that DeepSpeed pickled (an optimizer file beside
+    rank files of a plain state dict is not enough: such a folder is read as loose rank files)."""
     names = [child.name for child in folder.iterdir()]
-    if any(OPTIM_STATES.match(n) or ZERO3_MODEL_STATES.match(n) for n in names):
+    if any(ZERO3_MODEL_STATES.match(n) for n in names):
         return True
     states = sorted(n for n in names if MODEL_STATES.match(n))
     return bool(states) and _pickles_deepspeed_keys(folder / states[0])
@@ -246,6 +248,12 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
     _refuse_other_features(folder, model, zero3, optim)
     if model and zero3:
         raise ReshardError("holds both ZeRO-0/1/2 and ZeRO-3 model-states files", path=folder, hint="keep one run's")
+    if not model and not zero3:
+        raise MissingRankError(
+            "no mp_rank_00_model_states.pt (ZeRO-0/1/2) or zero_pp_rank_*_mp_rank_00_model_states.pt (ZeRO-3): "
+            "the parameter names and shapes are only there",
+            path=folder,
+        )
     universal = not optim and (folder / UNIVERSAL).is_dir()
     states_files = [model[(0,)]] if model else _ranks_in_order(zero3, "zero_pp_rank_*_model_states.pt", folder, None)
     states = _model_states(states_files[0], options)

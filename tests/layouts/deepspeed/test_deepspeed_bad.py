@@ -53,3 +53,10 @@ def test_a_truncated_partition_is_one_line(ds_copy, cli, tmp_path):
     result = cli("convert", folder, "--tp", 1, "-o", tmp_path / "out", "-q")
     assert result.exit_code == 2, result.output
     assert file.name in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_a_missing_model_states_file_is_named(ds_copy, cli, tmp_path):
+    folder = ds_copy("zero2_bf16")
+    (folder / TAG / "mp_rank_00_model_states.pt").unlink()
+    result = cli("convert", folder, "--tp", 1, "-o", tmp_path / "out", "-q")
+    assert result.exit_code == 2 and "no mp_rank_00_model_states.pt" in result.output, result.output

@@ -67,13 +67,16 @@ def detect(path: Path) -> bool:
 
 
 def _is_tag_folder(folder: Path) -> bool:
-    """ZeRO-3 model-states files, or a rank-0 model-states file that DeepSpeed pickled (an optimizer file beside
-    rank files of a plain state dict is not enough: such a folder is read as loose rank files)."""
+    """ZeRO-3 model-states files, a rank-0 model-states file that DeepSpeed pickled, or ZeRO optimizer files with no
+    model-states file (refused then, naming it). An optimizer file beside rank files of a plain state dict is not
+    enough: such a folder is read as loose rank files."""
     names = [child.name for child in folder.iterdir()]
     if any(ZERO3_MODEL_STATES.match(n) for n in names):
         return True
     states = sorted(n for n in names if MODEL_STATES.match(n))
-    return bool(states) and _pickles_deepspeed_keys(folder / states[0])
+    if not states:
+        return any(OPTIM_STATES.match(n) for n in names)
+    return _pickles_deepspeed_keys(folder / states[0])
 
 
 def _pickles_deepspeed_keys(file: Path) -> bool:

@@ -51,7 +51,7 @@ PIPELINE_FILE = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$")
 EXPERT_FILE = re.compile(r"^(?:layer_\d+_expert_\d+_mp_rank_\d+_model|expp_rank_\d+_mp_rank_\d+_optim)_states\.pt$")
 REQUIRED = ("module", "param_shapes", "buffer_names", "ds_version")
 MAX_PICKLE = 64 << 20  # a model-states data.pkl: names and shapes, far below this
-WEIGHTS = ("master", "module")
+WIDENED = ("F16", "BF16")  # 16-bit floats read as float32 beside the fp32 masters
 
 
 def detect(path: Path) -> bool:
@@ -233,6 +233,7 @@ class _Tensors:
     pieces: dict[str, list[Piece]] = field(default_factory=dict)
     headers: dict[str, TensorHeader] = field(default_factory=dict)
     described: dict[str, str] = field(default_factory=dict)
+    widened: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     def from_module(self, name: str) -> None:
@@ -336,6 +337,16 @@ def _rest(
             f"{len(leftover)} tensors have no fp32 master (frozen under ZeRO-1, or not parameters): "
             f"read from the {found.headers[leftover[0]].code} module copy ({listed(leftover, len(leftover))})"
         )
+    narrow = [name for name, header in found.headers.items() if header.code in WIDENED]
+    for name in narrow:
+        found.widened[name] = found.headers[name].code
+        found.headers[name] = TensorHeader(found.headers[name].shape, "F32")
+        found.described.setdefault(name, f"{found.widened[name]} in the model states, widened to F32")
+    if narrow:
+        found.notes.append(
+            f"{len(narrow)} 16-bit tensors without an fp32 master (frozen parameters, buffers) widened to float32, "
+            f"as zero_to_fp32 writes them: {listed(narrow, len(narrow))}"
+        )
     return shared
 
 
@@ -343,7 +354,8 @@ def _source(
     path: Path, folder: Path, found: _Tensors, shared: dict[str, str], options: ReadOptions
 ) -> SourceCheckpoint:
     """The checkpoint as one rank, in the module's order; a tied weight reads its owner's bytes."""
-    reader = PiecesReader(folder, {k: tuple(v) for k, v in found.pieces.items()}, found.headers, found.described)
+    pieces = {k: tuple(v) for k, v in found.pieces.items()}
+    reader = PiecesReader(folder, pieces, found.headers, found.described, found.widened)
     refs: dict[str, TensorRef] = {}
     for name in [*found.module, *(n for n in found.pieces if n not in found.module)]:
         key = name if name in found.pieces else shared.get(name, name)
@@ -497,7 +509,7 @@ def _frozen(
             raise CorruptFileError(why, path=states_files[0], tensor=name)
         pieces[name] = flat.span(0, numel)
         headers[name] = TensorHeader(shape, header.code)
-    notes.append(f"{len(shapes)} frozen parameters read in their training dtype from the model states")
+    notes.append(f"{len(shapes)} frozen parameters read from the model states")
 
 
 def _names(value: Any, file: Path, key: str) -> list[str]:

@@ -4,6 +4,8 @@ fp32 partitions of every data-parallel rank, read back as one tensor without loa
 A key is an ordered list of :class:`Piece` (file, byte position, length); the tensor's bytes are their
 concatenation in C order. Reading copies, from each piece that overlaps the asked range, only the overlap,
 straight into the caller's buffer (:class:`~reshard.io.direct.DirectSource`), so memory stays the output tensor.
+A key listed in ``widened`` is stored in a narrower float (a bf16 frozen parameter beside fp32 masters) and read
+as its header's dtype: the stored elements of the asked range go through one temporary of their own size.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from reshard.dtypes import dtype_from_code, itemsize_of
 from reshard.errors import CorruptFileError
 from reshard.io.direct import Batch, DirectSource
 from reshard.layouts.readers import FileReader, TensorHeader
@@ -42,6 +45,7 @@ class PiecesReader(FileReader):
     pieces: Mapping[str, tuple[Piece, ...]]
     headers: dict[str, TensorHeader]
     described: Mapping[str, str] = field(default_factory=dict)
+    widened: Mapping[str, str] = field(default_factory=dict)  # key -> the code it is stored in
     extras: dict[str, Any] = field(init=False, default_factory=dict)
     notes: list[str] = field(init=False, default_factory=list)
     _files: OrderedDict[Path, DirectSource] = field(init=False, default_factory=OrderedDict, repr=False)
@@ -50,8 +54,9 @@ class PiecesReader(FileReader):
     def __post_init__(self) -> None:
         for key, header in self.headers.items():
             stored = sum(piece.length for piece in self.pieces[key])
-            if stored != header.nbytes:
-                raise ValueError(f"{key}: pieces of {stored} bytes for a tensor of {header.nbytes}")
+            wanted = header.nbytes // itemsize_of(header.code) * itemsize_of(self.widened.get(key, header.code))
+            if stored != wanted:
+                raise ValueError(f"{key}: pieces of {stored} bytes for a tensor stored in {wanted}")
 
     def get(self, key: str) -> torch.Tensor:
         import torch
@@ -76,10 +81,23 @@ class PiecesReader(FileReader):
         wanted = out.numel() * out.element_size()
         if start + wanted > self.headers[key].nbytes:
             raise ValueError(f"{self.path.name}: {key}: read_into past the end of the tensor")
-        buffer = memoryview(out.reshape(-1).view(torch.uint8).numpy())
-        begin = 0  # the tensor byte the current piece starts at
+        code = self.widened.get(key)
+        if code is None:
+            self._read_bytes(key, memoryview(out.reshape(-1).view(torch.uint8).numpy()), start)
+            return
+        if start % out.element_size():
+            raise ValueError(f"{self.path.name}: {key}: read_into at byte {start} of a widened tensor")
+        narrow = torch.empty(out.numel(), dtype=dtype_from_code(code))
+        with Batch():
+            first = start // out.element_size() * narrow.element_size()
+            self._read_bytes(key, memoryview(narrow.view(torch.uint8).numpy()), first)
+        out.reshape(-1).copy_(narrow)
+
+    def _read_bytes(self, key: str, buffer: memoryview, start: int) -> None:
+        """Stored bytes ``[start, start + len(buffer))`` of ``key`` into ``buffer``."""
+        begin = 0  # the stored byte the current piece starts at
         for piece in self.pieces[key]:
-            low, high = max(start, begin), min(start + wanted, begin + piece.length)
+            low, high = max(start, begin), min(start + len(buffer), begin + piece.length)
             if low < high:
 
                 def error(why: str, piece: Piece = piece) -> CorruptFileError:

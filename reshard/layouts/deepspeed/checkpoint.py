@@ -293,8 +293,7 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
         shared = _rest(states, states_files, options, found, zero3=bool(zero3))
         found.notes.append(
             f"DeepSpeed ZeRO-{stage} over {dp or '?'} data-parallel ranks (ds_version {states.get('ds_version')}): "
-            f"fp32 master weights {origin}"
-            + ("" if zero3 else "; the module copy is not used (--weights module takes it)")
+            f"fp32 master weights {origin}" + ("" if zero3 else "; --weights module takes the module copy instead")
         )
         if moments:
             found.notes.append(f"skipped optimizer state: {', '.join(moments)}")

@@ -51,6 +51,7 @@ PIPELINE_FILE = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$")
 EXPERT_FILE = re.compile(r"^(?:layer_\d+_expert_\d+_mp_rank_\d+_model|expp_rank_\d+_mp_rank_\d+_optim)_states\.pt$")
 REQUIRED = ("module", "param_shapes", "buffer_names", "ds_version")
 MAX_PICKLE = 64 << 20  # a model-states data.pkl: names and shapes, far below this
+WEIGHTS = ("master", "module")  # the copies --weights chooses from
 WIDENED = ("F16", "BF16")  # 16-bit floats read as float32 beside the fp32 masters
 
 
@@ -101,7 +102,8 @@ def _locate(path: Path) -> Path | None:
     for name in (LATEST, LATEST_UNIVERSAL):
         tracker = path / name
         if tracker.is_file():
-            tag = tracker.read_bytes()[:4096].decode("utf-8", "replace").strip()
+            with tracker.open("rb") as handle:  # a tag is a short name; never read a damaged tracker whole
+                tag = handle.read(4096).decode("utf-8", "replace").strip()
             if not tag or "/" in tag or "\\" in tag or tag in (".", ".."):
                 raise CorruptFileError(f"does not name a checkpoint folder: {tag!r}", path=tracker)
             folder = path / tag
@@ -245,6 +247,9 @@ class _Tensors:
 
 def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
     """Read a DeepSpeed checkpoint from its pickles (tensors memory-mapped, no tensor byte read)."""
+    weights = getattr(options, "weights", "master")
+    if weights not in WEIGHTS:
+        raise ReshardError(f"--weights {weights!r} is not one of {', '.join(WEIGHTS)}")
     folder = _locate(path)
     if folder is None:
         raise MissingRankError("no DeepSpeed checkpoint folder ('latest' names none)", path=path)
@@ -262,9 +267,9 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
     states_files = [model[(0,)]] if model else _ranks_in_order(zero3, "zero_pp_rank_*_model_states.pt", folder, None)
     states = _model_states(states_files[0], options)
     found = _Tensors(states_files[0], states["module"])
-    if zero3 and getattr(options, "weights", "master") == "module":
+    if zero3 and weights == "module":
         raise ReshardError("ZeRO-3 keeps no module copy of the weights", path=folder, hint="drop --weights module")
-    if getattr(options, "weights", "master") == "module" or not (optim or universal):
+    if weights == "module" or not (optim or universal):
         if zero3:
             raise MissingRankError("no *_optim_states.pt files: ZeRO-3 keeps its weights only there", path=folder)
         for name in found.module:

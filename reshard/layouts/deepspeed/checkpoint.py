@@ -247,7 +247,7 @@ class _Tensors:
 
 def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
     """Read a DeepSpeed checkpoint from its pickles (tensors memory-mapped, no tensor byte read)."""
-    weights = getattr(options, "weights", "master")
+    weights = options.weights
     if weights not in WEIGHTS:
         raise ReshardError(f"--weights {weights!r} is not one of {', '.join(WEIGHTS)}")
     folder = _locate(path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 TAG = "global_step2"
 
@@ -60,3 +61,33 @@ def test_a_missing_model_states_file_is_named(ds_copy, cli, tmp_path):
     (folder / TAG / "mp_rank_00_model_states.pt").unlink()
     result = cli("convert", folder, "--tp", 1, "-o", tmp_path / "out", "-q")
     assert result.exit_code == 2 and "no mp_rank_00_model_states.pt" in result.output, result.output
+
+
+def rewrite_states(file, change) -> None:
+    """Load a model-states file DeepSpeed wrote (plain types: it loads with weights_only), change it, save it back."""
+    states = torch.load(file, weights_only=True)
+    change(states)
+    torch.save(states, file)
+
+
+@pytest.mark.parametrize("variant", ["zero2_bf16", "zero3_bf16"])
+def test_param_shapes_that_do_not_match_the_partitions_are_refused(ds_copy, variant, cli, tmp_path):
+    folder = ds_copy(variant)
+    zero3 = variant.startswith("zero3")
+    file = folder / TAG / ("zero_pp_rank_0_mp_rank_00_model_states.pt" if zero3 else "mp_rank_00_model_states.pt")
+
+    def grow(states) -> None:
+        states["param_shapes"][0]["model.layers.0.self_attn.q_proj.weight"] = torch.Size([64, 80])
+
+    rewrite_states(file, grow)
+    result = cli("convert", folder, "--tp", 1, "-o", tmp_path / "out", "-q")
+    assert result.exit_code == 2, result.output
+    assert file.name in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_a_recorded_data_parallel_size_names_the_missing_ranks(ds_copy, cli, tmp_path):
+    folder = ds_copy("zero2_bf16")
+    rewrite_states(folder / TAG / "mp_rank_00_model_states.pt", lambda states: states.update(dp_world_size=4))
+    result = cli("convert", folder, "--tp", 1, "-o", tmp_path / "out", "-q")
+    assert result.exit_code == 2, result.output
+    assert "missing *_optim_states.pt of data-parallel rank 3 (4 ranks wrote this checkpoint)" in result.output

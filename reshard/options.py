@@ -51,6 +51,9 @@ class ReadOptions:
         lora_alpha: LoRA alpha for merging (scaling = alpha / rank).
         tokenizer: the tokenizer an HF output carries (``--tokenizer``): a folder, or a Hub repo id as the user
             wrote it; None takes the one the checkpoint names or holds.
+        weights: which copy of the weights to read where a checkpoint keeps two (DeepSpeed ZeRO-0/1/2):
+            ``master`` (the fp32 master weights of the optimizer, what training continues from) or ``module``
+            (the copy in the training dtype).
     """
 
     config: Path | None = None
@@ -62,6 +65,7 @@ class ReadOptions:
     merge_lora: bool = False
     lora_alpha: float = 1.0
     tokenizer: Path | str | None = None
+    weights: str = "master"
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,7 @@ class ConvertOptions:
             names (Megatron's args, NeMo's context) or holds (an HF folder's files).
         force: ``fix`` writes its output even when the checkpoint needs nothing (no tensor changes shape and the
             vocab is already its true size); without it such a ``fix`` says so and writes nothing.
+        weights: which copy of the weights to read where a checkpoint keeps two (see :class:`ReadOptions`).
     """
 
     tp: int = 1
@@ -119,6 +124,7 @@ class ConvertOptions:
     resume: bool = False
     force: bool = False
     tokenizer: Path | str | None = None
+    weights: str = "master"
 
     def __post_init__(self) -> None:
         check_tp(self.tp)
@@ -136,4 +142,5 @@ class ConvertOptions:
             merge_lora=self.merge_lora,
             lora_alpha=self.lora_alpha,
             tokenizer=self.tokenizer,
+            weights=self.weights,
         )

@@ -89,6 +89,8 @@ class ConvertOptions:
             otherwise (a Megatron checkpoint written as ``hf`` keeps Megatron's names and fused tensors).
         resume: stage the output under a fixed name with a journal (:mod:`reshard.io.journal`), keep it when the
             run fails or is stopped, and finish what an earlier such run left there.
+        dtype: write every floating tensor in this dtype (``bfloat16``, ``float16``, ``float32``), FP8 weights
+            dequantized with their scales (the scales and ``quantization_config`` dropped); None keeps each dtype.
         force: ``fix`` writes its output even when the checkpoint needs nothing (no tensor changes shape and the
             vocab is already its true size); without it such a ``fix`` says so and writes nothing.
     """
@@ -112,6 +114,7 @@ class ConvertOptions:
     jobs: int = field(default_factory=default_jobs)
     keep_names: bool = False
     resume: bool = False
+    dtype: str | None = None
     force: bool = False
 
     def __post_init__(self) -> None:

@@ -187,7 +187,7 @@ def _result(
         layout=target.layout.name,
         tp=target.conversion.target_tp,
     )
-    notes = list(source.notes)
+    notes = [*source.notes, *target.notes]
     if divergent:
         notes.append(f"replicated but different between ranks, rank 0's copy taken: {', '.join(sorted(divergent))}")
     if target.layout.global_tensors:

@@ -16,7 +16,8 @@ The arithmetic is the libraries' own, bit for bit:
   target dtype, as compressed-tensors' ``dequantize``: the product is rounded to the scale's dtype first.
 
 The product is made a strip of rows at a time, so the float32 temporaries stay at :data:`STRIP` elements whatever
-the weight's size.
+the weight's size; FP8 becomes float32 through float16's bit layout (:func:`float32_of`), a fifth of the CPU of
+torch's own conversion, which is most of the work.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def dequantize(
     strip = max(1, STRIP // max(1, cols) // block_rows) * block_rows  # whole blocks of rows
     for start in range(0, rows, strip):
         stop = min(rows, start + strip)
-        product = weight[start:stop].float()
+        product = float32_of(weight[start:stop])
         scales = _row_scales(grid[start // block_rows : math.ceil(stop / block_rows)], block_cols, cols)
         whole = (stop - start) // block_rows * block_rows
         if whole:  # every block row of the strip times its scales, broadcast over its rows
@@ -112,6 +113,26 @@ def dequantize(
             product[whole:].mul_(scales[-1])
         out[start:stop].copy_(product if via_dtype is None else product.to(via_dtype))
     return out
+
+
+def float32_of(fp8: torch.Tensor) -> torch.Tensor:
+    """The float32 values of an FP8 tensor, the same as ``fp8.float()``, NaN bits included, for a fifth of the CPU.
+
+    Both FP8 kinds are exact in float16's bit layout, reached with integer shifts (vectorised) where torch converts
+    element by element: float8_e5m2 is float16's high byte; float8_e4m3fn's sign goes to bit 15 and its exponent and
+    mantissa to bits 7-13, where its exponent bias of 7 reads as float16's 15, so the value is that float16 times
+    2^8 (exact). e4m3fn has no infinities; its two NaN bytes are converted by torch itself.
+    """
+    import torch
+
+    signed = fp8.view(torch.int8).to(torch.int16)
+    if fp8.dtype == torch.float8_e5m2:
+        return signed.bitwise_left_shift_(8).view(torch.float16).float()
+    values = signed.bitwise_left_shift_(7).bitwise_and_(~0x4000).view(torch.float16).float().mul_(256.0)
+    nan = fp8.view(torch.uint8).bitwise_and(0x7F).eq(0x7F)
+    if nan.any():
+        values[nan] = fp8[nan].float()
+    return values
 
 
 def _row_scales(grid: torch.Tensor, block_cols: int, cols: int) -> torch.Tensor:

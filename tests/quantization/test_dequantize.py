@@ -9,7 +9,7 @@ from fixtures.fp8 import block_magnitudes, quantize_blocks
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
 import reshard.quantization.dequantize as module
-from reshard.quantization.dequantize import Cast, Dequantize, dequantize
+from reshard.quantization.dequantize import Cast, Dequantize, dequantize, float32_of
 
 CODES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 
@@ -70,3 +70,9 @@ def test_the_transforms_state_their_shapes_and_cast_once():
     values = torch.randn(4, 4, dtype=torch.float32)
     (cast,) = Cast("BF16").apply([values])
     assert torch.equal(cast, values.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3fn", "e5m2"])
+def test_fp8_to_float32_is_torchs_conversion_for_every_byte(dtype):
+    every = torch.arange(256, dtype=torch.uint8).repeat(3, 1).view(dtype)  # NaNs (and e5m2's infinities) included
+    assert torch.equal(float32_of(every).view(torch.int32), every.float().view(torch.int32))

@@ -101,38 +101,46 @@ def dequantize(
         grid, block_rows = grid.expand(rows, -1), 1
     out = torch.empty((rows, cols), dtype=dtype_from_code(code))
     via_dtype = dtype_from_code(via) if via is not None else None
-    strip = max(1, STRIP // max(1, cols) // block_rows) * block_rows  # whole blocks of rows
+    strip = min(rows, max(1, STRIP // max(1, cols) // block_rows) * block_rows)  # whole blocks of rows
+    # one int16 and one float32 strip for every strip of the weight: fresh pages each time cost more than the work
+    bits, product = torch.empty((strip, cols), dtype=torch.int16), torch.empty((strip, cols), dtype=torch.float32)
     for start in range(0, rows, strip):
         stop = min(rows, start + strip)
-        product = float32_of(weight[start:stop])
+        values = float32_of(weight[start:stop], bits=bits[: stop - start], out=product[: stop - start])
         scales = _row_scales(grid[start // block_rows : math.ceil(stop / block_rows)], block_cols, cols)
         whole = (stop - start) // block_rows * block_rows
         if whole:  # every block row of the strip times its scales, broadcast over its rows
-            product[:whole].view(whole // block_rows, block_rows, -1).mul_(scales[: whole // block_rows, None, :])
+            values[:whole].view(whole // block_rows, block_rows, -1).mul_(scales[: whole // block_rows, None, :])
         if whole < stop - start:  # the weight's last block row, short
-            product[whole:].mul_(scales[-1])
-        out[start:stop].copy_(product if via_dtype is None else product.to(via_dtype))
+            values[whole:].mul_(scales[-1])
+        out[start:stop].copy_(values if via_dtype is None else values.to(via_dtype))
     return out
 
 
-def float32_of(fp8: torch.Tensor) -> torch.Tensor:
-    """The float32 values of an FP8 tensor, the same as ``fp8.float()``, NaN bits included, for a fifth of the CPU.
+def float32_of(
+    fp8: torch.Tensor, *, bits: torch.Tensor | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The float32 values of an FP8 tensor, the same as ``fp8.float()``, NaN bits included, for a fifth of the CPU
+    (into ``out``, through ``bits``, an int16 tensor of its shape, when given).
 
     Both FP8 kinds are exact in float16's bit layout, reached with integer shifts (vectorised) where torch converts
     element by element: float8_e5m2 is float16's high byte; float8_e4m3fn's sign goes to bit 15 and its exponent and
     mantissa to bits 7-13, where its exponent bias of 7 reads as float16's 15, so the value is that float16 times
-    2^8 (exact). e4m3fn has no infinities; its two NaN bytes are converted by torch itself.
+    2^8 (exact). e4m3fn has no infinities, and its two NaN bytes come out as +-480, beyond its largest value (448):
+    where the range shows one, those elements are converted by torch itself.
     """
     import torch
 
-    signed = fp8.view(torch.int8).to(torch.int16)
+    bits = torch.empty(fp8.shape, dtype=torch.int16) if bits is None else bits
+    out = torch.empty(fp8.shape, dtype=torch.float32) if out is None else out
+    bits.copy_(fp8.view(torch.int8))  # sign-extended
     if fp8.dtype == torch.float8_e5m2:
-        return signed.bitwise_left_shift_(8).view(torch.float16).float()
-    values = signed.bitwise_left_shift_(7).bitwise_and_(~0x4000).view(torch.float16).float().mul_(256.0)
-    nan = fp8.view(torch.uint8).bitwise_and(0x7F).eq(0x7F)
-    if nan.any():
-        values[nan] = fp8[nan].float()
-    return values
+        return out.copy_(bits.bitwise_left_shift_(8).view(torch.float16))
+    out.copy_(bits.bitwise_left_shift_(7).bitwise_and_(~0x4000).view(torch.float16)).mul_(256.0)
+    if out.numel() and max(-float(out.min()), float(out.max())) > 448:
+        nan = fp8.view(torch.uint8).bitwise_and(0x7F).eq(0x7F)
+        out[nan] = fp8[nan].float()
+    return out
 
 
 def _row_scales(grid: torch.Tensor, block_cols: int, cols: int) -> torch.Tensor:

@@ -172,6 +172,8 @@ def _compressed(quant: Mapping[str, Any], path: Path | None) -> Fp8Format:
         )
         fmt = group.get("format") or quant.get("format")
         weights = group.get("weights") or {}
+        if not isinstance(weights, Mapping):
+            raise ReshardError(f"config_groups.{shown(name)}.weights is {shown(weights)}, not a mapping", path=path)
         bits, kind = weights.get("num_bits"), weights.get("type")
         if fmt not in CT_FORMATS or bits != 8 or kind != "float":
             raise _unsupported(f"compressed-tensors {_named(fmt)} ({_named(kind)}, {_named(bits)} bits)", path)
@@ -229,7 +231,7 @@ def recast(
             continue
         if name.rpartition(".")[2] in COMPANIONS:
             weight = f"{name.rpartition('.')[0]}.weight"
-            if fmt is not None and name.endswith(fmt.dropped) and headers.get(weight, header).code in FP8:
+            if fmt is not None and name.endswith(fmt.dropped) and weight in headers and headers[weight].code in FP8:
                 dropped.append(name)
                 continue
             problems.append(ReshardError("a quantization tensor without its FP8 weight", path=path, tensor=name))
@@ -265,7 +267,7 @@ def _dequantized(
     if block is None:
         raise ReshardError(
             f"{fmt.scale} {list(scale.shape)} is not a scale grid of {list(header.shape)} "
-            f"for the blocks quantization_config gives",
+            f"for the blocks its quantization_config ({fmt.method}) gives",
             path=path,
             tensor=name,
         )

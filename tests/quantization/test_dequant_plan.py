@@ -113,3 +113,12 @@ def test_the_config_loses_quantization_config_and_states_the_dtype():
     assert dequantized_config({"torch_dtype": "float32"}, "bfloat16") == {"torch_dtype": "bfloat16"}
     assert dequantized_config({}, "bfloat16") == {"dtype": "bfloat16"}
     assert "quantization_config" in source  # the source's mapping is left alone
+
+
+def test_a_malformed_compressed_tensors_config_is_one_line():
+    bad = compressed_config("channel")
+    bad["config_groups"]["group_0"]["weights"] = [8, "float"]
+    with pytest.raises(ReshardError, match=r"config_groups.'group_0'.weights is \[8, 'float'\], not a mapping"):
+        fp8_format({"quantization_config": bad})
+    with pytest.raises(ReshardError, match="quantization_config is 'fp8', not a mapping"):
+        fp8_format({"quantization_config": "fp8"})

@@ -98,6 +98,8 @@ class ConvertOptions:
             run fails or is stopped, and finish what an earlier such run left there.
         tokenizer: the tokenizer an HF output carries (``--tokenizer DIR|REPO``); None takes the one the checkpoint
             names (Megatron's args, NeMo's context) or holds (an HF folder's files).
+        dtype: write every floating tensor in this dtype (``bfloat16``, ``float16``, ``float32``), FP8 weights
+            dequantized with their scales (the scales and ``quantization_config`` dropped); None keeps each dtype.
         force: ``fix`` writes its output even when the checkpoint needs nothing (no tensor changes shape and the
             vocab is already its true size); without it such a ``fix`` says so and writes nothing.
         weights: which copy of the weights to read where a checkpoint keeps two (see :class:`ReadOptions`).
@@ -122,6 +124,7 @@ class ConvertOptions:
     jobs: int = field(default_factory=default_jobs)
     keep_names: bool = False
     resume: bool = False
+    dtype: str | None = None
     force: bool = False
     tokenizer: Path | str | None = None
     weights: str = "master"

@@ -31,6 +31,7 @@ PACKAGES = {
     "hub": "hub",
     "plans": "plans",
     "mappings": "mappings",
+    "quantization": "plans",
 }
 PACKAGES |= {"engine": "engine"}
 PACKAGES |= {"commands": "commands", "cli": "front", "testing": "front", "__main__": "front", "slicing": "slicing"}

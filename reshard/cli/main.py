@@ -243,6 +243,11 @@ def inspect_command(
     is_flag=True,
     help="Keep the source's tensor names (by default the target layout's framework names them: hf = transformers).",
 )
+@click.option(
+    "--dtype",
+    type=click.Choice(["bfloat16", "float16", "float32"]),
+    help="Write floating tensors in this dtype; FP8 weights (fp8, compressed-tensors) dequantized, scales dropped.",
+)
 @click.option("--merge-lora", is_flag=True, help="Merge LoRA adapters into their base weights per rank, then reshard.")
 @click.option("--lora-alpha", type=float, help="LoRA alpha for --merge-lora (scaling = alpha / rank; default 1).")
 @click.option(

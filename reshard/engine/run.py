@@ -195,7 +195,7 @@ def _result(
         layout=target.layout.name,
         tp=target.conversion.target_tp,
     )
-    notes = list(source.notes)
+    notes = [*source.notes, *target.notes]
     if tokenizer not in (None, "source"):
         notes.append(f"the output carries the tokenizer of {tokenizer}")
     if divergent:

@@ -29,6 +29,7 @@ PACKAGES = {
     "layouts": "layouts",
     "hub": "hub",
     "plans": "plans",
+    "quantization": "plans",
     "mappings": "mappings",
 }
 PACKAGES |= {"engine": "engine"}

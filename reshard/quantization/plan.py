@@ -122,12 +122,7 @@ def cut(scheme: QuantScheme, companion: Companion, base: Partition, linear: Quan
     match base:
         case Shard(_, unit):
             return Shard(dim, lcm(step, unit) // per, whole=True)
-        case ReplicatedHeads(_, heads):
-            if full % heads or (full // heads) % step:
-                raise AmbiguousPartitionError(
-                    f"{heads} heads of {full // heads if heads else 0} {AXIS_NAMES[axis]} are not whole "
-                    f"units of {step} ({scheme.describe()})"
-                )
+        case ReplicatedHeads(_, heads):  # whole heads: rank_shapes checks that a head is whole stored elements
             return ReplicatedHeads(dim, heads)
         case Packed(_, parts, _):
             units = tuple(lcm(step, u) for u in base.part_units())
@@ -138,3 +133,11 @@ def cut(scheme: QuantScheme, companion: Companion, base: Partition, linear: Quan
                 )
             return Packed(dim, tuple(p // per for p in parts), tuple(u // per for u in units), whole=True)
     raise AssertionError(base)
+
+
+def linear_partition(plan: Plan, module: str, config: ModelConfig | None) -> Partition:
+    """The plan's cut of the linear ``module``'s weight ``[out, in]`` (what its dequantized weight is cut by)."""
+    rule = plan.match(f"{module}.weight")
+    if rule is None:
+        raise AmbiguousPartitionError(f"no rule of {plan.name} covers {module}.weight")
+    return rule.resolve(config)

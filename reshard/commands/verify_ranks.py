@@ -1,0 +1,148 @@
+"""``verify``'s per-rank check: every rank holds exactly its slice of each tensor, as the plan cuts it.
+
+A comparison of gathered tensors cannot see a wrong cut: rank slices taken on the wrong axis gather back into
+the same bytes. Here each tensor is gathered the way its ``reshard.json`` recorded it, cut again the way the
+plan says a runtime expects (the model's plan, and for a quantized linear its weight's cut carried through the
+format's table), and every rank's own slice compared with that piece, bit for bit. For each quantized linear,
+each rank's stored tensors are also dequantized on their own (the format's arithmetic,
+:mod:`reshard.commands.verify_dequant`) and compared with the rank's slice of the dequantized whole weight.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from reshard.commands.verify_checks import Difference
+from reshard.commands.verify_dequant import dequantize
+from reshard.engine.gather import gather_canonical
+from reshard.engine.open import OpenedCheckpoint, open_checkpoint
+from reshard.engine.planner import SourceTensor
+from reshard.errors import DivergentReplicaError, ReshardError, ShapeMismatchError
+from reshard.options import ReadOptions
+from reshard.partition import Partition, Replicate, Vocab, norm_dim
+from reshard.quantization import QuantizedTensors, quantized_tensors
+from reshard.quantization.plan import linear_partition, split_name
+from reshard.slicing import bitwise_equal, split
+
+
+def check_ranks(path: Path, read: ReadOptions) -> tuple[int, list[Difference]] | None:
+    """How many tensors were checked on every rank, and what differs; ``None`` for a checkpoint of one rank."""
+    written = open_checkpoint(path, read, target_tp=1, recorded_plan=True)
+    tp = written.source.tp
+    if tp == 1:
+        return None
+    expected = open_checkpoint(path, read, target_tp=tp)
+    config = expected.source.config
+    quantized = quantized_tensors(config, {n: ref.shape for n, ref in expected.source.ranks[0].items()})
+    by_module: dict[str, list[str]] = defaultdict(list)
+    diffs: list[Difference] = []
+    checked = 0
+    wanted = expected.by_name()
+    for name, tensor in written.by_name().items():
+        module, _ = split_name(name)
+        if quantized is not None and module in quantized.linears:
+            by_module[module].append(name)
+        full = _gather(tensor, written, diffs)
+        if full is not None and _same_slices(full, tensor, wanted[name], written.uneven, diffs):
+            checked += 1
+    for module, names in by_module.items():
+        _check_dequantized(module, names, written, expected, quantized, diffs)
+    return checked, diffs
+
+
+def _gather(tensor: SourceTensor, written: OpenedCheckpoint, diffs: list[Difference]) -> torch.Tensor | None:
+    if tensor.problem is not None:
+        diffs.append(Difference("inconsistent", tensor.name, tensor.problem.detail, _files(tensor)))
+        return None
+    try:
+        with torch.inference_mode():
+            return gather_canonical(tensor, uneven=written.uneven)
+    except (DivergentReplicaError, ShapeMismatchError) as err:
+        diffs.append(Difference("inconsistent", tensor.name, err.detail, _files(tensor)))
+        return None
+
+
+def _same_slices(
+    full: torch.Tensor, written: SourceTensor, wanted: SourceTensor, uneven: bool, diffs: list[Difference]
+) -> bool:
+    """Whether every rank holds the piece of ``full`` the plan's cut gives it (a difference per rank if not)."""
+    if wanted.problem is not None or wanted.partition is None:
+        detail = wanted.problem.detail if wanted.problem else "no cut planned"
+        diffs.append(Difference("rank-slice", wanted.name, f"the ranks do not hold the plan's cut: {detail}"))
+        return False
+    try:
+        pieces = _pieces(full, wanted.partition, written)
+    except (ShapeMismatchError, RuntimeError) as err:
+        diffs.append(Difference("rank-slice", wanted.name, f"{wanted.partition.describe()}: {err}", _files(written)))
+        return False
+    wrong = [
+        r for r, (ref, piece) in enumerate(zip(written.refs, pieces, strict=True)) if not _equal(ref.read(), piece)
+    ]
+    if wrong:
+        what = f"rank(s) {wrong} do not hold their {wanted.partition.describe()} slice ({wanted.reason})"
+        diffs.append(Difference("rank-slice", wanted.name, what, _files(written)))
+    return not wrong
+
+
+def _pieces(full: torch.Tensor, partition: Partition, written: SourceTensor) -> list[torch.Tensor]:
+    tp = len(written.refs)
+    padded = None
+    if isinstance(partition, Vocab):
+        padded = sum(ref.shape[norm_dim(partition.dim, len(ref.shape))] for ref in written.refs)
+    uneven = not isinstance(partition, Replicate) and len({ref.shape for ref in written.refs}) > 1
+    return split(full, partition, tp, padded=padded, uneven=uneven)
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and bitwise_equal(a, b.contiguous())
+
+
+def _check_dequantized(
+    module: str,
+    names: list[str],
+    written: OpenedCheckpoint,
+    expected: OpenedCheckpoint,
+    quantized: QuantizedTensors,
+    diffs: list[Difference],
+) -> None:
+    """Each rank's stored tensors of ``module`` dequantized on their own against the rank's slice of the whole."""
+    tensors = written.by_name()
+    whole = {}
+    for name in names:
+        full = _gather(tensors[name], written, [])
+        if full is None:
+            return  # reported by the slice check
+        whole[split_name(name)[1]] = full
+    config = expected.source.config.for_tensor(f"{module}.weight") if expected.source.config else None
+    scheme = quantized.scheme
+    with torch.inference_mode():
+        try:
+            partition = linear_partition(expected.plan, module, config)
+            slices = split(dequantize(scheme, whole), partition, written.source.tp)
+        except (ReshardError, ShapeMismatchError, ValueError, RuntimeError) as err:
+            diffs.append(Difference("dequantized", module, f"the whole weight does not dequantize: {err}"))
+            return
+        for rank, piece in enumerate(slices):
+            stored = {split_name(n)[1]: tensors[n].refs[rank].read() for n in names}
+            try:
+                mine = dequantize(scheme, stored)
+            except (ValueError, RuntimeError) as err:
+                mine, why = None, str(err)
+            if mine is None or mine.shape != piece.shape or not torch.equal(mine, piece):
+                detail = why if mine is None else f"{list(mine.shape)} vs {list(piece.shape)}, values differ"
+                diffs.append(
+                    Difference(
+                        "dequantized",
+                        module,
+                        f"rank {rank}'s {scheme.method} tensors do not dequantize to its {partition.describe()} "
+                        f"slice of the weight: {detail}",
+                        _files(tensors[names[0]]),
+                    )
+                )
+
+
+def _files(tensor: SourceTensor) -> str:
+    return ", ".join(dict.fromkeys(str(ref.file) for ref in tensor.refs))

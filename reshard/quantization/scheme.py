@@ -57,6 +57,7 @@ _IRRELEVANT = {
         "checkpoint_format": "read",
         "format": "read",
         "pack_dtype": "read",
+        "method": "read",
         "damp_percent": "a calibration choice",
         "damp_auto_increment": "a calibration choice",
         "true_sequential": "a calibration choice",
@@ -106,6 +107,7 @@ _IRRELEVANT = {
         "checkpoint_format": "read",
         "pack_dtype": "read",
         "meta": "who wrote it",
+        "method": "read",
         "quantizer": "who wrote it",
         "true_sequential": "a calibration choice",
         "damp_percent": "a calibration choice",
@@ -273,6 +275,8 @@ def _compressed(raw: Mapping[str, Any]) -> QuantScheme:
 
 
 def _int4(raw: Mapping[str, Any], method: str, expected_format: str) -> tuple[int | None, tuple[str, ...]]:
+    if raw.get("method", method) != method:
+        raise ValueError(f"method {shown(raw.get('method'))} under quant_method {method}")
     if raw.get("bits") != 4:
         raise ValueError(f"bits {shown(raw.get('bits'))} is not planned (4 only)")
     fmt = raw.get("checkpoint_format") or raw.get("format") or raw.get("version") or expected_format

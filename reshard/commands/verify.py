@@ -137,8 +137,8 @@ def verify(ckpt: Path, other: Path | None = None, options: VerifyOptions | None 
     elif not options.roundtrip or find_manifest(ckpt) is not None:
         result.reports.append(check_manifest(ckpt, options))
     missing = [d for r in result.reports for d in r.differences if d.kind == "missing-file"]
-    if not missing:
-        ranks = rank_report(ckpt, options)
+    if not any(d.kind in ("missing-file", "duplicate") for r in result.reports for d in r.differences):
+        ranks = rank_report(ckpt, options)  # (files that cannot be read as a checkpoint are reported above)
         if ranks is not None:
             result.reports.append(ranks)
     for tp in options.roundtrip:

@@ -17,40 +17,59 @@ import torch
 
 from reshard.commands.verify_checks import Difference
 from reshard.commands.verify_dequant import dequantize
+from reshard.config import ModelConfig
 from reshard.engine.gather import gather_canonical
 from reshard.engine.open import OpenedCheckpoint, open_checkpoint
 from reshard.engine.planner import SourceTensor
-from reshard.errors import DivergentReplicaError, ReshardError, ShapeMismatchError
+from reshard.errors import AmbiguousPartitionError, DivergentReplicaError, ReshardError, ShapeMismatchError
 from reshard.options import ReadOptions
 from reshard.partition import Partition, Replicate, Vocab, norm_dim
+from reshard.plans import Plan
 from reshard.quantization import QuantizedTensors, quantized_tensors
-from reshard.quantization.plan import linear_partition, split_name
+from reshard.quantization.plan import companion_partition, linear_partition, split_name
 from reshard.slicing import bitwise_equal, split
 
 
 def check_ranks(path: Path, read: ReadOptions) -> tuple[int, list[Difference]] | None:
-    """How many tensors were checked on every rank, and what differs; ``None`` for a checkpoint of one rank."""
+    """How many tensors were checked on every rank, and what differs; ``None`` for a checkpoint of one rank.
+
+    A tensor's expected cut is the one its ``reshard.json`` recorded (so a checkpoint written with ``--plan``
+    verifies without it), except for a quantized linear's tensors: those follow the cut the plan a runtime
+    loads with (the built-in plan, or ``--plan``) gives the linear's weight, through the format's table.
+    """
     written = open_checkpoint(path, read, target_tp=1, recorded_plan=True)
     tp = written.source.tp
     if tp == 1:
         return None
-    expected = open_checkpoint(path, read, target_tp=tp)
-    config = expected.source.config
-    quantized = quantized_tensors(config, {n: ref.shape for n, ref in expected.source.ranks[0].items()})
+    runtime = open_checkpoint(path, read, target_tp=tp).plan
+    config = written.source.config
+    quantized = quantized_tensors(config, {n: ref.shape for n, ref in written.source.ranks[0].items()})
     by_module: dict[str, list[str]] = defaultdict(list)
     diffs: list[Difference] = []
     checked = 0
-    wanted = expected.by_name()
     for name, tensor in written.by_name().items():
         module, _ = split_name(name)
+        expected: tuple[Partition | None, str] = (tensor.partition, tensor.reason)
         if quantized is not None and module in quantized.linears:
             by_module[module].append(name)
+            expected = _quantized_cut(quantized, name, runtime, config, diffs) or expected
         full = _gather(tensor, written, diffs)
-        if full is not None and _same_slices(full, tensor, wanted[name], written.uneven, diffs):
+        if full is not None and _same_slices(full, tensor, expected, diffs):
             checked += 1
     for module, names in by_module.items():
-        _check_dequantized(module, names, written, expected, quantized, diffs)
+        _check_dequantized(module, names, written, runtime, quantized, diffs)
     return checked, diffs
+
+
+def _quantized_cut(
+    quantized: QuantizedTensors, name: str, plan: Plan, config: ModelConfig | None, diffs: list[Difference]
+) -> tuple[Partition, str] | None:
+    scoped = config.for_tensor(name) if config is not None else None
+    try:
+        return companion_partition(quantized.scheme, name, plan, scoped, quantized.linears)
+    except AmbiguousPartitionError as err:
+        diffs.append(Difference("rank-slice", name, f"no cut planned: {err.detail}"))
+        return None
 
 
 def _gather(tensor: SourceTensor, written: OpenedCheckpoint, diffs: list[Difference]) -> torch.Tensor | None:
@@ -66,27 +85,27 @@ def _gather(tensor: SourceTensor, written: OpenedCheckpoint, diffs: list[Differe
 
 
 def _same_slices(
-    full: torch.Tensor, written: SourceTensor, wanted: SourceTensor, uneven: bool, diffs: list[Difference]
+    full: torch.Tensor, written: SourceTensor, expected: tuple[Partition | None, str], diffs: list[Difference]
 ) -> bool:
-    """Whether every rank holds the piece of ``full`` the plan's cut gives it (a difference per rank if not)."""
-    if wanted.problem is not None or wanted.partition is None:
-        detail = wanted.problem.detail if wanted.problem else "no cut planned"
-        diffs.append(Difference("rank-slice", wanted.name, f"the ranks do not hold the plan's cut: {detail}"))
+    """Whether every rank holds the piece of ``full`` the expected cut gives it (a difference if not)."""
+    partition, reason = expected
+    if partition is None:
         return False
     try:
-        pieces = _pieces(full, wanted.partition, written)
+        pieces = _pieces(full, partition, written)
     except (ShapeMismatchError, RuntimeError) as err:
-        diffs.append(Difference("rank-slice", wanted.name, f"{wanted.partition.describe()}: {err}", _files(written)))
+        what = f"the ranks do not hold its {partition.describe()} cut ({reason}): {err}"
+        diffs.append(Difference("rank-slice", written.name, what, _files(written)))
         return False
-    rows = _data_rows(wanted.partition, full, pieces)
+    rows = _data_rows(partition, full, pieces)
     wrong = [
         r
         for r, (ref, piece) in enumerate(zip(written.refs, pieces, strict=True))
         if not _equal(ref.read(), piece, None if rows is None else rows[r])
     ]
     if wrong:
-        what = f"rank(s) {wrong} do not hold their {wanted.partition.describe()} slice ({wanted.reason})"
-        diffs.append(Difference("rank-slice", wanted.name, what, _files(written)))
+        what = f"rank(s) {wrong} do not hold their {partition.describe()} slice ({reason})"
+        diffs.append(Difference("rank-slice", written.name, what, _files(written)))
     return not wrong
 
 
@@ -125,7 +144,7 @@ def _check_dequantized(
     module: str,
     names: list[str],
     written: OpenedCheckpoint,
-    expected: OpenedCheckpoint,
+    plan: Plan,
     quantized: QuantizedTensors,
     diffs: list[Difference],
 ) -> None:
@@ -137,11 +156,11 @@ def _check_dequantized(
         if full is None:
             return  # reported by the slice check
         whole[split_name(name)[1]] = full
-    config = expected.source.config.for_tensor(f"{module}.weight") if expected.source.config else None
+    config = written.source.config.for_tensor(f"{module}.weight") if written.source.config else None
     scheme = quantized.scheme
     with torch.inference_mode():
         try:
-            partition = linear_partition(expected.plan, module, config)
+            partition = linear_partition(plan, module, config)
             slices = split(dequantize(scheme, whole), partition, written.source.tp)
         except (ReshardError, ShapeMismatchError, ValueError, RuntimeError) as err:
             diffs.append(Difference("dequantized", module, f"the whole weight does not dequantize: {err}"))

@@ -155,7 +155,6 @@ def _unsplit_in_one(
         f"{key}={count}"
         for key in ("num_attention_heads", "num_key_value_heads")
         if config is not None and isinstance(count := config.get(key), int) and count > 0 and count % tp
-        if key == "num_attention_heads" or tp % count  # KV heads fewer than the ranks are copied, not cut
     ]
     why = f" ({', '.join(heads)}: not divisible by {tp})" if heads else ""
     examples: dict[str | None, ReshardError] = {}

@@ -196,6 +196,13 @@ def test_awq_every_rank_dequantizes_to_its_slice(cli, gptq, tmp_path) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     whole = load_file(tmp_path / "whole.st")
     assert sum(assert_every_rank(whole, [load_file(t) for t in ts]) for ts in layout) == 14 * (2 + 4)
+    # transformers' plan names the modules; each stored tensor still follows its weight (it cut qweight on `in`)
+    result = cli("convert", folder / "awq", "--tp", 2, "--plan", "transformers", "-o", tmp_path / "transformers")
+    assert result.exit_code == 0, result.output
+    for rank in range(2):
+        ours = load_file(tmp_path / "tp2" / f"rank_{rank:02d}" / "model.safetensors")
+        theirs = load_file(tmp_path / "transformers" / f"rank_{rank:02d}" / "model.safetensors")
+        assert all(torch.equal(ours[n], theirs[n]) for n in ours if n.endswith((".qweight", ".qzeros", ".scales")))
 
 
 @pytest.mark.parametrize("act_order", ["0", "1"])

@@ -130,3 +130,20 @@ def test_int4_tensors_cut_on_their_layers_axis(cli, tmp_path, quant, column, row
                 assert partition == {"kind": "replicate"}
             else:
                 assert (partition["dim"], partition.get("unit", 1)) == cut, (layer, suffix, partition)
+
+
+def test_whole_units_are_never_cut() -> None:
+    from reshard.errors import ShapeMismatchError
+    from reshard.partition import Packed, Shard, partition_from_dict, partition_to_dict, rank_shapes
+
+    block = Shard(0, 128, whole=True)
+    assert rank_shapes(block, (256, 8), 2) == [(128, 8)] * 2
+    for uneven in (False, True):
+        with pytest.raises(ShapeMismatchError, match="cannot hold whole and equal"):
+            rank_shapes(block, (256, 8), 4, uneven=uneven)
+    assert rank_shapes(block, (192, 8), 1) == [(192, 8)]  # an fp8 grid may end on a partial block at tp 1
+    fused = Packed(0, (256, 128), (128, 128), whole=True)
+    with pytest.raises(ShapeMismatchError):
+        rank_shapes(fused, (384, 8), 2, uneven=True)
+    for partition in (block, fused):
+        assert partition_from_dict(partition_to_dict(partition)) == partition

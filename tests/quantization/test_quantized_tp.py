@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -174,10 +173,11 @@ def gptq(pytestconfig, compressed, tmp_path_factory) -> tuple[Path, Path]:
             [python, "-c", GPTQ_SCRIPT, compressed[1] / "bf16", folder / f"act{act_order}", act_order],
             capture_output=True,
             text=True,
+            cwd=folder,  # GPTQModel writes a logs/ folder where it runs
         )
         assert run.returncode == 0, run.stderr[-3000:]
     run = subprocess.run(
-        [python, "-c", AWQ_SCRIPT, compressed[1] / "bf16", folder / "awq"], capture_output=True, text=True
+        [python, "-c", AWQ_SCRIPT, compressed[1] / "bf16", folder / "awq"], capture_output=True, text=True, cwd=folder
     )
     assert run.returncode == 0, run.stderr[-3000:]
     return python, folder
@@ -192,7 +192,9 @@ def test_awq_every_rank_dequantizes_to_its_slice(cli, gptq, tmp_path) -> None:
         ranks = convert(cli, folder / "awq", tmp_path / f"tp{tp}", tp)
         jobs += [[str(r), str(t)] for r, t in zip(ranks, targets, strict=True)]
         layout.append(targets)
-    run = subprocess.run([python, "-c", AWQ_DEQUANTIZE_SCRIPT, json.dumps(jobs)], capture_output=True, text=True)
+    run = subprocess.run(
+        [python, "-c", AWQ_DEQUANTIZE_SCRIPT, json.dumps(jobs)], capture_output=True, text=True, cwd=tmp_path
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     whole = load_file(tmp_path / "whole.st")
     assert sum(assert_every_rank(whole, [load_file(t) for t in ts]) for ts in layout) == 14 * (2 + 4)
@@ -217,7 +219,10 @@ def test_gptq_every_rank_dequantizes_to_its_slice(cli, gptq, tmp_path, act_order
         ]
         layout.append(targets)
     run = subprocess.run(
-        [python, "-c", GPTQ_DEQUANTIZE_SCRIPT, json.dumps(jobs), act_order], capture_output=True, text=True
+        [python, "-c", GPTQ_DEQUANTIZE_SCRIPT, json.dumps(jobs), act_order],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     whole = load_file(tmp_path / "whole.st")
@@ -228,4 +233,3 @@ def test_gptq_every_rank_dequantizes_to_its_slice(cli, gptq, tmp_path, act_order
         name = "model.layers.0.self_attn.o_proj"
         assert torch.equal(rank[f"{name}.scales"], full[f"{name}.scales"])
         assert torch.equal(rank[f"{name}.g_idx"], full[f"{name}.g_idx"].chunk(2)[1])
-    shutil.rmtree(tmp_path)

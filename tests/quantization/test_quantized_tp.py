@@ -159,6 +159,14 @@ def test_compressed_tensors_every_rank_decompresses_to_its_slice(cli, compressed
     assert run.returncode == 0, run.stderr[-3000:]
     compared = sum(assert_every_rank(load_file(w), [load_file(t) for t in ts]) for w, ts in layout)
     assert compared == 3 * 14 * (2 + 4)
+    # per-channel scales: split with a column-parallel layer's rows, whole on a row-parallel one, --uneven or not
+    result = cli("convert", folder / "FP8_DYNAMIC", "--tp", 2, "--uneven", "-o", tmp_path / "uneven", "--json")
+    assert result.exit_code == 0, result.output
+    cuts = {
+        k: v["partition"] for k, v in json.loads((tmp_path / "uneven" / "reshard.json").read_text())["tensors"].items()
+    }
+    assert cuts["model.layers.0.self_attn.o_proj.weight_scale"] == {"kind": "replicate"}
+    assert cuts["model.layers.0.mlp.up_proj.weight_scale"]["dim"] == 0
 
 
 # ---------------------------------------------------------------- GPTQ (GPTQModel)

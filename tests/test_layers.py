@@ -30,8 +30,8 @@ PACKAGES = {
     "layouts": "layouts",
     "hub": "hub",
     "plans": "plans",
-    "mappings": "mappings",
     "quantization": "plans",
+    "mappings": "mappings",
 }
 PACKAGES |= {"engine": "engine"}
 PACKAGES |= {"commands": "commands", "cli": "front", "testing": "front", "__main__": "front", "slicing": "slicing"}

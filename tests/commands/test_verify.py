@@ -99,7 +99,8 @@ def test_flipped_byte_in_a_replicated_tensor(cli, copy) -> None:
     assert found(json.loads(result.stdout)) == {("inconsistent", NORM)}
     result = cli("verify", ckpt, "--roundtrip", "4", "--json")
     assert result.exit_code == 1
-    manifest, trip = json.loads(result.stdout)["checks"]
+    manifest, ranks, trip = json.loads(result.stdout)["checks"]
+    assert found({"checks": [ranks]}) == {("inconsistent", NORM)}
     [diff] = trip["differences"]
     assert (diff["kind"], diff["tensor"]) == ("inconsistent", NORM) and "rank_00" in diff["file"]
 
@@ -327,7 +328,8 @@ def test_sat_sample_verifies_and_roundtrips(cli) -> None:
     result = cli("verify", sample, "--roundtrip", "4", "--json")
     assert result.exit_code == 0, result.stdout
     checks = json.loads(result.stdout)["checks"]
-    assert [(c["check"], c["tensors"]) for c in checks] == [("manifest", len(recorded)), ("roundtrip", len(recorded))]
+    expected = [("manifest", len(recorded)), ("ranks", len(recorded)), ("roundtrip", len(recorded))]
+    assert [(c["check"], c["tensors"]) for c in checks] == expected
 
 
 def test_an_hf_folder_and_its_megatron_conversion_compare_through_the_name_mapping(cli, tmp_path):

@@ -147,6 +147,21 @@ def plan_sources(
     return out
 
 
+def _quantized_partition(
+    quantized: QuantizedTensors | None, name: str, plan: Plan, config: ModelConfig | None, *, whole_at_tp1: bool
+) -> tuple[Partition, str] | None:
+    """``name``'s cut when it is a stored tensor of a quantized linear. One no rule covers is refused when it
+    would be cut, and read whole when nothing is (one rank read at tp 1: ``--dtype`` dequantizes it there)."""
+    if quantized is None:
+        return None
+    try:
+        return quantized.partition(name, plan, config)
+    except AmbiguousPartitionError as err:
+        if whole_at_tp1:
+            return Replicate(), f"read whole at tp 1 ({err.detail})"
+        raise
+
+
 def _plan_one(
     name: str,
     refs: tuple[TensorRef, ...],
@@ -167,7 +182,7 @@ def _plan_one(
     rule = plan.match(name)
     config = config.for_tensor(name) if config is not None else None  # a composite's sub-model sizes it
     try:
-        companion = quantized.partition(name, plan, config) if quantized is not None else None
+        companion = _quantized_partition(quantized, name, plan, config, whole_at_tp1=target_tp == 1 and len(refs) == 1)
         if companion is not None:  # a stored tensor of a quantized linear: cut with the linear's weight
             partition, reason = companion
         elif rule is not None:

@@ -20,15 +20,16 @@ from reshard.engine.planner import (
     plan_conversion,
     tps_that_split,
 )
-from reshard.errors import MappingError, PlanError, ReshardError
+from reshard.errors import AmbiguousPartitionError, MappingError, PlanError, ReshardError
 from reshard.layouts import LayoutSpec, SourceCheckpoint, TargetSpec, layout, target_layout
 from reshard.mappings import HF, MappingChoice, choose_mapping, naming_of, require_true_vocab, sizing_config
 from reshard.mappings.megatron_gpt import MEGATRON
 from reshard.mappings.torchtitan_llama import TORCHTITAN
 from reshard.options import ConvertOptions
-from reshard.partition import Replicate, Vocab, head_replicas
+from reshard.partition import Partition, Replicate, Vocab, head_replicas
 from reshard.plans import select_plan
 from reshard.quantization.dequant_plan import COMPANIONS, dequantized_config, recast
+from reshard.quantization.plan import linear_partition
 from reshard.vocab import source_padded_rows
 
 HEAD = "lm_head.weight"
@@ -242,10 +243,9 @@ def _recast(
             groups.append(identity_plan(sources[0]))
             continue
         weight = sources[0]
+        partition = _dequantized_partition(opened, weight) if len(sources) > 1 else weight.partition
         groups.append(
-            TensorPlan(
-                sources, (TargetTensor(unit.target, weight.shape, unit.code, weight.partition),), unit.transform
-            )
+            TensorPlan(sources, (TargetTensor(unit.target, weight.shape, unit.code, partition),), unit.transform)
         )
     notes = ()
     if plan.dequantized:
@@ -254,6 +254,16 @@ def _recast(
             "and quantization_config",
         )
     return tensors, groups, plan.dropped, list(plan.problems), notes
+
+
+def _dequantized_partition(opened: OpenedCheckpoint, weight: SourceTensor) -> Partition | None:
+    """A dequantized weight's cut in the target: its plan rule's, as a plain weight's (the blocks its source was
+    cut in whole are gone), else the source's."""
+    config = opened.source.config.for_tensor(weight.name) if opened.source.config is not None else None
+    try:
+        return linear_partition(opened.plan, weight.name.rpartition(".")[0], config)
+    except AmbiguousPartitionError:
+        return weight.partition
 
 
 def _whole(tensor: SourceTensor) -> SourceTensor:

@@ -37,7 +37,7 @@ def convert(ckpt: Path, out: Path, options: ConvertOptions) -> ConvertReport:
 
     The output is written under a temporary name beside ``out`` and renamed into place when
     complete; ``reshard.json`` records the original vocab size, every tensor's partition and the
-    sha256 of every canonical tensor.
+    digest (BLAKE3) of every canonical tensor.
 
     Raises:
         ReshardError: any problem with the input or the output path, before or during writing

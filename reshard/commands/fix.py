@@ -76,7 +76,7 @@ def fix(ckpt: Path, out: Path | None = None, options: ConvertOptions | None = No
     drops vocab padding down to the true size, and writes ``hf`` (``options.tp == 1``, whatever the source's
     layout: a Megatron or SAT source too, unlike ``convert``) or the source's layout family re-sliced for
     ``options.tp`` ranks, with ``config.json`` set to the true vocab size and
-    a ``reshard.json`` recording the original, the padded sizes found and every tensor's sha256.
+    a ``reshard.json`` recording the original, the padded sizes found and every tensor's digest.
 
     Args:
         ckpt: the checkpoint folder or file.

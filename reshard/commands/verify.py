@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from reshard.commands.verify_checks import Difference, check_files, value_difference
 from reshard.commands.verify_ranks import check_ranks
 from reshard.dtypes import name_of
-from reshard.engine.digest import all_finite, sha256_of
+from reshard.engine.digest import algorithm_of, all_finite, digest_of
 from reshard.engine.gather import gather_canonical
 from reshard.engine.open import OpenedCheckpoint, open_checkpoint
 from reshard.engine.planner import SourceTensor
@@ -186,7 +186,8 @@ def _gathered(
 
 
 def check_manifest(ckpt: Path, options: VerifyOptions) -> VerifyReport:
-    """Recompute every canonical tensor's sha256, shape, dtype and NaN/Inf, and compare with ``reshard.json``."""
+    """Recompute every canonical tensor's digest (with the algorithm its entry names), shape, dtype and NaN/Inf,
+    and compare with ``reshard.json``."""
     manifest = find_manifest(ckpt)
     if manifest is None:
         raise ReshardError(
@@ -222,8 +223,9 @@ def check_manifest(ckpt: Path, options: VerifyOptions) -> VerifyReport:
     for name, full in _gathered(opened, to_hash, options.progress, diffs):
         entry, files = expected[name], _files(tensors[name])
         report.tensors += 1
-        if sha256_of(full) != entry.sha256:
-            diffs.append(Difference("sha256", name, "bytes differ from the sha256 in reshard.json", files))
+        algorithm = algorithm_of(entry.digest)
+        if digest_of(full, algorithm) != entry.digest:
+            diffs.append(Difference(algorithm, name, f"bytes differ from the {algorithm} in reshard.json", files))
         if entry.finite and not all_finite(full):
             diffs.append(Difference("non-finite", name, "NaN/Inf present; reshard.json says it had none", files))
     return report

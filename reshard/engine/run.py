@@ -164,7 +164,7 @@ def _merged(moved: list[_Moved], resumed: Resumed) -> _Moved:
         hashes |= part.hashes
         finite |= part.finite
         divergent |= part.divergent
-    hashes |= {name: record.sha256 for name, record in resumed.tensors.items()}
+    hashes |= {name: record.digest for name, record in resumed.tensors.items()}
     finite |= {name: record.finite for name, record in resumed.tensors.items()}
     divergent |= {name for name, record in resumed.tensors.items() if record.divergent}
     return _Moved(hashes, finite, frozenset(divergent), moved[0].files)

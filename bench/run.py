@@ -18,7 +18,10 @@ each measurement the page cache is dropped (``sync; echo 3 > /proc/sys/vm/drop_c
 process may, so every run reads the checkpoint from the disk (Python and torch are then imported once,
 untimed, so the tool's own code is not counted); the wall time includes a final ``sync``, so every run
 has also put its output on the disk. Peak resident memory comes from ``/usr/bin/time -v`` (or
-``getrusage`` of a fresh child). Rows, each with the commit it measured, accumulate in
+``getrusage`` of a fresh child), and so do the CPU seconds (user + system) of each run. ``--tmpfs`` runs the
+same cases with the checkpoint and the outputs in memory (under ``/dev/shm``; no page cache to drop, no naive
+baseline): what is left is reshard's own CPU cost per byte, against ``cp -r``'s. Rows, each with the commit it
+measured, accumulate in
 ``bench/out/results.json`` (so sizes can be run at different times) and ``bench/RESULTS.md`` is rewritten
 from all of them (``--render`` rewrites it alone, measuring nothing).
 
@@ -27,6 +30,7 @@ Examples:
     python bench/run.py --sizes 4 --layouts hf-ranks,megatron
     python bench/run.py --sizes 2 --layouts torch_dist
     python bench/run.py --startup
+    python bench/run.py --sizes 4 --layouts hf-ranks --tmpfs --repeat 5
 """
 
 from __future__ import annotations
@@ -88,7 +92,8 @@ def load() -> str:
 
 
 def measure(command: list[str], *, cold: bool) -> dict:
-    """Run ``command`` in a fresh process (plus ``sync``); wall seconds, peak RSS bytes, exit code."""
+    """Run ``command`` in a fresh process (plus ``sync``); wall seconds, CPU seconds (user + system, with
+    ``/usr/bin/time``), peak RSS bytes, exit code."""
     if cold:
         drop_caches()
         # the tool's own code (Python, torch) is read back before the clock starts: only the checkpoint is cold
@@ -100,8 +105,11 @@ def measure(command: list[str], *, cold: bool) -> dict:
         proc = subprocess.run([str(TIME), "-v", "-o", str(stats), *command], capture_output=True, text=True)
         os.sync()
         wall = time.perf_counter() - started
-        match = re.search(r"Maximum resident set size \(kbytes\): (\d+)", stats.read_text())
+        text = stats.read_text()
+        match = re.search(r"Maximum resident set size \(kbytes\): (\d+)", text)
         rss = int(match.group(1)) * 1024 if match else None
+        times = re.findall(r"(?:User|System) time \(seconds\): ([\d.]+)", text)
+        cpu = sum(float(t) for t in times) if len(times) == 2 else None
     else:
         probe = (
             "import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]).returncode; "
@@ -111,7 +119,8 @@ def measure(command: list[str], *, cold: bool) -> dict:
         os.sync()
         wall = time.perf_counter() - started
         rss = int(proc.stdout.split()[-1]) * 1024 if proc.stdout.split() else None
-    return {"wall": wall, "rss": rss, "rc": proc.returncode, "stderr": proc.stderr[-2000:], "load": before}
+        cpu = None
+    return {"wall": wall, "cpu": cpu, "rss": rss, "rc": proc.returncode, "stderr": proc.stderr[-2000:], "load": before}
 
 
 def can_read(src: Path) -> str | None:
@@ -132,8 +141,8 @@ def mem_available() -> int:
 Case = tuple[str, list[str] | None, str | None]  # name, command, the reason it is skipped
 
 
-def cases(src: Path, layout: str, naive_max_gb: float, workers: int = 1) -> list[Case]:
-    out = OUT / "run-output"
+def cases(src: Path, layout: str, naive_max_gb: float, workers: int = 1, *, tmpfs: bool = False) -> list[Case]:
+    out = output_folder()
     rows: list[Case] = [("cp -r", ["cp", "-r", str(src), str(out)], None)]
     unreadable = can_read(src)
     targets = TORCH_DIST_TARGETS if layout == "torch_dist" else [(f"8->{tp}", tp, None) for tp in (4, 1)]
@@ -148,7 +157,9 @@ def cases(src: Path, layout: str, naive_max_gb: float, workers: int = 1) -> list
     size = folder_bytes(src)
     need = int(2.3 * size) + 2 * 10**9  # the model, one target rank, the bytes objects save_file makes
     reason = None
-    if size > naive_max_gb * 1e9:
+    if tmpfs:
+        reason = "not run with --tmpfs"
+    elif size > naive_max_gb * 1e9:
         reason = f"above --naive-max-gb {naive_max_gb:g} (it needs ~{need / 1e9:.0f} GB of memory)"
     elif need > mem_available():
         reason = f"needs ~{need / 1e9:.0f} GB free, {mem_available() / 1e9:.0f} GB available"
@@ -185,9 +196,17 @@ def make_source(src: Path, size_gb: float, layout: str) -> None:
         shutil.rmtree(made)
 
 
+# Where checkpoints and outputs go: bench/out on the disk, or a folder in memory with --tmpfs.
+WORK = [OUT]
+
+
+def output_folder() -> Path:
+    return WORK[0] / "run-output"
+
+
 def remove_output() -> None:
     """Delete the last output: a folder, or the one file ``dcp_to_torch_save`` writes."""
-    out = OUT / "run-output"
+    out = output_folder()
     if out.is_dir():
         shutil.rmtree(out)
     out.unlink(missing_ok=True)
@@ -201,16 +220,17 @@ def clear_output() -> None:
 
 
 def run_size(
-    size_gb: float, layout: str, cold: bool, repeat: int, naive_max_gb: float, workers: int = 1
+    size_gb: float, layout: str, cold: bool, repeat: int, naive_max_gb: float, workers: int = 1, *, tmpfs: bool = False
 ) -> list[dict]:
-    """Every case ``repeat`` times, round-robin (so each sees the same conditions); the fastest run of each."""
-    src = OUT / f"{layout}-{size_gb:g}g-tp8"
+    """Every case ``repeat`` times, round-robin (so each sees the same conditions); the fastest run of each, and
+    the medians of every run's wall and CPU time."""
+    src = WORK[0] / f"{layout}-{size_gb:g}g-tp8"
     if not src.exists():
         make_source(src, size_gb, layout)
     size = folder_bytes(src)
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     commit = code_commit()
-    todo = cases(src, layout, naive_max_gb, workers)
+    todo = cases(src, layout, naive_max_gb, workers, tmpfs=tmpfs)
     runs: dict[str, list[dict]] = {name: [] for name, _, _ in todo}
     for _ in range(repeat):
         for name, command, reason in todo:
@@ -220,9 +240,10 @@ def run_size(
             runs[name].append(measure(command, cold=cold))
     clear_output()
     rows = []
-    cp_wall = None
+    cp_wall = cp_median = None
     for name, _, reason in todo:
         row = {"layout": layout, "size_gb": size_gb, "bytes": size, "case": name, "when": when, "cold": cold}
+        row["storage"] = "tmpfs" if tmpfs else "disk"
         row["commit"] = commit
         row["command"] = "python bench/run.py " + " ".join(sys.argv[1:])
         failed = [r for r in runs[name] if r["rc"]]
@@ -237,14 +258,20 @@ def run_size(
             row |= best | {
                 "rss": max(r["rss"] or 0 for r in runs[name]),
                 "walls": [round(r["wall"], 2) for r in runs[name]],
+                "median_wall": median([r["wall"] for r in runs[name]]),
+                "cpus": [round(r["cpu"], 2) for r in runs[name] if r.get("cpu") is not None],
             }
+            row["median_cpu"] = median(row["cpus"]) if row["cpus"] else None
             cp_wall = best["wall"] if name == "cp -r" else cp_wall
+            cp_median = row["median_wall"] if name == "cp -r" else cp_median
             row["gbps"] = size / best["wall"] / 1e9
             row["vs_cp"] = cp_wall / best["wall"] if cp_wall else None
+            row["median_vs_cp"] = cp_median / row["median_wall"] if cp_median else None
             print(
                 f"{layout} {size / 1e9:.2f} GB {name:14s} {best['wall']:7.1f} s {row['gbps']:6.3f} GB/s "
-                f"x{row['vs_cp'] or 0:.2f} of cp  peak RSS {row['rss'] / 1e6:7.0f} MB  walls {row['walls']} "
-                f"(load {best['load']})",
+                f"x{row['vs_cp'] or 0:.2f} of cp (medians x{row['median_vs_cp'] or 0:.2f})  "
+                f"CPU {row['median_cpu'] or 0:.2f} s ({(row['median_cpu'] or 0) / (size / 1e9):.2f} s/GB)  "
+                f"peak RSS {row['rss'] / 1e6:7.0f} MB  walls {row['walls']} (load {best['load']})",
                 flush=True,
             )
         rows.append(row)
@@ -283,6 +310,12 @@ def run_startup(repeat: int) -> list[dict]:
         rows.append(row)
         print(f"startup {name:32s} best {runs[0]:.3f} s median {row['median']:.3f} s", flush=True)
     return rows
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def code_commit() -> str:
@@ -347,23 +380,37 @@ def render(rows: list[dict], startup: list[dict], info: dict, notes: list[str]) 
         "the order they ran); "
         "peak RSS is the highest of those runs.",
         "",
-        "| layout | size | case | wall s | all walls s | GB/s | vs cp | peak RSS MB | in bound | cache "
-        "| load 1/5/15 min | when | commit |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| layout | storage | size | case | wall s | all walls s | GB/s | vs cp | median wall s (vs cp) "
+        "| CPU s median | CPU s/GB | peak RSS MB | in bound | cache | load 1/5/15 min | when | commit |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     layouts = ["hf-ranks", "megatron", "torch_dist"]
-    for r in sorted(rows, key=lambda r: (layouts.index(r["layout"]), r["size_gb"], _order(r["case"]))):
+    storages = ["disk", "tmpfs"]
+    for r in sorted(
+        rows,
+        key=lambda r: (
+            storages.index(r.get("storage", "disk")),
+            layouts.index(r["layout"]),
+            r["size_gb"],
+            _order(r["case"]),
+        ),
+    ):
+        storage = r.get("storage", "disk")
         if r.get("skipped"):
             lines.append(
-                f"| {r['layout']} | {r['bytes'] / 1e9:.2f} GB | {r['case']} | skipped: {r['skipped']} "
-                f"| | | | | | | | {r['when']} | {r.get('commit', '')} |"
+                f"| {r['layout']} | {storage} | {r['bytes'] / 1e9:.2f} GB | {r['case']} | skipped: {r['skipped']} "
+                f"| | | | | | | | | | | {r['when']} | {r.get('commit', '')} |"
             )
             continue
         bound = ("yes" if r["rss"] <= BOUND else "no") if r["case"].startswith("reshard") else ""
+        medians = f"{r['median_wall']:.2f} ({r['median_vs_cp'] or 0:.2f})" if r.get("median_wall") else ""
+        cpu = r.get("median_cpu")
+        per_gb = "" if cpu is None else f"{cpu / (r['bytes'] / 1e9):.2f}"
         lines.append(
-            f"| {r['layout']} | {r['bytes'] / 1e9:.2f} GB | {r['case']} | {r['wall']:.1f} | "
-            f"{', '.join(f'{w:.1f}' for w in r['walls'])} | {r['gbps']:.3f} | "
-            f"{r['vs_cp'] or 0:.2f} | {r['rss'] / 1e6:.0f} | {bound} | {'cold' if r['cold'] else 'warm'} "
+            f"| {r['layout']} | {storage} | {r['bytes'] / 1e9:.2f} GB | {r['case']} | {r['wall']:.1f} | "
+            f"{', '.join(f'{w:.1f}' for w in r['walls'])} | {r['gbps']:.3f} | {r['vs_cp'] or 0:.2f} | {medians} | "
+            f"{'' if cpu is None else f'{cpu:.2f}'} | {per_gb} | "
+            f"{r['rss'] / 1e6:.0f} | {bound} | {'cold' if r['cold'] else 'warm'} "
             f"| {r['load']} | {r['when']} | {r.get('commit', '')} |"
         )
     if startup:
@@ -382,6 +429,10 @@ def render(rows: list[dict], startup: list[dict], info: dict, notes: list[str]) 
             ],
         ]
     return "\n".join(lines) + "\n"
+
+
+def _key(row: dict) -> tuple:
+    return row["layout"], row.get("storage", "disk"), row["size_gb"], row["case"]
 
 
 def _order(case: str) -> int:
@@ -408,10 +459,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--workers", type=int, default=1, help="also time each reshard case with this many processes (--workers)"
     )
+    parser.add_argument(
+        "--tmpfs",
+        nargs="?",
+        const="/dev/shm",
+        metavar="DIR",
+        help="checkpoints and outputs in memory, in a folder under DIR (default /dev/shm); no naive baseline",
+    )
     args = parser.parse_args(argv)
     OUT.mkdir(exist_ok=True)
+    if args.tmpfs:
+        WORK[0] = Path(args.tmpfs) / "reshard-bench"
+        WORK[0].mkdir(exist_ok=True)
     notes = []
-    cold = not args.warm
+    cold = not (args.warm or args.tmpfs)
     if cold and not args.render:
         why = drop_caches()
         if why:
@@ -424,13 +485,19 @@ def main(argv: list[str] | None = None) -> int:
         STARTUP_JSON.write_text(json.dumps(startup, indent=1))
     for size in () if args.startup or args.render else (float(s) for s in args.sizes.split(",")):
         for layout in args.layouts.split(","):
-            new = run_size(size, layout, cold, args.repeat, args.naive_max_gb, args.workers)
-            keys = {(r["layout"], r["size_gb"], r["case"]) for r in new}
-            rows = [r for r in rows if (r["layout"], r["size_gb"], r["case"]) not in keys] + new
+            new = run_size(size, layout, cold, args.repeat, args.naive_max_gb, args.workers, tmpfs=bool(args.tmpfs))
+            keys = {_key(r) for r in new}
+            rows = [r for r in rows if _key(r) not in keys] + new
             RESULTS_JSON.write_text(json.dumps(rows, indent=1))
             if not args.keep:
-                shutil.rmtree(OUT / f"{layout}-{size:g}g-tp8")
+                shutil.rmtree(WORK[0] / f"{layout}-{size:g}g-tp8")
+    if args.tmpfs and not args.keep:
+        shutil.rmtree(WORK[0], ignore_errors=True)
     notes.append("cache: cold = page cache dropped before each run; warm = source possibly in the page cache")
+    notes.append(
+        "storage: disk = bench/out on the disk above; tmpfs = checkpoint and output in memory (`--tmpfs`); CPU s = "
+        "user + system seconds of the whole command (/usr/bin/time), the median of its runs"
+    )
     spread = max((max(r["walls"]) / min(r["walls"]) for r in rows if r.get("walls")), default=1.0)
     notes.append(
         "the machine may be shared: the load average at the start of each fastest run is in the table; "

@@ -1,7 +1,8 @@
 """``reshard.json``: the manifest written beside every output (DESIGN.md section 4).
 
-Shapes and sha256 are of the canonical (full, unpadded) tensors, so any two layouts of one model can
-be compared by their manifests, and a later command can recover the original vocab size.
+Shapes and digests (BLAKE3; sha256 in manifests older than it) are of the canonical (full, unpadded) tensors,
+so any two layouts of one model can be compared by their manifests, and a later command can recover the original
+vocab size.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 from reshard.errors import CorruptFileError
 from reshard.partition import Partition, partition_from_dict, partition_to_dict
-from reshard.schema import check_manifest_data
+from reshard.schema import DIGESTS, check_manifest_data
 from reshard.version import __version__
 
 MANIFEST_NAME = "reshard.json"
@@ -24,7 +25,10 @@ VOCAB_FIELDS = ("original", "padded", "pad_multiple", "source_padded", "source_c
 
 @dataclass(frozen=True)
 class TensorEntry:
-    """One canonical tensor: shape, dtype name, how it is split at the target, and its sha256.
+    """One canonical tensor: shape, dtype name, how it is split at the target, and the digest of its bytes.
+
+    ``digest`` is ``"<algorithm>:<hex>"`` (:mod:`reshard.engine.digest`); ``reshard.json`` spells it as a field
+    named after the algorithm (``"blake3": "<hex>"``, or ``"sha256"`` in manifests older than BLAKE3).
 
     ``finite`` says whether every value was finite (no NaN/Inf) when it was written, so ``verify`` can
     tell a NaN that appeared later from one that was always there; None in manifests older than it.
@@ -35,7 +39,7 @@ class TensorEntry:
     shape: tuple[int, ...]
     dtype: str
     partition: Partition
-    sha256: str
+    digest: str
     finite: bool | None = None
     divergent: bool = False
 
@@ -44,8 +48,9 @@ class TensorEntry:
             "shape": list(self.shape),
             "dtype": self.dtype,
             "partition": partition_to_dict(self.partition),
-            "sha256": self.sha256,
         }
+        algorithm, _, hexdigest = self.digest.partition(":")
+        data[algorithm] = hexdigest
         if self.finite is not None:
             data["finite"] = self.finite
         if self.divergent:
@@ -55,11 +60,12 @@ class TensorEntry:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TensorEntry:
         finite = data.get("finite")
+        (algorithm,) = (key for key in DIGESTS if key in data)
         return cls(
             tuple(data["shape"]),
             data["dtype"],
             partition_from_dict(data["partition"]),
-            data["sha256"],
+            f"{algorithm}:{data[algorithm]}",
             None if finite is None else bool(finite),
             bool(data.get("divergent", False)),
         )

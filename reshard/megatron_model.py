@@ -13,6 +13,7 @@ from typing import Any
 
 from reshard.config import ModelConfig
 from reshard.schema import check_ints
+from reshard.tokenizer import NamedTokenizer
 from reshard.vocab import DEFAULT_MEGATRON_MULTIPLE
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "arg",
     "config_from_args",
     "count_problems",
+    "named_tokenizer",
     "true_vocab_size",
     "vocab_from_tokenizer_files",
 ]
@@ -68,6 +70,20 @@ def vocab_from_tokenizer_files(args: Any) -> tuple[int, Path] | None:
     except (OSError, UnicodeDecodeError, ValueError):
         return None
     return (len(tokens), path) if isinstance(tokens, dict) and tokens else None
+
+
+def named_tokenizer(args: Any) -> NamedTokenizer | None:
+    """The Hugging Face tokenizer the args name (``--tokenizer-type HuggingFaceTokenizer --tokenizer-model X``):
+    with its folder when ``X`` is one on this machine (else ``X`` is a Hub id or a path elsewhere)."""
+    model = arg(args, "tokenizer_model")
+    if arg(args, "tokenizer_type") != "HuggingFaceTokenizer" or not isinstance(model, str) or not model:
+        return None
+    model = model[:4096]
+    try:
+        folder = Path(model) if Path(model).is_dir() else None
+    except (OSError, ValueError):  # a name no file system holds (NUL, too long)
+        folder = None
+    return NamedTokenizer(model, "the args' tokenizer_model", folder)
 
 
 def config_from_args(args: Any, path: Path) -> ModelConfig | None:

@@ -49,6 +49,11 @@ class ReadOptions:
         uneven: read and split sizes that do not divide as ``torch.chunk`` does.
         merge_lora: merge LoRA adapters into their base weights on every source rank first.
         lora_alpha: LoRA alpha for merging (scaling = alpha / rank).
+        tokenizer: the tokenizer an HF output carries (``--tokenizer``): a folder, or a Hub repo id as the user
+            wrote it; None takes the one the checkpoint names or holds.
+        weights: which copy of the weights to read where a checkpoint keeps two (DeepSpeed ZeRO-0/1/2):
+            ``master`` (the fp32 master weights of the optimizer, what training continues from) or ``module``
+            (the copy in the training dtype).
     """
 
     config: Path | None = None
@@ -59,6 +64,8 @@ class ReadOptions:
     uneven: bool = False
     merge_lora: bool = False
     lora_alpha: float = 1.0
+    tokenizer: Path | str | None = None
+    weights: str = "master"
 
 
 @dataclass(frozen=True)
@@ -89,8 +96,13 @@ class ConvertOptions:
             otherwise (a Megatron checkpoint written as ``hf`` keeps Megatron's names and fused tensors).
         resume: stage the output under a fixed name with a journal (:mod:`reshard.io.journal`), keep it when the
             run fails or is stopped, and finish what an earlier such run left there.
+        tokenizer: the tokenizer an HF output carries (``--tokenizer DIR|REPO``); None takes the one the checkpoint
+            names (Megatron's args, NeMo's context) or holds (an HF folder's files).
+        dtype: write every floating tensor in this dtype (``bfloat16``, ``float16``, ``float32``), FP8 weights
+            dequantized with their scales (the scales and ``quantization_config`` dropped); None keeps each dtype.
         force: ``fix`` writes its output even when the checkpoint needs nothing (no tensor changes shape and the
             vocab is already its true size); without it such a ``fix`` says so and writes nothing.
+        weights: which copy of the weights to read where a checkpoint keeps two (see :class:`ReadOptions`).
     """
 
     tp: int = 1
@@ -112,7 +124,10 @@ class ConvertOptions:
     jobs: int = field(default_factory=default_jobs)
     keep_names: bool = False
     resume: bool = False
+    dtype: str | None = None
     force: bool = False
+    tokenizer: Path | str | None = None
+    weights: str = "master"
 
     def __post_init__(self) -> None:
         check_tp(self.tp)
@@ -129,4 +144,6 @@ class ConvertOptions:
             uneven=self.uneven,
             merge_lora=self.merge_lora,
             lora_alpha=self.lora_alpha,
+            tokenizer=self.tokenizer,
+            weights=self.weights,
         )

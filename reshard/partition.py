@@ -42,13 +42,20 @@ class Replicate:
 
 @dataclass(frozen=True)
 class Shard:
-    """Even split along ``dim``. ``unit`` is the size of an indivisible block (a head, a query group)."""
+    """Even split along ``dim``. ``unit`` is the size of an indivisible block (a head, a query group).
+
+    ``whole``: the unit is a quantization block, group or packing, cut by no split: ``--uneven`` splits it in
+    whole units, and at a tp above 1 the dim must be whole units (at tp 1 nothing is cut: an fp8 scale grid
+    may end on a partial block).
+    """
 
     dim: int
     unit: int = 1
+    whole: bool = False
 
     def describe(self) -> str:
-        return f"shard(dim={self.dim}" + (f", unit={self.unit})" if self.unit != 1 else ")")
+        text = f"shard(dim={self.dim}" + (f", unit={self.unit}" if self.unit != 1 else "")
+        return text + (", whole units)" if self.whole else ")")
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,7 @@ class Packed:
     dim: int
     parts: tuple[int, ...]
     units: tuple[int, ...] | None = None
+    whole: bool = False  # units never cut, as Shard's
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "parts", tuple(int(p) for p in self.parts))
@@ -93,7 +101,7 @@ class Packed:
                 raise ValueError(f"packed: {len(self.parts)} parts but {len(self.units)} units")
 
     def describe(self) -> str:
-        return f"packed(dim={self.dim}, parts={list(self.parts)})"
+        return f"packed(dim={self.dim}, parts={list(self.parts)}" + (", whole units)" if self.whole else ")")
 
     def part_units(self) -> tuple[int, ...]:
         return self.units if self.units is not None else (1,) * len(self.parts)
@@ -123,17 +131,29 @@ def partition_to_dict(partition: Partition) -> dict[str, Any]:
     match partition:
         case Replicate():
             return {"kind": "replicate"}
-        case Shard(dim, unit):
-            return {"kind": "shard", "dim": dim} | ({"unit": unit} if unit != 1 else {})
+        case Shard(dim, unit, whole):
+            return {"kind": "shard", "dim": dim} | ({"unit": unit} if unit != 1 else {}) | _whole(whole)
         case Vocab(dim):
             return {"kind": "vocab", "dim": dim}
         case Grouped(dim, groups):
             return {"kind": "grouped", "dim": dim, "groups": groups}
-        case Packed(dim, parts, units):
-            return {"kind": "packed", "dim": dim, "parts": list(parts)} | ({"units": list(units)} if units else {})
+        case Packed(dim, parts, units, whole):
+            units_field = {"units": list(units)} if units else {}
+            return {"kind": "packed", "dim": dim, "parts": list(parts)} | units_field | _whole(whole)
         case ReplicatedHeads(dim, heads):
             return {"kind": "replicated_heads", "dim": dim, "heads": heads}
     raise TypeError(f"not a partition: {partition!r}")
+
+
+def _whole(whole: bool) -> dict[str, bool]:
+    return {"whole": True} if whole else {}
+
+
+def _whole_from(data: dict[str, Any]) -> bool:
+    whole = data.get("whole", False)
+    if not isinstance(whole, bool):
+        raise ValueError(f"whole is {type(whole).__name__}, not true or false")
+    return whole
 
 
 def partition_from_dict(data: dict[str, Any]) -> Partition:
@@ -144,14 +164,15 @@ def partition_from_dict(data: dict[str, Any]) -> Partition:
             case "replicate":
                 return Replicate()
             case "shard":
-                return Shard(int(data["dim"]), int(data.get("unit", 1)))
+                return Shard(int(data["dim"]), int(data.get("unit", 1)), _whole_from(data))
             case "vocab":
                 return Vocab(int(data["dim"]))
             case "grouped":
                 return Grouped(int(data["dim"]), int(data["groups"]))
             case "packed":
                 units = data.get("units")
-                return Packed(int(data["dim"]), tuple(data["parts"]), None if units is None else tuple(units))
+                units = None if units is None else tuple(units)
+                return Packed(int(data["dim"]), tuple(data["parts"]), units, _whole_from(data))
             case "replicated_heads":
                 return ReplicatedHeads(int(data["dim"]), int(data["heads"]))
     except KeyError as err:
@@ -250,11 +271,10 @@ def rank_shapes(
     match partition:
         case Replicate():
             return [full_shape] * tp
-        case Shard(dim, unit):
+        case Shard(dim, unit, whole):
             dim = norm_dim(dim, len(full_shape))
-            if not uneven and unit != 1:
-                _check_divisible_units(full_shape[dim], unit, tp, f"dim {dim}")
-            return [with_size(full_shape, dim, s) for s in split_sizes(full_shape[dim], tp, uneven=uneven)]
+            sizes = _unit_sizes(full_shape[dim], unit, tp, whole=whole, uneven=uneven, what=f"dim {dim}")
+            return [with_size(full_shape, dim, s) for s in sizes]
         case Grouped(dim, groups):
             dim = norm_dim(dim, len(full_shape))
             _check_groups(full_shape[dim], groups, tp, f"dim {dim}")
@@ -289,13 +309,29 @@ def packed_piece_sizes(partition: Packed, tp: int, *, uneven: bool) -> list[list
     """For each part, the sizes of its ``tp`` pieces."""
     out = []
     for i, (part, unit) in enumerate(zip(partition.parts, partition.part_units(), strict=True)):
-        if not uneven and unit != 1:
-            _check_divisible_units(part, unit, tp, f"part {i}")
         try:
-            out.append(split_sizes(part, tp, uneven=uneven))
+            out.append(_unit_sizes(part, unit, tp, whole=partition.whole, uneven=uneven, what=f"part {i}"))
         except ShapeMismatchError as err:
+            if unit != 1:
+                raise
             raise ShapeMismatchError(f"packed part {i} of size {part} does not divide by tp={tp}") from err
     return out
+
+
+def _unit_sizes(size: int, unit: int, tp: int, *, whole: bool, uneven: bool, what: str) -> list[int]:
+    """The ``tp`` pieces of ``size`` in units of ``unit``; ``whole`` units are never cut, ``--uneven`` or not."""
+    if whole and tp > 1:  # even, whatever --uneven says: runtimes load a quantized layer only so
+        if size % unit or (size // unit) % tp:
+            raise ShapeMismatchError(
+                f"{what} size {size} is {size / unit:g} units of {unit} (a quantization block, group or packed "
+                f"word), which tp={tp} ranks cannot hold whole and equal"
+            )
+        return [size // tp] * tp
+    if whole:
+        return [size]
+    if not uneven and unit != 1:
+        _check_divisible_units(size, unit, tp, what)
+    return split_sizes(size, tp, uneven=uneven)
 
 
 def canonical_shape(

@@ -52,7 +52,9 @@ COUNTS = (
 )
 # Sub-configs whose sizes are read the same way (multimodal text and vision towers, SAT's EVA).
 NESTED = ("text_config", "vision_config", "eva_args")
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_HEX256 = re.compile(r"^[0-9a-f]{64}$")  # a sha256 or BLAKE3 digest
+# The digest fields of a tensor entry (reshard.manifest), exactly one; the algorithms reshard.engine.digest computes.
+DIGESTS = ("blake3", "sha256")
 # The spelling of a layout name (``hf-ranks``, ``torch_dist``); the registry knows which exist.
 LAYOUT_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 
@@ -141,8 +143,12 @@ def _check_entry(entry: Any, path: Path, name: str) -> None:
         raise _fail(path, f"tensors.{name}.shape", shape, "a list of non-negative integers")
     if not isinstance(entry.get("dtype"), str) or code_from_name(entry["dtype"]) is None:
         raise _fail(path, f"tensors.{name}.dtype", entry.get("dtype"), "a dtype name such as 'bfloat16'")
-    if not isinstance(entry.get("sha256"), str) or not _SHA256.match(entry["sha256"]):
-        raise _fail(path, f"tensors.{name}.sha256", entry.get("sha256"), "64 lowercase hex digits")
+    digests = [key for key in DIGESTS if key in entry]
+    if len(digests) != 1:
+        raise _fail(path, f"tensors.{name}", sorted(entry), f"an entry with one digest field of {', '.join(DIGESTS)}")
+    (key,) = digests
+    if not isinstance(entry[key], str) or not _HEX256.match(entry[key]):
+        raise _fail(path, f"tensors.{name}.{key}", entry[key], "64 lowercase hex digits")
     for flag in ("finite", "divergent"):
         if entry.get(flag) is not None and not isinstance(entry[flag], bool):
             raise _fail(path, f"tensors.{name}.{flag}", entry[flag], "true or false")

@@ -384,3 +384,44 @@ def _diagnose(
     )
     more = " (more for a larger tp)" if len(found) > 1 else ""
     return f"{head}; explained by {' or '.join(parts)}; missing rank files for tp={tp}: {absent}{more}"
+
+
+def tokenizer_disagreement(
+    size: int,
+    origin: str,
+    *,
+    explicit: int | None,
+    recorded: int | None,
+    padded: int | None,
+    multiple: int | None,
+    tp: int | None,
+    embedding: int | None,
+) -> str | None:
+    """Why a tokenizer of ``size`` tokens is not the model's, with both numbers (None: it is).
+
+    Args:
+        size: ``len(tokenizer)``, added tokens counted.
+        origin: where the tokenizer came from, for the message.
+        explicit: ``--vocab``.
+        recorded: the true vocab size Megatron's args record (``--vocab-size``).
+        padded: the padded size Megatron's args record: ``size`` rounded up to ``multiple * tp``, as Megatron-LM
+            computes it at start-up from this tokenizer.
+        multiple: ``make_vocab_size_divisible_by``.
+        tp: the tensor-parallel size the args record.
+        embedding: an HF config's ``vocab_size`` (the embedding's rows, which may exceed the tokenizer: never fewer).
+    """
+    said = f"the tokenizer ({origin}) holds {size} tokens"
+    if explicit is not None and explicit != size:
+        return f"--vocab {explicit}, but {said}"
+    if recorded is not None and recorded != size:
+        return f"the args say vocab_size={recorded}, but {said}"
+    if padded is not None and tp is not None:
+        step = int(multiple or DEFAULT_MEGATRON_MULTIPLE) * tp
+        if round_up(size, step) != padded:
+            return (
+                f"the args say padded_vocab_size={padded}, but {said}, which Megatron-LM pads to "
+                f"{round_up(size, step)} (a multiple of {step})"
+            )
+    if embedding is not None and size > embedding:
+        return f"the config says vocab_size={embedding}, but {said}: token ids past the embedding"
+    return None

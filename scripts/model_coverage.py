@@ -37,6 +37,117 @@ class Verdict:
     tracebacks: list[str] = field(default_factory=list)
 
 
+# Published quantized checkpoints' configs (their sizes and quantization_config; one layer, a small vocab: the
+# rules are per layer), checked as `reshard check CONFIG` checks them, with the built-in plan.
+_FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
+_W4A16 = {
+    "quant_method": "compressed-tensors",
+    "format": "pack-quantized",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": True},
+        }
+    },
+    "ignore": ["lm_head"],
+}
+_QWEN2 = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 1024, "num_hidden_layers": 1}
+QUANTIZED = {
+    "Qwen3-30B-A3B-FP8": (
+        {
+            "model_type": "qwen3_moe",
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
+            "moe_intermediate_size": 768,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+            "num_hidden_layers": 1,
+            "vocab_size": 1024,
+            "quantization_config": _FP8,
+        }
+    ),
+    "DeepSeek-V3 (FP8)": (
+        {
+            "model_type": "deepseek_v3",
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "hidden_size": 7168,
+            "intermediate_size": 18432,
+            "moe_intermediate_size": 2048,
+            "n_routed_experts": 256,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 8,
+            "n_group": 8,
+            "topk_group": 4,
+            "first_k_dense_replace": 0,
+            "num_attention_heads": 128,
+            "num_key_value_heads": 128,
+            "q_lora_rank": 1536,
+            "kv_lora_rank": 512,
+            "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 128,
+            "num_hidden_layers": 1,
+            "vocab_size": 1024,
+            "quantization_config": _FP8,
+        }
+    ),
+    "Llama-3.1-8B-Instruct W4A16 (compressed-tensors)": (
+        {
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "num_hidden_layers": 1,
+            "vocab_size": 1024,
+            "quantization_config": _W4A16,
+        }
+    ),
+    "Qwen2.5-0.5B-Instruct-GPTQ-Int4": _QWEN2
+    | {
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True},
+    },
+    "Qwen2.5-72B-Instruct-AWQ": _QWEN2
+    | {
+        "hidden_size": 8192,
+        "intermediate_size": 29568,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "quantization_config": {
+            "quant_method": "awq",
+            "bits": 4,
+            "group_size": 128,
+            "zero_point": True,
+            "version": "gemm",
+        },
+    },
+}
+
+
+def judge_quantized() -> dict[str, dict[int, str]]:
+    """Each published quantized config's verdict at every tp, with the built-in plan."""
+    from reshard.commands.check import CheckOptions, check_built, plan_for
+    from reshard.config import ModelConfig
+    from reshard.plans.skeleton import build_skeleton
+
+    verdicts = {}
+    for name, raw in QUANTIZED.items():
+        config = ModelConfig(raw)
+        skeleton = build_skeleton(config)
+        plan = plan_for(config, skeleton, CheckOptions(tp=1))
+        verdicts[name] = {tp: verdict_of(check_built(config, skeleton, CheckOptions(tp=tp), plan=plan)) for tp in TPS}
+    return verdicts
+
+
 def model_types() -> list[str]:
     """Every model type transformers maps to a causal-LM or an image-text-to-text class."""
     from transformers.models.auto import modeling_auto
@@ -153,6 +264,21 @@ def render(verdicts: list[Verdict], seconds: float) -> str:
         cells += [_cell(v.builtin.get(tp, "-"), reasons) for tp in TPS]
         cells += [_cell(v.transformers.get(tp, "-"), reasons) for tp in TPS]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    lines += [
+        "",
+        "## Quantized variants",
+        "",
+        "Published quantized checkpoints' configs (sizes and `quantization_config`, one layer), checked as "
+        "`reshard check CONFIG` checks them: each quantized layer's scales, zeros and packed weights cut with its "
+        "weight, refused where a block or group would be cut, as the runtimes refuse ([quantization.md]"
+        "(quantization.md)).",
+        "",
+        "| checkpoint | tp 2 | tp 4 | tp 8 |",
+        "|---|---|---|---|",
+    ]
+    for name, cells in judge_quantized().items():
+        row = [name, *(_cell(cells[tp], reasons) for tp in TPS)]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |")
     lines += ["", "## Reasons", ""]
     lines += [f'{n}. <a id="r{n}"></a>' + why.replace("|", "\\|") for why, n in reasons.items()]
     return "\n".join(lines) + "\n"

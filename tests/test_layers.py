@@ -22,6 +22,7 @@ DOMAIN = {
     "ranks",
     "megatron_model",
     "version",
+    "tokenizer",
 }
 PACKAGES = {
     "io": "io",
@@ -29,6 +30,7 @@ PACKAGES = {
     "layouts": "layouts",
     "hub": "hub",
     "plans": "plans",
+    "quantization": "plans",
     "mappings": "mappings",
 }
 PACKAGES |= {"engine": "engine"}

@@ -137,6 +137,14 @@ common_read_options = option_group(
     ),
     click.option("--trust-pickle", is_flag=True, help="Fully unpickle torch files (only files you trust)."),
 )
+# Which copy of the weights to read from a checkpoint that keeps two (convert and inspect).
+weights_option = click.option(
+    "--weights",
+    type=click.Choice(["master", "module"]),
+    default="master",
+    show_default=True,
+    help="DeepSpeed ZeRO-0/1/2: the fp32 master weights of the optimizer, or the module copy (training dtype).",
+)
 # What every command that writes a checkpoint (convert, fix) takes about its output and report.
 writing_options = option_group(
     click.option("--overwrite", is_flag=True, help="Replace a non-empty output folder."),
@@ -171,6 +179,7 @@ def main(verbose: bool) -> None:
 @common_read_options
 @click.option("--vocab", type=click.IntRange(min=1), help="True vocab size (default: reshard.json, then config).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+@weights_option
 @reports_errors
 @hub_input(download=False)
 def inspect_command(
@@ -180,6 +189,7 @@ def inspect_command(
     trust_pickle: bool,
     vocab: int | None,
     as_json: bool,
+    weights: str,
 ) -> None:
     """Show layout, tp, files and how every tensor is split, and why.
 
@@ -191,7 +201,8 @@ def inspect_command(
     """
     from reshard.commands.inspect import inspect_checkpoint
 
-    report = inspect_checkpoint(ckpt, ConvertOptions(config=config, plan=plan, trust_pickle=trust_pickle, vocab=vocab))
+    options = ConvertOptions(config=config, plan=plan, trust_pickle=trust_pickle, vocab=vocab, weights=weights)
+    report = inspect_checkpoint(ckpt, options)
     emit(report, render_inspect, as_json=as_json)
 
 
@@ -232,12 +243,22 @@ def inspect_command(
     is_flag=True,
     help="Keep the source's tensor names (by default the target layout's framework names them: hf = transformers).",
 )
+@click.option(
+    "--dtype",
+    type=click.Choice(["bfloat16", "float16", "float32"]),
+    help="Write floating tensors in this dtype; FP8 weights (fp8, compressed-tensors) dequantized, scales dropped.",
+)
 @click.option("--merge-lora", is_flag=True, help="Merge LoRA adapters into their base weights per rank, then reshard.")
 @click.option("--lora-alpha", type=float, help="LoRA alpha for --merge-lora (scaling = alpha / rank; default 1).")
 @click.option(
     "--resume",
     is_flag=True,
     help="Keep the work done if the run stops (journaled); finish what an earlier --resume run left.",
+)
+@click.option(
+    "--tokenizer",
+    metavar="DIR|REPO",
+    help="Tokenizer an HF output carries (default: the one the checkpoint names or holds); a folder or a Hub repo.",
 )
 @click.option(
     "--workers",
@@ -253,6 +274,7 @@ def inspect_command(
     metavar="SECONDS",
     help="How long workers wait for each other to join the group [default: 60; env RESHARD_WORKER_TIMEOUT].",
 )
+@weights_option
 @writing_options
 @common_read_options
 @reports_errors

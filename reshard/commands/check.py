@@ -10,6 +10,7 @@ device) and never tensor data.
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from reshard.commands.check_findings import (
     head_keys,
     head_problems,
     padded_vocab,
+    quantization_findings,
     tensor_problems,
     vocab_problems,
 )
@@ -37,9 +39,13 @@ from reshard.hub.source import HubCheckpoint
 from reshard.options import ReadOptions, check_tp
 from reshard.partition import Partition, Replicate, at_tp, partition_to_dict, rank_shapes
 from reshard.plans import FAMILIES, TRANSFORMERS, Plan, Rule, select_plan
+from reshard.plans.built_family import check_built_family
 from reshard.plans.lora import with_lora
 from reshard.plans.skeleton import ModelSkeleton, build_skeleton
 from reshard.plans.transformers_plan import plan_from_tp_plan
+from reshard.quantization import QuantizedTensors, quantized_tensors, read_scheme
+from reshard.quantization.rules import runtime_rule
+from reshard.quantization.stored import stored_shapes
 
 __all__ = ["ERROR", "HEAD_COUNTS", "NOTE", "WARNING", "CheckOptions", "CheckReport", "CheckedTensor", "Problem"]
 __all__ += ["check", "check_built", "check_model", "plan_for"]
@@ -85,11 +91,14 @@ def check_model(
     source: str = "",
     kind: str = "checkpoint",
     skeleton: ModelSkeleton | None = None,
+    quantized: QuantizedTensors | None = None,
 ) -> CheckReport:
     """Check every parameter of ``shapes`` (full, unpadded shapes) against ``plan`` at ``tp`` ranks.
 
     Sizes come from the sub-config that owns each tensor; ``skeleton`` (the model transformers builds for a
     bare config) names the sub-models a problem falls in, and those transformers' own plan leaves out.
+    ``quantized``: the stored tensors of quantized linears are cut with their linear's weight, in whole
+    blocks, groups and packed words (:mod:`reshard.quantization`).
 
     Example:
         >>> from reshard.plans.llama import LLAMA_PLAN
@@ -107,9 +116,14 @@ def check_model(
     partitions: dict[str, tuple[Rule, Partition]] = {}
     for name, shape in shapes.items():
         scoped = config.for_tensor(name) if config is not None else None
-        rule = plan.match(name)
+        try:
+            companion = quantized.partition(name, plan, scoped) if quantized is not None else None
+        except AmbiguousPartitionError as err:
+            tensors.append(CheckedTensor(name, list(shape), None, None, None, [err.detail]))
+            continue
+        rule = plan.match(name) if companion is None else Rule(f"^{re.escape(name)}$", companion[0])
         label = None if rule is None else "(not in the plan: replicated)" if rule.implicit else rule.pattern
-        row = CheckedTensor(name, list(shape), label, None, None)
+        row = CheckedTensor(name, list(shape), label if companion is None else companion[1], None, None)
         tensors.append(row)
         if rule is None:
             if plan.rules:
@@ -129,7 +143,8 @@ def check_model(
         try:
             row.rank_shape = list(rank_shapes(partition, shape, tp, padded=padded, uneven=uneven)[0])
         except ShapeMismatchError as err:
-            row.problems.append(f"{partition.describe()} cannot be split {tp} ways: {err.detail}")
+            why = f"{runtime_rule(quantized.scheme)}: " if companion is not None and quantized is not None else ""
+            row.problems.append(f"{why}{partition.describe()} cannot be split {tp} ways: {err.detail}")
         if not isinstance(partition, Replicate) and not rule.gathered:  # gathered: computed whole after
             for key in head_keys(name):
                 heads.setdefault((scoped.scope if scoped else "", key), []).append(name)
@@ -137,6 +152,8 @@ def check_model(
     check_convs(shapes, partitions, tp, uneven, tensors)
     problems += tensor_problems(tensors, heads, config, tp)
     problems += vocab_problems(partitions, shapes, vocab, tp, multiple, uneven)
+    if quantized is not None:
+        problems += quantization_findings(quantized.scheme, tp)
     if skeleton is not None:
         problems += _transformers_plan_notes(skeleton)
     model_type = config.model_type if config else None
@@ -227,8 +244,10 @@ def check(path: Path | HubCheckpoint, options: CheckOptions) -> CheckReport:
     opened = open_checkpoint(path, read, target_tp=options.tp, read_bytes=False)
     path = opened.path  # a Hub repo: at the commit read
     config = opened.source.config
+    check_built_family(config, opened.source.names())
+    shapes = _full_shapes(opened)
     report = check_model(
-        _full_shapes(opened),
+        shapes,
         config,
         opened.plan,
         options.tp,
@@ -236,6 +255,7 @@ def check(path: Path | HubCheckpoint, options: CheckOptions) -> CheckReport:
         uneven=options.uneven,
         pad_multiple=options.pad_multiple,
         source=str(path),
+        quantized=quantized_tensors(config, shapes),
     )
     return _note_family(report, config, opened.plan, options)
 
@@ -246,8 +266,13 @@ def check_built(
     """:func:`check` of the model transformers built from ``config`` (``skeleton``): build once, check at many tps
     (``plan``, when given, is the one ``options.plan`` selects, chosen once too)."""
     plan = plan or plan_for(config, skeleton, options)
+    shapes, quantized = skeleton.shapes, None
+    scheme = read_scheme(config.raw, path=config.path)
+    if scheme is not None:  # the tensors a checkpoint quantized so stores, cut as a runtime would cut them
+        shapes = stored_shapes(scheme, shapes, plan, config)
+        quantized = quantized_tensors(config, shapes)
     report = check_model(
-        skeleton.shapes,
+        shapes,
         config,
         plan,
         options.tp,
@@ -257,6 +282,7 @@ def check_built(
         source=source,
         kind="config",
         skeleton=skeleton,
+        quantized=quantized,
     )
     return _note_family(report, config, plan, options)
 

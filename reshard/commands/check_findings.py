@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from reshard.config import ModelConfig
 from reshard.partition import Partition, Replicate, Vocab, head_replicas, rank_shapes
 from reshard.plans import Rule
+from reshard.quantization import QuantScheme
 from reshard.vocab import padded_size
 
 Shape = tuple[int, ...]
@@ -174,3 +175,22 @@ def vocab_problems(
     return [
         Problem(WARNING, f"vocab {size} needs padding to {padded} rows (a multiple of {multiple}) for tp={tp}", names)
     ]
+
+
+def quantization_findings(scheme: QuantScheme, tp: int) -> list[Problem]:
+    """What the runtimes do with ``scheme`` at ``tp`` beyond the cut of each tensor: a note naming the scheme
+    (every quantized tensor is cut with its weight, in whole units), and GPTQ act-order with groups, which vLLM
+    0.32+ refuses under tensor parallelism (``gptq_utils.py``) while SGLang loads it with whole scales and zeros
+    on each row-parallel rank (what reshard writes)."""
+    found = [
+        Problem(NOTE, f"quantized ({scheme.describe()}): scales, zeros and packed weights are cut with their weight")
+    ]
+    if scheme.method == "gptq" and scheme.act_order and scheme.group_size and tp > 1:
+        found.append(
+            Problem(
+                WARNING,
+                f"GPTQ act-order (desc_act) with group_size {scheme.group_size}: vLLM refuses it at tp > 1 "
+                "(gptq_utils.py); SGLang loads it (row-parallel ranks keep scales and qzeros whole, as written here)",
+            )
+        )
+    return found

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from reshard.engine.planner import ConversionPlan
 from reshard.engine.route import Route
 from reshard.engine.run import open_for_conversion, run_conversion
 from reshard.engine.target import TargetPlan
+from reshard.engine.tokenizer import no_tokenizer_warning
 from reshard.options import ConvertOptions
 
 logger = logging.getLogger(__name__)
@@ -35,7 +37,7 @@ def convert(ckpt: Path, out: Path, options: ConvertOptions) -> ConvertReport:
 
     The output is written under a temporary name beside ``out`` and renamed into place when
     complete; ``reshard.json`` records the original vocab size, every tensor's partition and the
-    sha256 of every canonical tensor.
+    digest (BLAKE3) of every canonical tensor.
 
     Raises:
         ReshardError: any problem with the input or the output path, before or during writing
@@ -46,6 +48,8 @@ def convert(ckpt: Path, out: Path, options: ConvertOptions) -> ConvertReport:
     """
     ckpt, out = Path(ckpt), Path(out)
     run = run_conversion(open_for_conversion(ckpt, out, options), out, options)
+    if int(os.environ.get("RANK", "0") or 0) == 0:  # under torchrun, rank 0 publishes and reports
+        no_tokenizer_warning(out, run.target.layout, run.files)
     conversion = run.target.conversion
     return ConvertReport(
         **run.route.to_dict(),

@@ -22,6 +22,7 @@ from reshard.engine.open import OpenedCheckpoint, open_checkpoint
 from reshard.engine.planner import SourceTensor
 from reshard.engine.route import Route
 from reshard.engine.run import run_conversion
+from reshard.engine.tokenizer import no_tokenizer_warning
 from reshard.engine.warmup import import_torch_in_background
 from reshard.hub.source import hub_origin
 from reshard.io.staging import check_output, write_error
@@ -75,7 +76,7 @@ def fix(ckpt: Path, out: Path | None = None, options: ConvertOptions | None = No
     drops vocab padding down to the true size, and writes ``hf`` (``options.tp == 1``, whatever the source's
     layout: a Megatron or SAT source too, unlike ``convert``) or the source's layout family re-sliced for
     ``options.tp`` ranks, with ``config.json`` set to the true vocab size and
-    a ``reshard.json`` recording the original, the padded sizes found and every tensor's sha256.
+    a ``reshard.json`` recording the original, the padded sizes found and every tensor's digest.
 
     Args:
         ckpt: the checkpoint folder or file.
@@ -125,6 +126,7 @@ def fix(ckpt: Path, out: Path | None = None, options: ConvertOptions | None = No
             written=False,
         )
     run = run_conversion(opened, out, options)
+    no_tokenizer_warning(out, run.target.layout, run.files)
     config_before = source.config.vocab_size if source.config else None
     notes = list(run.notes)
     if vocab.origin not in ("--vocab", "reshard.json"):

@@ -18,8 +18,9 @@ import torch
 from tqdm.auto import tqdm
 
 from reshard.commands.verify_checks import Difference, check_files, value_difference
+from reshard.commands.verify_ranks import check_ranks
 from reshard.dtypes import name_of
-from reshard.engine.digest import all_finite, sha256_of
+from reshard.engine.digest import algorithm_of, all_finite, digest_of
 from reshard.engine.gather import gather_canonical
 from reshard.engine.open import OpenedCheckpoint, open_checkpoint
 from reshard.engine.planner import SourceTensor
@@ -136,6 +137,10 @@ def verify(ckpt: Path, other: Path | None = None, options: VerifyOptions | None 
     elif not options.roundtrip or find_manifest(ckpt) is not None:
         result.reports.append(check_manifest(ckpt, options))
     missing = [d for r in result.reports for d in r.differences if d.kind == "missing-file"]
+    if not any(d.kind in ("missing-file", "duplicate") for r in result.reports for d in r.differences):
+        ranks = rank_report(ckpt, options)  # (files that cannot be read as a checkpoint are reported above)
+        if ranks is not None:
+            result.reports.append(ranks)
     for tp in options.roundtrip:
         if missing:  # the checkpoint cannot be read: say so per round trip instead of failing to read it
             cause = Difference("not-run", None, "files of the checkpoint are missing (see above)", missing[0].file)
@@ -143,6 +148,15 @@ def verify(ckpt: Path, other: Path | None = None, options: VerifyOptions | None 
         else:
             result.reports.append(roundtrip(ckpt, tp, options))
     return result
+
+
+def rank_report(ckpt: Path, options: VerifyOptions) -> VerifyReport | None:
+    """Every rank's slice of every tensor against the plan's cut, and each rank's quantized tensors dequantized on
+    their own (:mod:`reshard.commands.verify_ranks`); ``None`` for a checkpoint of one rank."""
+    checked = check_ranks(ckpt, options.read())
+    if checked is None:
+        return None
+    return VerifyReport("ranks", str(ckpt), "the plan's cut on each rank", checked[0], checked[1])
 
 
 def _open(path: Path, options: ReadOptions) -> OpenedCheckpoint:
@@ -172,7 +186,8 @@ def _gathered(
 
 
 def check_manifest(ckpt: Path, options: VerifyOptions) -> VerifyReport:
-    """Recompute every canonical tensor's sha256, shape, dtype and NaN/Inf, and compare with ``reshard.json``."""
+    """Recompute every canonical tensor's digest (with the algorithm its entry names), shape, dtype and NaN/Inf,
+    and compare with ``reshard.json``."""
     manifest = find_manifest(ckpt)
     if manifest is None:
         raise ReshardError(
@@ -208,8 +223,9 @@ def check_manifest(ckpt: Path, options: VerifyOptions) -> VerifyReport:
     for name, full in _gathered(opened, to_hash, options.progress, diffs):
         entry, files = expected[name], _files(tensors[name])
         report.tensors += 1
-        if sha256_of(full) != entry.sha256:
-            diffs.append(Difference("sha256", name, "bytes differ from the sha256 in reshard.json", files))
+        algorithm = algorithm_of(entry.digest)
+        if digest_of(full, algorithm) != entry.digest:
+            diffs.append(Difference(algorithm, name, f"bytes differ from the {algorithm} in reshard.json", files))
         if entry.finite and not all_finite(full):
             diffs.append(Difference("non-finite", name, "NaN/Inf present; reshard.json says it had none", files))
     return report
@@ -308,5 +324,8 @@ def roundtrip(ckpt: Path, tp: int, options: VerifyOptions) -> VerifyReport:
             report.differences = [Difference("inconsistent", err.tensor, err.detail, err.path)]
             return report
         compared = compare_checkpoints(ckpt, back, replace(options, atol=0.0, rtol=0.0))
+        ranks = check_ranks(there, options.read(own_config=False))  # each rank at tp as a runtime would load it
     report.tensors, report.differences = compared.tensors, compared.differences
+    if ranks is not None:
+        report.differences += ranks[1]
     return report

@@ -23,7 +23,7 @@ def conversion_manifest(
     finite: Mapping[str, bool | None],
     divergent: AbstractSet[str],
 ) -> Manifest:
-    """The manifest of ``target`` converted from ``ckpt``, every target tensor with its sha256, whether it is finite
+    """The manifest of ``target`` converted from ``ckpt``, every target tensor with its digest, whether it is finite
     and whether its source replicas differed; partitions are recorded at ``tp``, the tp asked for."""
     conversion = target.conversion
     source, vocab = conversion.source, conversion.vocab

@@ -1,21 +1,46 @@
-"""What the manifest records of every canonical tensor: the sha256 of its bytes and whether it is finite."""
+"""What the manifest records of every canonical tensor: a digest of its bytes and whether it is finite.
+
+A digest is spelled ``"<algorithm>:<hex>"``. New manifests use BLAKE3 (:data:`ALGORITHM`): a tree hash, about
+3 x cheaper than sha256 per core on the bench VM (0.24-0.26 against 0.68-0.73 CPU-s a GB, sha256 with SHA-NI),
+and one tensor's chunks can be hashed on several cores at once; Hugging Face's Xet storage hashes with it too.
+Manifests written before it record sha256, which :func:`digest_of` still computes, so ``verify`` checks either.
+"""
 
 from __future__ import annotations
 
 import hashlib
 
+import blake3
 import numpy as np
 import torch
 
 from reshard.formats.safetensors.writer import CHUNK_BYTES, byte_chunks
+from reshard.schema import DIGESTS
+
+ALGORITHM = "blake3"
+ALGORITHMS = DIGESTS
+# Below this, one thread: starting blake3's worker threads costs more than they save.
+THREADED_BYTES = 16 << 20
 
 
-def sha256_of(tensor: torch.Tensor) -> str:
-    """sha256 of a tensor's bytes in C order (read in place when contiguous, else in bounded blocks)."""
-    digest = hashlib.sha256()
+def digest_of(tensor: torch.Tensor, algorithm: str = ALGORITHM) -> str:
+    """``"<algorithm>:<hex>"`` of a tensor's bytes in C order (read in place when contiguous, else in bounded
+    blocks); ``algorithm`` is one of :data:`ALGORITHMS`."""
+    if algorithm == "sha256":
+        digest = hashlib.sha256()
+    elif algorithm == "blake3":
+        large = tensor.numel() * tensor.element_size() >= THREADED_BYTES
+        digest = blake3.blake3(max_threads=blake3.blake3.AUTO if large else 1)
+    else:
+        raise ValueError(f"unknown digest algorithm {algorithm!r}")
     for chunk in byte_chunks(tensor):
         digest.update(chunk)
-    return digest.hexdigest()
+    return f"{algorithm}:{digest.hexdigest()}"
+
+
+def algorithm_of(digest: str) -> str:
+    """The algorithm a ``"<algorithm>:<hex>"`` digest was made with."""
+    return digest.partition(":")[0]
 
 
 def all_finite(tensor: torch.Tensor) -> bool:

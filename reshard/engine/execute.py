@@ -9,7 +9,7 @@ Why it is shaped like this (the gather itself is :mod:`reshard.engine.gather`):
   on the 2-core bench machine: sys time 10-13 s with buffered reads and writes, 2-3 s with neither).
   Where a file system refuses ``O_DIRECT``, reads go through the page cache; then a :class:`ReadAhead`
   thread asks the OS for the coming slices, and each slice's pages are dropped once read (``evict``).
-* **Overlap, bounded by bytes.** ``jobs`` threads prepare tensors (read, gather, sha256, finite check:
+* **Overlap, bounded by bytes.** ``jobs`` threads prepare tensors (read, gather, hash, finite check:
   all release the GIL) and, when the writer is :attr:`~reshard.layouts.base.CheckpointWriter.concurrent`
   (every safetensors-based writer: each tensor's offset is known from the header), write them too,
   at their offsets: a thread waiting for the disk leaves the core to another one's hashing. Other
@@ -39,7 +39,7 @@ import torch
 from tqdm.auto import tqdm
 
 from reshard.engine.buffers import Budget, BufferPool, budget_for
-from reshard.engine.digest import all_finite_in_blocks, sha256_of
+from reshard.engine.digest import all_finite_in_blocks, digest_of
 from reshard.engine.gather import Work, check_fits, gather_and_split, plan_work, read_phase
 from reshard.errors import ShapeMismatchError
 from reshard.io.direct import Batch
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
 MAX_PENDING = 256
 Shape = tuple[int, ...]
-# What a job hands back per target tensor: name, sha256, finite, and the slices left to write (if any).
+# What a job hands back per target tensor: name, digest, finite, and the slices left to write (if any).
 Written = tuple[str, str, bool | None, list["torch.Tensor"]]
 
 
@@ -133,13 +133,14 @@ def execute(
     budget: Budget | None = None,
     on_hashed: Callable[[TensorPlan, str, str, bool | None], None] | None = None,
 ) -> dict[str, str]:
-    """Stream every tensor through gather -> hash -> split -> writer; returns ``{name: sha256}``.
+    """Stream every tensor through gather -> hash -> split -> writer; returns ``{name: digest}``
+    (``"blake3:<hex>"``, :func:`~reshard.engine.digest.digest_of`).
 
     ``jobs`` threads read, gather, hash and (for :attr:`~CheckpointWriter.concurrent` writers) write
     tensors, several at once; other writers get them in plan order from this thread. When ``finite`` is
     given it is filled with ``{name: no NaN/Inf in the canonical tensor}``, for the manifest. With
     ``allow_divergent``, replicated tensors that differ between ranks are taken from rank 0 and, when
-    ``divergent`` is given, named in it (the manifest records them). ``on_hashed(plan, name, sha256, finite)``
+    ``divergent`` is given, named in it (the manifest records them). ``on_hashed(plan, name, digest, finite)``
     is called, in this thread, for every target tensor once it is hashed and handed to the writer (a resumable
     run journals it).
     """
@@ -173,7 +174,7 @@ def execute(
                 if writer.concurrent:  # write here, every target rank's blocks in flight while this thread hashes
                     writer.write_unordered(name, pieces)
                     pieces = []
-                digest = sha256_of(canonical)
+                digest = digest_of(canonical)
                 is_finite = all_finite_in_blocks(canonical) if finite is not None else None
             written.append((name, digest, is_finite, pieces))
         del pieces_of

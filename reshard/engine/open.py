@@ -16,6 +16,7 @@ from pathlib import Path
 from reshard.config import find_config
 from reshard.engine.lora_merge import merge_lora_source
 from reshard.engine.planner import SourceTensor, mixed_runs, plan_sources
+from reshard.engine.tokenizer import choose_tokenizer, with_tokenizer_vocab
 from reshard.errors import ReshardError
 from reshard.hub.source import HubCheckpoint
 from reshard.layouts import SourceCheckpoint, TensorRef, check_manifest, discover
@@ -23,6 +24,7 @@ from reshard.manifest import Manifest, find_manifest, written_uneven
 from reshard.options import ReadOptions
 from reshard.plans import Plan, check_family, select_plan
 from reshard.plans.recorded import RecordedPlan
+from reshard.tokenizer import Tokenizer
 from reshard.vocab import VocabPlan, check_vocab_shrink, resolve_vocab
 
 
@@ -38,6 +40,8 @@ class OpenedCheckpoint:
         vocab: the true vocab size and where it came from.
         uneven: whether its sizes are split as ``torch.chunk`` does (``--uneven``, or as reshard wrote it).
         tensors: every tensor's partition and canonical shape, or its problem.
+        tokenizer: the tokenizer ``--tokenizer`` or the checkpoint names (not an HF folder's own files, which are
+            side files), when its files are here.
     """
 
     path: Path
@@ -47,6 +51,7 @@ class OpenedCheckpoint:
     vocab: VocabPlan
     uneven: bool
     tensors: tuple[SourceTensor, ...]
+    tokenizer: Tokenizer | None = None
 
     @property
     def problems(self) -> list[ReshardError]:
@@ -93,6 +98,9 @@ def open_checkpoint(
     if options.merge_lora:
         source = merge_lora_source(source, alpha=options.lora_alpha)
     check_manifest(source, manifest)
+    tokenizer = choose_tokenizer(source, options.tokenizer)
+    if tokenizer is not None:
+        source.config = with_tokenizer_vocab(source, tokenizer, options.vocab)
     vocab = resolve_vocab(options.vocab, manifest, source.config)
     check_family(source.config, source.names())
     plan = select_plan(source.config, source.names(), plan_file=options.plan)
@@ -112,7 +120,7 @@ def open_checkpoint(
         raise mixed
     if not any(t.problem for t in tensors):  # a --vocab far below the rows is refused by name as more than padding
         check_vocab_shrink(vocab, manifest, source.config, source_tp=source.tp, allow=options.allow_vocab_shrink)
-    return OpenedCheckpoint(ckpt, source, manifest, plan, vocab, uneven, tuple(tensors))
+    return OpenedCheckpoint(ckpt, source, manifest, plan, vocab, uneven, tuple(tensors), tokenizer)
 
 
 def _replicas_equal(refs: Sequence[TensorRef]) -> bool:

@@ -17,8 +17,9 @@ from reshard.config import ModelConfig
 from reshard.dtypes import TensorHeader, safetensors_order
 from reshard.errors import AmbiguousPartitionError, PlanError, ReshardError, ShapeMismatchError
 from reshard.layouts.base import SourceCheckpoint, TensorRef
-from reshard.partition import Packed, Partition, Replicate, ReplicatedHeads, canonical_shape, rank_shapes
+from reshard.partition import Packed, Partition, Replicate, ReplicatedHeads, Shard, canonical_shape, rank_shapes
 from reshard.plans import Plan, infer_partition
+from reshard.quantization import QuantizedTensors, quantized_tensors
 from reshard.vocab import VocabPlan, padded_size, source_padded_rows
 
 if TYPE_CHECKING:
@@ -126,6 +127,7 @@ def plan_sources(
     without it (``reshard check`` reads headers only) such a tensor gets a problem instead.
     """
     out = []
+    quantized = quantized_tensors(source.config, {n: ref.shape for n, ref in source.ranks[0].items()})
     for name in source.names():
         refs = [rank.get(name) for rank in source.ranks]
         absent = [r for r, ref in enumerate(refs) if ref is None]
@@ -139,8 +141,25 @@ def plan_sources(
             )
             out.append(SourceTensor(name, present, None, "", None, problem))
             continue
-        out.append(_plan_one(name, tuple(refs), plan, source.config, vocab_size, target_tp, uneven, replicas_equal))
+        out.append(
+            _plan_one(name, tuple(refs), plan, source.config, vocab_size, target_tp, uneven, replicas_equal, quantized)
+        )
     return out
+
+
+def _quantized_partition(
+    quantized: QuantizedTensors | None, name: str, plan: Plan, config: ModelConfig | None, *, whole_at_tp1: bool
+) -> tuple[Partition, str] | None:
+    """``name``'s cut when it is a stored tensor of a quantized linear. One no rule covers is refused when it
+    would be cut, and read whole when nothing is (one rank read at tp 1: ``--dtype`` dequantizes it there)."""
+    if quantized is None:
+        return None
+    try:
+        return quantized.partition(name, plan, config)
+    except AmbiguousPartitionError as err:
+        if whole_at_tp1:
+            return Replicate(), f"read whole at tp 1 ({err.detail})"
+        raise
 
 
 def _plan_one(
@@ -152,6 +171,7 @@ def _plan_one(
     target_tp: int,
     uneven: bool,
     replicas_equal: ReplicaCheck | None,
+    quantized: QuantizedTensors | None = None,
 ) -> SourceTensor:
     shapes = [ref.shape for ref in refs]
     if len({ref.code for ref in refs}) > 1:
@@ -162,7 +182,10 @@ def _plan_one(
     rule = plan.match(name)
     config = config.for_tensor(name) if config is not None else None  # a composite's sub-model sizes it
     try:
-        if rule is not None:
+        companion = _quantized_partition(quantized, name, plan, config, whole_at_tp1=target_tp == 1 and len(refs) == 1)
+        if companion is not None:  # a stored tensor of a quantized linear: cut with the linear's weight
+            partition, reason = companion
+        elif rule is not None:
             partition, reason = rule.resolve(config), f"rule '{rule.pattern}' ({plan.name})"
         else:
             partition, reason = infer_partition(
@@ -287,10 +310,12 @@ def plan_conversion(
             try:
                 shapes = rank_shapes(target.partition, target.shape, target_tp, padded=target_padded, uneven=uneven)
             except ShapeMismatchError as err:
+                source_tensor = group.sources[0]
+                why = f"{source_tensor.reason}: " if _whole_units(target.partition) and source_tensor.reason else ""
                 unsplit.append(
                     ShapeMismatchError(
-                        f"{target.partition.describe()} of {list(target.shape)} cannot be split {target_tp} ways: "
-                        f"{err.detail}",
+                        f"{why}{target.partition.describe()} of {list(target.shape)} cannot be split {target_tp} "
+                        f"ways: {err.detail}",
                         path=group.sources[0].refs[0].file,
                         tensor=target.name,
                         hint=_tp_hint(target.partition),
@@ -363,9 +388,16 @@ def tps_that_split(
 
 
 def _tp_hint(partition: Partition) -> str:
+    if _whole_units(partition):
+        return "a quantized layer's blocks, groups and packed words are never cut, --uneven or not: choose a tp"
     if isinstance(partition, ReplicatedHeads):
         return f"choose a tp that divides the {partition.heads} heads or is a multiple of them"
     return "choose a tp that divides it" + ("" if _whole_blocks(partition) else ", or --uneven")
+
+
+def _whole_units(partition: Partition) -> bool:
+    """True for the cut of a quantized tensor (:mod:`reshard.quantization.plan`)."""
+    return isinstance(partition, (Shard, Packed)) and partition.whole
 
 
 def _whole_blocks(partition: Partition) -> bool:

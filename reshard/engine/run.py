@@ -10,7 +10,6 @@ writer's :class:`~reshard.layouts.file_plan.FilePlan`); resume and a worker's sh
 from __future__ import annotations
 
 import dataclasses
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from reshard.engine.planner import ConversionPlan, TensorPlan
 from reshard.engine.resume import open_journal, still_to_do
 from reshard.engine.route import Route
 from reshard.engine.target import TargetPlan, plan_target, planned_tp, target_spec
+from reshard.engine.tokenizer import carried_tokenizer, has_tokenizer, runtime_files, with_token_ids
 from reshard.engine.warmup import import_torch_in_background
 from reshard.engine.worker_shares import share_of
 from reshard.engine.workers import join, together
@@ -44,6 +44,7 @@ class ConversionRun:
         divergent: target tensors made from a source whose replicas differed (rank 0's copy taken).
         manifest: the output's ``reshard.json``.
         notes: what the user should know: the source's notes, divergent replicas, what tp/pp mean for the layout.
+        tokenizer: where the output's tokenizer came from (None: it has none; ``"source"``: the source's own files).
     """
 
     route: Route
@@ -52,6 +53,7 @@ class ConversionRun:
     divergent: frozenset[str]
     manifest: Path
     notes: tuple[str, ...]
+    tokenizer: str | None = None
 
     @property
     def vocab(self) -> dict[str, Any]:
@@ -91,7 +93,13 @@ def run_conversion(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
             ``out`` then; with ``--resume``, the partial output is kept to resume from).
     """
     target = plan_target(opened, options)
-    family = built_family.start(opened.source.config, opened.source.names())  # heard before publishing
+    built_family.check_counts(opened.source.config, opened.source.names())
+    tokenizer = carried_tokenizer(opened.tokenizer, target.layout)
+    if opened.tokenizer is not None and tokenizer is None:
+        opened.source.notes.append(
+            f"the {target.layout} layout carries no tokenizer: {opened.tokenizer.origin} is not copied"
+        )
+    target = dataclasses.replace(target, config=with_token_ids(target.config, tokenizer))
     conversion, layout = target.conversion, target.layout
     if not (options.merge_lora or options.allow_divergent_replicas):
         check_lora_replicas(opened.tensors)
@@ -134,22 +142,19 @@ def run_conversion(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
             return _Moved(hashes, finite, frozenset(_divergent_targets(todo, divergent)), files)
 
         moved = [move()] if group is None else together(group, move)
-        if family is not None:
-            family.result()
         if not first:
-            return _result(opened, target, out, options, moved[group.rank].files, frozenset())
+            return _result(opened, target, out, options, moved[group.rank].files, frozenset(), None)
         whole = _merged(moved, resumed)
         files = list(moved[0].files)
-        for side in opened.source.side_files:
-            shutil.copy2(side, staging / side.name)
-            files.append(side.name)
+        files += runtime_files(staging, opened.source, tokenizer)
         manifest = conversion_manifest(
             opened.path, target, tp=options.tp, hashes=whole.hashes, finite=whole.finite, divergent=whole.divergent
         )
         write_manifest(staging, manifest)
         if journal is not None:
             journal.close(remove=True)
-    return _result(opened, target, out, options, tuple(files), whole.divergent)
+    said = tokenizer.origin if tokenizer is not None else "source" if has_tokenizer(files) else None
+    return _result(opened, target, out, options, tuple(files), whole.divergent, said)
 
 
 def _merged(moved: list[_Moved], resumed: Resumed) -> _Moved:
@@ -161,7 +166,7 @@ def _merged(moved: list[_Moved], resumed: Resumed) -> _Moved:
         hashes |= part.hashes
         finite |= part.finite
         divergent |= part.divergent
-    hashes |= {name: record.sha256 for name, record in resumed.tensors.items()}
+    hashes |= {name: record.digest for name, record in resumed.tensors.items()}
     finite |= {name: record.finite for name, record in resumed.tensors.items()}
     divergent |= {name for name, record in resumed.tensors.items() if record.divergent}
     return _Moved(hashes, finite, frozenset(divergent), moved[0].files)
@@ -181,6 +186,7 @@ def _result(
     options: ConvertOptions,
     files: tuple[str, ...],
     divergent: frozenset[str],
+    tokenizer: str | None,
 ) -> ConversionRun:
     source = opened.source
     route = Route(
@@ -191,7 +197,10 @@ def _result(
         layout=target.layout.name,
         tp=target.conversion.target_tp,
     )
-    notes = source.notes_for(layout=target.layout.name, vocab_known=opened.vocab.original is not None)
+    vocab_known = opened.vocab.original is not None
+    notes = [*source.notes_for(layout=target.layout.name, vocab_known=vocab_known), *target.notes]
+    if tokenizer not in (None, "source"):
+        notes.append(f"the output carries the tokenizer of {tokenizer}")
     if divergent:
         notes.append(f"replicated but different between ranks, rank 0's copy taken: {', '.join(sorted(divergent))}")
     if target.layout.global_tensors:
@@ -199,4 +208,4 @@ def _result(
             f"{target.layout} holds global tensors that Megatron-Core loads at any tp/pp; its args record "
             f"tensor_model_parallel_size={options.tp}, pipeline_model_parallel_size={options.pp}"
         )
-    return ConversionRun(route, target, tuple(sorted(files)), divergent, out / MANIFEST_NAME, tuple(notes))
+    return ConversionRun(route, target, tuple(sorted(files)), divergent, out / MANIFEST_NAME, tuple(notes), tokenizer)

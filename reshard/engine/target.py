@@ -12,20 +12,24 @@ from reshard.dtypes import TensorHeader, name_of
 from reshard.engine.open import OpenedCheckpoint
 from reshard.engine.planner import (
     ConversionPlan,
+    SourceTensor,
+    TargetTensor,
     TensorPlan,
     identity_plan,
     mapped_plans,
     plan_conversion,
     tps_that_split,
 )
-from reshard.errors import MappingError, PlanError, ReshardError
+from reshard.errors import AmbiguousPartitionError, MappingError, PlanError, ReshardError
 from reshard.layouts import LayoutSpec, SourceCheckpoint, TargetSpec, layout, target_layout
 from reshard.mappings import HF, MappingChoice, choose_mapping, naming_of, require_true_vocab, sizing_config
 from reshard.mappings.megatron_gpt import MEGATRON
 from reshard.mappings.torchtitan_llama import TORCHTITAN
 from reshard.options import ConvertOptions
-from reshard.partition import Vocab, head_replicas
+from reshard.partition import Partition, Replicate, Vocab, head_replicas
 from reshard.plans import select_plan
+from reshard.quantization.dequant_plan import COMPANIONS, dequantized_config, recast
+from reshard.quantization.plan import linear_partition
 from reshard.vocab import source_padded_rows
 
 HEAD = "lm_head.weight"
@@ -40,7 +44,8 @@ class TargetPlan:
         layout: the target layout.
         config: the target's config (``config.json`` content), if any.
         mapping: the mapping applied, when names change.
-        dropped: source tensors the mapping drops on purpose.
+        dropped: source tensors the mapping (or ``--dtype``: quantization scales) drops on purpose.
+        notes: what the user should know of the planned conversion (what ``--dtype`` dequantized).
     """
 
     conversion: ConversionPlan
@@ -48,6 +53,7 @@ class TargetPlan:
     config: dict[str, Any] | None
     mapping: MappingChoice | None = None
     dropped: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
 
     @property
     def megatron_args(self) -> Any:
@@ -85,8 +91,17 @@ def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> TargetPlan
         elif vocab.original is None:  # the mapping knows it (torchtitan never pads its vocab)
             vocab = replace(vocab, original=choice.config["vocab_size"], origin=choice.mapping.name)
     groups, dropped, problems = None, (), []
+    tensors, notes = opened.tensors, ()
     if choice is not None:
+        if options.dtype is not None:
+            raise ReshardError(
+                f"--dtype with a mapping of names ({choice.mapping.name}) is not supported",
+                path=source.path,
+                hint="convert with --dtype to --layout hf or hf-ranks first, then to the other layout",
+            )
         groups, dropped, problems = _mapped(opened, choice, spec, tp)
+    elif options.dtype is not None:
+        tensors, groups, dropped, problems, notes = _recast(opened, options.dtype)
     writer = spec.writer
     writer.check_names(_target_names(opened, groups), source)
     args = choice.args if choice is not None else None
@@ -97,7 +112,7 @@ def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> TargetPlan
     try:
         conversion = plan_conversion(
             source,
-            opened.tensors,
+            tensors,
             vocab=vocab,
             target_tp=tp,
             pad_multiple=pad_multiple,
@@ -121,7 +136,10 @@ def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> TargetPlan
         summary = said[0].one_line() if len(said) == 1 else PlanError(said).detail
         raise PlanError(err.problems, unsplit=err.unsplit, summary=summary) from err
     _refuse_copied_heads(conversion, spec, source)
-    return TargetPlan(conversion, spec, _config(opened, choice), choice, dropped)
+    config = _config(opened, choice)
+    if options.dtype is not None and config is not None:
+        config = dequantized_config(config, options.dtype)
+    return TargetPlan(conversion, spec, config, choice, dropped, notes)
 
 
 def target_spec(target: TargetPlan, options: ConvertOptions) -> TargetSpec:
@@ -204,6 +222,58 @@ def _mapped(
     plans, problems = mapped_plans(opened.tensors, groups, plan, target_config, target_tp=tp)
     problems += _tie_problems(choice, names)
     return plans, tuple(dropped), problems
+
+
+def _recast(
+    opened: OpenedCheckpoint, dtype: str
+) -> tuple[tuple[SourceTensor, ...], list[TensorPlan], tuple[str, ...], list[ReshardError], tuple[str, ...]]:
+    """``--dtype``: every tensor's unit (FP8 weights dequantized with their scale, floats cast, the rest kept), the
+    source tensors (a scale of a tp=1 source read whole, whatever its name would be split as), the companions
+    dropped, the problems, the note for the report."""
+    source = opened.source
+    tensors = tuple(_whole(t) if t.name.rpartition(".")[2] in COMPANIONS else t for t in opened.tensors)
+    headers = {t.name: TensorHeader(t.shape, t.code) for t in tensors if t.shape is not None}
+    plan = recast(headers, source.config.raw if source.config else None, dtype, path=source.path)
+    companions = {unit.sources[1] for unit in plan.units if len(unit.sources) > 1} | set(plan.dropped)
+    by_name = {t.name: t for t in tensors}
+    groups = []
+    for unit in plan.units:
+        sources = tuple(by_name[name] for name in unit.sources)
+        if unit.transform is None:
+            groups.append(identity_plan(sources[0]))
+            continue
+        weight = sources[0]
+        partition = _dequantized_partition(opened, weight) if len(sources) > 1 else weight.partition
+        groups.append(
+            TensorPlan(sources, (TargetTensor(unit.target, weight.shape, unit.code, partition),), unit.transform)
+        )
+    notes = ()
+    if plan.dequantized:
+        notes = (
+            f"dequantized {plan.dequantized} FP8 weight(s) to {dtype}; dropped {len(companions)} scale tensor(s) "
+            "and quantization_config",
+        )
+    return tensors, groups, plan.dropped, list(plan.problems), notes
+
+
+def _dequantized_partition(opened: OpenedCheckpoint, weight: SourceTensor) -> Partition | None:
+    """A dequantized weight's cut in the target: its plan rule's, as a plain weight's (the blocks its source was
+    cut in whole are gone), else the source's."""
+    config = opened.source.config.for_tensor(weight.name) if opened.source.config is not None else None
+    try:
+        return linear_partition(opened.plan, weight.name.rpartition(".")[0], config)
+    except AmbiguousPartitionError:
+        return weight.partition
+
+
+def _whole(tensor: SourceTensor) -> SourceTensor:
+    """A quantization scale of a tp=1 source, read whole as stored: it is consumed by its weight's dequantization
+    or dropped, never split (the partition its name or shape would get, a padded vocab's, say, does not apply)."""
+    if len(tensor.refs) != 1:
+        return tensor
+    return replace(
+        tensor, partition=Replicate(), reason="read with its FP8 weight", shape=tensor.refs[0].shape, problem=None
+    )
 
 
 def _target_names(opened: OpenedCheckpoint, groups: list[TensorPlan] | None) -> list[str]:

@@ -67,7 +67,7 @@ def model_card(
     if command:
         lines += ["**Command.**", "", "```", command, "```", ""]
     lines += [
-        f"`reshard.json` records every tensor's shape, partition and sha256 ({len(manifest.tensors)} tensors); "
+        f"`reshard.json` records every tensor's shape, partition and digest ({len(manifest.tensors)} tensors); "
         "`reshard verify` on this repo checks the files against it."
     ]
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n").content

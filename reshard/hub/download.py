@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import logging
 import os
+import posixpath
 from pathlib import Path
 
 from reshard.errors import HubError
 from reshard.hub.api import hub_errors, progress_bars
 from reshard.hub.select import literal, plan_patterns, side_patterns, weight_files
 from reshard.hub.source import HubCheckpoint, resolve
+from reshard.tokenizer import TOKENIZER_FILES
 
 logger = logging.getLogger(__name__)
 
@@ -104,4 +106,18 @@ def download_checkpoint(ckpt: HubCheckpoint, *, progress: bool = True) -> Path:
     return folder / ckpt.path if ckpt.path else folder
 
 
-__all__ = ["download_checkpoint", "snapshot"]
+def download_tokenizer(ckpt: HubCheckpoint) -> Path:
+    """The local folder of the tokenizer files (:data:`reshard.tokenizer.TOKENIZER_FILES`, nothing else) of
+    ``ckpt``'s folder, in the cache (``--tokenizer REPO``).
+
+    Raises:
+        HubError: unknown repo or revision, no access, or (offline) files the cache does not hold.
+    """
+    ckpt = resolve(ckpt)
+    patterns = [literal(posixpath.join(ckpt.path, name)) for name in TOKENIZER_FILES]
+    with hub_errors(ckpt), progress_bars(False):
+        folder, _ = snapshot(ckpt, patterns)
+    return folder / ckpt.path if ckpt.path else folder
+
+
+__all__ = ["download_checkpoint", "download_tokenizer", "snapshot"]

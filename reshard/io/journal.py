@@ -3,17 +3,18 @@
 A conversion killed at 90 % of a terabyte should not start again from zero. With ``--resume`` the staged
 folder has a fixed name beside the output and holds this journal: a first line with the fingerprint of
 the conversion (what it reads, what it writes, the options that change bytes), then a line per tensor once
-it is hashed (what the manifest records of it) and a line per output data file once its last byte is
-written (its size and sha256, hashed from the disk). A line is appended and flushed as a whole, so a run
-killed at any point leaves a journal whose every complete line is true; a torn last line is ignored. Each
-worker of a run shared among processes keeps its own journal; a resumed run reads them all.
+it is hashed (what the manifest records of it: its digest, ``"blake3:<hex>"``) and a line per output data file
+once its last byte is written (its size and sha256, hashed from the disk). A line is appended and flushed as a
+whole, so a run killed at any point leaves a journal whose every complete line is true; a torn last line is
+ignored. Each worker of a run shared among processes keeps its own journal; a resumed run reads them all.
 
 The journal is checked like a manifest before anything in it is trusted: every field's type and format (a sha256
-is 64 hex digits, a size a count of bytes, ``finite`` true, false or null), and each line after the first carries
-``check``, the sha256 of the fingerprint and the line's own content, so a line edited or zeroed since (or of
-another conversion) is detected. A line that fails any check is dropped, never a crash: its tensor is read again,
-its file written again. The first line also holds the facts the fingerprint is the hash of, so that a partial
-output of another conversion is refused naming what differs (an option, a source file, the target).
+is 64 hex digits, a tensor's digest names blake3 or sha256 before them, a size is a count of bytes, ``finite`` true,
+false or null), and each line after the first carries ``check``, the sha256 of the fingerprint and the line's
+own content, so a line edited or zeroed since (or of another conversion) is detected. A line that fails any
+check is dropped, never a crash: its tensor is read again, its file written again. The first line also holds
+the facts the fingerprint is the hash of, so that a partial output of another conversion is refused naming what
+differs (an option, a source file, the target).
 
 Resuming checks the fingerprint, then every file the journal calls complete, by size and by hashing it
 again: a file that matches is kept and no byte of it is written again, anything else is written anew. A
@@ -37,13 +38,14 @@ from reshard.errors import ReshardError
 JOURNAL = ".reshard-journal-{rank}.jsonl"  # one per worker (one process: rank 0)
 HASH_BLOCK = 8 << 20
 SHA256 = re.compile(r"[0-9a-f]{64}")
+DIGEST = re.compile(r"(blake3|sha256):[0-9a-f]{64}")  # a tensor's, as reshard.engine.digest.digest_of spells it
 
 
 @dataclass(frozen=True)
 class TensorRecord:
     """What the manifest needs of a tensor that an earlier run hashed."""
 
-    sha256: str
+    digest: str
     finite: bool | None
     divergent: bool
 
@@ -129,7 +131,7 @@ class Journal:
         claimed: dict[str, tuple[int, str]] = {}
         for line in (line for lines in journals for line in lines[1:]):
             if "tensor" in line:
-                resumed.tensors[line["tensor"]] = TensorRecord(line["sha256"], line["finite"], line["divergent"])
+                resumed.tensors[line["tensor"]] = TensorRecord(line["digest"], line["finite"], line["divergent"])
             else:
                 claimed[line["file"]] = (line["size"], line["sha256"])
         kept = {name: facts for name, facts in claimed.items() if _digest(staging / name, facts[0]) == facts[1]}
@@ -142,8 +144,8 @@ class Journal:
             journal._append({"tensor": name, **record.__dict__})
         return journal, resumed
 
-    def tensor_done(self, name: str, sha256: str, finite: bool | None, divergent: bool) -> None:
-        self._append({"tensor": name, "sha256": sha256, "finite": finite, "divergent": divergent})
+    def tensor_done(self, name: str, digest: str, finite: bool | None, divergent: bool) -> None:
+        self._append({"tensor": name, "digest": digest, "finite": finite, "divergent": divergent})
 
     def file_done(self, relative: str) -> None:
         """Record a data file whose last byte is written: its size and the sha256 of what is on disk."""
@@ -211,17 +213,20 @@ def _well_formed(line: Any, *, first: bool) -> bool:
         return False
     if first:
         return isinstance(line.get("fingerprint"), str) and isinstance(line.get("facts", {}), dict | None)
-    if not (isinstance(line.get("check"), str) and _is_sha256(line.get("sha256"))):
+    if not isinstance(line.get("check"), str):
         return False
-    if "tensor" in line:
+    if "tensor" in line:  # a line of a version that recorded sha256 has no digest: its tensor is hashed again
         return (
-            set(line) == {"tensor", "sha256", "finite", "divergent", "check"}
+            set(line) == {"tensor", "digest", "finite", "divergent", "check"}
             and isinstance(line["tensor"], str)
+            and isinstance(line["digest"], str)
+            and DIGEST.fullmatch(line["digest"]) is not None
             and (line["finite"] is None or isinstance(line["finite"], bool))
             and isinstance(line["divergent"], bool)
         )
     return (
         set(line) == {"file", "size", "sha256", "check"}
+        and _is_sha256(line["sha256"])
         and isinstance(line["file"], str)
         and bool(line["file"])
         and ".." not in Path(line["file"]).parts

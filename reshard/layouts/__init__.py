@@ -14,6 +14,7 @@ from pathlib import Path
 from reshard.errors import CorruptFileError, NoModelError, ReshardError
 from reshard.layouts.base import CheckpointWriter, SourceCheckpoint, SourceFacts, TargetSpec, TensorRef
 from reshard.layouts.dcp import DCP, TORCH_DIST
+from reshard.layouts.deepspeed import DEEPSPEED
 from reshard.layouts.hf import HF, HF_RANKS, LOOSE
 from reshard.layouts.hf.folder import TENSOR_SUFFIXES, weight_names  # the weight-file rule every folder follows
 from reshard.layouts.megatron import MEGATRON
@@ -46,8 +47,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # Every layout, in the order a folder is tried: torch_dist before dcp (its data files are DCP) and megatron (the same
-# tracker file); an HF folder last (a folder of rank files holds weight files too). A single file is read as hf.
-LAYOUTS: tuple[LayoutSpec, ...] = (TORCH_DIST, DCP, MEGATRON, SAT, HF_RANKS, LOOSE, HF)
+# tracker file); deepspeed before sat (DeepSpeed names its model-states files as SAT does); an HF folder last (a folder
+# of rank files holds weight files too). A single file is read as hf.
+LAYOUTS: tuple[LayoutSpec, ...] = (TORCH_DIST, DCP, MEGATRON, DEEPSPEED, SAT, HF_RANKS, LOOSE, HF)
 
 
 def discover(path: Path, options: ReadOptions | None = None) -> SourceCheckpoint:

@@ -15,6 +15,7 @@ from reshard.errors import ReshardError
 from reshard.formats.safetensors.writer import FileHooks
 from reshard.layouts.file_plan import FilePlan
 from reshard.layouts.readers import FileReader
+from reshard.tokenizer import NamedTokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -107,6 +108,8 @@ class SourceCheckpoint:
         notes: things ``inspect`` should tell the user (legacy files, dropped keys, grouping).
         scoped_notes: notes true only of some uses of it (:class:`NoteScope`); :meth:`notes_for` picks them.
         side_files: files to copy beside the output (tokenizer, generation config, ...).
+        tokenizer: the tokenizer the checkpoint names (Megatron's args, NeMo's context), whose files an HF output
+            carries when they are on this machine.
         facts: what the layout read for writers and mappings (its own :class:`SourceFacts` subclass).
         refusal: why a conversion of it is refused though ``inspect`` and ``check`` read it (a legacy QKV order,
             a Hub repo read from its headers only); raised as soon as a conversion is planned.
@@ -122,6 +125,7 @@ class SourceCheckpoint:
     notes: list[str] = field(default_factory=list)
     scoped_notes: list[tuple[NoteScope, str]] = field(default_factory=list)
     side_files: list[Path] = field(default_factory=list)
+    tokenizer: NamedTokenizer | None = None
     facts: SourceFacts = field(default_factory=SourceFacts)
     refusal: ReshardError | None = None
     hub: dict[str, Any] | None = None

@@ -298,14 +298,17 @@ def _flatten(state: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, 
             yield name, value
 
 
-def load_torch_file(path: Path, *, trust_pickle: bool, notes: list[str], allowed: Sequence[Any] = ()) -> Any:
+def load_torch_file(
+    path: Path, *, trust_pickle: bool, notes: list[str], allowed: Sequence[Any] = (), data: bytes | None = None
+) -> Any:
     """``torch.load`` as safely and lazily as the file allows.
 
     Zip-format files are memory-mapped with ``weights_only=True`` and the :data:`SAFE_GLOBALS`
     allow-list (plus numpy's RNG-state arrays and a layout's own ``allowed`` types); legacy (non-zip)
     files are read whole, with a note that they cannot be streamed. With ``trust_pickle`` the file is
     unpickled fully; stand-ins given in ``allowed`` as ``(callable, "module.Name")`` still serve when
-    that module is not installed.
+    that module is not installed. ``data``: the archive is these bytes (an entry stored inside ``path``, which
+    errors name), loaded from memory under the same rules.
 
     Raises:
         UnsafePickleError: the file pickles a type outside the allow-list and ``trust_pickle`` is off.
@@ -313,18 +316,19 @@ def load_torch_file(path: Path, *, trust_pickle: bool, notes: list[str], allowed
     """
     import torch
 
-    streamable = check_torch_file(path) is not None
-    if not streamable:
+    streamable = data is None and check_torch_file(path) is not None
+    if data is None and not streamable:
         notes.append(f"{path.name}: legacy (non-zip) torch file, read whole into memory: cannot be streamed")
+    source = path if data is None else io.BytesIO(data)
     try:
         with warnings.catch_warnings():  # torch warns on stderr about protocols it may not read: the error says it
             warnings.simplefilter("ignore", UserWarning)
             if trust_pickle:
                 return torch.load(
-                    path, map_location="cpu", mmap=streamable, weights_only=False, pickle_module=_trusting(allowed)
+                    source, map_location="cpu", mmap=streamable, weights_only=False, pickle_module=_trusting(allowed)
                 )
             with torch.serialization.safe_globals([*SAFE_GLOBALS, *_rng_state_globals(), *allowed]):
-                return torch.load(path, map_location="cpu", mmap=streamable, weights_only=True)
+                return torch.load(source, map_location="cpu", mmap=streamable, weights_only=True)
     except pickle.UnpicklingError as err:
         message = str(err)
         if "Unsupported global" in message or "weights_only" in message.lower():

@@ -3,9 +3,9 @@ config, on the ``meta`` device (no memory), must find every one of its tensors i
 is one transformers would initialise at random in the published model.
 
 :func:`reshard.plans.check_family` (names' signatures and the tensors that tell model types apart) judges while
-planning, with no import; this check needs transformers, whose import costs seconds of CPU, so a conversion starts
-it on a thread when planning ends (:func:`start`) and hears its answer before publishing (:meth:`FamilyCheck.result`):
-the bytes move meanwhile, and a refusal still leaves nothing behind. Where transformers cannot build the class (an
+planning, with no import, in every conversion; this check needs transformers, whose import costs about 2.5 s of CPU
+(more than a small conversion's whole work), so ``reshard check`` runs it and a conversion runs only its layer count
+(:func:`check_counts`). Where transformers cannot build the class (an
 unknown model type, a config it rejects), the model has sub-models, or some tensor of the checkpoint is not the
 model's under its own name (transformers renames it on load: per-expert tensors fused, LoRA wrappers), the signature
 check stands alone.
@@ -13,7 +13,7 @@ check stands alone.
 
 from __future__ import annotations
 
-import threading
+import re
 from collections.abc import Iterable
 
 from reshard.config import ModelConfig
@@ -22,7 +22,7 @@ from reshard.plans import judged_families
 from reshard.plans.lora import plain_name
 from reshard.plans.skeleton import ModelSkeleton, build_skeleton
 
-__all__ = ["FamilyCheck", "check_built_family", "start"]
+__all__ = ["check_built_family", "check_counts"]
 
 HINT = "pass the config.json of this checkpoint's model (--config)"
 # Layer counts: every layer has a tensor of its own, so more layers than the checkpoint has tensors is a refusal
@@ -31,6 +31,8 @@ LAYER_COUNTS = frozenset({"num_hidden_layers", "n_layer"})
 # Counts that size the build too, but need not each have a tensor (experts fused into one tensor per layer): past
 # the checkpoint's tensors, the model is not built and the names' signatures judge alone.
 COUNTS = frozenset({*LAYER_COUNTS, "num_experts", "num_local_experts", "n_routed_experts"})
+# A transformers decoder layer's tensors (a top-level ``num_hidden_layers`` counts them).
+DECODER_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def _over(raw: object, tensors: int, keys: frozenset[str], depth: int = 0) -> tuple[str, object] | None:
@@ -104,36 +106,24 @@ def _missing(skeleton: ModelSkeleton, have: set[str], config: ModelConfig) -> Re
     )
 
 
-class FamilyCheck:
-    """:func:`check_built_family` running on a thread; :meth:`result` waits for it and raises its refusal."""
-
-    def __init__(self, config: ModelConfig | None, names: list[str]) -> None:
-        self._error: ReshardError | None = None
-        self._thread = threading.Thread(target=self._run, args=(config, names), name="reshard-family", daemon=True)
-        self._thread.start()
-
-    def _run(self, config: ModelConfig | None, names: list[str]) -> None:
-        try:
-            check_built_family(config, names)
-        except ReshardError as err:
-            self._error = err
-
-    def result(self) -> None:
-        """Wait for the check; raise its refusal, if any."""
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-
-
-def start(config: ModelConfig | None, names: list[str]) -> FamilyCheck | None:
-    """Start the check on a thread when the config can be judged against the names (else None: nothing to wait);
-    a layer count past the tensors is refused at once.
+def check_counts(config: ModelConfig | None, names: Iterable[str]) -> None:
+    """The part every conversion runs (no import): a config with more layers than the checkpoint has tensors, or
+    than it holds decoder layers (``model.layers.{i}.``; extra layers, as DeepSeek-V3's multi-token prediction
+    layer, are not refused: transformers ignores them).
 
     Raises:
-        ReshardError: the config has more layers than the checkpoint has tensors.
+        ReshardError: the config has more layers than the checkpoint holds.
     """
     plain = sorted({plain_name(n) for n in names})
     if config is None or judged_families(config, plain) is None:
-        return None
+        return
     check_layer_count(config, plain)
-    return FamilyCheck(config, names)
+    held = {int(m.group(1)) for n in plain if (m := DECODER_LAYER.match(n))}
+    said = config.raw.get("num_hidden_layers")
+    if held and isinstance(said, int) and said > len(held & set(range(said))):
+        missing = sorted(set(range(said)) - held)
+        raise ReshardError(
+            f"{_where(config)}the config says num_hidden_layers {said}, but the checkpoint holds {len(held)} decoder "
+            f"layer(s) (layer {missing[0]} is missing): from_pretrained would initialise the missing ones at random",
+            hint=HINT,
+        )

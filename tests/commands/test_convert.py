@@ -3,9 +3,9 @@ logits, against rank slices computed independently of reshard (``fixtures.traine
 
 from __future__ import annotations
 
-import hashlib
 import json
 
+import blake3
 import pytest
 import torch
 from fixtures.hf import load_folder, load_rank
@@ -59,7 +59,7 @@ def test_manifest_records_vocab_partitions_and_hashes(model_dir, cli):
         entry = manifest["tensors"][name]
         assert entry["shape"] == list(tensor.shape)
         raw = tensor.contiguous().view(torch.uint8).numpy().tobytes()
-        assert entry["sha256"] == hashlib.sha256(raw).hexdigest(), name
+        assert entry["blake3"] == blake3.blake3(raw).hexdigest(), name  # the reference implementation
     assert manifest["tensors"]["lm_head.weight"]["partition"] == {"kind": "vocab", "dim": 0}
     assert manifest["tensors"]["model.layers.0.mlp.down_proj.weight"]["partition"] == {"kind": "shard", "dim": 1}
 

@@ -137,12 +137,12 @@ def test_the_partial_output_of_another_conversion_is_refused(tmp_path: Path) -> 
 @pytest.mark.parametrize(
     "damage",
     [
-        lambda line: line | {"sha256": "0" * 64},  # zeroed: the line's check no longer matches
+        lambda line: line | {"digest": "blake3:" + "0" * 64},  # zeroed: the line's check no longer matches
         lambda line: {key: value for key, value in line.items() if key != "finite"},  # a field missing
         lambda line: line | {"finite": "yes"},  # a field of another type
-        lambda line: line | {"sha256": "not a digest", "check": "x"},
+        lambda line: line | {"digest": "not a digest", "check": "x"},
     ],
-    ids=["zeroed-sha256", "no-finite", "finite-a-string", "malformed"],
+    ids=["zeroed-digest", "no-finite", "finite-a-string", "malformed"],
 )
 def test_damaged_journal_lines_are_dropped_and_their_work_redone(
     tmp_path: Path, uninterrupted: dict[str, dict[str, bytes]], damage
@@ -158,7 +158,7 @@ def test_damaged_journal_lines_are_dropped_and_their_work_redone(
 
     resumed = reshard(convert_args("hf", out, "--resume"))
     assert resumed.returncode == 0, resumed.stderr
-    assert output_tree(out) == uninterrupted["hf"]  # every sha256 in reshard.json is the true one again
+    assert output_tree(out) == uninterrupted["hf"]  # every digest in reshard.json is the true one again
     assert reshard(["verify", str(out), "-q"]).returncode == 0
 
 
@@ -216,7 +216,7 @@ RECORD_WORK = """
 import json, os
 import reshard.engine.execute as execute_module
 import reshard.io.journal as journal
-real_execute, real_sha256_of = execute_module.execute, execute_module.sha256_of
+real_execute, real_digest_of = execute_module.execute, execute_module.digest_of
 real_file_done = journal.Journal.file_done
 def log(**line):
     with open(os.environ["RECORD"], "a") as record:
@@ -224,13 +224,13 @@ def log(**line):
 def execute(conversion, writer, **kwargs):
     log(execute=[t.name for plan in conversion.tensors for t in plan.targets])
     return real_execute(conversion, writer, **kwargs)
-def sha256_of(tensor):
+def digest_of(tensor):
     log(hashed=1)
-    return real_sha256_of(tensor)
+    return real_digest_of(tensor)
 def file_done(self, relative):
     log(file=relative)
     real_file_done(self, relative)
-execute_module.execute, execute_module.sha256_of, journal.Journal.file_done = execute, sha256_of, file_done
+execute_module.execute, execute_module.digest_of, journal.Journal.file_done = execute, digest_of, file_done
 """
 
 

@@ -87,8 +87,44 @@ def test_flipped_byte_in_a_sharded_tensor(cli, copy) -> None:
     assert (before != after).sum() == 1  # the flip landed inside the tensor's data, not the header
     result = cli("verify", ckpt)
     assert result.exit_code == 1
-    assert f"{Q1}  sha256" in result.stdout and "rank_01/model.safetensors" in result.stdout
-    assert found(json.loads(cli("verify", ckpt, "--json").stdout)) == {("sha256", Q1)}
+    assert f"{Q1}  blake3" in result.stdout and "rank_01/model.safetensors" in result.stdout
+    assert found(json.loads(cli("verify", ckpt, "--json").stdout)) == {("blake3", Q1)}
+
+
+def as_sha256_manifest(ckpt: Path, original: Path) -> None:
+    """Rewrite ``reshard.json`` as a version before BLAKE3 wrote it: each tensor's ``sha256`` (of the original's
+    bytes, hashed here with hashlib) instead of its ``blake3``."""
+    import hashlib
+
+    tensors = load_folder(original)
+    path = ckpt / "reshard.json"
+    manifest = json.loads(path.read_text())
+    for name, entry in manifest["tensors"].items():
+        assert len(entry.pop("blake3")) == 64
+        entry["sha256"] = hashlib.sha256(tensors[name].contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    path.write_text(json.dumps(manifest))
+
+
+def test_a_manifest_of_sha256_digests_is_checked_with_sha256(cli, checkpoints: dict[str, Path], copy) -> None:
+    ckpt = copy("tp2")
+    as_sha256_manifest(ckpt, checkpoints["hf"])
+    assert cli("verify", ckpt).exit_code == 0
+    flip_byte(ckpt / "rank_01" / "model.safetensors", Q1, at=11)
+    result = cli("verify", ckpt, "--json")
+    assert result.exit_code == 1
+    assert found(json.loads(result.stdout)) == {("sha256", Q1)}
+
+
+@pytest.mark.parametrize("at", [0, 1, 4095, 4096, -1])
+def test_a_flipped_bit_anywhere_in_a_tensor_fails(cli, copy, at: int) -> None:
+    ckpt = copy("tp1")
+    path = ckpt / "model.safetensors"
+    raw = bytearray(path.read_bytes())
+    start = data_offset(path, Q1)
+    size = load_file(path)[Q1].numel() * 2
+    raw[start + (at % size)] ^= 0x01
+    path.write_bytes(bytes(raw))
+    assert found(json.loads(cli("verify", ckpt, "--json").stdout)) == {("blake3", Q1)}
 
 
 def test_flipped_byte_in_a_replicated_tensor(cli, copy) -> None:
@@ -99,7 +135,8 @@ def test_flipped_byte_in_a_replicated_tensor(cli, copy) -> None:
     assert found(json.loads(result.stdout)) == {("inconsistent", NORM)}
     result = cli("verify", ckpt, "--roundtrip", "4", "--json")
     assert result.exit_code == 1
-    manifest, trip = json.loads(result.stdout)["checks"]
+    manifest, ranks, trip = json.loads(result.stdout)["checks"]
+    assert found({"checks": [ranks]}) == {("inconsistent", NORM)}
     [diff] = trip["differences"]
     assert (diff["kind"], diff["tensor"]) == ("inconsistent", NORM) and "rank_00" in diff["file"]
 
@@ -207,7 +244,7 @@ def test_nan_where_the_manifest_says_finite(cli, copy) -> None:
     rewrite(ckpt / "model.safetensors", poison)
     result = cli("verify", ckpt, "--json")
     assert result.exit_code == 1
-    assert found(json.loads(result.stdout)) == {("sha256", NORM), ("non-finite", NORM)}
+    assert found(json.loads(result.stdout)) == {("blake3", NORM), ("non-finite", NORM)}
 
 
 def test_old_manifest_without_finite_still_verifies(cli, copy) -> None:
@@ -327,7 +364,8 @@ def test_sat_sample_verifies_and_roundtrips(cli) -> None:
     result = cli("verify", sample, "--roundtrip", "4", "--json")
     assert result.exit_code == 0, result.stdout
     checks = json.loads(result.stdout)["checks"]
-    assert [(c["check"], c["tensors"]) for c in checks] == [("manifest", len(recorded)), ("roundtrip", len(recorded))]
+    expected = [("manifest", len(recorded)), ("ranks", len(recorded)), ("roundtrip", len(recorded))]
+    assert [(c["check"], c["tensors"]) for c in checks] == expected
 
 
 def test_an_hf_folder_and_its_megatron_conversion_compare_through_the_name_mapping(cli, tmp_path):

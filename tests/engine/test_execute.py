@@ -17,7 +17,7 @@ from reshard import convert
 from reshard.engine import buffers
 from reshard.engine import execute as stream
 from reshard.engine import gather as engine_gather
-from reshard.engine.digest import sha256_of
+from reshard.engine.digest import digest_of
 from reshard.engine.open import open_checkpoint
 from reshard.engine.target import plan_target
 from reshard.errors import ReshardError
@@ -125,9 +125,9 @@ def test_conversions_leave_no_descriptor_open(tmp_path: Path, monkeypatch: pytes
         hashed.append(tensor.shape)
         if len(hashed) > 3:
             raise ReshardError("disk on fire")
-        return sha256_of(tensor)
+        return digest_of(tensor)
 
-    monkeypatch.setattr(stream, "sha256_of", fail_midway)
+    monkeypatch.setattr(stream, "digest_of", fail_midway)
     with pytest.raises(ReshardError, match="disk on fire"):
         convert(SAMPLE, tmp_path / "failed", ConvertOptions(tp=2, progress=False))
     assert len(hashed) > 3 and not (tmp_path / "failed").exists()

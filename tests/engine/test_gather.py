@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from reshard.engine import gather as engine_gather
 from reshard.engine.buffers import BufferPool
-from reshard.engine.digest import sha256_of
+from reshard.engine.digest import digest_of
 from reshard.engine.planner import SourceTensor, TargetTensor, TensorPlan
 from reshard.errors import DivergentReplicaError
 from reshard.formats.safetensors.writer import byte_chunks, tensor_bytes
@@ -96,7 +96,7 @@ def test_prepare_matches_gather_then_split(tmp_path: Path, case: str, fmt: str) 
     assert [tuple(p.shape) for p in pieces] == list(targets)
     for got, want in zip(pieces, expected, strict=True):  # the bytes the writers take
         assert b"".join(bytes(chunk) for chunk in byte_chunks(got)) == bytes(tensor_bytes(want))
-    assert sha256_of(canonical) == sha256_of(full.contiguous())
+    assert digest_of(canonical) == digest_of(full.contiguous())
     if isinstance(partition, Packed) and partition.dim == 0 and target_tp > 1:  # views of the buffer, no copy
         storage = canonical.untyped_storage().data_ptr()
         assert all(p.untyped_storage().data_ptr() == storage for piece in pieces for p in piece.parts)

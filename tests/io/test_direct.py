@@ -9,6 +9,7 @@ import errno
 import mmap
 import os
 import random
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from reshard.io import direct as direct_io
-from reshard.io.direct import ALIGN, Batch, DirectFile, DirectSource
+from reshard.io.direct import ALIGN, Batch, DirectFile, DirectSource, in_memory
 
 
 def ranges_of(size: int, seed: int) -> list[tuple[int, int]]:
@@ -301,3 +302,26 @@ def test_whole_blocks_written_on_the_files_phase_skip_staging(
     whole_blocks = (position + length) // ALIGN * ALIGN - (-(-position // ALIGN) * ALIGN)
     assert file.direct_bytes == whole_blocks
     assert sum(copied) == (0 if offset == 64 else whole_blocks)  # the edges go through the page cache
+
+
+def test_files_in_memory_skip_o_direct() -> None:
+    """On tmpfs ``O_DIRECT`` is a buffered copy behind an aligned staging copy: files there are written and read
+    straight through the page cache, and a file on the disk is not taken for one in memory."""
+    shm = Path("/dev/shm")
+    if not (shm.is_dir() and os.access(shm, os.W_OK) and in_memory(shm)):
+        pytest.skip("no writable tmpfs at /dev/shm")
+    assert not in_memory(Path("/proc"))
+    data = os.urandom(3 * ALIGN + 123)
+    with tempfile.TemporaryDirectory(dir=shm) as folder:
+        path = Path(folder) / "out.bin"
+        file = DirectFile(path, len(data))
+        file.write([memoryview(data)[1:]], 1)
+        file.write([memoryview(data)[:1]], 0)
+        file.close()
+        assert file.direct_bytes == 0 and path.read_bytes() == data
+        source = DirectSource(path)
+        assert not source.direct
+        back = bytearray(len(data) - 5)
+        source.read([memoryview(back)], 5, error=OSError)
+        source.close()
+        assert bytes(back) == data[5:]

@@ -12,12 +12,13 @@ from reshard.io.journal import JOURNAL, Journal
 
 MARK = "f" * 64
 SHA = "ab" * 32
+DIGEST = "blake3:" + "cd" * 32
 
 
 def journal_of(staging: Path) -> Path:
     journal = Journal.start(staging, MARK, facts={"options": {"vocab": "None"}})
-    journal.tensor_done("a", SHA, True, False)
-    journal.tensor_done("b", SHA, None, False)
+    journal.tensor_done("a", DIGEST, True, False)
+    journal.tensor_done("b", DIGEST, None, False)
     journal.close()
     return staging / JOURNAL.format(rank=0)
 
@@ -26,21 +27,33 @@ def test_lines_journal_writes_are_resumed(tmp_path: Path) -> None:
     journal_of(tmp_path)
     journal, resumed = Journal.resume(tmp_path, MARK)
     journal.close()
-    assert sorted(resumed.tensors) == ["a", "b"] and resumed.tensors["a"].sha256 == SHA
+    assert sorted(resumed.tensors) == ["a", "b"] and resumed.tensors["a"].digest == DIGEST
 
 
 @pytest.mark.parametrize(
     "damage",
     [
-        lambda line: line | {"sha256": "0" * 64},  # the line's check no longer matches
+        lambda line: line | {"digest": "blake3:" + "0" * 64},  # the line's check no longer matches
         lambda line: {k: v for k, v in line.items() if k != "finite"},
         lambda line: line | {"finite": 1},
         lambda line: line | {"divergent": "no"},
-        lambda line: line | {"sha256": 7},
+        lambda line: line | {"digest": 7},
+        lambda line: line | {"digest": "md5:" + "0" * 64},
+        lambda line: {"sha256": "cd" * 32} | {k: v for k, v in line.items() if k != "digest"},  # an older version's
         lambda line: line | {"extra": 1},
         lambda line: [line],
     ],
-    ids=["zeroed", "no-finite", "finite-int", "divergent-str", "sha-int", "extra-field", "not-an-object"],
+    ids=[
+        "zeroed",
+        "no-finite",
+        "finite-int",
+        "divergent-str",
+        "digest-int",
+        "unknown-algorithm",
+        "sha256-line",
+        "extra-field",
+        "not-an-object",
+    ],
 )
 def test_a_damaged_tensor_line_is_dropped_and_the_others_kept(tmp_path: Path, damage) -> None:
     path = journal_of(tmp_path)

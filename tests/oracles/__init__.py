@@ -101,21 +101,28 @@ def keep_megatron_out_of_process() -> None:
         sys.meta_path.insert(0, _KeepMegatronOut())
 
 
-def run_jobs(jobs: list[dict], *, nproc: int, timeout: float | None = None) -> str:
+def run_jobs(jobs: list[dict], *, nproc: int, timeout: float | None = None, python: Path | None = None) -> str:
     """Run ``mcore_gpt.py jobs`` under ``torchrun --standalone`` on ``nproc`` processes; returns its output.
+    ``python``: another venv's interpreter with its own Megatron-Core (e.g. 0.19.2, ``fixtures/venvs.py``).
 
     On timeout the launcher and all its descendants are killed: torchrun starts each worker in a session of its
     own, so killing torchrun's process group would leave them running (and a hung ``torch_dist`` writer with
     them). The output goes to a file, so a straggler holding it open cannot block the caller.
     """
-    missing = missing_dependencies()
+    missing = missing_dependencies() if python is None else []
     if missing:
         raise OracleError(f"the Megatron-Core oracle needs {', '.join(missing)}: {INSTALL_HINT}")
     timeout = timeout or TIMEOUT_BASE + TIMEOUT_PER_JOB * len(jobs)
     with tempfile.TemporaryDirectory(prefix="mcore-jobs-") as tmp:
         jobs_file, log = Path(tmp) / "jobs.json", Path(tmp) / "output.txt"
         jobs_file.write_text(json.dumps(jobs, indent=1))
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        command = [
+            str(python or sys.executable),
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+        ]
         command += [str(SCRIPT), "jobs", str(jobs_file)]
         env = os.environ | {"PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
         with log.open("w") as sink:

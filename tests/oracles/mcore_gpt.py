@@ -1,5 +1,8 @@
 """Megatron-Core 0.16.1 on CPU as an oracle: it writes real checkpoints and loads them back at another tp/pp.
 
+It runs unchanged under Megatron-Core 0.19.2 too (its own venv: ``tests/layouts/dcp/test_torch_dist_mcore19.py``),
+whose ``torch_dist`` save writes no ``common.pt``: ``args`` and the counters go into the data files.
+
 Run by hand from the repository root, in the venv ``make install`` builds (``--nproc-per-node`` = tp * pp, or a
 multiple of it: the extra ranks are data-parallel replicas and only data-parallel rank 0 writes)::
 

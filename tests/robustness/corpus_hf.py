@@ -223,7 +223,10 @@ _manifest_case("tp-word", lambda m: m["target"].__setitem__("tp", "two"), "targe
 _manifest_case("tp-absurd", lambda m: m["target"].__setitem__("tp", 10**12), "target.tp")
 _manifest_case("layout-unknown", lambda m: m["target"].__setitem__("layout", "nope"), "target.layout")
 _manifest_case(
-    "sha-number", lambda m: m["tensors"]["lm_head.weight"].__setitem__("sha256", 7), "lm_head.weight.sha256"
+    "digest-number", lambda m: m["tensors"]["lm_head.weight"].__setitem__("blake3", 7), "lm_head.weight.blake3"
+)
+_manifest_case(
+    "two-digests", lambda m: m["tensors"]["lm_head.weight"].__setitem__("sha256", "0" * 64), "lm_head.weight"
 )
 _manifest_case(
     "partition-kind", lambda m: m["tensors"]["lm_head.weight"]["partition"].__setitem__("kind", "colwise"), "partition"

@@ -68,6 +68,17 @@ class StoredTensor:
         return sum(chunk.length for chunk in self.chunks)
 
 
+@dataclass(frozen=True)
+class StoredValue:
+    """A non-tensor entry (DCP's BYTE_IO: the ``torch.save`` archive of a pickled object): ``length`` bytes at
+    ``position`` of ``file``, as the metadata claims them."""
+
+    file: Path
+    position: int
+    length: int
+    transforms: tuple[str, ...] = ()
+
+
 @dataclass
 class DcpIndex:
     """Every entry of one checkpoint folder.
@@ -76,6 +87,7 @@ class DcpIndex:
         form: which of the three forms it was read from.
         tensors: ``fqn -> StoredTensor``.
         values: non-tensor entries, ``fqn -> bytes stored``.
+        stored_values: where each non-tensor entry's bytes are, when the metadata says (the lowest rank's).
         paths: the planner's key path of each flattened fqn (``('model', 'layers.0.w')``), where recorded.
         notes: facts found while reading (merged ranks, replicas).
     """
@@ -84,6 +96,7 @@ class DcpIndex:
     form: str
     tensors: dict[str, StoredTensor] = field(default_factory=dict)
     values: dict[str, int] = field(default_factory=dict)
+    stored_values: dict[str, StoredValue] = field(default_factory=dict)
     paths: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -149,6 +162,8 @@ def _merge(index: DcpIndex, path: Path, metadata: Any) -> int:
             info = where.get((fqn, None))
             if fqn not in index.values:
                 index.values[fqn] = info.length if info else 0
+                if info is not None:
+                    index.stored_values[fqn] = StoredValue(info.file, info.offset, info.length, info.transforms)
             continue
         if not isinstance(entry, pk.TensorStorageMetadata):
             raise CorruptFileError(f"unknown storage metadata {type(entry).__name__}", path=path, tensor=fqn)

@@ -5,7 +5,8 @@
 
 :func:`nemo_args` translates that config into Megatron-LM's ``args`` names, so the plans, the mapping to
 transformers and the Megatron writers read a NeMo model as they read a Megatron-LM one. NeMo keeps the
-tokenizer, not the vocab size, in the context: the true vocab size comes from ``--vocab`` (or a manifest).
+tokenizer, not the vocab size, in the context (:func:`nemo_tokenizer`): the true vocab size comes from that
+tokenizer when it is there, else from ``--vocab`` (or a manifest).
 """
 
 from __future__ import annotations
@@ -17,10 +18,14 @@ from typing import Any
 
 import yaml
 
-from reshard.errors import CorruptFileError, shown
+from reshard.errors import CorruptFileError, ReshardError, shown
+from reshard.tokenizer import GENERATION_CONFIG, NamedTokenizer
 
 NEMO_WEIGHTS = "weights"
+# NeMo's PEFT checkpoint IO writes it beside an adapter-only save (nemo/lightning/pytorch/callbacks/peft.py).
+ADAPTER_METADATA = "adapter_metadata.json"
 MODEL_YAML = Path("context") / "model.yaml"
+NEMO_TOKENIZER = "nemo_tokenizer"  # where NeMo's import (save_hf_tokenizer_assets) puts a Hugging Face tokenizer
 # Megatron-Core TransformerConfig / NeMo GPTConfig names -> Megatron-LM args names (same meaning). Every other
 # field of ``config`` keeps its name (Megatron-Core's config and Megatron-LM's args share them) and meets the
 # closed table of :mod:`reshard.mappings.megatron_args` like a Megatron-LM argument: carried, irrelevant, or
@@ -45,6 +50,23 @@ NEMO_IRRELEVANT: tuple[tuple[str, str], ...] = (
     (r"use_transformer_engine_full_layer_spec|use_transformer_engine_op_fuser", "kernels: the same layers fused"),
 )
 _NEMO_IRRELEVANT = [re.compile(pattern) for pattern, _ in NEMO_IRRELEVANT]
+# The top-level keys of ``model.yaml`` (the model class's constructor arguments: ``GPTModel(config, optim, tokenizer,
+# model_transform, model_context_managers)``), each read, irrelevant (why), or refused when set (why). Any other
+# key is refused by name: nothing NeMo puts there is dropped unread.
+TOP_READ = "config"
+TOP_IRRELEVANT = {
+    "_target_": "the model's class: what it computes is its config",
+    "_partial_": "fiddle's bookkeeping",
+    "_call_": "fiddle's bookkeeping",
+    "optim": "the optimizer: training only",
+    "tokenizer": "the tokenizer: which text the ids stand for, not what the model computes from them",
+}
+TOP_REFUSED_WHEN_SET = {
+    "model_transform": "the model is transformed after it is built (PEFT such as LoRA: the weights are adapters "
+    "or a wrapped model, not the plain model)",
+    "model_context_managers": "the model is built under context managers (e.g. FP8 parameters) whose effect on the "
+    "weights is not known",
+}
 # Llama31Config's RoPE scaling: Megatron-Core's (and transformers' llama3 as reshard writes it) fixed values.
 LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "old_context_len": 8192}
 # NeMo's GPT layer specs (Transformer Engine's or the local one, chosen by num_moe_experts and qk_layernorm): the
@@ -81,20 +103,18 @@ def nemo_args(checkpoint: Path) -> argparse.Namespace | None:
     carries, passes or refuses each one.
 
     Raises:
+        ReshardError: a top-level key that is set and changes the model (PEFT's ``model_transform``), or unknown.
         CorruptFileError: the file is not YAML, holds no ``config`` mapping, a field read as one value holds a
             list or mapping, or a field holds more than a config does (a YAML alias bomb): refused by name, the
             value never printed whole.
     """
     path = checkpoint / MODEL_YAML
-    if not path.is_file():
+    data = _model_yaml(checkpoint)
+    if data is None:
         return None
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError, ValueError) as err:  # ValueError: an
-        # integer past Python's 4300 digits
-        why = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise CorruptFileError(f"unreadable model config: {why[:200]}", path=path) from err
-    config = data.get("config") if isinstance(data, dict) else None
+    if isinstance(data, dict):
+        _check_top_level(data, path)
+    config = data.get(TOP_READ) if isinstance(data, dict) else None
     if not isinstance(config, dict):
         raise CorruptFileError("no 'config' mapping (NeMo writes the model's config there)", path=path)
     args: dict[str, Any] = {}
@@ -119,6 +139,91 @@ def nemo_args(checkpoint: Path) -> argparse.Namespace | None:
             if args.pop(key, wanted) != wanted:
                 args[key] = config[key]  # an argument the table does not know: refused, by name and value
     return argparse.Namespace(**args)
+
+
+def refuse_adapters(weights: Path) -> None:
+    """A NeMo PEFT checkpoint holds the adapters only (the base model is another checkpoint): refused by name.
+
+    Raises:
+        ReshardError: ``weights`` holds NeMo's ``adapter_metadata.json``.
+    """
+    if (weights / ADAPTER_METADATA).is_file():
+        raise ReshardError(
+            f"a NeMo PEFT checkpoint ({ADAPTER_METADATA}): its weights are adapters for a base model, not a model",
+            path=weights,
+            hint="merge the adapters into the base model in NeMo (llm.peft.merge_lora) and convert that",
+        )
+
+
+def _check_top_level(data: dict[Any, Any], path: Path) -> None:
+    """Every top-level key of ``model.yaml`` is read, irrelevant, or refused (:data:`TOP_REFUSED_WHEN_SET` when
+    it holds anything, any unknown key), by name.
+
+    Raises:
+        ReshardError: a transform or context manager is set, or a key is not known.
+    """
+    for key, value in data.items():
+        if key == TOP_READ or key in TOP_IRRELEVANT:
+            continue
+        if key in TOP_REFUSED_WHEN_SET:
+            if value is None or value == [] or value == {}:
+                continue
+            named = _target(value, key, path) if isinstance(value, (dict, str)) else None
+            raise ReshardError(
+                f"{key}={shown(named or value)}: {TOP_REFUSED_WHEN_SET[key]}",
+                path=path,
+                hint="convert the checkpoint of the model without it (for PEFT, merge the adapters in NeMo first)",
+            )
+        raise ReshardError(
+            f"unknown top-level key {shown(key)}: not known to leave the model unchanged",
+            path=path,
+            hint=f"reshard reads {TOP_READ} and knows {', '.join([*TOP_IRRELEVANT, *TOP_REFUSED_WHEN_SET])}",
+        )
+
+
+def nemo_tokenizer(checkpoint: Path) -> NamedTokenizer | None:
+    """The tokenizer a NeMo 2 checkpoint keeps in its context: the folder ``model.yaml``'s
+    ``tokenizer.pretrained_model_name`` names (NeMo's ``io_dump`` copies a local tokenizer folder into
+    ``context/`` and writes its name there, e.g. ``nemo_tokenizer``), else ``context/nemo_tokenizer/``. A name that
+    is not a folder of the context (a Hub id) is returned without a folder."""
+    context = checkpoint / MODEL_YAML.parent
+    data = _model_yaml(checkpoint)
+    section = data.get("tokenizer") if isinstance(data, dict) else None
+    name = section.get("pretrained_model_name") if isinstance(section, dict) else None
+    if isinstance(name, dict):  # DirOrStringArtifact of a plain string: {_target_: ..., attr: NAME, skip: true}
+        name = name.get("attr")
+    for candidate in ([name] if isinstance(name, str) and name else []) + [NEMO_TOKENIZER]:
+        try:
+            folder = (context / candidate[:4096]).resolve()
+            inside = folder.is_relative_to(context.resolve()) and folder.is_dir()
+        except (OSError, ValueError):  # a name no file system holds (NUL, too long)
+            inside = False
+        if inside:
+            return NamedTokenizer(str(folder), "the NeMo context", folder)
+    return NamedTokenizer(name[:4096], "the NeMo context") if isinstance(name, str) and name else None
+
+
+def nemo_side_files(checkpoint: Path) -> list[Path]:
+    """Files of the context that go beside an HF output: the generation config NeMo's import keeps."""
+    found = checkpoint / MODEL_YAML.parent / "artifacts" / GENERATION_CONFIG
+    return [found] if found.is_file() else []
+
+
+def _model_yaml(checkpoint: Path) -> Any:
+    """``context/model.yaml`` parsed (None without one).
+
+    Raises:
+        CorruptFileError: the file is not YAML.
+    """
+    path = checkpoint / MODEL_YAML
+    if not path.is_file():
+        return None
+    try:
+        return yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError, ValueError) as err:  # ValueError: an
+        # integer past Python's 4300 digits
+        why = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise CorruptFileError(f"unreadable model config: {why[:200]}", path=path) from err
 
 
 def _checked(value: Any, key: str, name: str, path: Path) -> Any:

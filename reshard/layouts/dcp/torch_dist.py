@@ -3,6 +3,7 @@
     <root>/latest_checkpointed_iteration.txt       (Megatron-LM) the iteration, or ``release``
     <root>/iter_{iteration:07d}/                   metadata.json ({"sharded_backend": "torch_dist", ...}),
                                                    .metadata + __{rank}_{n}.distcp (DCP), common.pt (args, ...)
+                                                   or, from Megatron-Core 0.19, args in the .distcp files
     <nemo>/weights/ + <nemo>/context/model.yaml    (NeMo 2) the same files under weights/, the config in context/
 
 The data files are PyTorch DCP: every tensor is stored with its global shape, so the checkpoint is read as a
@@ -34,19 +35,17 @@ from reshard.formats.dcp_metadata.read import StoredTensor, read_index
 from reshard.layouts.base import SourceCheckpoint, TensorRef
 from reshard.layouts.dcp.boxed_reader import BoxedReader, BoxView, StackedView
 from reshard.layouts.dcp.dcp import checked
-from reshard.layouts.dcp.nemo import NEMO_WEIGHTS, nemo_args
-from reshard.layouts.megatron.args import SAFE_GLOBALS
+from reshard.layouts.dcp.nemo import NEMO_WEIGHTS, nemo_args, nemo_side_files, nemo_tokenizer, refuse_adapters
+from reshard.layouts.dcp.torch_dist_common import read_common
 from reshard.layouts.megatron.facts import MegatronFacts
 from reshard.layouts.megatron.reader import read_tracker
-from reshard.layouts.readers import load_torch_file
-from reshard.megatron_model import arg, config_from_args, count_problems
+from reshard.megatron_model import arg, config_from_args, count_problems, named_tokenizer
 from reshard.options import ReadOptions
 from reshard.sizes import human_bytes
 
 NAME = "torch_dist"
 
 CONFIG = "metadata.json"
-COMMON = "common.pt"
 STACKED = re.compile(r"^decoder\.layers\.(?!\d)")
 EXPERTS = ".mlp.experts.experts."
 HALVES = re.compile(r"^(?P<key>.+)_(?P<half>[wv])$")
@@ -82,8 +81,10 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
     """Open a ``torch_dist`` checkpoint from its index: per-layer (and per-expert) views of the global tensors.
 
     Raises:
-        CorruptFileError: a backend other than ``torch_dist`` (zarr), or an unreadable ``common.pt``.
-        ReshardError: the DCP index is inconsistent (see :mod:`reshard.layouts.dcp.dcp`).
+        CorruptFileError: a backend other than ``torch_dist`` (zarr), or unreadable common state (``common.pt`` or
+            the data files' ``common_state``, :mod:`reshard.layouts.dcp.torch_dist_common`).
+        ReshardError: the DCP index is inconsistent (see :mod:`reshard.layouts.dcp.dcp`), or a NeMo PEFT checkpoint
+            (adapters only).
     """
     folder = folder_of(path)
     if folder is None:
@@ -91,17 +92,18 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
     backend = _backend(folder / CONFIG)
     if backend != "torch_dist":
         raise CorruptFileError(f"sharded backend {backend!r}: only torch_dist is read", path=folder / CONFIG)
+    refuse_adapters(folder)
     index = read_index(folder, trust_pickle=options.trust_pickle)
     stored = {fqn: t for fqn, t in index.tensors.items() if not SKIPPED.search(_strip(fqn))}
     model, sizes = checked(stored)
-    common, notes = _common(folder, options)
+    common, notes, common_file = read_common(folder, index, options)
     args = nemo_args(path) if folder.name == NEMO_WEIGHTS else common.get("args")
     views = _spec_names(_views({_strip(fqn): tensor for fqn, tensor in model.items()}), args)
     reader = BoxedReader(folder, views)
     refs = {name: TensorRef(name, 0, reader, name, reader.headers[name]) for name in views}
     source = SourceCheckpoint(path, NAME, [refs], extras=[{}], top_level=[common])
     source.config = (
-        config_from_args(args, folder / (COMMON if folder.name != NEMO_WEIGHTS else "..")) if args else None
+        config_from_args(args, common_file if folder.name != NEMO_WEIGHTS else folder / "..") if args else None
     )
     skipped = [fqn for fqn in [*index.tensors, *index.values] if fqn not in model]
     total = sum(index.tensors[f].stored_bytes for f in skipped if f in index.tensors)
@@ -114,6 +116,10 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
         source.notes.append(
             f"skipped, not model weights: {len(skipped)} entries ({human_bytes(total)}), e.g. {skipped[0]}"
         )
+    if folder.name == NEMO_WEIGHTS:
+        source.tokenizer, source.side_files = nemo_tokenizer(path), nemo_side_files(path)
+    elif args is not None:
+        source.tokenizer = named_tokenizer(args)
     source.facts = MegatronFacts(
         megatron_args=args,
         iteration=common.get("iteration"),
@@ -125,7 +131,7 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
     if problems:
         source.refusal = ReshardError("; ".join(problems), path=folder, hint="the checkpoint does not add up")
     if source.config is None:
-        source.notes.append("no Megatron args (common.pt) or NeMo config: model sizes must come from --config")
+        source.notes.append("no Megatron args or NeMo config: model sizes must come from --config")
     return source
 
 
@@ -181,19 +187,6 @@ def _strip(fqn: str) -> str:
         if fqn.startswith(prefix):
             return fqn[len(prefix) :]
     return fqn
-
-
-def _common(folder: Path, options: ReadOptions) -> tuple[dict[str, Any], list[str]]:
-    """``common.pt``'s entries (``args``, ``iteration``, ``checkpoint_version``, ...), read with the Megatron
-    allow-list; newer Megatron-Core keeps them inside the DCP files instead (not read: sizes need --config)."""
-    path = folder / COMMON
-    if not path.is_file():
-        return {}, [f"no {COMMON}: newer Megatron-Core keeps args inside the data files, which reshard does not read"]
-    notes: list[str] = []
-    obj = load_torch_file(path, trust_pickle=options.trust_pickle, notes=notes, allowed=SAFE_GLOBALS)
-    if not isinstance(obj, dict):
-        raise CorruptFileError(f"holds a {type(obj).__name__}, not a dict", path=path)
-    return obj, notes
 
 
 def _views(stored: dict[str, StoredTensor]) -> dict[str, BoxView | StackedView]:

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-# Enums Megatron puts into args (import paths as Megatron pickles them, old and new module layouts).
+# Enums Megatron puts into args and its common state (import paths as Megatron pickles them, old and new module
+# layouts; Megatron-Core 0.19's own safe_globals.py lists the newer ones).
 ENUM_PATHS = (
     "megatron.core.enums.ModelType",
     "megatron.core.enums.Fp8Recipe",
@@ -27,6 +28,11 @@ ENUM_PATHS = (
     "megatron.core.transformer.enums.ModelType",
     "megatron.core.transformer.enums.AttnBackend",
     "megatron.core.transformer.enums.CudaGraphScope",
+    "megatron.core.transformer.enums.CudaGraphModule",
+    "megatron.core.transformer.enums.InferenceCudaGraphScope",
+    "megatron.core.rerun_state_machine.RerunMode",
+    "megatron.core.rerun_state_machine.RerunState",
+    "megatron.core.rerun_state_machine.RerunDiagnostic",
     "megatron.core.transformer.enums.AttnMaskType",
     "megatron.core.transformer.enums.AttnType",
     "megatron.core.transformer.enums.LayerType",

@@ -26,7 +26,13 @@ from reshard.layouts.base import NoteScope, SourceCheckpoint
 from reshard.layouts.megatron.facts import MegatronFacts
 from reshard.layouts.megatron.file import MegatronFile
 from reshard.layouts.megatron.merge import merge_stages
-from reshard.megatron_model import arg, config_from_args, count_problems, vocab_from_tokenizer_files
+from reshard.megatron_model import (
+    arg,
+    config_from_args,
+    count_problems,
+    named_tokenizer,
+    vocab_from_tokenizer_files,
+)
 from reshard.options import ReadOptions
 from reshard.ranks import SHOWN, listed
 from reshard.schema import check_int
@@ -194,6 +200,7 @@ def _describe(
         size, vocab_file = from_tokenizer
         source.config = ModelConfig({**source.config.raw, "vocab_size": size}, source.config.path)
         source.notes.append(f"the true vocab size {size} comes from the tokenizer's vocab file {vocab_file}")
+    source.tokenizer = named_tokenizer(args) if args is not None else None
     version = top.get("checkpoint_version")
     source.facts = MegatronFacts(
         megatron_args=args,

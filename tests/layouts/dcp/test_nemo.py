@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from reshard.errors import CorruptFileError
+from reshard.errors import CorruptFileError, ReshardError
 from reshard.layouts.dcp.nemo import LISTS, SINGLE, nemo_args
 from reshard.mappings.megatron_args import CARRIED, args_problems
 
@@ -58,7 +58,7 @@ def test_refused_by_the_table(tmp_path: Path, lines: str, problem: str) -> None:
 def test_structured_values(tmp_path: Path) -> None:
     """A small structure passes to the table (ignored when irrelevant, printed when refused); a field read as one
     value holding a structure, or a structure no config holds (an alias bomb), is refused by name."""
-    bomb = "bomb:\n  l0: &l0 [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    bomb = "optim:\n  l0: &l0 [x, x, x, x, x, x, x, x, x]\n" + "".join(
         f"  l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]\n" for i in range(1, 10)
     )
     model_yaml = tmp_path / "context" / "model.yaml"
@@ -82,3 +82,57 @@ def test_structured_values(tmp_path: Path) -> None:
 def test_every_carried_argument_is_read_as_one_value() -> None:
     """nemo.SINGLE follows the table: a carried argument is a number, a flag or a name (moe_layer_freq a list)."""
     assert set(CARRIED) - LISTS <= SINGLE
+
+
+TOP = """\
+_target_: nemo.collections.llm.gpt.model.llama.LlamaModel
+tokenizer:
+  _target_: nemo.collections.common.tokenizers.huggingface.auto_tokenizer.AutoTokenizer
+optim:
+  _target_: nemo.lightning.pytorch.optim.megatron.MegatronOptimizerModule
+model_transform: null
+model_context_managers: []
+"""
+LORA = """\
+model_transform:
+  _target_: nemo.collections.llm.peft.lora.LoRA
+  dim: 32
+"""
+
+
+def top_level(tmp_path: Path, lines: str) -> object:
+    (tmp_path / "context").mkdir()
+    (tmp_path / "context" / "model.yaml").write_text(lines + BASE)
+    return nemo_args(tmp_path)
+
+
+def test_top_level_keys_of_the_model_are_known(tmp_path: Path) -> None:
+    """The model class's other constructor arguments: the optimizer and tokenizer pass, an unset transform too."""
+    assert top_level(tmp_path, TOP).hidden_size == 64
+
+
+@pytest.mark.parametrize(
+    ("lines", "named"),
+    [
+        (TOP.replace("model_transform: null\n", LORA), "model_transform='nemo.collections.llm.peft.lora.LoRA'"),
+        (TOP.replace("[]", "[torch.no_grad]"), "model_context_managers=['torch.no_grad']"),
+        (TOP + "adapter_config: {dim: 8}\n", "unknown top-level key 'adapter_config'"),
+    ],
+    ids=["peft", "context-managers", "unknown"],
+)
+def test_top_level_keys_that_change_the_model_are_refused(tmp_path: Path, lines: str, named: str) -> None:
+    with pytest.raises(ReshardError) as refused:
+        top_level(tmp_path, lines)
+    assert named in str(refused.value) and "model.yaml" in str(refused.value)
+
+
+def test_a_peft_adapter_checkpoint_is_refused(cli, tmp_path: Path) -> None:
+    """NeMo's PEFT checkpoint IO saves the adapters alone, with ``adapter_metadata.json`` naming the base model."""
+    weights = tmp_path / "ckpt" / "weights"
+    weights.mkdir(parents=True)
+    (weights / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
+    (weights / ".metadata").write_bytes(b"")
+    (weights / "adapter_metadata.json").write_text('{"model_ckpt_path": "/base/weights"}')
+    result = cli("convert", tmp_path / "ckpt", "--tp", 1, "--layout", "hf", "-o", tmp_path / "out")
+    assert result.exit_code == 2, result.output
+    assert "a NeMo PEFT checkpoint (adapter_metadata.json)" in result.output and not (tmp_path / "out").exists()

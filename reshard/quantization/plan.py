@@ -1,0 +1,143 @@
+"""A quantized linear's stored tensors cut with its weight: the plan's rule for ``M.weight`` through the table.
+
+The model's plan says how the linear ``M`` is cut (``M.weight`` ``[out, in]``: column-parallel on ``out``,
+row-parallel on ``in``, fused parts, heads). :func:`companion_partition` gives each stored tensor of ``M`` that
+cut on its own dims (:mod:`reshard.quantization.rules`): packed int4 in units of 8 on its packed dim, scales and
+zeros in units of the group or block, per-channel scales whole on a row-parallel layer, ``weight_shape`` and
+global scales whole. The tensor holding the weights is cut in whole units of what its rank must hold (the
+block, the group, the packing: :func:`~reshard.quantization.rules.alignment`), so a split that would break one
+is refused at planning, ``--uneven`` or not, naming the rule. Pure: names, shapes and the config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from math import lcm
+
+from reshard.config import ModelConfig
+from reshard.errors import AmbiguousPartitionError
+from reshard.partition import Packed, Partition, Replicate, ReplicatedHeads, Shard, norm_dim
+from reshard.plans.base import Plan
+from reshard.quantization.rules import (
+    IN,
+    OUT,
+    WHOLE,
+    Companion,
+    alignment,
+    companions,
+    per_element,
+    runtime_rule,
+)
+from reshard.quantization.scheme import QuantScheme
+
+Shape = tuple[int, ...]
+AXIS_NAMES = {OUT: "output rows", IN: "input columns"}
+
+
+@dataclass(frozen=True)
+class QuantizedLinear:
+    """A quantized linear found in a checkpoint: its module name and the sizes of its weight ``[out, in]``."""
+
+    module: str
+    out: int
+    inp: int
+
+    def size(self, axis: int) -> int:
+        return self.out if axis == OUT else self.inp
+
+
+def split_name(name: str) -> tuple[str, str]:
+    module, _, suffix = name.rpartition(".")
+    return module, suffix
+
+
+def quantized_linears(scheme: QuantScheme, shapes: Mapping[str, Shape]) -> dict[str, QuantizedLinear]:
+    """The linears ``shapes`` stores quantized: the tensor holding the weights beside at least one scale, with
+    the linear's sizes read from that tensor's shape (a packed dim times 8)."""
+    table = companions(scheme)
+    holder = table[0]
+    others = [c.suffix for c in table[1:] if c.dims]
+    found = {}
+    for name, shape in shapes.items():
+        module, suffix = split_name(name)
+        if suffix != holder.suffix or not any(f"{module}.{o}" in shapes for o in others) or len(shape) != 2:
+            continue
+        sizes = {OUT: 0, IN: 0}
+        for dim, size in zip(holder.dims, shape, strict=True):
+            sizes[dim.axis] = size * (dim.per if isinstance(dim.per, int) else 1)
+        found[module] = QuantizedLinear(module, sizes[OUT], sizes[IN])
+    return found
+
+
+def companion_of(scheme: QuantScheme, name: str, linears: Mapping[str, QuantizedLinear]) -> Companion | None:
+    """The table's entry for ``name`` when it is a stored tensor of a quantized linear, else ``None``."""
+    module, suffix = split_name(name)
+    if module not in linears:
+        return None
+    return next((c for c in companions(scheme) if c.suffix == suffix), None)
+
+
+def companion_partition(
+    scheme: QuantScheme,
+    name: str,
+    plan: Plan,
+    config: ModelConfig | None,
+    linears: Mapping[str, QuantizedLinear],
+) -> tuple[Partition, str] | None:
+    """The cut of ``name``, a stored tensor of a quantized linear, and why; ``None`` for any other tensor.
+
+    Raises:
+        AmbiguousPartitionError: the plan has no rule for the linear's ``weight``, or cuts it in a way a
+            quantized linear cannot be cut (vocab-parallel, Megatron query groups).
+    """
+    companion = companion_of(scheme, name, linears)
+    if companion is None:
+        return None
+    module, _ = split_name(name)
+    base_name = f"{module}.weight"
+    rule = plan.match(base_name)
+    if rule is None:
+        raise AmbiguousPartitionError(
+            f"a {scheme.method} tensor of {module}: no rule of {plan.name} covers its weight"
+        )
+    base = rule.resolve(config)
+    reason = f"{runtime_rule(scheme)}; {companion.suffix} of {base_name}, rule '{rule.pattern}' ({plan.name})"
+    return cut(scheme, companion, base, linears[module]), reason
+
+
+def cut(scheme: QuantScheme, companion: Companion, base: Partition, linear: QuantizedLinear) -> Partition:
+    """``base`` (the cut of the linear's ``weight`` ``[out, in]``) as it cuts ``companion``'s stored dims."""
+    if not companion.dims or isinstance(base, Replicate):
+        return Replicate()
+    if not isinstance(base, (Shard, Packed, ReplicatedHeads)):
+        raise AmbiguousPartitionError(f"{base.describe()} of a {scheme.method} linear is not planned")
+    axis = norm_dim(base.dim, 2)
+    dim = next((d for d, a in enumerate(companion.dims) if a.axis == axis), None)
+    if dim is None or companion.dims[dim].per == WHOLE:
+        return Replicate()  # one scale for the whole axis: every rank needs it
+    full = linear.size(axis)
+    per = per_element(companion.dims[dim].per, scheme, full)
+    step = alignment(scheme, axis, full)  # a rank's share of the axis is whole multiples of it
+    match base:
+        case Shard(_, unit):
+            return Shard(dim, lcm(step, unit) // per, whole=True)
+        case ReplicatedHeads(_, heads):  # whole heads: rank_shapes checks that a head is whole stored elements
+            return ReplicatedHeads(dim, heads)
+        case Packed(_, parts, _):
+            units = tuple(lcm(step, u) for u in base.part_units())
+            if any(p % u for p, u in zip(parts, units, strict=True)):
+                raise AmbiguousPartitionError(
+                    f"fused parts {list(parts)} of the {AXIS_NAMES[axis]} are not whole units of {step} "
+                    f"({scheme.describe()})"
+                )
+            return Packed(dim, tuple(p // per for p in parts), tuple(u // per for u in units), whole=True)
+    raise AssertionError(base)
+
+
+def linear_partition(plan: Plan, module: str, config: ModelConfig | None) -> Partition:
+    """The plan's cut of the linear ``module``'s weight ``[out, in]`` (what its dequantized weight is cut by)."""
+    rule = plan.match(f"{module}.weight")
+    if rule is None:
+        raise AmbiguousPartitionError(f"no rule of {plan.name} covers {module}.weight")
+    return rule.resolve(config)

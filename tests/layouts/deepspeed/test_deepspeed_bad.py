@@ -1,0 +1,93 @@
+"""Damaged and unsupported DeepSpeed checkpoints: one line naming the file, exit 2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+TAG = "global_step2"
+
+
+@pytest.mark.parametrize(("variant", "removed"), [
+    ("zero2_bf16", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+    ("zero3_bf16", "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt"),
+    ("zero3_bf16", "zero_pp_rank_1_mp_rank_00_model_states.pt"),
+])  # fmt: skip
+def test_a_missing_rank_file_is_named(ds_copy, variant, removed, cli, tmp_path):
+    folder = ds_copy(variant)
+    (folder / TAG / removed).unlink()
+    result = cli("convert", folder, "--tp", 1, "-o", tmp_path / "out", "-q")
+    assert result.exit_code == 2, result.output
+    assert "missing" in result.output and "data-parallel rank" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_a_stray_rank_file_is_refused(ds_copy, cli, tmp_path):
+    folder = ds_copy("zero2_bf16")
+    tag = folder / TAG
+    (tag / "bf16_zero_pp_rank_3_mp_rank_00_optim_states.pt").write_bytes(
+        (tag / "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt").read_bytes()
+    )
+    result = cli("convert", folder, "--tp", 1, "-o", tmp_path / "out", "-q")
+    assert result.exit_code == 2 and "rank 3" in result.output, result.output
+
+
+def test_tensor_parallel_deepspeed_is_refused_by_name(ds_copy, cli, tmp_path):
+    folder = ds_copy("zero2_bf16")
+    tag = folder / TAG
+    (tag / "mp_rank_01_model_states.pt").write_bytes((tag / "mp_rank_00_model_states.pt").read_bytes())
+    result = cli("convert", folder, "--tp", 1, "-o", tmp_path / "out", "-q")
+    assert result.exit_code == 2, result.output
+    assert "tensor-parallel DeepSpeed checkpoint (mp_rank_01" in result.output
+
+
+def test_zero3_tag_folder_is_not_taken_for_tensor_parallel_ranks(ds_root, cli):
+    result = cli("inspect", ds_root / "zero3_bf16" / TAG, "--json")
+    assert result.exit_code == 0, result.output
+    assert "pp_rank" not in result.output.split('"notes"')[0]
+
+
+def test_a_truncated_partition_is_one_line(ds_copy, cli, tmp_path):
+    folder = ds_copy("zero3_bf16")
+    file = folder / TAG / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    result = cli("convert", folder, "--tp", 1, "-o", tmp_path / "out", "-q")
+    assert result.exit_code == 2, result.output
+    assert file.name in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_a_missing_model_states_file_is_named(ds_copy, cli, tmp_path):
+    folder = ds_copy("zero2_bf16")
+    (folder / TAG / "mp_rank_00_model_states.pt").unlink()
+    result = cli("convert", folder, "--tp", 1, "-o", tmp_path / "out", "-q")
+    assert result.exit_code == 2 and "no mp_rank_00_model_states.pt" in result.output, result.output
+
+
+def rewrite_states(file, change) -> None:
+    """Load a model-states file DeepSpeed wrote (plain types: it loads with weights_only), change it, save it back."""
+    states = torch.load(file, weights_only=True)
+    change(states)
+    torch.save(states, file)
+
+
+@pytest.mark.parametrize("variant", ["zero2_bf16", "zero3_bf16"])
+def test_param_shapes_that_do_not_match_the_partitions_are_refused(ds_copy, variant, cli, tmp_path):
+    folder = ds_copy(variant)
+    zero3 = variant.startswith("zero3")
+    file = folder / TAG / ("zero_pp_rank_0_mp_rank_00_model_states.pt" if zero3 else "mp_rank_00_model_states.pt")
+
+    def grow(states) -> None:
+        states["param_shapes"][0]["model.layers.0.self_attn.q_proj.weight"] = torch.Size([64, 80])
+
+    rewrite_states(file, grow)
+    result = cli("convert", folder, "--tp", 1, "-o", tmp_path / "out", "-q")
+    assert result.exit_code == 2, result.output
+    assert file.name in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_a_recorded_data_parallel_size_names_the_missing_ranks(ds_copy, cli, tmp_path):
+    folder = ds_copy("zero2_bf16")
+    rewrite_states(folder / TAG / "mp_rank_00_model_states.pt", lambda states: states.update(dp_world_size=4))
+    result = cli("convert", folder, "--tp", 1, "-o", tmp_path / "out", "-q")
+    assert result.exit_code == 2, result.output
+    assert "missing *_optim_states.pt of data-parallel rank 3 (4 ranks wrote this checkpoint)" in result.output

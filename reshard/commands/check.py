@@ -39,7 +39,6 @@ from reshard.hub.source import HubCheckpoint
 from reshard.options import ReadOptions, check_tp
 from reshard.partition import Partition, Replicate, at_tp, partition_to_dict, rank_shapes
 from reshard.plans import FAMILIES, TRANSFORMERS, Plan, Rule, select_plan
-from reshard.plans.built_family import check_built_family
 from reshard.plans.lora import with_lora
 from reshard.plans.skeleton import ModelSkeleton, build_skeleton
 from reshard.plans.transformers_plan import plan_from_tp_plan
@@ -244,7 +243,6 @@ def check(path: Path | HubCheckpoint, options: CheckOptions) -> CheckReport:
     opened = open_checkpoint(path, read, target_tp=options.tp, read_bytes=False)
     path = opened.path  # a Hub repo: at the commit read
     config = opened.source.config
-    check_built_family(config, opened.source.names())
     shapes = _full_shapes(opened)
     report = check_model(
         shapes,

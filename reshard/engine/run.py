@@ -93,7 +93,7 @@ def run_conversion(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
             ``out`` then; with ``--resume``, the partial output is kept to resume from).
     """
     target = plan_target(opened, options)
-    built_family.check_counts(opened.source.config, opened.source.names())
+    family = built_family.start(opened.source.config, opened.source.names())  # heard before publishing
     tokenizer = carried_tokenizer(opened.tokenizer, target.layout)
     if opened.tokenizer is not None and tokenizer is None:
         opened.source.notes.append(
@@ -142,6 +142,8 @@ def run_conversion(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
             return _Moved(hashes, finite, frozenset(_divergent_targets(todo, divergent)), files)
 
         moved = [move()] if group is None else together(group, move)
+        if family is not None:
+            family.result()
         if not first:
             return _result(opened, target, out, options, moved[group.rank].files, frozenset(), None)
         whole = _merged(moved, resumed)

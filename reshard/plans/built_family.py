@@ -3,17 +3,19 @@ config, on the ``meta`` device (no memory), must find every one of its tensors i
 is one transformers would initialise at random in the published model.
 
 :func:`reshard.plans.check_family` (names' signatures and the tensors that tell model types apart) judges while
-planning, with no import, in every conversion; this check needs transformers, whose import costs about 2.5 s of CPU
-(more than a small conversion's whole work), so ``reshard check`` runs it and a conversion runs only its layer count
-(:func:`check_counts`). Where transformers cannot build the class (an
-unknown model type, a config it rejects), the model has sub-models, or some tensor of the checkpoint is not the
-model's under its own name (transformers renames it on load: per-expert tensors fused, LoRA wrappers), the signature
-check stands alone.
+planning, with no import; this check needs transformers, whose import costs about 2.5 s of CPU, so a conversion
+starts it on a thread when planning ends (:func:`start`) and hears its answer before publishing
+(:meth:`FamilyCheck.result`): the bytes move meanwhile, and a refusal still leaves nothing behind. The decoder
+layers held are counted against the config at once, with no import (:func:`check_counts`). Where transformers
+cannot build the class (an unknown model type, a config it rejects), the model has sub-models, or some tensor of the
+checkpoint is not the model's under its own name (transformers renames it on load: per-expert tensors fused, LoRA
+wrappers), the signature check stands alone.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Iterable
 
 from reshard.config import ModelConfig
@@ -22,7 +24,7 @@ from reshard.plans import judged_families
 from reshard.plans.lora import plain_name
 from reshard.plans.skeleton import ModelSkeleton, build_skeleton
 
-__all__ = ["check_built_family", "check_counts"]
+__all__ = ["FamilyCheck", "check_built_family", "check_counts", "start"]
 
 HINT = "pass the config.json of this checkpoint's model (--config)"
 # Layer counts: every layer has a tensor of its own, so more layers than the checkpoint has tensors is a refusal
@@ -127,3 +129,38 @@ def check_counts(config: ModelConfig | None, names: Iterable[str]) -> None:
             f"layer(s) (layer {missing[0]} is missing): from_pretrained would initialise the missing ones at random",
             hint=HINT,
         )
+
+
+class FamilyCheck:
+    """:func:`check_built_family` running on a thread; :meth:`result` waits for it and raises its refusal."""
+
+    def __init__(self, config: ModelConfig | None, names: list[str]) -> None:
+        self._error: ReshardError | None = None
+        self._thread = threading.Thread(target=self._run, args=(config, names), name="reshard-family", daemon=True)
+        self._thread.start()
+
+    def _run(self, config: ModelConfig | None, names: list[str]) -> None:
+        try:
+            check_built_family(config, names)
+        except ReshardError as err:
+            self._error = err
+
+    def result(self) -> None:
+        """Wait for the check; raise its refusal, if any."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
+def start(config: ModelConfig | None, names: list[str]) -> FamilyCheck | None:
+    """Start the check on a thread when the config can be judged against the names (else None: nothing to wait);
+    a layer count past the tensors is refused at once.
+
+    Raises:
+        ReshardError: the config has more layers than the checkpoint has tensors.
+    """
+    plain = sorted({plain_name(n) for n in names})
+    if config is None or judged_families(config, plain) is None:
+        return None
+    check_counts(config, plain)
+    return FamilyCheck(config, names)

@@ -62,7 +62,12 @@ def test_irrelevant_and_default_arguments_pass(cli, full: Full, tmp_path: Path) 
 
 def test_the_table_classifies() -> None:
     assert classify("rotary_seq_len_interpolation_factor") == "carried"
-    assert classify("moe_router_group_topk") == "refused"
+    assert classify("moe_router_group_topk") == "carried"  # into DeepSeek-V3 only: refused by value elsewhere
+    assert classify("softmax_scale") == "refused"
+    assert args_problems({"moe_router_group_topk": 1, "multi_latent_attention": True}) == []
+    assert args_problems({"moe_router_group_topk": 1}) == [
+        "moe_router_group_topk=1 (group-limited routing (DeepSeek-V3's topk_group, with multi-latent attention))"
+    ]
     assert classify("attention_dropout") == classify("tensor_model_parallel_size") == "irrelevant"
     assert classify("lr_decay_style") == classify("tokenizer_model") == "irrelevant"
     assert classify("frobnicate") == "unknown"

@@ -93,8 +93,9 @@ def test_torch_dist_to_the_legacy_format_at_other_tps_loads_in_megatron_core(
 
 
 def test_deepseek_v3_back_to_torch_dist_loads_in_megatron_core(cli, mcore_oracle, tmp_path: Path) -> None:
-    """Megatron -> transformers DeepseekV3 -> ``torch_dist``: Megatron-Core loads it (at tp 2 and 1, under Transformer
-    Engine's names, the names reshard writes) and computes the first writer's logits."""
+    """Megatron -> transformers DeepseekV3 -> ``torch_dist`` (and the legacy ``torch`` format): Megatron-Core loads it
+    (at tp 2 and 1, under Transformer Engine's names, the names reshard writes) and computes the first writer's
+    logits."""
     written = mcore_oracle.checkpoints(Spec("dsv3", tp=2), Spec("dsv3-te"))
     requests = []
     for ckpt, at in zip(written, (2, 1), strict=True):
@@ -105,5 +106,9 @@ def test_deepseek_v3_back_to_torch_dist_loads_in_megatron_core(cli, mcore_oracle
             assert result.exit_code == 0, result.output
         te = Spec(name, tp=at, overrides=(("te_names", "true"),))
         requests.append((back, "torch_dist", te, "assume_ok_unexpected"))
-    for ckpt, loaded in zip(written, mcore_oracle.load_many(requests), strict=True):
+    legacy = tmp_path / "dsv3-te-legacy"  # and Megatron-LM's torch format, at tp 1
+    result = cli("convert", tmp_path / "dsv3-te-hf", "--tp", 1, "--layout", "megatron", "-o", legacy)
+    assert result.exit_code == 0, result.output
+    requests.append((legacy, "torch", requests[-1][2], "assume_ok_unexpected"))
+    for ckpt, loaded in zip([*written, written[-1]], mcore_oracle.load_many(requests), strict=True):
         torch.testing.assert_close(loaded["logits"][..., : ckpt.variant.vocab], ckpt.logits, rtol=0, atol=1e-4)

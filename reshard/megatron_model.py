@@ -101,7 +101,11 @@ def config_from_args(args: Any, path: Path) -> ModelConfig | None:
         "hidden_size": hidden,
         "num_attention_heads": heads,
         "num_key_value_heads": groups or heads,
-        "head_dim": arg(args, "kv_channels") or hidden // heads,
+        # linear_proj's input is heads x v_head_dim under multi-latent attention
+        "head_dim": (arg(args, "v_head_dim", 128) if arg(args, "multi_latent_attention", False) else None)
+        or arg(args, "kv_channels")
+        or hidden // heads,
+        "transformer_impl": arg(args, "transformer_impl"),
         "intermediate_size": arg(args, "ffn_hidden_size"),
         "num_hidden_layers": arg(args, "num_layers"),
         "swiglu": bool(arg(args, "swiglu", False)),

@@ -31,7 +31,7 @@ from reshard.mappings.megatron_config import (
     hf_family,
     megatron_args,
 )
-from reshard.mappings.megatron_gpt import DENSE_FAMILIES, MEGATRON, MOE_FAMILIES, megatron_to_hf
+from reshard.mappings.megatron_gpt import DENSE_FAMILIES, MEGATRON, MLA_FAMILIES, MOE_FAMILIES, megatron_to_hf
 from reshard.mappings.torchtitan_config import llama_config, titan_model
 from reshard.mappings.torchtitan_llama import SIGNATURE as TORCHTITAN_SIGNATURE
 from reshard.mappings.torchtitan_llama import TORCHTITAN, torchtitan_to_hf
@@ -73,7 +73,7 @@ def naming_of(source: SourceCheckpoint) -> str | None:
         if any(pattern.search(name) for name in source.names()):
             return naming
     model_type = source.config.model_type if source.config else None
-    if model_type in DENSE_FAMILIES + MOE_FAMILIES:
+    if model_type in DENSE_FAMILIES + MOE_FAMILIES + MLA_FAMILIES:
         return HF
     return None
 
@@ -141,7 +141,9 @@ def _megatron_to_hf(source: SourceCheckpoint, *, vocab_size: int | None, dtype: 
     """
     config = source.config
     args = source.facts.megatron_args
-    if config is not None and config.model_type in DENSE_FAMILIES + MOE_FAMILIES:  # --config gave the target's
+    if (
+        config is not None and config.model_type in DENSE_FAMILIES + MOE_FAMILIES + MLA_FAMILIES
+    ):  # --config gave the target's
         disagree = config_disagreements(config, args) if args is not None else []
         if disagree:
             raise MappingError(

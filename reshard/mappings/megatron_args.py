@@ -10,6 +10,11 @@ Megatron-LM flag and optional value), so a newer Megatron's argument is never dr
 
 The table follows Megatron-Core 0.16.1's ``TransformerConfig`` / ``ModelParallelConfig`` and Megatron-LM's
 ``arguments.py`` names (NeMo 2's ``model.yaml`` is read under the same names, see ``layouts/dcp/nemo.py``).
+
+DeepSeek-V3's arguments (multi-latent attention, YaRN, the sigmoid router with its expert bias, group-limited
+routing, scaled top-k: :data:`DEEPSEEK_V3`) are carried into transformers' ``deepseek_v3`` family, the one family
+that computes them, which a model with ``multi_latent_attention`` becomes; any other model refuses them by value,
+as :data:`REFUSED` does (``megatron_config`` refuses the DeepSeek-V3 settings transformers cannot express).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from typing import Any
 
 from reshard.errors import MappingError
 
-__all__ = ["CARRIED", "IRRELEVANT", "REFUSED", "args_problems", "check_args", "classify"]
+__all__ = ["CARRIED", "DEEPSEEK_V3", "IRRELEVANT", "REFUSED", "args_problems", "check_args", "classify"]
 
 # Argument -> where it goes in the transformers config (read by ``megatron_config.gpt_shape_from_args``, which
 # also refuses the values the families cannot compute: LayerNorm, GeLU, learned positions, partial rotary...).
@@ -61,16 +66,43 @@ CARRIED: dict[str, str] = {
     "moe_shared_expert_gate": "shared_expert_gate (Qwen2-MoE)",
     "moe_router_pre_softmax": "norm_topk_prob false",
     "moe_router_score_function": "softmax (else refused)",
-    "moe_layer_freq": "mlp_only_layers (Qwen2/3-MoE: the dense layers)",
+    "moe_layer_freq": "mlp_only_layers (Qwen2/3-MoE: the dense layers); first_k_dense_replace (DeepSeek-V3)",
+    "q_lora_rank": "q_lora_rank (DeepSeek-V3; read only with multi_latent_attention)",
+    "kv_lora_rank": "kv_lora_rank (DeepSeek-V3; read only with multi_latent_attention)",
+    "qk_head_dim": "qk_nope_head_dim (DeepSeek-V3; read only with multi_latent_attention)",
+    "qk_pos_emb_head_dim": "qk_rope_head_dim (DeepSeek-V3; read only with multi_latent_attention)",
+    "v_head_dim": "v_head_dim (DeepSeek-V3; read only with multi_latent_attention)",
+    "rotary_scaling_factor": "rope_parameters.factor (YaRN) and the softmax scale (read only by MLA)",
+    "original_max_position_embeddings": "rope_parameters.original_max_position_embeddings (YaRN, MLA)",
+    "beta_fast": "rope_parameters.beta_fast (YaRN, MLA)",
+    "beta_slow": "rope_parameters.beta_slow (YaRN, MLA)",
+    "mscale": "rope_parameters.mscale (YaRN, MLA)",
+    "mscale_all_dim": "rope_parameters.mscale_all_dim (YaRN) and the softmax scale (MLA)",
 }
 
 _OFF = (None, False)
+# Argument -> (values any family but DeepSeek-V3 computes, what another value does): carried into deepseek_v3
+# (``megatron_config.hf_config``) when ``multi_latent_attention`` is on, refused by value otherwise.
+DEEPSEEK_V3: dict[str, tuple[tuple[Any, ...], str]] = {
+    "multi_latent_attention": (_OFF, "multi-latent attention (DeepSeek-V3's q_lora_rank, kv_lora_rank)"),
+    "rope_type": ((None, "rope"), "YaRN RoPE (DeepSeek-V3's rope_parameters yarn, with multi-latent attention)"),
+    "moe_router_topk_scaling_factor": (
+        (None, 1, 1.0),
+        "scales the routing weights (DeepSeek-V3's routed_scaling_factor, with multi-latent attention)",
+    ),
+    "moe_router_num_groups": ((None, 1), "group-limited routing (DeepSeek-V3's n_group, with multi-latent attention)"),
+    "moe_router_group_topk": (
+        (None,),
+        "group-limited routing (DeepSeek-V3's topk_group, with multi-latent attention)",
+    ),
+    "moe_router_enable_expert_bias": (
+        _OFF,
+        "an expert bias choosing the experts (DeepSeek-V3's e_score_correction_bias, with multi-latent attention)",
+    ),
+}
+
 # Argument -> (values transformers' Llama / Qwen / Mixtral families compute, what any other value does).
 REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "moe_router_topk_scaling_factor": ((None, 1, 1.0), "scales the routing weights (DeepSeek-V3's routed_scaling)"),
-    "moe_router_num_groups": ((None, 1), "group-limited routing (DeepSeek-V3's n_group)"),
-    "moe_router_group_topk": ((None,), "group-limited routing (DeepSeek-V3's topk_group)"),
-    "moe_router_enable_expert_bias": (_OFF, "an expert bias choosing the experts (DeepSeek-V3's router)"),
     "moe_router_topk_limited_devices": ((None,), "device-limited routing"),
     "moe_router_load_balancing_type": (
         ("aux_loss", "seq_aux_loss", "global_aux_loss", "none", None),
@@ -94,8 +126,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "softmax_type": ((None, "vanilla"), "an attention softmax with sinks"),
     "window_size": ((None,), "sliding-window attention"),
     "window_attn_skip_freq": ((None,), "sliding-window attention"),
-    "multi_latent_attention": (_OFF, "multi-latent attention (DeepSeek-V3)"),
-    "rope_type": ((None, "rope"), "YaRN RoPE"),
     "no_rope_freq": ((None,), "layers without RoPE"),
     "mrope_section": ((None,), "multimodal RoPE"),
     "mtp_num_layers": ((None, 0), "multi-token-prediction layers"),
@@ -197,9 +227,8 @@ IRRELEVANT: tuple[tuple[str, str], ...] = (
         "dropout (off at inference), initialization, recomputation and offloading",
     ),
     (
-        r"q_lora_rank|kv_lora_rank|qk_head_dim|qk_pos_emb_head_dim|v_head_dim|rotary_scaling_factor|beta_fast"
-        r"|beta_slow|mscale|mscale_all_dim|original_max_position_embeddings|cache_mla_latents|mla_",
-        "read only with multi_latent_attention or rope_type yarn, both refused",
+        r"cache_mla_latents$|mla_down_proj_fusion$|mla_latent_cp$",
+        "multi-latent attention's inference cache and kernels: the same function computed faster",
     ),
     (
         r"dsa_indexer_|linear_conv_kernel_dim|linear_key_head_dim|linear_value_head_dim|linear_num_key_heads"
@@ -212,7 +241,7 @@ _IRRELEVANT = [(re.compile(f"(?:{pattern})"), reason) for pattern, reason in IRR
 
 def classify(name: str) -> str:
     """``carried``, ``refused`` (checked by value), ``irrelevant`` or ``unknown``, for one argument name."""
-    if name in CARRIED:
+    if name in CARRIED or name in DEEPSEEK_V3:
         return "carried"
     if name in REFUSED:
         return "refused"
@@ -240,9 +269,13 @@ def _items(args: Any) -> list[tuple[str, Any]]:
 def args_problems(args: Any) -> list[str]:
     """One line per argument whose value transformers' families cannot compute, or that the table does not know."""
     problems = []
-    for name, value in _items(args):
+    items = _items(args)
+    deepseek = any(name == "multi_latent_attention" and value for name, value in items)
+    for name, value in items:
         kind = classify(name)
-        if kind == "refused" and not _accepted(value, REFUSED[name][0]):
+        if name in DEEPSEEK_V3 and not deepseek and not _accepted(value, DEEPSEEK_V3[name][0]):
+            problems.append(f"{name}={value!r} ({DEEPSEEK_V3[name][1]})")
+        elif kind == "refused" and not _accepted(value, REFUSED[name][0]):
             problems.append(f"{name}={value!r} ({REFUSED[name][1]})")
         elif kind == "unknown" and value is not None and value is not False:
             problems.append(f"{name}={value!r} (an argument reshard does not know: it may change the model)")

@@ -7,11 +7,19 @@ writes its ``config.json``; :func:`gpt_shape_from_hf` and :func:`megatron_args` 
 writing a Megatron checkpoint from a transformers one. An architecture transformers' Llama-like families
 cannot express (LayerNorm, GeLU, learned positions, interleaved or partial rotary) is refused, naming what
 differs: a config that loads but computes something else is the bug this module exists to avoid.
+
+A model with multi-latent attention is DeepSeek-V3 (``deepseek_v3``): its YaRN RoPE, softmax scale, sigmoid router
+with the expert bias, group-limited routing, scaled top-k, shared experts and dense first layers are carried where
+transformers computes what Megatron-Core 0.16.1 computes, and refused by name where it does not (Megatron scores a
+group of experts by its top ``topk / group_topk``, transformers by its top 2; transformers' shared expert has no
+gate and is ``n_shared_experts`` routed experts wide; its latent norms use eps 1e-6; it ignores ``mscale`` when
+``mscale_all_dim`` is 0 and scales the softmax only under YaRN, where Megatron scales it under any RoPE).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +36,34 @@ _ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
+
+
+@dataclass(frozen=True)
+class Yarn:
+    """YaRN RoPE as Megatron-Core's MLA computes it (``YarnRotaryEmbedding``; MLATransformerConfig's defaults)."""
+
+    factor: float = 40.0  # rotary_scaling_factor
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+
+@dataclass(frozen=True)
+class MLA:
+    """Multi-latent attention's sizes (Megatron-LM's names) and its RoPE: YaRN, or plain RoPE (``yarn`` None) with
+    the softmax scaled by YaRN's ``mscale_all_dim`` all the same (``softmax_mscale``)."""
+
+    q_lora_rank: int | None = None  # None: one linear_q_proj
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    yarn: Yarn | None = Yarn()
+    softmax_mscale: float = 1.0  # Megatron's mscale(rotary_scaling_factor, mscale_all_dim): squared on the softmax
 
 
 @dataclass(frozen=True)
@@ -58,16 +93,22 @@ class GPTShape:
     moe_router_pre_softmax: bool = False  # softmax over every expert before the top-k (no renormalization)
     moe_router_score_function: str = "softmax"
     dense_layers: tuple[int, ...] = ()  # the layers of an MoE with a dense MLP (--moe-layer-freq)
+    mla: MLA | None = None  # --multi-latent-attention (DeepSeek-V3)
+    moe_router_enable_expert_bias: bool = False
+    moe_router_topk_scaling_factor: float | None = None
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
 
 
 def gpt_shape_from_args(args: Any) -> GPTShape:
     """The model in Megatron-LM's ``args``; refuses what transformers' Llama-like families cannot compute."""
     problems = []
+    mla = bool(arg(args, "multi_latent_attention", False))
     if arg(args, "normalization", "LayerNorm") != "RMSNorm":
         problems.append(f"normalization {arg(args, 'normalization', 'LayerNorm')!r} (the families need RMSNorm)")
     if not arg(args, "swiglu", False):
         problems.append("no SwiGLU (the families use gated SiLU MLPs)")
-    if arg(args, "position_embedding_type", "learned_absolute") != "rope":
+    if arg(args, "position_embedding_type", "learned_absolute") not in (("rope", "none") if mla else ("rope",)):
         problems.append(f"position embeddings {arg(args, 'position_embedding_type', 'learned_absolute')!r}, not rope")
     if arg(args, "rotary_interleaved", False):
         problems.append("interleaved rotary embeddings")
@@ -117,7 +158,45 @@ def gpt_shape_from_args(args: Any) -> GPTShape:
         moe_router_score_function=str(arg(args, "moe_router_score_function", "softmax")),
         rope_interpolation_factor=None if interpolation in (None, 1) else float(interpolation),
         dense_layers=_dense_layers(arg(args, "moe_layer_freq", 1), num_layers) if arg(args, "num_experts") else (),
+        mla=_mla_from_args(args) if mla else None,
+        moe_router_enable_expert_bias=bool(arg(args, "moe_router_enable_expert_bias", False)),
+        moe_router_topk_scaling_factor=arg(args, "moe_router_topk_scaling_factor"),
+        moe_router_num_groups=arg(args, "moe_router_num_groups"),
+        moe_router_group_topk=arg(args, "moe_router_group_topk"),
     )
+
+
+def _mla_from_args(args: Any) -> MLA:
+    """MLA's sizes and RoPE; an argument the args lack takes MLATransformerConfig's default, as Megatron-LM's
+    ``core_transformer_config_from_args`` leaves it (``rope_type`` None is YaRN for MLA)."""
+    rope_type = arg(args, "rope_type", "yarn")
+    factor = float(arg(args, "rotary_scaling_factor", 40.0))
+    all_dim = float(arg(args, "mscale_all_dim", 0.0))
+    if rope_type not in ("rope", "yarn"):
+        raise MappingError(f"rope_type={rope_type!r}: Megatron-Core's MLA computes rope or yarn")
+    yarn = Yarn(
+        factor=factor,
+        original_max_position_embeddings=int(arg(args, "original_max_position_embeddings", 4096)),
+        beta_fast=float(arg(args, "beta_fast", 32.0)),
+        beta_slow=float(arg(args, "beta_slow", 1.0)),
+        mscale=float(arg(args, "mscale", 1.0)),
+        mscale_all_dim=all_dim,
+    )
+    q_lora = arg(args, "q_lora_rank")
+    return MLA(
+        q_lora_rank=None if q_lora is None else int(q_lora),
+        kv_lora_rank=int(arg(args, "kv_lora_rank", 512)),
+        qk_head_dim=int(arg(args, "qk_head_dim", 128)),
+        qk_pos_emb_head_dim=int(arg(args, "qk_pos_emb_head_dim", 64)),
+        v_head_dim=int(arg(args, "v_head_dim", 128)),
+        yarn=yarn if rope_type == "yarn" else None,
+        softmax_mscale=_yarn_mscale(factor, all_dim),
+    )
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    """Megatron-Core's (and transformers') ``yarn_get_mscale``."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _dense_layers(freq: Any, num_layers: int) -> tuple[int, ...]:
@@ -138,6 +217,9 @@ def _rope_scaling(args: Any) -> float | None:
 
 def hf_family(shape: GPTShape) -> str:
     """The transformers family that computes what this Megatron GPT computes (refused, naming why, if none)."""
+    if shape.mla is not None:
+        _check_deepseek_v3(shape)
+        return "deepseek_v3"
     if shape.num_experts:
         return _moe_family(shape)
     if shape.qk_layernorm:
@@ -172,6 +254,62 @@ def _moe_family(shape: GPTShape) -> str:
     return "mixtral"
 
 
+def _check_deepseek_v3(shape: GPTShape) -> None:
+    """Refuse, by argument, what Megatron's MLA model computes and transformers' DeepseekV3 does not."""
+    mla = shape.mla
+    assert mla is not None
+    problems = []
+    if shape.add_bias_linear or shape.add_qkv_bias:
+        problems.append("add_bias_linear / add_qkv_bias: linear biases (DeepseekV3 has none)")
+    if not shape.qk_layernorm:
+        problems.append("qk_layernorm=False: MLA without its latent norms (DeepseekV3 always has them)")
+    if shape.norm_epsilon != 1e-6:
+        problems.append(f"norm_epsilon={shape.norm_epsilon}: DeepseekV3's latent norms use eps 1e-6")
+    if shape.rope_interpolation_factor is not None or shape.rope_scaling_factor is not None:
+        problems.append("rotary_seq_len_interpolation_factor / use_rope_scaling with MLA (it reads neither)")
+    if mla.yarn is not None and mla.yarn.mscale_all_dim == 0 and mla.yarn.mscale != 1:
+        problems.append(f"mscale={mla.yarn.mscale} with mscale_all_dim=0 (transformers' YaRN ignores mscale then)")
+    if mla.yarn is None and mla.softmax_mscale != 1:
+        problems.append(
+            "rope_type='rope' with mscale_all_dim: Megatron scales the softmax by YaRN's mscale under plain RoPE, "
+            "transformers does not"
+        )
+    if shape.num_experts:
+        problems += _deepseek_router_problems(shape)
+    if problems:
+        _no_family("; ".join(problems))
+
+
+def _deepseek_router_problems(shape: GPTShape) -> list[str]:
+    problems = []
+    if shape.moe_router_score_function != "sigmoid":
+        problems.append(
+            f"moe_router_score_function={shape.moe_router_score_function!r} (DeepseekV3 routes by sigmoid)"
+        )
+    if not shape.moe_router_enable_expert_bias:
+        problems.append("moe_router_enable_expert_bias=False (DeepseekV3's router always adds its expert bias)")
+    expert = shape.moe_ffn_hidden_size or shape.ffn_hidden_size
+    shared = shape.moe_shared_expert_intermediate_size
+    if not shared or shared % expert:
+        problems.append(
+            f"moe_shared_expert_intermediate_size={shared!r}: DeepseekV3's shared expert is a multiple of "
+            f"moe_ffn_hidden_size {expert}"
+        )
+    if shape.moe_shared_expert_gate:
+        problems.append("moe_shared_expert_gate=True (DeepseekV3's shared expert has no gate)")
+    if shape.dense_layers != tuple(range(len(shape.dense_layers))):
+        problems.append(f"moe_layer_freq: dense layers {list(shape.dense_layers)} are not the first ones")
+    group_topk = shape.moe_router_group_topk
+    if group_topk and shape.moe_router_topk != 2 * group_topk:
+        problems.append(
+            f"moe_router_group_topk={group_topk} with moe_router_topk={shape.moe_router_topk}: Megatron scores a "
+            f"group by its top {shape.moe_router_topk // group_topk} experts, transformers by its top 2"
+        )
+    if group_topk and (not shape.moe_router_num_groups or shape.num_experts % shape.moe_router_num_groups):
+        problems.append(f"moe_router_num_groups={shape.moe_router_num_groups!r}: not a divisor of the experts")
+    return problems
+
+
 def _no_family(what: str) -> None:
     raise MappingError(
         f"this Megatron model has no transformers family: {what}",
@@ -182,6 +320,8 @@ def _no_family(what: str) -> None:
 def hf_config(shape: GPTShape, *, vocab_size: int | None, dtype: str, family: str | None = None) -> dict[str, Any]:
     """The ``config.json`` of ``family`` (default :func:`hf_family`) for this model and true vocab size."""
     family = family or hf_family(shape)
+    if family == "deepseek_v3":
+        return _deepseek_v3_config(shape, vocab_size=vocab_size, dtype=dtype)
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": shape.rotary_base}
     if shape.rope_interpolation_factor is not None:
         rope = {"rope_type": "linear", "rope_theta": shape.rotary_base, "factor": shape.rope_interpolation_factor}
@@ -234,6 +374,66 @@ def hf_config(shape: GPTShape, *, vocab_size: int | None, dtype: str, family: st
     return config
 
 
+def _deepseek_v3_config(shape: GPTShape, *, vocab_size: int | None, dtype: str) -> dict[str, Any]:
+    """DeepseekV3's ``config.json``: MLA sizes, YaRN, the sigmoid router's settings, shared experts, dense prefix."""
+    mla = shape.mla
+    if mla is None:
+        raise MappingError("deepseek_v3 needs multi-latent attention (multi_latent_attention in the args)")
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": shape.rotary_base}
+    if mla.yarn is not None:
+        y = mla.yarn
+        rope = {
+            "rope_type": "yarn",
+            "rope_theta": shape.rotary_base,
+            "factor": y.factor,
+            "original_max_position_embeddings": y.original_max_position_embeddings,
+            "beta_fast": y.beta_fast,
+            "beta_slow": y.beta_slow,
+            "mscale": y.mscale,
+            "mscale_all_dim": y.mscale_all_dim,
+        }
+    experts = shape.num_experts or 0
+    expert_size = shape.moe_ffn_hidden_size or shape.ffn_hidden_size
+    grouped = bool(shape.moe_router_group_topk)
+    config: dict[str, Any] = {
+        "architectures": [_ARCHITECTURES["deepseek_v3"]],
+        "model_type": "deepseek_v3",
+        "vocab_size": vocab_size,
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.ffn_hidden_size,
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_attention_heads,
+        "q_lora_rank": mla.q_lora_rank,
+        "kv_lora_rank": mla.kv_lora_rank,
+        "qk_nope_head_dim": mla.qk_head_dim,
+        "qk_rope_head_dim": mla.qk_pos_emb_head_dim,
+        "v_head_dim": mla.v_head_dim,
+        "rope_interleave": True,  # Megatron's MLA de-interleaves the rope dims, as transformers does here
+        "hidden_act": "silu",
+        "max_position_embeddings": shape.max_position_embeddings,
+        "rms_norm_eps": shape.norm_epsilon,
+        "rope_parameters": rope,
+        "attention_bias": False,
+        "tie_word_embeddings": not shape.untie_embeddings_and_output_weights,
+        "first_k_dense_replace": len(shape.dense_layers) if experts else shape.num_layers,
+        "num_mtp_layers": 0,
+        "dtype": dtype,
+    }
+    if experts:
+        config |= {
+            "n_routed_experts": experts,
+            "num_experts_per_tok": shape.moe_router_topk,
+            "moe_intermediate_size": expert_size,
+            "n_shared_experts": (shape.moe_shared_expert_intermediate_size or 0) // expert_size,
+            "routed_scaling_factor": float(shape.moe_router_topk_scaling_factor or 1.0),
+            "norm_topk_prob": shape.moe_router_topk > 1,  # Megatron renormalizes the sigmoid top-k when k > 1
+            "n_group": shape.moe_router_num_groups if grouped else 1,
+            "topk_group": shape.moe_router_group_topk if grouped else 1,
+        }
+    return config
+
+
 def gpt_shape_from_hf(config: ModelConfig) -> GPTShape:
     """The Megatron description of a transformers Llama-family or MoE config."""
     family = config.model_type
@@ -241,6 +441,8 @@ def gpt_shape_from_hf(config: ModelConfig) -> GPTShape:
         raise MappingError(
             f"no Megatron mapping for model_type {family!r}", hint=f"one of {', '.join(_ARCHITECTURES)}"
         )
+    if family == "deepseek_v3":
+        return _deepseek_v3_shape(config)
     rope = config.get("rope_parameters") or {}
     scaling = rope.get("factor") if rope.get("rope_type") == "llama3" else None
     interpolation = rope.get("factor") if rope.get("rope_type") == "linear" else None
@@ -279,6 +481,112 @@ def gpt_shape_from_hf(config: ModelConfig) -> GPTShape:
         moe_shared_expert_gate=bool(config.get("shared_expert_intermediate_size")),
         moe_router_pre_softmax=bool(experts) and not config.get("norm_topk_prob", family == "mixtral"),
     )
+
+
+def _deepseek_v3_shape(config: ModelConfig) -> GPTShape:
+    """The Megatron MLA model of a transformers DeepseekV3 config; refuses, by field, what Megatron-Core computes
+    otherwise (the reverse of :func:`_check_deepseek_v3`)."""
+    get = config.get
+    layers, heads = get("num_hidden_layers"), get("num_attention_heads")
+    problems = []
+    rope = get("rope_parameters") or get("rope_scaling") or {}
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    yarn = None
+    if kind == "yarn":
+        if rope.get("attention_factor") is not None or rope.get("truncate", True) is not True:
+            problems.append("rope_parameters attention_factor / truncate (Megatron's YaRN computes neither)")
+        all_dim = float(rope.get("mscale_all_dim") or 0.0)
+        factor = rope.get("factor") or get("max_position_embeddings") / rope["original_max_position_embeddings"]
+        yarn = Yarn(
+            factor=float(factor),
+            original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 4096)),
+            beta_fast=float(rope.get("beta_fast") or 32.0),
+            beta_slow=float(rope.get("beta_slow") or 1.0),
+            mscale=float(rope.get("mscale") or 1.0) if all_dim else 1.0,  # transformers ignores mscale then
+            mscale_all_dim=all_dim,
+        )
+    elif kind != "default":
+        problems.append(f"rope_type {kind!r} (Megatron's MLA computes default RoPE or YaRN)")
+    if get("rms_norm_eps", 1e-6) != 1e-6:
+        problems.append(f"rms_norm_eps {get('rms_norm_eps')}: the latent norms use 1e-6, Megatron one eps for all")
+    if get("attention_bias", False):
+        problems.append("attention_bias (Megatron's MLA has no biases)")
+    if get("rope_interleave", True) is not True:
+        problems.append("rope_interleave false (Megatron's MLA de-interleaves the rope dims)")
+    experts = get("n_routed_experts") if (get("first_k_dense_replace") or 0) < layers else None
+    topk, groups, topk_group = get("num_experts_per_tok", 8), get("n_group") or 1, get("topk_group") or 1
+    if experts and bool(get("norm_topk_prob", True)) != (topk > 1):
+        problems.append(f"norm_topk_prob {get('norm_topk_prob')} with top-{topk} (Megatron renormalizes when k > 1)")
+    if experts and groups > 1 and topk != 2 * topk_group:
+        problems.append(
+            f"n_group {groups}, topk_group {topk_group}, num_experts_per_tok {topk}: transformers scores a group by "
+            f"its top 2 experts, Megatron by its top {topk // topk_group}"
+        )
+    if problems:
+        raise MappingError(
+            "this DeepseekV3 model has no Megatron-Core equivalent: " + "; ".join(problems), path=config.path
+        )
+    moe_size = get("moe_intermediate_size")
+    return GPTShape(
+        num_layers=layers,
+        hidden_size=get("hidden_size"),
+        ffn_hidden_size=get("intermediate_size"),
+        num_attention_heads=heads,
+        num_query_groups=heads,
+        kv_channels=get("v_head_dim"),
+        max_position_embeddings=get("max_position_embeddings", 4096),
+        norm_epsilon=1e-6,
+        rotary_base=float(rope.get("rope_theta", get("rope_theta", 10000.0))),
+        qk_layernorm=True,
+        untie_embeddings_and_output_weights=not config.tie_word_embeddings,
+        num_experts=experts,
+        moe_router_topk=topk,
+        moe_ffn_hidden_size=moe_size if experts else None,
+        moe_shared_expert_intermediate_size=moe_size * (get("n_shared_experts") or 0) if experts else None,
+        moe_router_score_function="sigmoid" if experts else "softmax",
+        dense_layers=tuple(range(get("first_k_dense_replace") or 0)) if experts else (),
+        mla=MLA(
+            q_lora_rank=get("q_lora_rank"),
+            kv_lora_rank=get("kv_lora_rank"),
+            qk_head_dim=get("qk_nope_head_dim"),
+            qk_pos_emb_head_dim=get("qk_rope_head_dim"),
+            v_head_dim=get("v_head_dim"),
+            yarn=yarn,
+            softmax_mscale=1.0,
+        ),
+        moe_router_enable_expert_bias=bool(experts),
+        moe_router_topk_scaling_factor=float(get("routed_scaling_factor", 1.0)) if experts else None,
+        moe_router_num_groups=groups if experts and groups > 1 else None,
+        moe_router_group_topk=topk_group if experts and groups > 1 else None,
+    )
+
+
+def _mla_args(shape: GPTShape) -> dict[str, Any]:
+    """The Megatron-LM arguments of multi-latent attention and DeepSeek-V3's router (none for other models)."""
+    mla = shape.mla
+    if mla is None:
+        return {}
+    yarn = mla.yarn or Yarn(factor=1.0)
+    return {
+        "multi_latent_attention": True,
+        "q_lora_rank": mla.q_lora_rank,
+        "kv_lora_rank": mla.kv_lora_rank,
+        "qk_head_dim": mla.qk_head_dim,
+        "qk_pos_emb_head_dim": mla.qk_pos_emb_head_dim,
+        "v_head_dim": mla.v_head_dim,
+        "rope_type": "yarn" if mla.yarn is not None else "rope",
+        "rotary_scaling_factor": yarn.factor,
+        "original_max_position_embeddings": yarn.original_max_position_embeddings,
+        "beta_fast": yarn.beta_fast,
+        "beta_slow": yarn.beta_slow,
+        "mscale": yarn.mscale,
+        "mscale_all_dim": yarn.mscale_all_dim,
+        "moe_router_score_function": shape.moe_router_score_function,
+        "moe_router_enable_expert_bias": shape.moe_router_enable_expert_bias,
+        "moe_router_topk_scaling_factor": shape.moe_router_topk_scaling_factor,
+        "moe_router_num_groups": shape.moe_router_num_groups,
+        "moe_router_group_topk": shape.moe_router_group_topk,
+    }
 
 
 def megatron_args(
@@ -323,6 +631,7 @@ def megatron_args(
         tensor_model_parallel_size=1,
         pipeline_model_parallel_size=1,
         transformer_impl="transformer_engine",
+        **_mla_args(shape),
     )
 
 

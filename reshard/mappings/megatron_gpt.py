@@ -1,5 +1,5 @@
-"""Megatron-LM / Megatron-Core GPT <-> the transformers families it trains: Llama, Mistral, Qwen2, Qwen3 and
-their MoE cousins Mixtral, Qwen2-MoE, Qwen3-MoE.
+"""Megatron-LM / Megatron-Core GPT <-> the transformers families it trains: Llama, Mistral, Qwen2, Qwen3,
+their MoE cousins Mixtral, Qwen2-MoE, Qwen3-MoE, and DeepSeek-V3 (multi-latent attention).
 
 What the table does (and why each row is not a plain rename):
 
@@ -17,6 +17,13 @@ What the table does (and why each row is not a plain rename):
   ``experts.{E}``, its fc1 split into gate and up (Mixtral's ``w1`` / ``w3``, ``w2`` down); Qwen2-MoE's
   ``shared_experts`` become ``shared_expert`` and ``shared_experts.gate_weight`` ``shared_expert_gate``; the dense
   layers of a Qwen2/3-MoE (``mlp_only_layers``, Megatron's ``--moe-layer-freq``) keep the dense MLP's rows.
+* DeepSeek-V3 (MLA): plain renames, no transform: ``linear_q_proj`` (no ``q_lora_rank``) is ``q_proj``,
+  ``linear_q_down_proj`` / ``linear_q_up_proj`` are ``q_a_proj`` / ``q_b_proj``, ``linear_kv_down_proj`` (``[kv
+  latent | shared rope key]``) is ``kv_a_proj_with_mqa``, ``linear_kv_up_proj`` (per head ``[k_nope | v]``) is
+  ``kv_b_proj``; the latent norms ``q_layernorm`` / ``kv_layernorm`` (Transformer Engine fuses them into
+  ``linear_q_up_proj.layer_norm_weight`` / ``linear_kv_up_proj.layer_norm_weight``) are ``q_a_layernorm`` /
+  ``kv_a_layernorm``; both specs keep a separate ``input_layernorm``. The router's ``expert_bias`` is
+  ``gate.e_score_correction_bias``, the ungated ``shared_experts`` are ``shared_experts``.
 * Legacy (pre-mcore) names under ``language_model.`` are read too.
 * Dropped on purpose: Transformer Engine's ``_extra_state`` (FP8 scaling metadata), rotary ``inv_freq``.
 
@@ -33,6 +40,7 @@ from reshard.mappings.transforms import Chunk, SplitGroupedQKV, Transform
 
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MLA_FAMILIES = ("deepseek_v3",)
 MEGATRON = "megatron"
 
 _L = "decoder.layers.{L}."
@@ -140,13 +148,54 @@ def _moe_mlp(family: str) -> tuple[Entry, ...]:
     return (*rows, router, *shared, *dense, norm)
 
 
+def _mla_attention() -> tuple[Entry, ...]:
+    """Multi-latent attention: every row a rename; Transformer Engine's fused latent norms read as alternatives.
+
+    The latent norms are written under Transformer Engine's names, as GPU runs store them (the local spec's
+    ``q_layernorm`` / ``kv_layernorm`` are read)."""
+    m, hf = _L + "self_attention.", _HF + "self_attn."
+    pairs = {
+        "linear_q_proj": "q_proj",
+        "linear_q_down_proj": "q_a_proj",
+        "linear_q_up_proj": "q_b_proj",
+        "linear_kv_down_proj": "kv_a_proj_with_mqa",
+        "linear_kv_up_proj": "kv_b_proj",
+        "linear_proj": "o_proj",
+    }
+    return (
+        *(rename(f"{m}{mine}.weight", f"{hf}{theirs}.weight") for mine, theirs in pairs.items()),
+        rename(m + "linear_q_up_proj.layer_norm_weight", hf + "q_a_layernorm.weight"),
+        rename(m + "q_layernorm.weight", hf + "q_a_layernorm.weight", alternative=True),
+        rename(m + "linear_kv_up_proj.layer_norm_weight", hf + "kv_a_layernorm.weight"),
+        rename(m + "kv_layernorm.weight", hf + "kv_a_layernorm.weight", alternative=True),
+        rename(_L + "input_layernorm.weight", _HF + "input_layernorm.weight"),
+    )
+
+
+def _deepseek_v3_mlp() -> tuple[Entry, ...]:
+    """Routed experts, the sigmoid router and its expert bias, the ungated shared expert, the dense first layers."""
+    return (
+        *_mlp(_L + "mlp.experts.local_experts.{E}.", _HF + "mlp.experts.{E}.", HF_MLP, bias=False),
+        rename(_L + "mlp.router.weight", _HF + "mlp.gate.weight"),
+        rename(_L + "mlp.router.expert_bias", _HF + "mlp.gate.e_score_correction_bias"),
+        *_mlp(_L + "mlp.shared_experts.", _HF + "mlp.shared_experts.", HF_MLP, bias=False),
+        *_mlp(_L + "mlp.", _HF + "mlp.", HF_MLP, bias=False),
+        rename(_L + "pre_mlp_layernorm.weight", _HF + "post_attention_layernorm.weight"),
+        rename(_L + "mlp.linear_fc1.layer_norm_weight", _HF + "post_attention_layernorm.weight", alternative=True),
+    )
+
+
 def megatron_to_hf(family: str) -> Mapping:
     """The Megatron GPT -> transformers table for one family (``llama``, ``qwen2``, ``mixtral``, ...)."""
-    if family not in DENSE_FAMILIES + MOE_FAMILIES:
+    if family not in DENSE_FAMILIES + MOE_FAMILIES + MLA_FAMILIES:
         raise MappingError(
-            f"no Megatron mapping to the {family!r} family", hint=f"one of {DENSE_FAMILIES + MOE_FAMILIES}"
+            f"no Megatron mapping to the {family!r} family",
+            hint=f"one of {DENSE_FAMILIES + MOE_FAMILIES + MLA_FAMILIES}",
         )
-    mlp = _moe_mlp(family) if family in MOE_FAMILIES else _dense_mlp()
+    if family in MLA_FAMILIES:
+        layers = (*_mla_attention(), *_deepseek_v3_mlp())
+    else:
+        layers = (*_attention(), *(_moe_mlp(family) if family in MOE_FAMILIES else _dense_mlp()))
     return Mapping(
         MEGATRON,
         family,
@@ -158,8 +207,7 @@ def megatron_to_hf(family: str) -> Mapping:
             rename("language_model.encoder.final_layernorm.weight", "model.norm.weight", alternative=True),
             rename("output_layer.weight", "lm_head.weight"),
             rename("language_model.output_layer.weight", "lm_head.weight", alternative=True),
-            *_attention(),
-            *mlp,
+            *layers,
         ),
         dropped=(r"_extra_state$", r"rotary_pos_emb\.inv_freq$"),
         dropped_in_target=(r"rotary_emb\.inv_freq$",),

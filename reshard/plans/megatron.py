@@ -7,6 +7,9 @@
   spread evenly over ``tp / groups`` ranks (:class:`~reshard.partition.Grouped`).
 * ``linear_fc1`` / ``dense_h_to_4h`` with SwiGLU: each rank holds ``[gate_r; up_r]``, so it is
   ``Packed(0, (F, F))`` (re-pairs the halves; plain concatenation would mix gate and up rows).
+* Multi-latent attention (DeepSeek-V3): ``linear_q_proj``, ``linear_q_up_proj``, ``linear_kv_up_proj`` in whole
+  heads on dim 0; ``linear_q_down_proj`` / ``linear_kv_down_proj`` are split on dim 0 by the local spec (which
+  gathers their outputs) and whole on every rank under Transformer Engine (``transformer_impl`` in the args).
 * Row-parallel (dim 1): ``linear_proj`` / ``dense`` (in whole heads), ``linear_fc2`` / ``dense_4h_to_h``.
 * MoE: every expert's (and the shared experts') fc1/fc2 like the dense MLP's, sized by
   ``moe_ffn_hidden_size`` / ``moe_shared_expert_intermediate_size`` (expert tensor parallelism is the tp);
@@ -23,10 +26,16 @@ from reshard.partition import Grouped, Packed, Partition, Replicate, Shard, Voca
 from reshard.plans.base import Plan, Rule
 
 MODEL_TYPES = ("megatron",)
-SIGNATURE = r"(^|\.)(decoder|encoder|transformer)\.layers\.\d+\.self_attention\.(linear_qkv|query_key_value)\.weight$"
+SIGNATURE = (
+    r"(^|\.)(decoder|encoder|transformer)\.layers\.\d+\.self_attention\."
+    r"(linear_qkv|query_key_value|linear_q_proj|linear_q_down_proj|linear_kv_down_proj)\.weight$"
+)
 
 _QKV = r"\.(linear_qkv|query_key_value)\.(weight|bias)$"
 _PROJ = r"(\.linear_proj|self_attention\.dense)"
+# Multi-latent attention: column-parallel in the local spec (the down projections too: the layer gathers them).
+_MLA = r"\.linear_(q|q_up|kv_up)_proj\.weight$"
+_MLA_DOWN = r"\.linear_(q_down|kv_down)_proj\.weight$"
 _FC1 = r"\.(linear_fc1|dense_h_to_4h)\.(weight|bias)$"
 _FC2 = r"\.(linear_fc2|dense_4h_to_h)"
 
@@ -46,6 +55,11 @@ def qkv_partition(config: ModelConfig | None) -> Partition:
 def proj_partition(config: ModelConfig | None) -> Partition:
     """Dim 1 in whole heads of ``kv_channels``: Megatron needs num_attention_heads to divide by tp."""
     return Shard(1, unit=_need(config, "head_dim", "linear_proj (kv_channels)"))
+
+
+def down_partition(config: ModelConfig | None) -> Partition:
+    """MLA's down projections: column-parallel in the local spec, replicated under Transformer Engine."""
+    return Shard(0) if config is not None and config.get("transformer_impl") == "local" else Replicate()
 
 
 def fc1_of(key: str, what: str):
@@ -73,6 +87,8 @@ MEGATRON_PLAN = Plan(
         Rule(r"layer_?norm_(weight|bias)$", Replicate()),
         Rule(r"(norm|layernorm)\.(weight|bias)$", Replicate()),
         Rule(_QKV, qkv_partition),
+        Rule(_MLA_DOWN, down_partition),
+        Rule(_MLA, Shard(0)),
         Rule(_PROJ + r"\.weight$", proj_partition),
         Rule(_PROJ + r"\.bias$", Replicate()),
         Rule(

@@ -4,6 +4,7 @@ both numbers, before an output exists."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -62,7 +63,12 @@ def test_irrelevant_and_default_arguments_pass(cli, full: Full, tmp_path: Path) 
 
 def test_the_table_classifies() -> None:
     assert classify("rotary_seq_len_interpolation_factor") == "carried"
-    assert classify("moe_router_group_topk") == "refused"
+    assert classify("moe_router_group_topk") == "carried"  # into DeepSeek-V3 only: refused by value elsewhere
+    assert classify("softmax_scale") == "refused"
+    assert args_problems({"moe_router_group_topk": 1, "multi_latent_attention": True}) == []
+    assert args_problems({"moe_router_group_topk": 1}) == [
+        "moe_router_group_topk=1 (group-limited routing (DeepSeek-V3's topk_group, with multi-latent attention))"
+    ]
     assert classify("attention_dropout") == classify("tensor_model_parallel_size") == "irrelevant"
     assert classify("lr_decay_style") == classify("tokenizer_model") == "irrelevant"
     assert classify("frobnicate") == "unknown"
@@ -143,3 +149,47 @@ def test_every_field_of_megatron_core_s_transformer_config_is_in_the_table() -> 
     assert len(fields) > 200
     unknown = {f for f in fields if classify(f) == "unknown"}
     assert unknown == {"gated_linear_unit", "activation_func", "num_moe_experts"}
+
+
+DSV3 = dict(
+    num_layers=3,
+    hidden_size=64,
+    ffn_hidden_size=96,
+    num_attention_heads=4,
+    normalization="RMSNorm",
+    swiglu=True,
+    position_embedding_type="rope",
+    norm_epsilon=1e-6,
+    add_bias_linear=False,
+    qk_layernorm=True,
+    multi_latent_attention=True,
+    num_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=32,
+    moe_shared_expert_intermediate_size=32,
+    moe_layer_freq=[0, 1, 1],
+    moe_router_score_function="sigmoid",
+    moe_router_enable_expert_bias=True,
+    moe_router_num_groups=2,
+    moe_router_group_topk=1,
+)
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"moe_router_topk": 4, "moe_router_num_groups": 2, "moe_router_group_topk": 1}, "moe_router_group_topk=1"),
+        ({"moe_router_score_function": "softmax"}, "moe_router_score_function='softmax'"),
+        ({"moe_shared_expert_gate": True}, "moe_shared_expert_gate=True"),
+        ({"moe_layer_freq": [1, 0, 1]}, "moe_layer_freq"),
+        ({"norm_epsilon": 1e-5}, "norm_epsilon=1e-05"),
+        ({"mscale": 0.5, "mscale_all_dim": 0.0}, "mscale=0.5"),
+        ({"rope_type": "rope", "rotary_scaling_factor": 40.0, "mscale_all_dim": 1.0}, "rope_type='rope'"),
+    ],
+)
+def test_deepseek_v3_settings_transformers_does_not_compute_are_refused_by_name(change: dict, named: str) -> None:
+    from reshard.mappings.megatron_config import gpt_shape_from_args, hf_family
+
+    assert hf_family(gpt_shape_from_args(DSV3)) == "deepseek_v3"
+    with pytest.raises(MappingError, match=re.escape(named)):
+        hf_family(gpt_shape_from_args(DSV3 | change))

@@ -4,6 +4,9 @@ Megatron-Core 0.16.1 (the oracle, run in subprocesses) writes each model at its 
 formats (legacy ``torch`` and ``torch_dist``), and its logits on a fixed batch; reshard converts them to
 ``--layout hf``; transformers' ``from_pretrained`` loads the output and must give the same logits (fp32, atol
 1e-5). Nothing here imports Megatron.
+
+DeepSeek-V3-like models (``dsv3``, ``dsv3-te``) go back too: the transformers folder to ``torch_dist``, which
+Megatron-Core loads (under Transformer Engine's names, as reshard writes them for GPU runs) with the writer's logits.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ CASES = {
     "qk-norm-tp2": (Spec("qk-norm", tp=2), "qwen3"),
     "rope-linear-tp2": (Spec("rope-linear", tp=2), "llama"),  # rope_parameters linear, factor 4
     "moe-dense-first-tp2": (Spec("moe-dense-first", tp=2), "qwen3_moe"),  # mlp_only_layers [0]
+    "dsv3-tp2": (Spec("dsv3", tp=2), "deepseek_v3"),  # MLA, YaRN, grouped sigmoid router, scaled top-k
+    "dsv3-te": (Spec("dsv3-te"), "deepseek_v3"),  # no q_lora_rank, Transformer Engine's names
 }
 
 
@@ -85,3 +90,25 @@ def test_torch_dist_to_the_legacy_format_at_other_tps_loads_in_megatron_core(
     )
     for loaded in loads:
         torch.testing.assert_close(loaded["logits"][..., : ckpt.variant.vocab], ckpt.logits, rtol=0, atol=1e-5)
+
+
+def test_deepseek_v3_back_to_torch_dist_loads_in_megatron_core(cli, mcore_oracle, tmp_path: Path) -> None:
+    """Megatron -> transformers DeepseekV3 -> ``torch_dist`` (and the legacy ``torch`` format): Megatron-Core loads it
+    (at tp 2 and 1, under Transformer Engine's names, the names reshard writes) and computes the first writer's
+    logits."""
+    written = mcore_oracle.checkpoints(Spec("dsv3", tp=2), Spec("dsv3-te"))
+    requests = []
+    for ckpt, at in zip(written, (2, 1), strict=True):
+        name = ckpt.spec.variant
+        hf, back = tmp_path / f"{name}-hf", tmp_path / f"{name}-back"
+        for source, out, layout in ((ckpt.torch_dist, hf, "hf"), (hf, back, "torch_dist")):
+            result = cli("convert", source, "--tp", 1, "--layout", layout, "-o", out)
+            assert result.exit_code == 0, result.output
+        te = Spec(name, tp=at, overrides=(("te_names", "true"),))
+        requests.append((back, "torch_dist", te, "assume_ok_unexpected"))
+    legacy = tmp_path / "dsv3-te-legacy"  # and Megatron-LM's torch format, at tp 1
+    result = cli("convert", tmp_path / "dsv3-te-hf", "--tp", 1, "--layout", "megatron", "-o", legacy)
+    assert result.exit_code == 0, result.output
+    requests.append((legacy, "torch", requests[-1][2], "assume_ok_unexpected"))
+    for ckpt, loaded in zip([*written, written[-1]], mcore_oracle.load_many(requests), strict=True):
+        torch.testing.assert_close(loaded["logits"][..., : ckpt.variant.vocab], ckpt.logits, rtol=0, atol=1e-4)

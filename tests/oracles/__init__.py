@@ -59,6 +59,8 @@ COMMON = (
     Spec("llama", tp=2, overrides=(("divisible_by", "8"),)),  # 1008 rows at tp 2, 1000 at tp 1
     Spec("rope-linear", tp=2),
     Spec("moe-dense-first", tp=2),
+    Spec("dsv3", tp=2),  # DeepSeek-V3-like: MLA with q_lora_rank, YaRN, grouped sigmoid router, dense first layer
+    Spec("dsv3-te", tp=1),  # the same without q_lora_rank, under Transformer Engine's names
 )
 
 

@@ -48,6 +48,9 @@ CPU workarounds (each one fails without it; see ``/work/shared/reference/megatro
    ("Torch not compiled with CUDA enabled").
 5. ``moe_utils.te_general_gemm = None``: 0.16.1 defines it only when Transformer Engine imports, but the router
    tests it unguarded (``NameError: name 'te_general_gemm' is not defined``).
+5a. Multi-latent attention (``dsv3`` variants): ``multi_latent_attention.HAVE_TE = False`` (an importable stub of
+   Transformer Engine's module makes it take TE's paths), and the local ``DotProductAttention`` wrapped to take the
+   ``k_channels`` / ``v_channels`` MLA passes (its output is heads x ``v_channels`` wide).
 6. The causal ``attention_mask`` (bool ``[b, 1, s, s]``, True = masked) is passed: the default one is built on
    ``"cuda"``.
 7. ``TorchDistSaveShardedStrategy("torch_dist", 1)`` gets its positional arguments (0.16.1).
@@ -88,6 +91,24 @@ def cpu_workarounds() -> None:
     torch.cuda.synchronize = lambda *a, **k: None
     torch.Tensor.cuda = lambda self, *a, **k: self
     moe_utils.te_general_gemm = None
+    from megatron.core.transformer import multi_latent_attention
+
+    multi_latent_attention.HAVE_TE = False
+
+
+def mla_core_attention():
+    """The local spec's attention, taking MLA's ``k_channels`` / ``v_channels`` (workaround 5a)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.utils import divide
+
+    class MLADotProductAttention(DotProductAttention):
+        def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+            super().__init__(*args, **kwargs)
+            if v_channels is not None:  # Attention builds one without, MLA's own has them
+                width = v_channels * self.config.num_attention_heads
+                self.hidden_size_per_partition = divide(width, self.tp_group.size())
+
+    return MLADotProductAttention
 
 
 def build(variant: Variant, spec: Spec, *, seed: int) -> list:
@@ -99,6 +120,32 @@ def build(variant: Variant, spec: Spec, *, seed: int) -> list:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     moe = variant.experts > 0
+    mla = {}
+    if variant.mla:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig as TransformerConfig  # noqa: N814
+
+        mla = dict(
+            q_lora_rank=variant.q_lora or None,
+            kv_lora_rank=variant.kv_lora,
+            qk_head_dim=variant.qk_dim,
+            qk_pos_emb_head_dim=variant.pos_dim,
+            v_head_dim=variant.head_dim,
+            rope_type="yarn",
+            rotary_base=variant.rotary_base,
+            rotary_scaling_factor=variant.yarn_factor,
+            original_max_position_embeddings=variant.yarn_original,
+            mscale=variant.mscale,
+            mscale_all_dim=variant.mscale_all_dim,
+        )
+    router = {}
+    if variant.sigmoid:
+        router = dict(
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
+            moe_router_topk_scaling_factor=variant.topk_scale or None,
+            moe_router_num_groups=variant.router_groups or None,
+            moe_router_group_topk=variant.group_topk or None,
+        )
     config = TransformerConfig(
         num_layers=variant.layers,
         hidden_size=variant.hidden,
@@ -137,9 +184,13 @@ def build(variant: Variant, spec: Spec, *, seed: int) -> list:
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
+        **mla,
+        **router,
     )
-    if variant.dense_first:  # dense and MoE layers: one spec per layer, from moe_layer_freq
+    if variant.dense_first or variant.mla:  # dense and MoE layers: one spec per layer, from moe_layer_freq
         layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+        for layer in layer_spec.layer_specs if variant.mla else ():
+            layer.submodules.self_attention.submodules.core_attention = mla_core_attention()
     else:
         layer_spec = get_gpt_layer_local_spec(
             num_experts=variant.experts or None, normalization="RMSNorm", qk_layernorm=variant.qk_norm
@@ -176,13 +227,45 @@ def _randomize_constants(model, where: str) -> None:
     from megatron.core import parallel_state as ps
 
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" not in name and not name.endswith(".bias"):
+        for name, param in [*model.named_parameters(), *model.named_buffers()]:
+            if "norm" not in name and not name.endswith((".bias", ".expert_bias")):
                 continue
             shard = ps.get_tensor_model_parallel_rank() if getattr(param, "tensor_model_parallel", False) else -1
             gen = torch.Generator().manual_seed(zlib.crc32(f"{where}/{shard}/{name}".encode()))
             base = 1.0 if "norm" in name else 0.0
-            param.copy_(base + 0.2 * torch.randn(param.shape, generator=gen))
+            param.copy_(base + 0.2 * torch.randn(param.shape, generator=gen, dtype=param.dtype))
+
+
+def te_name(name: str, variant: Variant, *, back: bool = False) -> str:
+    """A local-spec name as the Transformer Engine spec stores it (``back``: the other way), for ``te_names``
+    variants: MLA's latent norms fused into the up projections, a dense layer's MLP norm into its ``linear_fc1``."""
+    if not variant.te_names:
+        return name
+    pairs = [
+        ("self_attention.q_layernorm.", "self_attention.linear_q_up_proj.layer_norm_"),
+        ("self_attention.kv_layernorm.", "self_attention.linear_kv_up_proj.layer_norm_"),
+    ]
+    pairs += [
+        (f"layers.{i}.pre_mlp_layernorm.", f"layers.{i}.mlp.linear_fc1.layer_norm_")
+        for i in range(variant.dense_first)
+    ]
+    for local, te in pairs:
+        old, new = (te, local) if back else (local, te)
+        if old in name:
+            return name.replace(old, new)
+    return name
+
+
+def te_keys(tree: dict, variant: Variant) -> dict:
+    """A sharded state dict whose tensors are stored under :func:`te_name`'s keys (as a TE model's would be)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    for value in tree.values():
+        if isinstance(value, dict):
+            te_keys(value, variant)
+        elif isinstance(value, ShardedTensor):
+            value.key = te_name(value.key, variant)
+    return tree
 
 
 def batch(variant: Variant) -> torch.Tensor:
@@ -229,7 +312,10 @@ def save(chunks: list, variant: Variant, spec: Spec, out: Path) -> None:
         path = megatron_lm.rank_file(legacy_root, tp_rank, pp_rank, spec.pp)
         path.parent.mkdir(parents=True, exist_ok=True)
         args = megatron_lm.megatron_args(variant, spec, ckpt_format="torch")
-        torch.save(megatron_lm.legacy_state(chunks, args), path)
+        state = megatron_lm.legacy_state(chunks, args)
+        for key in megatron_lm.model_keys(len(chunks)):
+            state[key] = {te_name(name, variant): value for name, value in state[key].items()}
+        torch.save(state, path)
 
     dist_root = out / "torch_dist"
     iter_dir = megatron_lm.iter_dir(dist_root)
@@ -238,6 +324,7 @@ def save(chunks: list, variant: Variant, spec: Spec, out: Path) -> None:
     dist.barrier()
     args = megatron_lm.megatron_args(variant, spec, ckpt_format="torch_dist")
     state = megatron_lm.dist_state(chunks, args, tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=ps.get_data_parallel_rank())
+    te_keys(state, variant)
     strategy = TorchDistSaveShardedStrategy("torch_dist", 1)
     dist_checkpointing.save(state, str(iter_dir), strategy, content_metadata=megatron_lm.content_metadata())
     dist.barrier()
@@ -265,11 +352,13 @@ def load(chunks: list, variant: Variant, spec: Spec, ckpt: Path, fmt: str, out: 
     keys = megatron_lm.model_keys(len(chunks))
     if fmt == "torch_dist":
         common = dist_checkpointing.load_common_state_dict(str(iter_dir))
-        request = {key: chunk.sharded_state_dict() for key, chunk in zip(keys, chunks, strict=True)}
+        request = {key: te_keys(chunk.sharded_state_dict(), variant) for key, chunk in zip(keys, chunks, strict=True)}
         common |= dist_checkpointing.load(request, str(iter_dir), strict=strict)
     else:
         path = iter_dir / megatron_lm.rank_dir(tp_rank, pp_rank, spec.pp) / "model_optim_rng.pt"
         common = torch.load(path, map_location="cpu", weights_only=False)
+        for key in keys:
+            common[key] = {te_name(name, variant, back=True): value for name, value in common[key].items()}
     for key, chunk in zip(keys, chunks, strict=True):
         chunk.load_state_dict(common.pop(key), strict=True)
     ids = batch(variant)

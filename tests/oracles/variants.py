@@ -45,6 +45,21 @@ class Variant:
     init_std: float = 0.05  # larger than Megatron's 0.02 so the logits are far from zero
     interpolation: float = 0.0  # rotary_seq_len_interpolation_factor (0: none): positions divided by it
     dense_first: int = 0  # the first layers with a dense MLP in an MoE (moe_layer_freq [0] * n + [1] * rest)
+    # DeepSeek-V3: multi-latent attention (MLATransformerConfig), its YaRN RoPE and router.
+    mla: bool = False  # multi_latent_attention (heads x head_dim are then v_head_dim's)
+    q_lora: int = 0  # q_lora_rank (0: None, one linear_q_proj)
+    kv_lora: int = 24  # kv_lora_rank
+    qk_dim: int = 16  # qk_head_dim (the part of each query/key head without RoPE)
+    pos_dim: int = 8  # qk_pos_emb_head_dim (the RoPE part, its key shared by all heads)
+    yarn_factor: float = 4.0  # rotary_scaling_factor (rope_type yarn)
+    yarn_original: int = 16  # original_max_position_embeddings
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    sigmoid: bool = False  # moe_router_score_function sigmoid, with moe_router_enable_expert_bias
+    topk_scale: float = 0.0  # moe_router_topk_scaling_factor (0: None)
+    router_groups: int = 0  # moe_router_num_groups (0: None)
+    group_topk: int = 0  # moe_router_group_topk (0: None)
+    te_names: bool = False  # files under Transformer Engine's names (the latent norms fused in the up projections)
 
     @property
     def moe_layer_freq(self) -> int | list[int]:
@@ -86,6 +101,45 @@ VARIANTS: dict[str, Variant] = {
     "rope-linear": Variant("rope-linear", layers=2, interpolation=4.0),
     # Qwen3-MoE-like whose first layer is dense (transformers' mlp_only_layers [0]).
     "moe-dense-first": Variant("moe-dense-first", layers=3, experts=4, qk_norm=True, dense_first=1),
+    # DeepSeek-V3-like: MLA with q_lora_rank, YaRN (mscale, mscale_all_dim), a dense first layer, 4 experts in 2
+    # groups (top-2 of 1 group), a shared expert, the sigmoid router with its expert bias, top-k scaled by 2.5.
+    "dsv3": Variant(
+        "dsv3",
+        layers=3,
+        heads=4,
+        groups=4,
+        head_dim=16,
+        experts=4,
+        shared_ffn=32,
+        qk_norm=True,
+        dense_first=1,
+        norm_eps=1e-6,
+        mla=True,
+        q_lora=32,
+        mscale=0.9,
+        mscale_all_dim=0.8,
+        sigmoid=True,
+        topk_scale=2.5,
+        router_groups=2,
+        group_topk=1,
+    ),
+    # The same without q_lora_rank (linear_q_proj), ungrouped, under Transformer Engine's names.
+    "dsv3-te": Variant(
+        "dsv3-te",
+        layers=3,
+        heads=4,
+        groups=4,
+        head_dim=16,
+        experts=4,
+        shared_ffn=64,
+        qk_norm=True,
+        dense_first=1,
+        norm_eps=1e-6,
+        mla=True,
+        sigmoid=True,
+        topk_scale=1.5,
+        te_names=True,
+    ),
 }
 
 

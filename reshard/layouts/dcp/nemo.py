@@ -86,7 +86,9 @@ SINGLE = frozenset(
         "add_bias_linear add_qkv_bias qk_layernorm untie_embeddings_and_output_weights vocab_size "
         "padded_vocab_size make_vocab_size_divisible_by true_vocab_size num_experts moe_router_topk "
         "moe_ffn_hidden_size moe_shared_expert_intermediate_size moe_shared_expert_gate moe_router_pre_softmax "
-        "moe_router_score_function low_freq_factor high_freq_factor old_context_len"
+        "moe_router_score_function low_freq_factor high_freq_factor old_context_len q_lora_rank kv_lora_rank "
+        "qk_head_dim qk_pos_emb_head_dim v_head_dim rotary_scaling_factor original_max_position_embeddings "
+        "beta_fast beta_slow mscale mscale_all_dim"
     ).split()
 )
 LISTS = frozenset({"moe_layer_freq"})

@@ -13,7 +13,9 @@ Pure planning from names and shapes, following what Megatron-Core 0.16.1's ``sha
 * **Norms under Transformer Engine's names** (the layer's ``sharded_state_dict_keys_map``): ``input_layernorm.``
   becomes ``self_attention.linear_qkv.layer_norm_``, and ``pre_mlp_layernorm.`` becomes
   ``mlp.linear_fc1.layer_norm_`` in dense layers, and in MoE layers of the local spec only (a Transformer
-  Engine MoE layer keeps its separate ``pre_mlp_layernorm``, ahead of the router).
+  Engine MoE layer keeps its separate ``pre_mlp_layernorm``, ahead of the router). A multi-latent attention layer
+  keeps its ``input_layernorm`` (both specs build it apart), and in the local spec its ``pre_mlp_layernorm`` too
+  (its local spec has no keys map).
 * **``_extra_state``** objects: ``<key>/shard_<offsets>_<shape>`` (``ShardedObject.unique_key``), offsets and
   shape along the stacked axes (``0`` of ``1`` when there are none).
 
@@ -42,8 +44,12 @@ _GROUPED = re.compile(r"\.mlp\.experts\.(linear_fc[12]\.(weight|bias)\d+|weight[
 EXTRA = "._extra_state"
 # Modules with an ``_extra_state`` a loader asks for: the linears of both the local and the Transformer Engine
 # spec, and Transformer Engine's norms (its RMSNorm is an op with FP8 state; the local spec's are torch's).
-_EXTRA_LINEARS = frozenset("linear_qkv linear_proj linear_fc1 linear_fc2".split())
-_EXTRA_NORMS = frozenset("final_layernorm pre_mlp_layernorm q_layernorm k_layernorm".split())
+_EXTRA_LINEARS = frozenset(
+    "linear_qkv linear_proj linear_fc1 linear_fc2 linear_q_proj linear_q_down_proj linear_q_up_proj "
+    "linear_kv_down_proj linear_kv_up_proj".split()
+)
+_EXTRA_NORMS = frozenset("final_layernorm pre_mlp_layernorm q_layernorm k_layernorm input_layernorm".split())
+_MLA = "self_attention.linear_kv_down_proj."
 
 
 @dataclass(frozen=True)
@@ -181,6 +187,7 @@ class _Renamer:
     def __init__(self, names: list[str], local_spec: bool) -> None:
         layers = [match.groups() for name in names if (match := _LAYER.match(name))]
         self._moe_layers = {int(layer) for layer, rest in layers if rest.startswith(_MOE)}
+        self._mla_layers = {int(layer) for layer, rest in layers if rest.startswith(_MLA)}
         self._local = local_spec
 
     def __call__(self, name: str) -> str:
@@ -188,9 +195,12 @@ class _Renamer:
         if not match:
             return name
         layer, rest = match.groups()
-        if rest.startswith("input_layernorm."):
+        mla = int(layer) in self._mla_layers
+        if rest.startswith("input_layernorm.") and not mla:
             rest = "self_attention.linear_qkv.layer_norm_" + rest.removeprefix("input_layernorm.")
-        elif rest.startswith("pre_mlp_layernorm.") and (self._local or int(layer) not in self._moe_layers):
+        elif rest.startswith("pre_mlp_layernorm.") and (
+            (self._local and not mla) or (not self._local and int(layer) not in self._moe_layers)
+        ):
             rest = "mlp.linear_fc1.layer_norm_" + rest.removeprefix("pre_mlp_layernorm.")
         return f"decoder.layers.{layer}.{rest}"
 

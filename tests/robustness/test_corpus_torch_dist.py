@@ -69,7 +69,7 @@ config:
   seq_length: 64
 """
 # A YAML alias bomb: 9 levels of 9 references, a few hundred bytes that str() or json.dumps would walk 9^9 times.
-ALIAS_BOMB = "bomb:\n  l0: &l0 [x, x, x, x, x, x, x, x, x]\n" + "".join(
+ALIAS_BOMB = "optim:\n  l0: &l0 [x, x, x, x, x, x, x, x, x]\n" + "".join(
     f"  l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]\n" for i in range(1, 10)
 )
 

@@ -39,11 +39,13 @@ import os
 import sys
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 
+from reshard.errors import CorruptFileError
 from reshard.io.vectored import pwrite_all, read_all
 
 logger = logging.getLogger(__name__)
@@ -242,6 +244,34 @@ class DirectSource:
         """Close the descriptors now (else they close when this object is collected)."""
         self._closer()
         self._fd = self._direct_fd = None
+
+
+class OpenSources:
+    """Data files opened for reading on demand by a lazy reader, the least recently used closed past ``limit``
+    (reads in flight keep theirs: a :class:`DirectSource` closes when collected); safe across threads."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._files: OrderedDict[Path, DirectSource] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, path: Path) -> DirectSource:
+        """``path`` open for reading.
+
+        Raises:
+            CorruptFileError: the file cannot be opened.
+        """
+        with self._lock:
+            source = self._files.pop(path, None)
+            if source is None:
+                try:
+                    source = DirectSource(path)
+                except OSError as err:
+                    raise CorruptFileError(f"cannot open: {err.strerror}", path=path) from err
+            self._files[path] = source
+            while len(self._files) > self._limit:
+                self._files.popitem(last=False)
+            return source
 
 
 class DirectFile:

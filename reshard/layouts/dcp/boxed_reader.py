@@ -11,7 +11,6 @@ So memory stays about the output tensor plus one chunk, whatever the size of the
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +21,7 @@ from reshard.errors import CorruptFileError
 from reshard.formats.boxes import Box, Shape, c_strides, contiguous_pieces, runs
 from reshard.formats.chunks import ChunkLayout, torch_archive_layout
 from reshard.formats.dcp_metadata.read import StoredChunk, StoredTensor
-from reshard.io.direct import Batch, DirectSource
+from reshard.io.direct import Batch, OpenSources
 from reshard.io.vectored import row_views
 from reshard.layouts.readers import FileReader, TensorHeader
 
@@ -73,7 +72,7 @@ class BoxedReader(FileReader):
     extras: dict[str, Any] = field(init=False, default_factory=dict)
     notes: list[str] = field(init=False, default_factory=list)
     _layouts: dict[StoredChunk, ChunkLayout] = field(init=False, default_factory=dict, repr=False)
-    _files: OrderedDict[Path, DirectSource] = field(init=False, default_factory=OrderedDict, repr=False)
+    _files: OpenSources = field(init=False, default_factory=lambda: OpenSources(OPEN_FILES), repr=False)
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
@@ -164,7 +163,7 @@ class BoxedReader(FileReader):
             return
         for chunk in view.tensor.chunks:
             try:
-                self._source(chunk.file).advise(chunk.position, chunk.length, advice)
+                self._files.get(chunk.file).advise(chunk.position, chunk.length, advice)
             except OSError:
                 return
 
@@ -183,7 +182,7 @@ class BoxedReader(FileReader):
         import torch
 
         layout = self._layout(tensor, chunk)
-        source = self._source(chunk.file)
+        source = self._files.get(chunk.file)
         itemsize = dest.element_size()
 
         def error(why: str) -> CorruptFileError:
@@ -228,20 +227,6 @@ class BoxedReader(FileReader):
         with self._lock:
             self._layouts[chunk] = layout
         return layout
-
-    def _source(self, path: Path) -> DirectSource:
-        """An open data file, the least recently used closed past :data:`OPEN_FILES` (reads in flight keep theirs)."""
-        with self._lock:
-            source = self._files.pop(path, None)
-            if source is None:
-                try:
-                    source = DirectSource(path)
-                except OSError as err:
-                    raise CorruptFileError(f"cannot open: {err.strerror}", path=path) from err
-            self._files[path] = source
-            while len(self._files) > OPEN_FILES:
-                self._files.popitem(last=False)
-            return source
 
 
 def _describe(view: BoxView) -> str:

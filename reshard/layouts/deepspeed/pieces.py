@@ -10,8 +10,6 @@ as its header's dtype: the stored elements of the asked range go through one tem
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from reshard.dtypes import dtype_from_code, itemsize_of
 from reshard.errors import CorruptFileError
-from reshard.io.direct import Batch, DirectSource
+from reshard.io.direct import Batch, OpenSources
 from reshard.layouts.readers import FileReader, TensorHeader
 
 if TYPE_CHECKING:
@@ -48,8 +46,7 @@ class PiecesReader(FileReader):
     widened: Mapping[str, str] = field(default_factory=dict)  # key -> the code it is stored in
     extras: dict[str, Any] = field(init=False, default_factory=dict)
     notes: list[str] = field(init=False, default_factory=list)
-    _files: OrderedDict[Path, DirectSource] = field(init=False, default_factory=OrderedDict, repr=False)
-    _lock: threading.Lock = field(init=False, default_factory=threading.Lock, repr=False)
+    _files: OpenSources = field(init=False, default_factory=lambda: OpenSources(OPEN_FILES), repr=False)
 
     def __post_init__(self) -> None:
         for key, header in self.headers.items():
@@ -105,24 +102,10 @@ class PiecesReader(FileReader):
 
                 view = buffer[low - start : high - start]
                 try:
-                    self._source(piece.file).read([view], piece.position + low - begin, error=error)
+                    self._files.get(piece.file).read([view], piece.position + low - begin, error=error)
                 except OSError as err:
                     raise error(str(err)) from err
             begin += piece.length
 
     def describe(self, key: str) -> str | None:
         return self.described.get(key)
-
-    def _source(self, path: Path) -> DirectSource:
-        """An open partition file, the least recently used closed past :data:`OPEN_FILES`."""
-        with self._lock:
-            source = self._files.pop(path, None)
-            if source is None:
-                try:
-                    source = DirectSource(path)
-                except OSError as err:
-                    raise CorruptFileError(f"cannot open: {err.strerror}", path=path) from err
-            self._files[path] = source
-            while len(self._files) > OPEN_FILES:
-                self._files.popitem(last=False)
-            return source

@@ -152,12 +152,14 @@ def _megatron_to_hf(source: SourceCheckpoint, *, vocab_size: int | None, dtype: 
                 hint="correct --config, or leave it out: the args describe the model",
             )
         target = config.raw if vocab_size is None else config.with_vocab_size(vocab_size)
-        return MappingChoice(megatron_to_hf(config.model_type), target)
+        bias = args is None or gpt_shape_from_args(args).moe_router_enable_expert_bias
+        return MappingChoice(megatron_to_hf(config.model_type, expert_bias=bias), target)
     if args is None:  # Megatron's names without Megatron's files (written with --keep-names): they stay
         return None
     shape = gpt_shape_from_args(args)
     family = hf_family(shape)
-    return MappingChoice(megatron_to_hf(family), hf_config(shape, vocab_size=vocab_size, dtype=dtype, family=family))
+    mapping = megatron_to_hf(family, expert_bias=shape.moe_router_enable_expert_bias)
+    return MappingChoice(mapping, hf_config(shape, vocab_size=vocab_size, dtype=dtype, family=family))
 
 
 def _torchtitan_to_hf(

@@ -10,7 +10,8 @@ differs: a config that loads but computes something else is the bug this module 
 
 A model with multi-latent attention is DeepSeek-V3 (``deepseek_v3``): its YaRN RoPE, softmax scale, sigmoid router
 with the expert bias, group-limited routing, scaled top-k, shared experts and dense first layers are carried where
-transformers computes what Megatron-Core 0.16.1 computes, and refused by name where it does not (Megatron scores a
+transformers computes what Megatron-Core 0.16.1 computes (a sigmoid router without the expert bias is DeepseekV3's
+with a zero ``e_score_correction_bias``), and refused by name where it does not (no shared expert; Megatron scores a
 group of experts by its top ``topk / group_topk``, transformers by its top 2; transformers' shared expert has no
 gate and is ``n_shared_experts`` routed experts wide; its latent norms use eps 1e-6; it ignores ``mscale`` when
 ``mscale_all_dim`` is 0 and scales the softmax only under YaRN, where Megatron scales it under any RoPE).
@@ -286,11 +287,14 @@ def _deepseek_router_problems(shape: GPTShape) -> list[str]:
         problems.append(
             f"moe_router_score_function={shape.moe_router_score_function!r} (DeepseekV3 routes by sigmoid)"
         )
-    if not shape.moe_router_enable_expert_bias:
-        problems.append("moe_router_enable_expert_bias=False (DeepseekV3's router always adds its expert bias)")
     expert = shape.moe_ffn_hidden_size or shape.ffn_hidden_size
     shared = shape.moe_shared_expert_intermediate_size
-    if not shared or shared % expert:
+    if not shared:
+        problems.append(
+            f"moe_shared_expert_intermediate_size={shared!r}: no shared expert (transformers' DeepseekV3 always "
+            "builds one, n_shared_experts x moe_intermediate_size wide; 0 gives empty weights reshard does not invent)"
+        )
+    elif shared % expert:
         problems.append(
             f"moe_shared_expert_intermediate_size={shared!r}: DeepseekV3's shared expert is a multiple of "
             f"moe_ffn_hidden_size {expert}"

@@ -23,7 +23,8 @@ What the table does (and why each row is not a plain rename):
   ``kv_b_proj``; the latent norms ``q_layernorm`` / ``kv_layernorm`` (Transformer Engine fuses them into
   ``linear_q_up_proj.layer_norm_weight`` / ``linear_kv_up_proj.layer_norm_weight``) are ``q_a_layernorm`` /
   ``kv_a_layernorm``; both specs keep a separate ``input_layernorm``. The router's ``expert_bias`` is
-  ``gate.e_score_correction_bias``, the ungated ``shared_experts`` are ``shared_experts``.
+  ``gate.e_score_correction_bias`` (a sigmoid router without one gets a zero bias: the same choice of experts),
+  the ungated ``shared_experts`` are ``shared_experts``.
 * Legacy (pre-mcore) names under ``language_model.`` are read too.
 * Dropped on purpose: Transformer Engine's ``_extra_state`` (FP8 scaling metadata), rotary ``inv_freq``.
 
@@ -36,7 +37,7 @@ from __future__ import annotations
 from reshard.config import ModelConfig
 from reshard.errors import MappingError
 from reshard.mappings.base import Entry, Mapping, rename
-from reshard.mappings.transforms import Chunk, SplitGroupedQKV, Transform
+from reshard.mappings.transforms import Chunk, SplitGroupedQKV, Transform, WithZeros
 
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -172,12 +173,19 @@ def _mla_attention() -> tuple[Entry, ...]:
     )
 
 
-def _deepseek_v3_mlp() -> tuple[Entry, ...]:
-    """Routed experts, the sigmoid router and its expert bias, the ungated shared expert, the dense first layers."""
+def _deepseek_v3_mlp(expert_bias: bool) -> tuple[Entry, ...]:
+    """Routed experts, the sigmoid router and its expert bias (a zero one when ``expert_bias`` is off: transformers'
+    router always adds one), the ungated shared expert, the dense first layers."""
+    router, gate = _L + "mlp.router.", _HF + "mlp.gate."
+    bias = gate + "e_score_correction_bias"
+    routing = (
+        (rename(router + "weight", gate + "weight"), rename(router + "expert_bias", bias))
+        if expert_bias
+        else (Entry((router + "weight",), (gate + "weight", bias), WithZeros()),)
+    )
     return (
         *_mlp(_L + "mlp.experts.local_experts.{E}.", _HF + "mlp.experts.{E}.", HF_MLP, bias=False),
-        rename(_L + "mlp.router.weight", _HF + "mlp.gate.weight"),
-        rename(_L + "mlp.router.expert_bias", _HF + "mlp.gate.e_score_correction_bias"),
+        *routing,
         *_mlp(_L + "mlp.shared_experts.", _HF + "mlp.shared_experts.", HF_MLP, bias=False),
         *_mlp(_L + "mlp.", _HF + "mlp.", HF_MLP, bias=False),
         rename(_L + "pre_mlp_layernorm.weight", _HF + "post_attention_layernorm.weight"),
@@ -185,15 +193,16 @@ def _deepseek_v3_mlp() -> tuple[Entry, ...]:
     )
 
 
-def megatron_to_hf(family: str) -> Mapping:
-    """The Megatron GPT -> transformers table for one family (``llama``, ``qwen2``, ``mixtral``, ...)."""
+def megatron_to_hf(family: str, *, expert_bias: bool = True) -> Mapping:
+    """The Megatron GPT -> transformers table for one family (``llama``, ``qwen2``, ``mixtral``, ...);
+    ``expert_bias`` off: DeepSeek-V3's sigmoid router has no expert bias (a zero one is written)."""
     if family not in DENSE_FAMILIES + MOE_FAMILIES + MLA_FAMILIES:
         raise MappingError(
             f"no Megatron mapping to the {family!r} family",
             hint=f"one of {DENSE_FAMILIES + MOE_FAMILIES + MLA_FAMILIES}",
         )
     if family in MLA_FAMILIES:
-        layers = (*_mla_attention(), *_deepseek_v3_mlp())
+        layers = (*_mla_attention(), *_deepseek_v3_mlp(expert_bias))
     else:
         layers = (*_attention(), *(_moe_mlp(family) if family in MOE_FAMILIES else _dense_mlp()))
     return Mapping(

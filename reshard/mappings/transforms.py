@@ -12,6 +12,8 @@ inverse, so a mapping table written one way (say Megatron -> transformers) also 
   <-> the half-split layout transformers' ``rotate_half`` expects; the permutation transformers'
   ``convert_llama_weights_to_hf.py`` and torchtitan's ``to_hf`` apply (forgetting it gives garbage text:
   torchtitan#1291).
+* :class:`WithZeros` / :class:`DropZeros` - a tensor and a zero vector of its rows <-> the tensor (a sigmoid router
+  without an expert bias is DeepSeek-V3's router with a zero ``e_score_correction_bias``).
 * :class:`Parallel` / :class:`Chain` - one transform per tensor of a group, and transforms one after the other
   (torchtitan's fused ``wqkv``: split per KV group, then permute q and k).
 """
@@ -22,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from reshard.errors import ShapeMismatchError
+from reshard.errors import MappingError, ShapeMismatchError
 
 if TYPE_CHECKING:
     import torch
@@ -239,6 +241,53 @@ class RopeUnpermute:
 
     def describe(self) -> str:
         return f"RoPE halves to pairs ({self.heads} heads)"
+
+
+@dataclass(frozen=True)
+class WithZeros:
+    """One tensor -> itself and a zero vector, one element per row: a bias the target family always has, which the
+    source lacks because it is zero (a router without an expert bias, as DeepSeek-V3's ``e_score_correction_bias``)."""
+
+    sources: int = 1
+    targets: int = 2
+
+    def target_shapes(self, shapes: Sequence[Shape]) -> list[Shape]:
+        (shape,) = shapes
+        return [tuple(shape), (shape[0],)]
+
+    def apply(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        (tensor,) = tensors
+        return [tensor, tensor.new_zeros(tensor.shape[0])]
+
+    def inverse(self) -> DropZeros:
+        return DropZeros()
+
+    def describe(self) -> str:
+        return "kept, with a zero vector of its rows"
+
+
+@dataclass(frozen=True)
+class DropZeros:
+    """A tensor and a zero vector -> the tensor (:class:`WithZeros` backwards); a vector that is not zero changes the
+    computation and is refused."""
+
+    sources: int = 2
+    targets: int = 1
+
+    def target_shapes(self, shapes: Sequence[Shape]) -> list[Shape]:
+        return [tuple(shapes[0])]
+
+    def apply(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        tensor, zeros = tensors
+        if bool(zeros.any()):
+            raise MappingError("a bias the target has no place for is not zero: dropping it would change the model")
+        return [tensor]
+
+    def inverse(self) -> WithZeros:
+        return WithZeros()
+
+    def describe(self) -> str:
+        return "kept, its zero vector dropped"
 
 
 @dataclass(frozen=True)

@@ -180,6 +180,7 @@ DSV3 = dict(
     [
         ({"moe_router_topk": 4, "moe_router_num_groups": 2, "moe_router_group_topk": 1}, "moe_router_group_topk=1"),
         ({"moe_router_score_function": "softmax"}, "moe_router_score_function='softmax'"),
+        ({"moe_shared_expert_intermediate_size": None}, "moe_shared_expert_intermediate_size=None: no shared expert"),
         ({"moe_shared_expert_gate": True}, "moe_shared_expert_gate=True"),
         ({"moe_layer_freq": [1, 0, 1]}, "moe_layer_freq"),
         ({"norm_epsilon": 1e-5}, "norm_epsilon=1e-05"),
@@ -193,3 +194,16 @@ def test_deepseek_v3_settings_transformers_does_not_compute_are_refused_by_name(
     assert hf_family(gpt_shape_from_args(DSV3)) == "deepseek_v3"
     with pytest.raises(MappingError, match=re.escape(named)):
         hf_family(gpt_shape_from_args(DSV3 | change))
+
+
+def test_a_sigmoid_router_without_expert_bias_is_deepseek_v3_with_a_zero_bias() -> None:
+    """Megatron's sigmoid router without ``expert_bias`` chooses experts by the scores alone: DeepseekV3's router with
+    ``e_score_correction_bias`` zero, which the mapping writes (proven by logits in ``test_megatron_oracle.py``)."""
+    from reshard.mappings.megatron_config import gpt_shape_from_args, hf_family
+    from reshard.mappings.megatron_gpt import megatron_to_hf
+
+    assert hf_family(gpt_shape_from_args(DSV3 | {"moe_router_enable_expert_bias": False})) == "deepseek_v3"
+    names = {"decoder.layers.1.mlp.router.weight": (4, 64)}
+    (group,), _ = megatron_to_hf("deepseek_v3", expert_bias=False).plan(names, None)
+    assert group.targets == ("model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias")
+    assert group.shapes == ((4, 64), (4,))

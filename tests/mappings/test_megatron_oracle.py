@@ -32,6 +32,12 @@ CASES = {
     "moe-dense-first-tp2": (Spec("moe-dense-first", tp=2), "qwen3_moe"),  # mlp_only_layers [0]
     "dsv3-tp2": (Spec("dsv3", tp=2), "deepseek_v3"),  # MLA, YaRN, grouped sigmoid router, scaled top-k
     "dsv3-te": (Spec("dsv3-te"), "deepseek_v3"),  # no q_lora_rank, Transformer Engine's names
+    # mlp_only_layers [0] with Qwen2-MoE's gated shared expert (shared_expert_gate)
+    "moe-shared-gate-dense-first-tp2": (Spec("moe-shared-gate-dense-first", tp=2), "qwen2_moe"),
+    # Transformer Engine's names at tp 2: the legacy files hold MLA's down projections whole on every rank
+    "dsv3-te-names-tp2": (Spec("dsv3", tp=2, overrides=(("te_names", "true"),)), "deepseek_v3"),
+    # the sigmoid router without an expert bias: DeepseekV3's with a zero e_score_correction_bias
+    "dsv3-no-expert-bias-tp2": (Spec("dsv3", tp=2, overrides=(("expert_bias", "false"),)), "deepseek_v3"),
 }
 
 
@@ -72,6 +78,16 @@ def test_a_shared_expert_without_gate_has_no_transformers_family(cli, mcore_orac
     assert "no transformers family: shared experts without a gate" in result.output
 
 
+def test_deepseek_v3_without_a_shared_expert_is_refused_by_name(cli, mcore_oracle, tmp_path: Path) -> None:
+    """transformers' DeepseekV3 always builds a shared expert (``n_shared_experts`` 0 gives empty weights): a Megatron
+    MLA MoE without one is refused, naming the argument."""
+    (ckpt,) = mcore_oracle.checkpoints(Spec("dsv3-te", overrides=(("shared_ffn", "0"),)))
+    out = tmp_path / "hf"
+    result = cli("convert", ckpt.torch_dist, "--tp", 1, "--layout", "hf", "-o", out)
+    assert result.exit_code == 2 and not out.exists()
+    assert "moe_shared_expert_intermediate_size=None: no shared expert" in result.output
+
+
 def test_torch_dist_to_the_legacy_format_at_other_tps_loads_in_megatron_core(
     cli, mcore_oracle, tmp_path: Path
 ) -> None:
@@ -93,9 +109,9 @@ def test_torch_dist_to_the_legacy_format_at_other_tps_loads_in_megatron_core(
 
 
 def test_deepseek_v3_back_to_torch_dist_loads_in_megatron_core(cli, mcore_oracle, tmp_path: Path) -> None:
-    """Megatron -> transformers DeepseekV3 -> ``torch_dist`` (and the legacy ``torch`` format): Megatron-Core loads it
-    (at tp 2 and 1, under Transformer Engine's names, the names reshard writes) and computes the first writer's
-    logits."""
+    """Megatron -> transformers DeepseekV3 -> ``torch_dist`` (and the legacy ``torch`` format at tp 1 and 2):
+    Megatron-Core loads it (at tp 2 and 1, under Transformer Engine's names, the names reshard writes) and computes
+    the first writer's logits."""
     written = mcore_oracle.checkpoints(Spec("dsv3", tp=2), Spec("dsv3-te"))
     requests = []
     for ckpt, at in zip(written, (2, 1), strict=True):
@@ -110,5 +126,9 @@ def test_deepseek_v3_back_to_torch_dist_loads_in_megatron_core(cli, mcore_oracle
     result = cli("convert", tmp_path / "dsv3-te-hf", "--tp", 1, "--layout", "megatron", "-o", legacy)
     assert result.exit_code == 0, result.output
     requests.append((legacy, "torch", requests[-1][2], "assume_ok_unexpected"))
-    for ckpt, loaded in zip([*written, written[-1]], mcore_oracle.load_many(requests), strict=True):
+    legacy2 = tmp_path / "dsv3-legacy-tp2"  # at tp 2: Transformer Engine's whole down projections on every rank
+    result = cli("convert", tmp_path / "dsv3-hf", "--tp", 2, "--layout", "megatron", "-o", legacy2)
+    assert result.exit_code == 0, result.output
+    requests.append((legacy2, "torch", requests[0][2], "assume_ok_unexpected"))
+    for ckpt, loaded in zip([*written, written[-1], written[0]], mcore_oracle.load_many(requests), strict=True):
         torch.testing.assert_close(loaded["logits"][..., : ckpt.variant.vocab], ckpt.logits, rtol=0, atol=1e-4)

@@ -61,6 +61,10 @@ COMMON = (
     Spec("moe-dense-first", tp=2),
     Spec("dsv3", tp=2),  # DeepSeek-V3-like: MLA with q_lora_rank, YaRN, grouped sigmoid router, dense first layer
     Spec("dsv3-te", tp=1),  # the same without q_lora_rank, under Transformer Engine's names
+    Spec("moe-shared-gate-dense-first", tp=2),  # Qwen2-MoE-like with a dense first layer
+    Spec("dsv3", tp=2, overrides=(("te_names", "true"),)),  # TE's names at tp 2: MLA's down projections whole
+    Spec("dsv3", tp=2, overrides=(("expert_bias", "false"),)),  # the sigmoid router without its expert bias
+    Spec("dsv3-te", tp=1, overrides=(("shared_ffn", "0"),)),  # no shared expert
 )
 
 

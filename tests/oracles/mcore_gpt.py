@@ -136,12 +136,13 @@ def build(variant: Variant, spec: Spec, *, seed: int) -> list:
             original_max_position_embeddings=variant.yarn_original,
             mscale=variant.mscale,
             mscale_all_dim=variant.mscale_all_dim,
+            transformer_impl="local",  # 0.19 builds MLA's projections from this backend, not only from the spec
         )
     router = {}
     if variant.sigmoid:
         router = dict(
             moe_router_score_function="sigmoid",
-            moe_router_enable_expert_bias=True,
+            moe_router_enable_expert_bias=variant.expert_bias,
             moe_router_topk_scaling_factor=variant.topk_scale or None,
             moe_router_num_groups=variant.router_groups or None,
             moe_router_group_topk=variant.group_topk or None,
@@ -190,7 +191,12 @@ def build(variant: Variant, spec: Spec, *, seed: int) -> list:
     if variant.dense_first or variant.mla:  # dense and MoE layers: one spec per layer, from moe_layer_freq
         layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
         for layer in layer_spec.layer_specs if variant.mla else ():
-            layer.submodules.self_attention.submodules.core_attention = mla_core_attention()
+            attention = layer.submodules.self_attention.submodules
+            attention.core_attention = mla_core_attention()
+            if not variant.q_lora:  # no query latent, no query norm (0.19 refuses an unused one)
+                from megatron.core.transformer.identity_op import IdentityOp
+
+                attention.q_layernorm = IdentityOp
     else:
         layer_spec = get_gpt_layer_local_spec(
             num_experts=variant.experts or None, normalization="RMSNorm", qk_layernorm=variant.qk_norm
@@ -256,6 +262,32 @@ def te_name(name: str, variant: Variant, *, back: bool = False) -> str:
     return name
 
 
+_DOWN = ("self_attention.linear_q_down_proj.weight", "self_attention.linear_kv_down_proj.weight")
+
+
+def te_legacy(state: dict, variant: Variant, *, back: bool = False) -> dict:
+    """A rank's legacy model state as the Transformer Engine spec saves it (``back``: as the local spec loads it):
+    :func:`te_name`'s names, and MLA's down projections whole on every tp rank (TE duplicates them, the local spec
+    splits them on dim 0), for ``te_names`` variants."""
+    from megatron.core import parallel_state as ps
+
+    if not variant.te_names:
+        return state
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    group = ps.get_tensor_model_parallel_group()
+    out = {}
+    for name, value in state.items():
+        if name.endswith(_DOWN) and tp > 1:
+            if back:
+                value = value.chunk(tp)[rank].clone()
+            else:
+                parts = [torch.empty_like(value) for _ in range(tp)]
+                dist.all_gather(parts, value.contiguous(), group=group)
+                value = torch.cat(parts)
+        out[te_name(name, variant, back=back)] = value
+    return out
+
+
 def te_keys(tree: dict, variant: Variant) -> dict:
     """A sharded state dict whose tensors are stored under :func:`te_name`'s keys (as a TE model's would be)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -314,7 +346,7 @@ def save(chunks: list, variant: Variant, spec: Spec, out: Path) -> None:
         args = megatron_lm.megatron_args(variant, spec, ckpt_format="torch")
         state = megatron_lm.legacy_state(chunks, args)
         for key in megatron_lm.model_keys(len(chunks)):
-            state[key] = {te_name(name, variant): value for name, value in state[key].items()}
+            state[key] = te_legacy(state[key], variant)
         torch.save(state, path)
 
     dist_root = out / "torch_dist"
@@ -358,7 +390,7 @@ def load(chunks: list, variant: Variant, spec: Spec, ckpt: Path, fmt: str, out: 
         path = iter_dir / megatron_lm.rank_dir(tp_rank, pp_rank, spec.pp) / "model_optim_rng.pt"
         common = torch.load(path, map_location="cpu", weights_only=False)
         for key in keys:
-            common[key] = {te_name(name, variant, back=True): value for name, value in common[key].items()}
+            common[key] = te_legacy(common[key], variant, back=True)
     for key, chunk in zip(keys, chunks, strict=True):
         chunk.load_state_dict(common.pop(key), strict=True)
     ids = batch(variant)

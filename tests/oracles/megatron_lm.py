@@ -123,7 +123,7 @@ def megatron_args(variant: Variant, spec: Spec, *, ckpt_format: str) -> argparse
         mscale=variant.mscale,
         mscale_all_dim=variant.mscale_all_dim,
         moe_router_score_function="sigmoid" if variant.sigmoid else "softmax",
-        moe_router_enable_expert_bias=variant.sigmoid,
+        moe_router_enable_expert_bias=variant.sigmoid and variant.expert_bias,
         moe_router_topk_scaling_factor=variant.topk_scale or None,
         moe_router_num_groups=variant.router_groups or None,
         moe_router_group_topk=variant.group_topk or None,

@@ -55,7 +55,8 @@ class Variant:
     yarn_original: int = 16  # original_max_position_embeddings
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
-    sigmoid: bool = False  # moe_router_score_function sigmoid, with moe_router_enable_expert_bias
+    sigmoid: bool = False  # moe_router_score_function sigmoid
+    expert_bias: bool = True  # moe_router_enable_expert_bias (with sigmoid)
     topk_scale: float = 0.0  # moe_router_topk_scaling_factor (0: None)
     router_groups: int = 0  # moe_router_num_groups (0: None)
     group_topk: int = 0  # moe_router_group_topk (0: None)
@@ -99,6 +100,16 @@ VARIANTS: dict[str, Variant] = {
     "qk-norm": Variant("qk-norm", layers=2, qk_norm=True, tied=True),
     # Llama-like with RoPE positions interpolated by 4 (transformers' rope_type linear).
     "rope-linear": Variant("rope-linear", layers=2, interpolation=4.0),
+    # Qwen2-MoE-like whose first layer is dense (mlp_only_layers [0]), with the gated shared expert.
+    "moe-shared-gate-dense-first": Variant(
+        "moe-shared-gate-dense-first",
+        layers=3,
+        experts=4,
+        shared_ffn=48,
+        shared_gate=True,
+        qkv_bias=True,
+        dense_first=1,
+    ),
     # Qwen3-MoE-like whose first layer is dense (transformers' mlp_only_layers [0]).
     "moe-dense-first": Variant("moe-dense-first", layers=3, experts=4, qk_norm=True, dense_first=1),
     # DeepSeek-V3-like: MLA with q_lora_rank, YaRN (mscale, mscale_all_dim), a dense first layer, 4 experts in 2

@@ -37,7 +37,16 @@ REQUIREMENTS = [
     "psutil==7.2.2",
     "triton==3.9.0",
 ]
-SPECS = {"llama": Spec("llama", tp=2), "moe": Spec("moe", tp=2)}
+# DeepSeek-V3-like (MLA with q_lora_rank, YaRN, the grouped sigmoid router with its expert bias, scaled top-k, a
+# shared expert, a dense first layer), under the local spec's names and Transformer Engine's (down projections whole).
+# Without q_lora_rank 0.19 puts a norm before linear_q_proj (Transformer Engine's fused
+# linear_q_proj.layer_norm_weight, which the local spec cannot build and transformers' DeepseekV3 has no place for).
+SPECS = {
+    "llama": Spec("llama", tp=2),
+    "moe": Spec("moe", tp=2),
+    "dsv3": Spec("dsv3", tp=2),
+    "dsv3-te-names": Spec("dsv3", tp=2, overrides=(("te_names", "true"),)),
+}
 TOLERANCE = 1e-4  # fp32
 
 
@@ -81,18 +90,40 @@ def test_megatron_core_0_19_keeps_args_in_the_data_files(cli, written: Path) -> 
     assert any(f"read from {COMMON_STATE} in __0_0.distcp" in note for note in report["notes"])
 
 
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
 @pytest.mark.parametrize("name", list(SPECS))
-def test_to_transformers_without_config(cli, written: Path, tmp_path: Path, name: str) -> None:
+def test_to_transformers_without_config(cli, written: Path, tmp_path: Path, name: str, fmt: str) -> None:
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "hf"
-    result = cli("convert", written / name / "torch_dist", "--tp", 1, "--layout", "hf", "-o", out)
+    result = cli("convert", written / name / fmt, "--tp", 1, "--layout", "hf", "-o", out)
     assert result.exit_code == 0, result.output
     ref = reference(written, name)
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    model, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     with torch.inference_mode():
-        logits = model(ref["input_ids"]).logits
+        logits = model.eval()(ref["input_ids"]).logits
     torch.testing.assert_close(logits, ref["logits"], rtol=0, atol=TOLERANCE)
+
+
+def test_deepseek_v3_back_to_torch_dist_loads_in_megatron_core_0_19(cli, written: Path, mcore19: Path, tmp_path):
+    """Megatron-Core 0.19.2 -> transformers DeepseekV3 -> ``torch_dist`` (Transformer Engine's names, as reshard writes
+    them) and the legacy ``torch`` format at tp 2: 0.19.2 loads both at tp 2 with the first writer's logits."""
+    hf, back, legacy = tmp_path / "hf", tmp_path / "back", tmp_path / "legacy"
+    steps = ((written / "dsv3" / "torch_dist", hf, "hf", 1), (hf, back, "torch_dist", 1), (hf, legacy, "megatron", 2))
+    for source, out, layout, tp in steps:
+        result = cli("convert", source, "--tp", tp, "--layout", layout, "-o", out)
+        assert result.exit_code == 0, result.output
+    spec = Spec("dsv3", tp=2, overrides=(("te_names", "true"),)).to_json()
+    jobs = [
+        {"command": "load", "spec": spec, "ckpt": str(ckpt), "format": fmt, "strict": "assume_ok_unexpected"}
+        | {"out": str(tmp_path / f"{fmt}.pt")}
+        for ckpt, fmt in ((back, "torch_dist"), (legacy, "torch"))
+    ]
+    run_jobs(jobs, nproc=2, python=mcore19)
+    for job in jobs:
+        logits = torch.load(job["out"], weights_only=True)["logits"]
+        torch.testing.assert_close(logits[..., :1000], reference(written, "dsv3")["logits"], rtol=0, atol=TOLERANCE)
 
 
 def test_to_megatron_and_torch_dist_loaded_by_megatron_core_0_19(cli, written: Path, mcore19: Path, tmp_path):

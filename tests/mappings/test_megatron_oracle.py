@@ -78,6 +78,24 @@ def test_a_shared_expert_without_gate_has_no_transformers_family(cli, mcore_orac
     assert "no transformers family: shared experts without a gate" in result.output
 
 
+def test_qwen2_moe_with_a_dense_layer_back_to_megatron_core(cli, mcore_oracle, tmp_path: Path) -> None:
+    """Megatron -> transformers Qwen2-MoE (``mlp_only_layers`` [0], the gated shared expert) -> ``torch_dist`` and the
+    ``torch`` format at tp 2, under Transformer Engine's names: Megatron-Core loads both with the writer's logits."""
+    (ckpt,) = mcore_oracle.checkpoints(Spec("moe-shared-gate-dense-first", tp=2))
+    hf, dist, legacy = tmp_path / "hf", tmp_path / "torch_dist", tmp_path / "legacy"
+    for source, out, layout, tp in (
+        (ckpt.torch_dist, hf, "hf", 1),
+        (hf, dist, "torch_dist", 1),
+        (hf, legacy, "megatron", 2),
+    ):
+        result = cli("convert", source, "--tp", tp, "--layout", layout, "-o", out)
+        assert result.exit_code == 0, result.output
+    te = Spec(ckpt.spec.variant, tp=2, overrides=(("te_names", "true"),))
+    requests = [(dist, "torch_dist", te, "assume_ok_unexpected"), (legacy, "torch", te, "assume_ok_unexpected")]
+    for loaded in mcore_oracle.load_many(requests):
+        torch.testing.assert_close(loaded["logits"][..., : ckpt.variant.vocab], ckpt.logits, rtol=0, atol=1e-5)
+
+
 def test_deepseek_v3_without_a_shared_expert_is_refused_by_name(cli, mcore_oracle, tmp_path: Path) -> None:
     """transformers' DeepseekV3 always builds a shared expert (``n_shared_experts`` 0 gives empty weights): a Megatron
     MLA MoE without one is refused, naming the argument."""

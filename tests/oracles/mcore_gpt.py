@@ -242,9 +242,13 @@ def _randomize_constants(model, where: str) -> None:
             param.copy_(base + 0.2 * torch.randn(param.shape, generator=gen, dtype=param.dtype))
 
 
-def te_name(name: str, variant: Variant, *, back: bool = False) -> str:
+def te_name(name: str, variant: Variant, *, back: bool = False, dist: bool = False) -> str:
     """A local-spec name as the Transformer Engine spec stores it (``back``: the other way), for ``te_names``
-    variants: MLA's latent norms fused into the up projections, a dense layer's MLP norm into its ``linear_fc1``."""
+    variants: MLA's latent norms fused into the up projections, a dense layer's MLP norm into its ``linear_fc1``.
+
+    Without MLA the local spec's ``sharded_state_dict`` already stores its norms under TE's fused names (``dist``:
+    a ``torch_dist`` key), even an MoE layer's ``pre_mlp_layernorm``, which TE keeps apart; its legacy files keep
+    ``input_layernorm``, which TE fuses into ``linear_qkv``."""
     if not variant.te_names:
         return name
     pairs = [
@@ -255,6 +259,11 @@ def te_name(name: str, variant: Variant, *, back: bool = False) -> str:
         (f"layers.{i}.pre_mlp_layernorm.", f"layers.{i}.mlp.linear_fc1.layer_norm_")
         for i in range(variant.dense_first)
     ]
+    if not variant.mla and dist:
+        moe_layers = range(variant.dense_first, variant.layers) if variant.experts else ()
+        pairs += [(f"layers.{i}.mlp.linear_fc1.layer_norm_", f"layers.{i}.pre_mlp_layernorm.") for i in moe_layers]
+    elif not variant.mla:
+        pairs.append(("input_layernorm.", "self_attention.linear_qkv.layer_norm_"))
     for local, te in pairs:
         old, new = (te, local) if back else (local, te)
         if old in name:
@@ -296,7 +305,7 @@ def te_keys(tree: dict, variant: Variant) -> dict:
         if isinstance(value, dict):
             te_keys(value, variant)
         elif isinstance(value, ShardedTensor):
-            value.key = te_name(value.key, variant)
+            value.key = te_name(value.key, variant, dist=True)
     return tree
 
 

@@ -99,7 +99,7 @@ def named_tokenizer(args: Any) -> NamedTokenizer | None:
     else:
         return NamedTokenizer(kind, "the args' tokenizer_type", kind=kind, refused=f"Megatron-LM's {kind}")
     given = [str(n)[:4096] for n in names if isinstance(n, str) and n]
-    name = " and ".join(given) if given else f"{kind} (no files named)"
+    name = " and ".join(given)  # "": the args name none
     files = tuple(_file(n) for n in names)
     found = tuple(f for f in files if f is not None) if all(files) else ()
     extra = arg(args, "vocab_extra_ids", 0)

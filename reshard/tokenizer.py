@@ -68,7 +68,8 @@ class NamedTokenizer:
     """The tokenizer a source names (Megatron's args, NeMo's context).
 
     Attributes:
-        name: as the source names it (a path, a Hub id), for messages.
+        name: as the source names it (a path, a Hub id, a Megatron tokenizer's files), for messages; "" when the
+            args name a Megatron tokenizer's type but not its files.
         origin: which field names it (``the args' tokenizer_model``).
         folder: a Hugging Face tokenizer's folder, when it is on this machine.
         kind: :data:`HF_TOKENIZER`, or the Megatron-LM tokenizer whose ids a transformers tokenizer made from

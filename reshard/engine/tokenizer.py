@@ -62,10 +62,12 @@ def choose_tokenizer(source: SourceCheckpoint, option: Path | str | None) -> Tok
     if named.refused is not None:
         source.notes.append(f"{named.refused}: no transformers tokenizer is made for its ids here; {pass_one}")
         return None
-    where = named.folder if named.kind == HF_TOKENIZER else named.files or None
-    if where is None:
-        what = "a folder" if named.kind == HF_TOKENIZER else "files"
-        source.notes.append(f"{named.origin} names the tokenizer {named.name}, not {what} here: {pass_one}")
+    if named.kind == HF_TOKENIZER and named.folder is None:
+        source.notes.append(f"{named.origin} names the tokenizer {named.name}, not a folder here: {pass_one}")
+        return None
+    if named.kind != HF_TOKENIZER and not named.files:
+        where = f"with {named.name}, not files here" if named.name else "but not its files"
+        source.notes.append(f"the args name Megatron-LM's {named.kind} {where}: {pass_one}")
         return None
     try:
         if named.folder is not None:

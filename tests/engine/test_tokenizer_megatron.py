@@ -248,7 +248,11 @@ def test_tokenizers_that_cannot_be_carried_keep_the_warning(
     cases = {
         "tiktoken": ({"tokenizer_type": "TikTokenizer", "tokenizer_model": "tok.json"}, "Megatron-LM's TikTokenizer"),
         "null": ({"tokenizer_type": "NullTokenizer"}, "Megatron-LM's NullTokenizer"),
-        "gone": ({"vocab_file": str(tmp_path / "gone.json"), "merge_file": "m.txt"}, "not files here"),
+        "unnamed": ({}, "the args name Megatron-LM's GPT2BPETokenizer but not its files"),
+        "gone": (
+            {"vocab_file": str(tmp_path / "gone.json"), "merge_file": "m.txt"},
+            "gone.json and m.txt, not files here",
+        ),
         "core-special": (
             {
                 "vocab_file": str(gpt2_files[0]),

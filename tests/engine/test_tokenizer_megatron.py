@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 from fixtures.megatron import Sizes, full_model, megatron_args, write_megatron
+from fixtures.sentencepiece import sentencepiece_python, train_sentencepiece
 from fixtures.tokenizer import WORDS, tiny_tokenizer, tiny_tokenizer_size
-from fixtures.venvs import framework_python
 
-SP_REQUIREMENTS = ["sentencepiece==0.2.1", "protobuf==6.33.1", "transformers==5.23.0"]
 TEXTS = [
     "the red cat runs over the river",
     "  Hello  World!\n\tIt's 2026.  ",
@@ -26,21 +25,6 @@ TEXTS = [
     "the cat<EOD>the dog <MASK> end<|endoftext|>",
     "<extra_id_1> and <PAD>",
 ]
-SP_TRAIN = """
-import json, sys
-from pathlib import Path
-import sentencepiece as spm
-
-out = Path(sys.argv[1])
-corpus = out / "corpus.txt"
-lines = [sys.argv[2], "Hello World! It's naïve café 123 4567", "the cat, the dog; the fish."]
-corpus.write_text("\\n".join(lines * 30))
-common = dict(input=str(corpus), character_coverage=1.0, num_threads=1, minloglevel=2, hard_vocab_limit=False)
-spm.SentencePieceTrainer.train(model_prefix=str(out / "unigram"), vocab_size=50, model_type="unigram", **common)
-spm.SentencePieceTrainer.train(model_prefix=str(out / "bpe"), vocab_size=300, model_type="bpe", byte_fallback=True,
-                               **common)
-print(json.dumps({k: len(spm.SentencePieceProcessor(model_file=str(out / f"{k}.model"))) for k in ("unigram", "bpe")}))
-"""
 # Megatron-LM's legacy tokenizers (megatron/training/tokenizer/tokenizer.py before 3257093930, 2025), their
 # tokenize() and special ids as written there, over sentencepiece; and transformers' AutoTokenizer on each output.
 SP_CHECK = """
@@ -191,14 +175,10 @@ def test_sentencepiece_types_give_megatrons_ids_in_transformers(
 ) -> None:
     """Each SentencePiece type of Megatron-LM (and Megatron-Core's system) over a Unigram (NFKC) and a byte-fallback
     BPE model: AutoTokenizer on the output gives Megatron's ids, len() and bos / eod for every text."""
-    python = framework_python(pytestconfig, "sentencepiece", SP_REQUIREMENTS)
+    python = sentencepiece_python(pytestconfig)
     models = tmp_path / "models"
     models.mkdir()
-    run = subprocess.run(
-        [str(python), "-c", SP_TRAIN, str(models), " ".join(WORDS)], capture_output=True, text=True, timeout=300
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    pieces = json.loads(run.stdout.splitlines()[-1])
+    pieces = train_sentencepiece(python, models)
     cases = {  # name: (type, model, vocab_extra_ids, size Megatron gives, extra args)
         "legacy-sentencepiece": ("SentencePieceTokenizer", "unigram", 2, pieces["unigram"] + 7, {}),
         "gpt-sentencepiece": ("GPTSentencePieceTokenizer", "bpe", 0, pieces["bpe"], {}),

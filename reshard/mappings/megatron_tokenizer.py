@@ -62,7 +62,9 @@ def megatron_tokenizer(named: NamedTokenizer) -> Tokenizer:
         config["special_tokens_pattern"] = "bos"
     if model.piece(model.pad_id) is not None:
         config["pad_token"] = model.piece(model.pad_id)
-    return _made(named, origin, len(model.pieces), bos and model.bos_id, eos and model.eos_id, config)
+    bos_id = model.bos_id if bos is not None else None
+    eos_id = model.eos_id if eos is not None else None  # none: Megatron's eod is -1, no generation stop to name
+    return _made(named, origin, len(model.pieces), bos_id, eos_id, config)
 
 
 def _gpt2(named: NamedTokenizer, origin: str) -> Tokenizer:
@@ -109,10 +111,9 @@ def _with_specials(named: NamedTokenizer, model: SentencePieceModel, origin: str
 def _made(
     named: NamedTokenizer, origin: str, size: int, bos: int | None, eos: int | None, config: dict[str, Any]
 ) -> Tokenizer:
+    # legacy: sentencepiece's own encode, its dummy prefix on each piece of text (as Megatron calls it)
     config = {"tokenizer_class": "SentencePieceBackend", "legacy": True, **config}
     text = json.dumps(config, indent=2, ensure_ascii=False) + "\n"
-    bos = bos if isinstance(bos, int) and not isinstance(bos, bool) else None
-    eos = eos if isinstance(eos, int) and not isinstance(eos, bool) else None
     return Tokenizer((), origin, size, bos, eos, copies=(("tokenizer.model", named.files[0]),), made=((CONFIG, text),))
 
 

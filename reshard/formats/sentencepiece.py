@@ -15,7 +15,11 @@ from pathlib import Path
 
 from reshard.errors import CorruptFileError
 
-__all__ = ["SentencePieceModel", "read_sentencepiece"]
+__all__ = ["MAX_SENTENCEPIECE_BYTES", "SentencePieceModel", "read_sentencepiece"]
+
+# The largest model read: Gemma's 256k pieces take 4.2 MB; read here at about 2.7 MB/s (a 5 MB model of 256k
+# pieces in 1.9 s), so a hostile file costs at most ~12 s.
+MAX_SENTENCEPIECE_BYTES = 32 << 20
 
 _DEFAULT_IDS = {40: 0, 41: 1, 42: 2, 43: -1}  # unk, bos, eos, pad (proto2 defaults)
 
@@ -36,7 +40,7 @@ class SentencePieceModel:
         return self.pieces[index] if 0 <= index < len(self.pieces) else None
 
 
-def read_sentencepiece(path: Path, *, max_bytes: int) -> SentencePieceModel:
+def read_sentencepiece(path: Path, *, max_bytes: int = MAX_SENTENCEPIECE_BYTES) -> SentencePieceModel:
     """Read the pieces and special ids of the SentencePiece model at ``path``.
 
     Raises:

@@ -49,7 +49,7 @@ def megatron_tokenizer(named: NamedTokenizer) -> Tokenizer:
     origin = f"{named.origin} {named.name} ({system}'s {named.kind})"
     if named.kind == GPT2_BPE:
         return _gpt2(named, origin)
-    model = read_sentencepiece(named.files[0], max_bytes=MAX_FILE_BYTES)
+    model = read_sentencepiece(named.files[0])
     kind = "GPTSentencePieceTokenizer" if named.core else named.kind  # Megatron-Core: plain encode, eod = eos
     if kind == "SentencePieceTokenizer":
         return _with_specials(named, model, origin)

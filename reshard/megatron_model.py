@@ -13,11 +13,13 @@ from typing import Any
 
 from reshard.config import ModelConfig
 from reshard.schema import check_ints
-from reshard.tokenizer import NamedTokenizer
+from reshard.tokenizer import HF_TOKENIZER, NamedTokenizer
 from reshard.vocab import DEFAULT_MEGATRON_MULTIPLE
 
 __all__ = [
     "ARGS_SIZES",
+    "GPT2_BPE",
+    "SENTENCEPIECE_TYPES",
     "arg",
     "config_from_args",
     "count_problems",
@@ -39,6 +41,9 @@ ARGS_SIZES = (
     "tensor_model_parallel_size",
     "pipeline_model_parallel_size",
 )
+# Megatron-LM's tokenizer types carried into a transformers tokenizer (reshard.mappings.megatron_tokenizer).
+GPT2_BPE = "GPT2BPETokenizer"
+SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 
 
 def arg(args: Any, key: str, default: Any = None) -> Any:
@@ -73,10 +78,38 @@ def vocab_from_tokenizer_files(args: Any) -> tuple[int, Path] | None:
 
 
 def named_tokenizer(args: Any) -> NamedTokenizer | None:
-    """The Hugging Face tokenizer the args name (``--tokenizer-type HuggingFaceTokenizer --tokenizer-model X``):
-    with its folder when ``X`` is one on this machine (else ``X`` is a Hub id or a path elsewhere)."""
-    model = arg(args, "tokenizer_model")
-    if arg(args, "tokenizer_type") != "HuggingFaceTokenizer" or not isinstance(model, str) or not model:
+    """The tokenizer the args name (``--tokenizer-type``), with its folder or files when they are on this machine.
+
+    ``HuggingFaceTokenizer``: the folder ``--tokenizer-model`` names (else it is a Hub id or a path elsewhere).
+    ``GPT2BPETokenizer``: ``--vocab-file`` and ``--merge-file``. The SentencePiece types: ``--tokenizer-model``.
+    Whether Megatron-Core's tokenizer system made the ids (Megatron-LM without ``--legacy-tokenizer`` since 2025) is
+    recorded. Any other type, or options that change the ids in ways no transformers tokenizer is made for here, is
+    named with the reason it is not carried.
+    """
+    kind = arg(args, "tokenizer_type")
+    if not isinstance(kind, str) or not kind:
+        return None
+    kind = kind[:100]
+    if kind == HF_TOKENIZER:
+        return _hf_tokenizer(arg(args, "tokenizer_model"))
+    if kind == GPT2_BPE:
+        names, origin = (arg(args, "vocab_file"), arg(args, "merge_file")), "the args' vocab_file and merge_file"
+    elif kind in SENTENCEPIECE_TYPES:
+        names, origin = (arg(args, "tokenizer_model"),), "the args' tokenizer_model"
+    else:
+        return NamedTokenizer(kind, "the args' tokenizer_type", kind=kind, refused=f"Megatron-LM's {kind}")
+    given = [str(n)[:4096] for n in names if isinstance(n, str) and n]
+    name = " and ".join(given)  # "": the args name none
+    files = tuple(_file(n) for n in names)
+    found = tuple(f for f in files if f is not None) if all(files) else ()
+    extra = arg(args, "vocab_extra_ids", 0)
+    extra = extra if isinstance(extra, int) and not isinstance(extra, bool) and 0 <= extra <= 1 << 16 else 0
+    refused, core = _refusal(args, kind), _core_tokenizers(args)
+    return NamedTokenizer(name, origin, kind=kind, files=found, refused=refused, extra_ids=extra, core=core)
+
+
+def _hf_tokenizer(model: Any) -> NamedTokenizer | None:
+    if not isinstance(model, str) or not model:
         return None
     model = model[:4096]
     try:
@@ -84,6 +117,39 @@ def named_tokenizer(args: Any) -> NamedTokenizer | None:
     except (OSError, ValueError):  # a name no file system holds (NUL, too long)
         folder = None
     return NamedTokenizer(model, "the args' tokenizer_model", folder)
+
+
+def _file(name: Any) -> Path | None:
+    if not isinstance(name, str) or not name:
+        return None
+    try:
+        return Path(name) if Path(name).is_file() else None
+    except (OSError, ValueError):
+        return None
+
+
+def _core_tokenizers(args: Any) -> bool:
+    """Whether Megatron-Core's tokenizer system made the ids: ``legacy_tokenizer`` False, or (after Megatron-LM
+    removed the legacy system and its flag) args of the new system only."""
+    legacy = arg(args, "legacy_tokenizer")
+    if legacy is not None:
+        return not legacy
+    return arg(args, "tokenizer_sentencepiece_legacy") is not None
+
+
+def _refusal(args: Any, kind: str) -> str | None:
+    """Why Megatron-Core's tokenizer system gives other ids than the transformers tokenizer made for ``kind``."""
+    if not _core_tokenizers(args):
+        return None
+    for key in ("special_tokens", "tokenizer_special_tokens"):
+        if arg(args, key):
+            return f"Megatron-Core's {kind} with the args' {key}"
+    if kind in SENTENCEPIECE_TYPES:
+        if arg(args, "tokenizer_sentencepiece_legacy"):
+            return f"Megatron-Core's {kind} with tokenizer_sentencepiece_legacy"
+        if arg(args, "tokenizer_sentencepiece_ignore_extra_whitespaces", True) is False:
+            return f"Megatron-Core's {kind} keeping extra spaces (tokenizer_sentencepiece_ignore_extra_whitespaces)"
+    return None
 
 
 def config_from_args(args: Any, path: Path) -> ModelConfig | None:

@@ -24,6 +24,7 @@ from reshard.errors import CorruptFileError, ReshardError, shown
 
 __all__ = [
     "GENERATION_CONFIG",
+    "HF_TOKENIZER",
     "MAX_FILE_BYTES",
     "TOKENIZER_FILES",
     "NamedTokenizer",
@@ -31,6 +32,7 @@ __all__ = [
     "generation_config",
     "read_tokenizer",
     "tokenizer_files",
+    "vocab_json",
 ]
 
 # The files transformers' tokenizers are saved as (``save_pretrained``): the fast tokenizer, its config and special
@@ -57,14 +59,36 @@ MAX_FILE_BYTES = 256 << 20
 _VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "tiktoken.model")
 
 
+# NamedTokenizer.kind of a Hugging Face tokenizer folder (Megatron's HuggingFaceTokenizer, NeMo's context).
+HF_TOKENIZER = "HuggingFaceTokenizer"
+
+
 @dataclass(frozen=True)
 class NamedTokenizer:
-    """The tokenizer a source names (Megatron's ``tokenizer_model``, NeMo's context): its folder when it is on this
-    machine, else only its name (a Hub id or a path elsewhere), for the warning."""
+    """The tokenizer a source names (Megatron's args, NeMo's context).
+
+    Attributes:
+        name: as the source names it (a path, a Hub id, a Megatron tokenizer's files), for messages; "" when the
+            args name a Megatron tokenizer's type but not its files.
+        origin: which field names it (``the args' tokenizer_model``).
+        folder: a Hugging Face tokenizer's folder, when it is on this machine.
+        kind: :data:`HF_TOKENIZER`, or the Megatron-LM tokenizer whose ids a transformers tokenizer made from
+            ``files`` gives (see :mod:`reshard.mappings.megatron_tokenizer`).
+        files: a Megatron tokenizer's files, when they are on this machine (``vocab_file`` and ``merge_file``, or
+            ``tokenizer_model``).
+        refused: why no transformers tokenizer gives this one's ids (None: it can be carried).
+        extra_ids: Megatron's ``vocab_extra_ids`` (``<extra_id_N>`` tokens its SentencePieceTokenizer appends).
+        core: Megatron-Core's tokenizer system made the ids, not Megatron-LM's legacy tokenizers.
+    """
 
     name: str
     origin: str
     folder: Path | None = None
+    kind: str = HF_TOKENIZER
+    files: tuple[Path, ...] = ()
+    refused: str | None = None
+    extra_ids: int = 0
+    core: bool = False
 
 
 @dataclass(frozen=True)
@@ -72,11 +96,13 @@ class Tokenizer:
     """A tokenizer's files and what they say.
 
     Attributes:
-        files: the tokenizer files found (names in :data:`TOKENIZER_FILES`).
+        files: the tokenizer files found (names in :data:`TOKENIZER_FILES`), copied under their names.
         origin: where it came from, for notes and messages (``--tokenizer DIR``, the args' ``tokenizer_model``).
         size: ``len(tokenizer)``, added tokens counted; None when the files do not tell it.
         bos_token_id: the beginning-of-sequence token's id, when the files name one and hold its id.
         eos_token_id: the end-of-sequence token's id, likewise.
+        copies: files copied under another name (a Megatron ``vocab_file`` as ``vocab.json``).
+        made: files reshard writes (``tokenizer_config.json`` of a tokenizer made from Megatron's files): name, text.
     """
 
     files: tuple[Path, ...]
@@ -84,6 +110,8 @@ class Tokenizer:
     size: int | None
     bos_token_id: int | None
     eos_token_id: int | None
+    copies: tuple[tuple[str, Path], ...] = ()
+    made: tuple[tuple[str, str], ...] = ()
 
 
 def tokenizer_files(folder: Path) -> list[Path]:
@@ -126,6 +154,19 @@ def read_tokenizer(folder: Path, origin: str) -> Tokenizer:
         return ids.get(token) if token is not None else None
 
     return Tokenizer(tuple(files), origin, size, token_id("bos_token"), token_id("eos_token"))
+
+
+def vocab_json(path: Path) -> dict[str, int]:
+    """A BPE ``vocab.json`` (token -> id), checked as :func:`read_tokenizer` checks it.
+
+    Raises:
+        ReshardError: larger than :data:`MAX_FILE_BYTES`.
+        CorruptFileError: not a JSON object of tokens and their ids.
+    """
+    size = path.stat().st_size
+    if size > MAX_FILE_BYTES:
+        raise ReshardError(f"{size} bytes: larger than any tokenizer file", path=path)
+    return _ids(_json(path, dict), path)
 
 
 def generation_config(tokenizer: Tokenizer) -> dict[str, int] | None:

@@ -327,6 +327,11 @@ def convert_command(ckpt: Path, out: Path, as_json: bool, quiet: bool, push: Any
     help="Accept a --vocab below the size reshard.json or config.json gives (drops those rows).",
 )
 @click.option("--force", is_flag=True, help="Write the output even when the checkpoint needs no fix.")
+@click.option(
+    "--tokenizer",
+    metavar="DIR|REPO",
+    help="Tokenizer an HF output carries (default: the one the checkpoint names or holds); a folder or a Hub repo.",
+)
 @writing_options
 @common_read_options
 @reports_errors

@@ -82,7 +82,7 @@ def fix(ckpt: Path, out: Path | None = None, options: ConvertOptions | None = No
         ckpt: the checkpoint folder or file.
         out: the output folder; None writes ``CKPT.fixed`` beside the input.
         options: ``vocab`` (else from ``reshard.json``, then ``config.json``), ``tp``, ``overwrite``,
-            ``config``, ``plan``, ``trust_pickle``, ``progress``.
+            ``config``, ``plan``, ``trust_pickle``, ``progress``, ``tokenizer`` (as ``convert``'s).
 
     Returns:
         A :class:`FixReport` of what changed.
@@ -163,13 +163,15 @@ def _refuse_unwritable(out: Path) -> None:
 
 def needs_nothing(opened: OpenedCheckpoint, options: ConvertOptions) -> bool:
     """Whether ``fix`` would write a copy of ``opened`` and nothing else: a canonical ``hf`` safetensors checkpoint
-    at tp 1 read as it is (no ``--config``, ``--tp``, ``--merge-lora``), no pad rows, the config's vocab true."""
+    at tp 1 read as it is (no ``--config``, ``--tokenizer``, ``--tp``, ``--merge-lora``), no pad rows, the config's
+    vocab true."""
     source, vocab = opened.source, opened.vocab
     config_vocab = source.config.vocab_size if source.config else None
     return (
         source.layout == "hf"
         and source.tp == options.tp == 1
         and options.config is None
+        and options.tokenizer is None
         and not options.merge_lora
         and not opened.problems
         and all(path.suffix == ".safetensors" for path in source.files)

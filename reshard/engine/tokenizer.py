@@ -22,7 +22,14 @@ from reshard.config import ModelConfig
 from reshard.errors import ReshardError
 from reshard.layouts import LayoutSpec, SourceCheckpoint
 from reshard.megatron_model import arg, true_vocab_size
-from reshard.tokenizer import GENERATION_CONFIG, TOKENIZER_FILES, Tokenizer, generation_config, read_tokenizer
+from reshard.tokenizer import (
+    GENERATION_CONFIG,
+    HF_TOKENIZER,
+    TOKENIZER_FILES,
+    Tokenizer,
+    generation_config,
+    read_tokenizer,
+)
 from reshard.vocab import tokenizer_disagreement
 
 logger = logging.getLogger(__name__)
@@ -39,7 +46,9 @@ __all__ = [
 
 
 def choose_tokenizer(source: SourceCheckpoint, option: Path | str | None) -> Tokenizer | None:
-    """``--tokenizer`` (a folder, else a Hub repo), else the tokenizer the source names when its folder is here.
+    """``--tokenizer`` (a folder, else a Hub repo), else the tokenizer the source names when its files are here: a
+    Hugging Face folder as it is, a Megatron tokenizer made into the transformers tokenizer of the same ids
+    (:mod:`reshard.mappings.megatron_tokenizer`). One that cannot be had exactly is said in the notes, never guessed.
 
     Raises:
         ReshardError: ``--tokenizer`` names no tokenizer, or a repo that cannot be fetched.
@@ -47,17 +56,27 @@ def choose_tokenizer(source: SourceCheckpoint, option: Path | str | None) -> Tok
     if option is not None:
         return read_tokenizer(_local(option), f"--tokenizer {option}")
     named = source.tokenizer
-    if named is None or named.folder is None:
-        if named is not None:
-            source.notes.append(
-                f"{named.origin} names the tokenizer {named.name}, not a folder here: "
-                "pass --tokenizer DIR|REPO for an HF output that runtimes load"
-            )
+    if named is None:
+        return None
+    pass_one = "pass --tokenizer DIR|REPO for an HF output that runtimes load"
+    if named.refused is not None:
+        source.notes.append(f"{named.refused}: no transformers tokenizer is made for its ids here; {pass_one}")
+        return None
+    if named.kind == HF_TOKENIZER and named.folder is None:
+        source.notes.append(f"{named.origin} names the tokenizer {named.name}, not a folder here: {pass_one}")
+        return None
+    if named.kind != HF_TOKENIZER and not named.files:
+        where = f"with {named.name}, not files here" if named.name else "but not its files"
+        source.notes.append(f"the args name Megatron-LM's {named.kind} {where}: {pass_one}")
         return None
     try:
-        return read_tokenizer(named.folder, f"{named.origin} {named.folder}")
-    except ReshardError as err:  # the folder the args name holds no tokenizer any more: said, not fatal
-        source.notes.append(f"{named.origin} names {named.folder}, which reshard cannot read: {err.one_line()}")
+        if named.folder is not None:
+            return read_tokenizer(named.folder, f"{named.origin} {named.folder}")
+        from reshard.mappings.megatron_tokenizer import megatron_tokenizer
+
+        return megatron_tokenizer(named)
+    except ReshardError as err:  # the files the args name do not make the tokenizer: said, not fatal
+        source.notes.append(f"{named.origin} names {named.name}, which reshard cannot carry: {err.one_line()}")
         return None
 
 
@@ -107,8 +126,8 @@ def _int(value: Any) -> int | None:
 
 
 def carried_tokenizer(tokenizer: Tokenizer | None, layout: LayoutSpec) -> Tokenizer | None:
-    """The tokenizer an output of ``layout`` carries: only a folder transformers (and runtimes) load takes one."""
-    return tokenizer if layout.library == "transformers" else None
+    """The tokenizer an output of ``layout`` carries: only a folder transformers (and runtimes) read takes one."""
+    return tokenizer if layout.carries_tokenizer else None
 
 
 def with_token_ids(config: dict[str, Any] | None, tokenizer: Tokenizer | None) -> dict[str, Any] | None:
@@ -133,9 +152,12 @@ def runtime_files(staging: Path, source: SourceCheckpoint, tokenizer: Tokenizer 
         written.append(side.name)
     if tokenizer is None:
         return written
-    for path in tokenizer.files:
-        shutil.copyfile(path, staging / path.name)
-        written.append(path.name)
+    for name, path in [*((p.name, p) for p in tokenizer.files), *tokenizer.copies]:
+        shutil.copyfile(path, staging / name)
+        written.append(name)
+    for name, text in tokenizer.made:
+        (staging / name).write_text(text)
+        written.append(name)
     ids = generation_config(tokenizer)
     if ids is not None and GENERATION_CONFIG not in written:
         (staging / GENERATION_CONFIG).write_text(json.dumps(ids, indent=2) + "\n")
@@ -151,7 +173,7 @@ def has_tokenizer(files: list[str] | tuple[str, ...]) -> bool:
 def no_tokenizer_warning(out: Path, layout: LayoutSpec, files: list[str] | tuple[str, ...]) -> None:
     """One line on stderr (a logging warning) when an output transformers loads has no tokenizer (runtimes refuse
     it)."""
-    if layout.library == "transformers" and not has_tokenizer(files):
+    if layout.carries_tokenizer and not has_tokenizer(files):
         logger.warning("%s has no tokenizer: vLLM and other runtimes will not load it; pass --tokenizer DIR|REPO", out)
 
 

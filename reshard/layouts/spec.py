@@ -52,6 +52,8 @@ class LayoutSpec:
         open: read a file or folder of this layout from headers.
         writer: the writer of the layout; None for a layout reshard only reads.
         library: the library that loads a folder of this layout as it is (the model card's ``library_name``).
+        carries_tokenizer: an output of this layout is read by transformers and runtimes (vLLM), which need a
+            tokenizer and ``generation_config.json`` at its top (a chosen tokenizer is copied there).
         naming: whose tensor names its files hold (``"hf"``: transformers', ``"megatron"``: Megatron's); None keeps
             the source's names.
         kept: a conversion without ``--layout`` writes the source's layout again (else transformers' folders).
@@ -71,6 +73,7 @@ class LayoutSpec:
     open: Callable[[Path, ReadOptions], SourceCheckpoint]
     writer: type[CheckpointWriter] | None = None
     library: str | None = None
+    carries_tokenizer: bool = False
     naming: str | None = None
     kept: bool = False
     global_tensors: bool = False

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from fixtures.megatron import Sizes, full_model, megatron_args, write_megatron
+from fixtures.sentencepiece import sentencepiece_python, train_sentencepiece
 from fixtures.tokenizer import tiny_tokenizer, tiny_tokenizer_size
 from fixtures.vllm import VLLM_ENV, vllm_python
 
@@ -68,4 +69,43 @@ def test_megatron_to_hf_carries_its_tokenizer_and_vllm_gives_transformers_greedy
     assert run.returncode == 0 and lines, run.stderr[-3000:]
     got = json.loads(lines[-1].removeprefix("RESULT "))
     assert got["prompt"] == ids[0].tolist()
+    assert got["tokens"] == expected and len(set(expected)) > 1
+
+
+def test_a_llama2_sentencepiece_tokenizer_carried_from_megatron_runs_in_vllm(
+    cli, pytestconfig: pytest.Config, tmp_path: Path
+) -> None:
+    """Megatron's Llama2Tokenizer (a sentencepiece model) made into the output's tokenizer: vLLM loads it, its prompt
+    ids are Megatron's (bos, then sentencepiece's encode) and its greedy tokens transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    sp_python = sentencepiece_python(pytestconfig)
+    assert train_sentencepiece(sp_python, tmp_path)["bpe"] == 300
+    model_file = tmp_path / "bpe.model"
+    encode = "import sentencepiece as s, sys; p = s.SentencePieceProcessor(model_file=sys.argv[1]); "
+    encode += "print([p.bos_id()] + p.encode(sys.argv[2]))"
+    ids = subprocess.run([str(sp_python), "-c", encode, str(model_file), PROMPT], capture_output=True, text=True)
+    megatron_ids = json.loads(ids.stdout)
+    sizes = Sizes(hidden=64, heads=2, groups=1, head_dim=32, ffn=128, layers=2, vocab=300, multiple=4)
+    args = megatron_args(sizes, 2, tokenizer_type="Llama2Tokenizer", tokenizer_model=str(model_file))
+    src = write_megatron(tmp_path / "megatron", full_model(sizes, seed=0), 2, sizes=sizes, args=args)
+    out = tmp_path / "hf"
+    result = cli("convert", src, "--tp", 1, "--layout", "hf", "-o", out)
+    assert result.exit_code == 0, result.output
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.inference_mode():
+        prompt = torch.tensor([megatron_ids])
+        expected = model.eval().generate(prompt, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False)
+    expected = expected[0, len(megatron_ids) :].tolist()
+    script = tmp_path / "run_vllm.py"
+    script.write_text(VLLM_SCRIPT)
+    env = {**os.environ, **VLLM_ENV, "HF_HUB_OFFLINE": "1"}
+    python = vllm_python(pytestconfig)
+    run = subprocess.run(
+        [str(python), str(script), str(out), PROMPT, str(STEPS)], capture_output=True, text=True, env=env, timeout=600
+    )
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert run.returncode == 0 and lines, run.stderr[-3000:]
+    got = json.loads(lines[-1].removeprefix("RESULT "))
+    assert got["prompt"] == megatron_ids and megatron_ids[0] == 1
     assert got["tokens"] == expected and len(set(expected)) > 1

@@ -5,6 +5,7 @@ converts to a folder transformers loads, and on to other tps."""
 from __future__ import annotations
 
 import json
+import zipfile
 
 import pytest
 import torch
@@ -40,12 +41,24 @@ def assert_equal(got: dict, want: dict) -> None:
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_master_weights_equal_zero_to_fp32(ds_root, variant):
     want = expected(ds_root, variant)
-    if variant == "zero1_bf16":  # ZeRO-1 records no frozen parameter: zero_to_fp32 drops it, reshard keeps it
+    if variant.startswith("zero1"):  # ZeRO-1 records no frozen parameter: zero_to_fp32 drops it, reshard keeps it
         frozen = "model.norm.weight"
         assert frozen not in want
         want[frozen] = saved(ds_root, variant, "module")[frozen].float()
     assert_equal(rebuilt(ds_root / variant), want)
     assert_equal(rebuilt(ds_root / variant / TAG), want)  # the tag folder itself
+
+
+@pytest.mark.parametrize("variant", ["zero2_fp16", "zero3_fp16"])
+def test_fp16_checkpoints_carry_the_dynamic_loss_scaler(ds_root, variant):
+    """The fp16 variants are real mixed-precision checkpoints: every optimizer file pickles DeepSpeed's
+    ``DynamicLossScaler`` (read as a stand-in), and their names have no ``bf16_`` prefix."""
+    files = sorted((ds_root / variant / TAG).glob("*_optim_states.pt"))
+    assert len(files) == 3 and not any(f.name.startswith("bf16_") for f in files)
+    for file in files:
+        with zipfile.ZipFile(file) as archive:
+            pickled = next(n for n in archive.namelist() if n.endswith("/data.pkl"))
+            assert b"DynamicLossScaler" in archive.read(pickled), file.name
 
 
 @pytest.mark.parametrize("variant", ["zero2_bf16", "zero3_bf16"])

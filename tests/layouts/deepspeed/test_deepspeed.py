@@ -129,3 +129,17 @@ def test_universal_checkpoint_gives_the_same_master_weights(ds_root, ds_copy, va
     result = cli("convert", folder, "--tp", 1, "--layout", "hf", "-o", tmp_path / "hf", "-q")
     assert result.exit_code == 0, result.output
     assert_equal(load_folder(tmp_path / "hf"), want)
+
+
+@pytest.mark.parametrize("variant", ["zero2_bf16", "zero3_bf16"])
+def test_a_parameter_says_where_its_first_piece_starts(ds_root, variant):
+    """The engine puts a tensor's buffer on its first byte's 4 KB phase (read in place, no staging copy): that byte
+    is the first of the fp32 master in an optimizer file."""
+    source = discover(ds_root / variant)
+    ref = source.ranks[0]["model.layers.0.mlp.down_proj.weight"]
+    piece = ref.reader.pieces[ref.key][0]
+    assert ref.position == piece.position and "optim_states" in piece.file.name
+    with piece.file.open("rb") as file:
+        file.seek(ref.position)
+        first = torch.frombuffer(bytearray(file.read(4)), dtype=torch.float32)
+    assert torch.equal(first, ref.read().reshape(-1)[:1])

@@ -3,9 +3,13 @@ a forked child as on a thread, and a child that dies without answering is not ta
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
+from fixtures.models import tiny_llama
 
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
@@ -30,7 +34,8 @@ NAMES = [
     *(f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkvo"),
     *(f"model.layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
 ]
-QWEN2 = {**LLAMA, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}  # q/k/v biases Llama lacks
+QWEN2_CLASS = ["Qwen2ForCausalLM"]
+QWEN2 = {**LLAMA, "model_type": "qwen2", "architectures": QWEN2_CLASS}  # q/k/v biases Llama lacks
 
 
 @pytest.fixture(params=["fork", "thread"])
@@ -75,3 +80,18 @@ def test_a_check_nobody_waits_for_leaves_no_child(monkeypatch):
     del check  # a run that failed before hearing it
     with pytest.raises(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)
+
+
+def test_a_workers_run_hears_worker_0s_refusal_in_one_line(tmp_path):
+    """Only worker 0 builds the model; its refusal reaches every worker, and nothing is published."""
+    source = tmp_path / "src"
+    tiny_llama(source, vocab=64)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps(config | {"model_type": "qwen2", "architectures": QWEN2_CLASS}))
+    out = tmp_path / "out"
+    args = ["convert", str(source), "--tp", "2", "-o", str(out), "--workers", "2", "-q"]
+    done = subprocess.run([sys.executable, "-m", "reshard", *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: worker 0: ") and "Qwen2ForCausalLM" in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

@@ -52,13 +52,16 @@ def test_master_weights_equal_zero_to_fp32(ds_root, variant):
 @pytest.mark.parametrize("variant", ["zero2_fp16", "zero3_fp16"])
 def test_fp16_checkpoints_carry_the_dynamic_loss_scaler(ds_root, variant):
     """The fp16 variants are real mixed-precision checkpoints: every optimizer file pickles DeepSpeed's
-    ``DynamicLossScaler`` (read as a stand-in), and their names have no ``bf16_`` prefix."""
+    ``DynamicLossScaler`` (read as a stand-in), their names have no ``bf16_`` prefix, and the loss scale let the
+    steps through (the masters moved)."""
     files = sorted((ds_root / variant / TAG).glob("*_optim_states.pt"))
     assert len(files) == 3 and not any(f.name.startswith("bf16_") for f in files)
     for file in files:
         with zipfile.ZipFile(file) as archive:
             pickled = next(n for n in archive.namelist() if n.endswith("/data.pkl"))
             assert b"DynamicLossScaler" in archive.read(pickled), file.name
+    initial, trained = load_folder(ds_root / "hf_source"), expected(ds_root, variant)
+    assert not torch.equal(trained["model.layers.1.mlp.up_proj.weight"], initial["model.layers.1.mlp.up_proj.weight"])
 
 
 @pytest.mark.parametrize("variant", ["zero2_bf16", "zero3_bf16"])

@@ -93,7 +93,7 @@ def run_conversion(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
             ``out`` then; with ``--resume``, the partial output is kept to resume from).
     """
     target = plan_target(opened, options)
-    family = built_family.start(opened.source.config, opened.source.names())  # heard before publishing
+    built_family.check_counts(opened.source.config, opened.source.names())  # every worker, no import
     tokenizer = carried_tokenizer(opened.tokenizer, target.layout)
     if opened.tokenizer is not None and tokenizer is None:
         opened.source.notes.append(
@@ -107,6 +107,8 @@ def run_conversion(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
     file_plan = layout.writer.file_plan(spec)
     group = join()
     first = group is None or group.rank == 0
+    # once per conversion, heard before publishing: rank 0's refusal reaches every worker through `together`
+    family = built_family.start(opened.source.config, opened.source.names()) if first else None
     with staged(out, overwrite=options.overwrite, resume=options.resume, group=group) as staging:
         journal, resumed = open_journal(staging, opened.path, conversion, layout.name, options, group)
         todo, done = conversion, resumed.files
@@ -139,11 +141,11 @@ def run_conversion(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
                 on_hashed=journaled if journal is not None else None,
             )
             files = tuple(str(p) for p in writer.close())
+            if family is not None:
+                family.result()
             return _Moved(hashes, finite, frozenset(_divergent_targets(todo, divergent)), files)
 
         moved = [move()] if group is None else together(group, move)
-        if family is not None:
-            family.result()
         if not first:
             return _result(opened, target, out, options, moved[group.rank].files, frozenset(), None)
         whole = _merged(moved, resumed)

@@ -53,6 +53,7 @@ REQUIRED = ("module", "param_shapes", "buffer_names", "ds_version")
 MAX_PICKLE = 64 << 20  # a model-states data.pkl: names and shapes, far below this
 WEIGHTS = ("master", "module")  # the copies --weights chooses from
 WIDENED = ("F16", "BF16")  # 16-bit floats read as float32 beside the fp32 masters
+SHOWN_TAGS = 8  # tag folders named in the refusal of a root with several
 
 
 def detect(path: Path) -> bool:
@@ -63,8 +64,14 @@ def detect(path: Path) -> bool:
         return False
     try:
         return _locate(path) is not None
+    except SeveralTagsError:  # a DeepSpeed root all the same: opening it says which tags it holds
+        return True
     except (OSError, ReshardError):
         return False
+
+
+class SeveralTagsError(ReshardError):
+    """A root with several tag folders and no ``latest`` naming one of them."""
 
 
 def _is_tag_folder(folder: Path) -> bool:
@@ -96,7 +103,8 @@ def _pickles_deepspeed_keys(file: Path) -> bool:
 
 def _locate(path: Path) -> Path | None:
     """The tag folder to read for ``path``: itself, the one ``latest`` names (else ``latest_universal``: the
-    folder ``ds_to_universal`` wrote), or the only one inside."""
+    folder ``ds_to_universal`` wrote), or the only one inside; several inside and none named are refused, naming
+    them (DeepSpeed's own ``zero_to_fp32`` then needs the tag too)."""
     if _is_tag_folder(path):
         return path
     for name in (LATEST, LATEST_UNIVERSAL):
@@ -109,8 +117,22 @@ def _locate(path: Path) -> Path | None:
             folder = path / tag
             if folder.is_dir() and _is_tag_folder(folder):
                 return folder
-    tags = [child for child in sorted(path.iterdir()) if child.is_dir() and _is_tag_folder(child)]
-    return tags[0] if len(tags) == 1 else None
+    tags = sorted((c for c in path.iterdir() if c.is_dir() and _is_tag_folder(c)), key=_natural)
+    if len(tags) > 1:
+        latest = path / LATEST
+        why = f"{latest.name!r} names none of them" if latest.is_file() else f"no {LATEST!r} file names one"
+        names = listed([t.name for t in tags[:SHOWN_TAGS]], len(tags))
+        raise SeveralTagsError(
+            f"holds {len(tags)} DeepSpeed checkpoints ({names}) and {why}",
+            path=path,
+            hint=f"pass the folder of the one to read, e.g. {tags[-1]}; DeepSpeed's zero_to_fp32 needs the tag too",
+        )
+    return tags[0] if tags else None
+
+
+def _natural(folder: Path) -> tuple[int | str, ...]:
+    """``global_step10`` after ``global_step9``."""
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", folder.name))
 
 
 def _numbered(folder: Path, pattern: re.Pattern[str]) -> dict[tuple[int, ...], Path]:

@@ -107,5 +107,12 @@ class PiecesReader(FileReader):
                     raise error(str(err)) from err
             begin += piece.length
 
+    def position(self, key: str) -> int | None:
+        """Where the first piece starts: the engine puts its buffer on that byte's 4 KB phase, so that piece (the
+        whole tensor under ZeRO-1/2, unless it straddles two ranks) is read straight into it, not through staging
+        and a copy. None for a widened key (read through a temporary)."""
+        pieces = self.pieces[key]
+        return pieces[0].position if pieces and key not in self.widened else None
+
     def describe(self, key: str) -> str | None:
         return self.described.get(key)

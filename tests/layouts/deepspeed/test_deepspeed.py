@@ -5,6 +5,7 @@ converts to a folder transformers loads, and on to other tps."""
 from __future__ import annotations
 
 import json
+import zipfile
 
 import pytest
 import torch
@@ -40,12 +41,27 @@ def assert_equal(got: dict, want: dict) -> None:
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_master_weights_equal_zero_to_fp32(ds_root, variant):
     want = expected(ds_root, variant)
-    if variant == "zero1_bf16":  # ZeRO-1 records no frozen parameter: zero_to_fp32 drops it, reshard keeps it
+    if variant.startswith("zero1"):  # ZeRO-1 records no frozen parameter: zero_to_fp32 drops it, reshard keeps it
         frozen = "model.norm.weight"
         assert frozen not in want
         want[frozen] = saved(ds_root, variant, "module")[frozen].float()
     assert_equal(rebuilt(ds_root / variant), want)
     assert_equal(rebuilt(ds_root / variant / TAG), want)  # the tag folder itself
+
+
+@pytest.mark.parametrize("variant", ["zero2_fp16", "zero3_fp16"])
+def test_fp16_checkpoints_carry_the_dynamic_loss_scaler(ds_root, variant):
+    """The fp16 variants are real mixed-precision checkpoints: every optimizer file pickles DeepSpeed's
+    ``DynamicLossScaler`` (read as a stand-in), their names have no ``bf16_`` prefix, and the loss scale let the
+    steps through (the masters moved)."""
+    files = sorted((ds_root / variant / TAG).glob("*_optim_states.pt"))
+    assert len(files) == 3 and not any(f.name.startswith("bf16_") for f in files)
+    for file in files:
+        with zipfile.ZipFile(file) as archive:
+            pickled = next(n for n in archive.namelist() if n.endswith("/data.pkl"))
+            assert b"DynamicLossScaler" in archive.read(pickled), file.name
+    initial, trained = load_folder(ds_root / "hf_source"), expected(ds_root, variant)
+    assert not torch.equal(trained["model.layers.1.mlp.up_proj.weight"], initial["model.layers.1.mlp.up_proj.weight"])
 
 
 @pytest.mark.parametrize("variant", ["zero2_bf16", "zero3_bf16"])
@@ -116,3 +132,17 @@ def test_universal_checkpoint_gives_the_same_master_weights(ds_root, ds_copy, va
     result = cli("convert", folder, "--tp", 1, "--layout", "hf", "-o", tmp_path / "hf", "-q")
     assert result.exit_code == 0, result.output
     assert_equal(load_folder(tmp_path / "hf"), want)
+
+
+@pytest.mark.parametrize("variant", ["zero2_bf16", "zero3_bf16"])
+def test_a_parameter_says_where_its_first_piece_starts(ds_root, variant):
+    """The engine puts a tensor's buffer on its first byte's 4 KB phase (read in place, no staging copy): that byte
+    is the first of the fp32 master in an optimizer file."""
+    source = discover(ds_root / variant)
+    ref = source.ranks[0]["model.layers.0.mlp.down_proj.weight"]
+    piece = ref.reader.pieces[ref.key][0]
+    assert ref.position == piece.position and "optim_states" in piece.file.name
+    with piece.file.open("rb") as file:
+        file.seek(ref.position)
+        first = torch.frombuffer(bytearray(file.read(4)), dtype=torch.float32)
+    assert torch.equal(first, ref.read().reshape(-1)[:1])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -91,3 +93,20 @@ def test_a_recorded_data_parallel_size_names_the_missing_ranks(ds_copy, cli, tmp
     result = cli("convert", folder, "--tp", 1, "-o", tmp_path / "out", "-q")
     assert result.exit_code == 2, result.output
     assert "missing *_optim_states.pt of data-parallel rank 3 (4 ranks wrote this checkpoint)" in result.output
+
+
+@pytest.mark.parametrize("latest", [None, "global_step9"])
+def test_a_root_with_several_tags_and_no_latest_names_them(ds_copy, latest, cli, tmp_path):
+    root = ds_copy("zero2_bf16")
+    shutil.rmtree(root / f"{TAG}_universal")
+    (root / "latest_universal").unlink()
+    shutil.copytree(root / TAG, root / "global_step10")
+    (root / "latest").unlink()
+    if latest:
+        (root / "latest").write_text(latest)  # naming a folder that is not there
+    result = cli("convert", root, "--tp", 1, "-o", tmp_path / "out", "-q")
+    assert result.exit_code == 2, result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert "holds 2 DeepSpeed checkpoints (global_step2, global_step10)" in result.output
+    assert str(root / "global_step10") in result.output and "zero_to_fp32" in result.output
+    assert not (tmp_path / "out").exists()

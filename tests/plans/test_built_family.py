@@ -1,0 +1,97 @@
+"""The built-model family check beside a conversion (``plans/built_family.py`` ``FamilyCheck``): the same answer in
+a forked child as on a thread, and a child that dies without answering is not taken for a pass."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from fixtures.models import tiny_llama
+
+from reshard.config import ModelConfig
+from reshard.errors import ReshardError
+from reshard.plans import built_family
+
+LLAMA = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 64,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "tie_word_embeddings": False,
+}
+NAMES = [
+    "model.embed_tokens.weight",
+    "model.norm.weight",
+    "lm_head.weight",
+    *(f"model.layers.0.{p}.weight" for p in ("input_layernorm", "post_attention_layernorm")),
+    *(f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkvo"),
+    *(f"model.layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
+]
+QWEN2_CLASS = ["Qwen2ForCausalLM"]
+QWEN2 = {**LLAMA, "model_type": "qwen2", "architectures": QWEN2_CLASS}  # q/k/v biases Llama lacks
+
+
+@pytest.fixture(params=["fork", "thread"])
+def way(request, monkeypatch):
+    monkeypatch.setattr(built_family, "_can_fork", lambda: request.param == "fork")
+    return request.param
+
+
+def test_the_own_family_passes(way):
+    check = built_family.start(ModelConfig(LLAMA), NAMES)
+    assert check is not None
+    check.result()
+
+
+def test_another_family_is_refused_with_the_same_line(way):
+    check = built_family.start(ModelConfig(QWEN2), NAMES)
+    with pytest.raises(ReshardError) as refused:
+        check.result()
+    assert "transformers builds Qwen2ForCausalLM" in str(refused.value)
+    assert "from_pretrained would initialise them at random" in str(refused.value)
+
+
+def test_a_child_that_dies_is_not_a_pass(monkeypatch):
+    monkeypatch.setattr(built_family, "_can_fork", lambda: True)
+    parent = os.getpid()
+    real = built_family.check_built_family
+
+    def dies_in_the_child(config, names):
+        if os.getpid() != parent:
+            os._exit(3)
+        real(config, names)
+
+    monkeypatch.setattr(built_family, "check_built_family", dies_in_the_child)
+    with pytest.raises(ReshardError, match="transformers builds Qwen2ForCausalLM"):
+        built_family.start(ModelConfig(QWEN2), NAMES).result()
+
+
+def test_a_check_nobody_waits_for_leaves_no_child(monkeypatch):
+    monkeypatch.setattr(built_family, "_can_fork", lambda: True)
+    check = built_family.start(ModelConfig(LLAMA), NAMES)
+    pid = check._child[0]
+    del check  # a run that failed before hearing it
+    with pytest.raises(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+def test_a_workers_run_hears_worker_0s_refusal_in_one_line(tmp_path):
+    """Only worker 0 builds the model; its refusal reaches every worker, and nothing is published."""
+    source = tmp_path / "src"
+    tiny_llama(source, vocab=64)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps(config | {"model_type": "qwen2", "architectures": QWEN2_CLASS}))
+    out = tmp_path / "out"
+    args = ["convert", str(source), "--tp", "2", "-o", str(out), "--workers", "2", "-q"]
+    done = subprocess.run([sys.executable, "-m", "reshard", *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: worker 0: ") and "Qwen2ForCausalLM" in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

@@ -5,8 +5,10 @@ one that changes the forward pass is either written into the target's ``config.j
 field) or refused by name (:data:`REFUSED`: the values transformers' Llama-like families compute, and why the
 others are not). The rest change how a model is trained, logged, stored or split over devices, never what it
 computes (:data:`IRRELEVANT`, with the reason per group). The world is closed: an argument none of the three
-tables knows is refused as soon as it is set (a value other than ``None`` or ``False``, the defaults of every
-Megatron-LM flag and optional value), so a newer Megatron's argument is never dropped silently.
+tables knows is refused unless it is at its default: the value Megatron-LM's parser gives it in one of the
+releases :data:`~reshard.mappings.megatron_defaults.DEFAULTS` records (generated from Megatron-LM's source by
+``scripts/megatron_defaults.py``), or ``None`` for an argument with no recorded default. A newer Megatron's
+argument is never dropped silently, nor a flag that defaults to True found False.
 
 The table follows Megatron-Core 0.16.1's ``TransformerConfig`` / ``ModelParallelConfig`` and Megatron-LM's
 ``arguments.py`` names (NeMo 2's ``model.yaml`` is read under the same names, see ``layouts/dcp/nemo.py``).
@@ -23,8 +25,9 @@ import re
 from typing import Any
 
 from reshard.errors import MappingError
+from reshard.mappings.megatron_defaults import DEFAULTS, RELEASES
 
-__all__ = ["CARRIED", "DEEPSEEK_V3", "IRRELEVANT", "REFUSED", "args_problems", "check_args", "classify"]
+__all__ = ["CARRIED", "DEEPSEEK_V3", "IRRELEVANT", "REFUSED", "RELEASES", "args_problems", "check_args", "classify"]
 
 # Argument -> where it goes in the transformers config (read by ``megatron_config.gpt_shape_from_args``, which
 # also refuses the values the families cannot compute: LayerNorm, GeLU, learned positions, partial rotary...).
@@ -262,6 +265,17 @@ def _equal(value: Any, wanted: Any) -> bool:
     return value == wanted
 
 
+def _at_default(name: str, value: Any) -> bool:
+    """Whether an argument the tables do not know holds its default in a release ``DEFAULTS`` records."""
+    if value is None:
+        return True
+    if name not in DEFAULTS:
+        return False
+    if isinstance(value, tuple):  # a list default saved as a tuple (yaml, older pickles)
+        value = list(value)
+    return any(_equal(value, wanted) for wanted in DEFAULTS[name])
+
+
 def _items(args: Any) -> list[tuple[str, Any]]:
     return sorted((args if isinstance(args, dict) else vars(args)).items())
 
@@ -277,7 +291,7 @@ def args_problems(args: Any) -> list[str]:
             problems.append(f"{name}={value!r} ({DEEPSEEK_V3[name][1]})")
         elif kind == "refused" and not _accepted(value, REFUSED[name][0]):
             problems.append(f"{name}={value!r} ({REFUSED[name][1]})")
-        elif kind == "unknown" and value is not None and value is not False:
+        elif kind == "unknown" and not _at_default(name, value):
             problems.append(f"{name}={value!r} (an argument reshard does not know: it may change the model)")
     return problems
 

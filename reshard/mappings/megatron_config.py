@@ -26,7 +26,7 @@ from typing import Any
 
 from reshard.config import ModelConfig
 from reshard.errors import MappingError
-from reshard.mappings.megatron_args import check_args
+from reshard.mappings.megatron_args import args_problems, check_args
 from reshard.megatron_model import arg
 from reshard.vocab import DEFAULT_MEGATRON_MULTIPLE
 
@@ -106,18 +106,19 @@ def gpt_shape_from_args(args: Any) -> GPTShape:
     problems = []
     mla = bool(arg(args, "multi_latent_attention", False))
     if arg(args, "normalization", "LayerNorm") != "RMSNorm":
-        problems.append(f"normalization {arg(args, 'normalization', 'LayerNorm')!r} (the families need RMSNorm)")
+        problems.append(f"normalization={arg(args, 'normalization', 'LayerNorm')!r} (the families need RMSNorm)")
     if not arg(args, "swiglu", False):
-        problems.append("no SwiGLU (the families use gated SiLU MLPs)")
-    if arg(args, "position_embedding_type", "learned_absolute") not in (("rope", "none") if mla else ("rope",)):
-        problems.append(f"position embeddings {arg(args, 'position_embedding_type', 'learned_absolute')!r}, not rope")
+        problems.append(f"swiglu={arg(args, 'swiglu', False)!r} (the families use gated SiLU MLPs)")
+    position = arg(args, "position_embedding_type", "learned_absolute")
+    if position not in (("rope", "none") if mla else ("rope",)):
+        problems.append(f"position_embedding_type={position!r} (the families use rope)")
     if arg(args, "rotary_interleaved", False):
-        problems.append("interleaved rotary embeddings")
+        problems.append("rotary_interleaved=True (interleaved rotary embeddings)")
     if float(arg(args, "rotary_percent", 1.0)) != 1.0:
-        problems.append(f"rotary_percent {arg(args, 'rotary_percent')} (partial rotary)")
-    if problems:
+        problems.append(f"rotary_percent={arg(args, 'rotary_percent')!r} (partial rotary)")
+    if problems:  # with every other argument the table refuses, in the same line
         raise MappingError(
-            "this Megatron model has no transformers family: " + "; ".join(problems),
+            "this Megatron model has no transformers family: " + "; ".join(problems + args_problems(args)),
             hint="keep Megatron's names with --keep-names, or convert to --layout megatron",
         )
     check_args(args)
@@ -225,7 +226,7 @@ def hf_family(shape: GPTShape) -> str:
         return _moe_family(shape)
     if shape.qk_layernorm:
         if shape.add_qkv_bias or shape.add_bias_linear:
-            _no_family("query/key norms with linear biases")
+            _no_family("qk_layernorm=True with add_bias_linear / add_qkv_bias (query/key norms with linear biases)")
         return "qwen3"
     if shape.add_qkv_bias and not shape.add_bias_linear:
         return "qwen2"
@@ -234,7 +235,7 @@ def hf_family(shape: GPTShape) -> str:
 
 def _moe_family(shape: GPTShape) -> str:
     if shape.add_bias_linear:
-        _no_family("MoE with linear biases")
+        _no_family("add_bias_linear=True with num_experts (MoE with linear biases)")
     if shape.dense_layers and not (shape.qk_layernorm or shape.moe_shared_expert_intermediate_size):
         layers = list(shape.dense_layers)
         _no_family(f"dense layers {layers} among MoE layers without query/key norms (Mixtral has none)")
@@ -249,7 +250,10 @@ def _moe_family(shape: GPTShape) -> str:
     if shape.qk_layernorm:
         return "qwen3_moe"
     if shape.moe_router_pre_softmax:  # Mixtral renormalizes the top-k weights
-        _no_family("a router that takes the softmax before the top-k without query/key norms")
+        _no_family(
+            "moe_router_pre_softmax=True without qk_layernorm (a router that takes the softmax before the top-k: "
+            "Qwen3-MoE computes it, Mixtral does not)"
+        )
     if shape.add_qkv_bias:
         _no_family("MoE with QKV biases and no shared experts")
     return "mixtral"

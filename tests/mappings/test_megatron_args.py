@@ -55,7 +55,8 @@ def test_an_argument_transformers_cannot_compute_is_refused_by_name(
 
 def test_irrelevant_and_default_arguments_pass(cli, full: Full, tmp_path: Path) -> None:
     extra = dict(lr=3e-4, hidden_dropout=0.1, seed=1234, micro_batch_size=4, save_interval=100, use_flash_attn=True)
-    extra |= dict(moe_router_topk_scaling_factor=None, moe_router_num_groups=None, some_new_flag=False)
+    extra |= dict(moe_router_topk_scaling_factor=None, moe_router_num_groups=None, some_new_flag=None)
+    extra |= dict(pad_vocab_size=True, fim_rate=0.5, high_priority_stream_groups=[])  # unknown, at their defaults
     ckpt = write(tmp_path / "m", full, **extra)
     result = cli("convert", ckpt, "--tp", 1, "--layout", "hf", "-o", tmp_path / "hf")
     assert result.exit_code == 0, result.output
@@ -73,6 +74,7 @@ def test_the_table_classifies() -> None:
     assert classify("lr_decay_style") == classify("tokenizer_model") == "irrelevant"
     assert classify("frobnicate") == "unknown"
     assert args_problems({"moe_router_load_balancing_type": ["aux_loss", "seq_aux_loss"]}) == []
+    assert args_problems({"pad_vocab_size": True, "mup_width_mult": 1, "frobnicate": None}) == []
     assert args_problems({"moe_router_load_balancing_type": "sinkhorn"})
     with pytest.raises(MappingError, match=r"moe_router_topk_scaling_factor=2\.5"):
         check_args({"moe_router_topk_scaling_factor": 2.5})
@@ -207,3 +209,29 @@ def test_a_sigmoid_router_without_expert_bias_is_deepseek_v3_with_a_zero_bias() 
     (group,), _ = megatron_to_hf("deepseek_v3", expert_bias=False).plan(names, None)
     assert group.targets == ("model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias")
     assert group.shapes == ((4, 64), (4,))
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("pad_vocab_size", False),  # a flag Megatron-LM defaults to True, found False
+        ("mup_width_mult", 2.0),  # a number away from its recorded default
+        ("gated_linear_unit", True),
+        ("frobnicate", False),  # no recorded default: only None passes
+    ],
+)
+def test_an_unknown_argument_away_from_its_default_is_refused(name: str, value: object) -> None:
+    assert classify(name) == "unknown"
+    assert args_problems({name: value}) == [
+        f"{name}={value!r} (an argument reshard does not know: it may change the model)"
+    ]
+
+
+def test_the_defaults_are_megatron_lms() -> None:
+    """Spot checks of the generated table against Megatron-LM's source (scripts/megatron_defaults.py)."""
+    from reshard.mappings.megatron_defaults import DEFAULTS, RELEASES
+
+    assert RELEASES == ("core_v0.16.1", "core_v0.19.0")
+    assert DEFAULTS["bias_gelu_fusion"] == DEFAULTS["add_bias_linear"] == DEFAULTS["masked_softmax_fusion"] == (True,)
+    assert DEFAULTS["normalization"] == ("LayerNorm",) and DEFAULTS["rotary_percent"] == (1.0,)
+    assert DEFAULTS["hidden_dropout"] == (0.1,) and DEFAULTS["num_moe_experts"] == (None,)

@@ -115,6 +115,7 @@ def build(variant: Variant, spec: Spec, *, seed: int) -> list:
     """This rank's model chunks (one per virtual stage): GPTModel, local (non-TE) spec, fp32, eval mode."""
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
+    from megatron.core.activations import squared_relu
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -154,11 +155,14 @@ def build(variant: Variant, spec: Spec, *, seed: int) -> list:
         num_query_groups=variant.groups,
         kv_channels=variant.head_dim,
         ffn_hidden_size=variant.ffn,
-        normalization="RMSNorm",
+        normalization=variant.norm,
         layernorm_epsilon=variant.norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
+        gated_linear_unit=variant.act == "swiglu",
+        activation_func={"swiglu": F.silu, "gelu": F.gelu, "squared_relu": squared_relu}[variant.act],
+        add_bias_linear=variant.bias,
+        softmax_scale=variant.softmax_scale or None,
+        moe_router_pre_softmax=variant.pre_softmax,
+        fp32_residual_connection=variant.fp32_residual,
         add_qkv_bias=variant.qkv_bias,
         num_moe_experts=variant.experts or None,
         moe_router_topk=variant.topk,
@@ -189,7 +193,7 @@ def build(variant: Variant, spec: Spec, *, seed: int) -> list:
         **router,
     )
     if variant.dense_first or variant.mla:  # dense and MoE layers: one spec per layer, from moe_layer_freq
-        layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+        layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=variant.norm)
         for layer in layer_spec.layer_specs if variant.mla else ():
             attention = layer.submodules.self_attention.submodules
             attention.core_attention = mla_core_attention()
@@ -199,7 +203,7 @@ def build(variant: Variant, spec: Spec, *, seed: int) -> list:
                 attention.q_layernorm = IdentityOp
     else:
         layer_spec = get_gpt_layer_local_spec(
-            num_experts=variant.experts or None, normalization="RMSNorm", qk_layernorm=variant.qk_norm
+            num_experts=variant.experts or None, normalization=variant.norm, qk_layernorm=variant.qk_norm
         )
     torch.manual_seed(seed)
     chunks = []
@@ -214,8 +218,9 @@ def build(variant: Variant, spec: Spec, *, seed: int) -> list:
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
             parallel_output=False,
             share_embeddings_and_output_weights=variant.tied,
-            position_embedding_type="rope",
+            position_embedding_type=variant.pos,
             rotary_base=variant.rotary_base,
+            rotary_percent=variant.rotary_percent,
             seq_len_interpolation_factor=variant.interpolation or None,
             vp_stage=vp,
         )

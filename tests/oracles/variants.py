@@ -61,6 +61,15 @@ class Variant:
     router_groups: int = 0  # moe_router_num_groups (0: None)
     group_topk: int = 0  # moe_router_group_topk (0: None)
     te_names: bool = False  # files under Transformer Engine's names (the latent norms fused in the up projections)
+    # The argument sweep (tests/mappings/test_megatron_sweep.py): one Megatron argument away from the Llama shape.
+    act: str = "swiglu"  # swiglu (gated silu), gelu, squared_relu: swiglu, squared_relu
+    bias: bool = False  # add_bias_linear (biases on qkv, proj, fc1, fc2)
+    norm: str = "RMSNorm"  # normalization (RMSNorm, LayerNorm)
+    rotary_percent: float = 1.0
+    pos: str = "rope"  # position_embedding_type (rope, learned_absolute, none)
+    softmax_scale: float = 0.0  # softmax_scale (0: None, 1/sqrt(head_dim))
+    pre_softmax: bool = False  # moe_router_pre_softmax
+    fp32_residual: bool = False  # fp32_residual_connection
 
     @property
     def moe_layer_freq(self) -> int | list[int]:

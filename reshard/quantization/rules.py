@@ -13,7 +13,7 @@ covers whole elements of the rank's slice (vLLM ``validate_fp8_block_shape``, ``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import lcm
 
 from reshard.quantization.scheme import AWQ, BLOCK, CHANNEL, COMPRESSED, FP8, GPTQ, GROUP, TENSOR, QuantScheme
@@ -93,7 +93,20 @@ _INPUT_SCALES = (Companion("input_scale"), Companion("input_global_scale"), Comp
 
 
 def companions(scheme: QuantScheme) -> tuple[Companion, ...]:
-    """The stored tensors of one quantized linear of ``scheme``, the one holding the weights first."""
+    """The stored tensors of one quantized linear of ``scheme``, the one holding the weights first. Without a
+    group size (``group_size: -1``, one scale per output channel) a grouped dim is one group for the whole
+    axis: whole on every rank that cuts that axis (vLLM ``auto_gptq.py``: scales whole on row-parallel)."""
+    table = _table(scheme)
+    if scheme.group_size is None:
+        table = tuple(replace(c, dims=tuple(_whole_group(d) for d in c.dims)) for c in table)
+    return table
+
+
+def _whole_group(dim: Axis) -> Axis:
+    return Axis(dim.axis, WHOLE) if dim.per == GROUP_SIZE else dim
+
+
+def _table(scheme: QuantScheme) -> tuple[Companion, ...]:
     match scheme.method:
         case "fp8":
             return _FP8_BLOCK

@@ -180,7 +180,8 @@ def read_scheme(config: Mapping[str, Any] | None, *, path: object = None) -> Qua
         return ReshardError(
             f"quantization_config: {detail}",
             path=path,
-            hint="reshard splits fp8 (block), compressed-tensors (int4 pack-quantized, fp8), gptq and awq (4-bit)",
+            hint="reshard splits fp8 (block), compressed-tensors (int4 pack-quantized, fp8, int8 W8A8), "
+            "gptq and awq (4-bit)",
         )
 
     if not isinstance(raw, Mapping):
@@ -260,6 +261,10 @@ def _compressed(raw: Mapping[str, Any]) -> QuantScheme:
             )
         if strategy == CHANNEL:
             return QuantScheme(COMPRESSED, CHANNEL, 4, True, symmetric=symmetric, ignore=ignore)
+    if fmt == "int-quantized" and kind == "int" and bits == 8 and strategy in (CHANNEL, TENSOR):
+        if not symmetric:  # W8A8 int8 is symmetric; a zero point per channel is another tensor to cut
+            raise ValueError("asymmetric int8 weights (a weight_zero_point per channel) are not planned")
+        return QuantScheme(COMPRESSED, strategy, 8, False, ignore=ignore)  # W8A8 int8: stored as fp8 channel
     if fmt == "float-quantized" and kind == "float" and bits == 8:
         if strategy in (CHANNEL, TENSOR):
             return QuantScheme(COMPRESSED, strategy, 8, False, symmetric=symmetric, ignore=ignore)

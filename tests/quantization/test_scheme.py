@@ -60,3 +60,26 @@ def test_refused_by_name(config: dict, says: str) -> None:
         read_scheme({"quantization_config": config}, path="config.json")
     assert says in err.value.detail
     assert err.value.path == "config.json"
+
+
+def test_w8a8_int8_and_per_channel_int4_are_planned() -> None:
+    """W8A8 int8 is stored as fp8 per-channel is (``weight`` int8, ``weight_scale [out, 1]``); with
+    ``group_size: -1`` a grouped companion is one group for the whole input axis: whole on a row-parallel rank."""
+    from reshard.quantization.rules import IN, WHOLE, alignment, companions
+
+    int8 = {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True}
+    config = {
+        "quant_method": "compressed-tensors",
+        "format": "int-quantized",
+        "config_groups": {"g": {"weights": int8}},
+    }
+    scheme = read_scheme({"quantization_config": config})
+    assert (scheme.strategy, scheme.bits, scheme.packed) == ("channel", 8, False)
+    with pytest.raises(ReshardError, match="asymmetric int8"):
+        read_scheme(
+            {"quantization_config": config | {"config_groups": {"g": {"weights": int8 | {"symmetric": False}}}}}
+        )
+    gptq = read_scheme({"quantization_config": GPTQ | {"group_size": -1, "desc_act": False}})
+    scales = next(c for c in companions(gptq) if c.suffix == "scales")
+    assert scales.dims[0].axis == IN and scales.dims[0].per == WHOLE
+    assert alignment(gptq, IN, 768) == 8  # packed words only: 768 input rows split 8 ways (96 a rank)

@@ -5,7 +5,8 @@ the same bytes. Here each tensor is gathered the way its ``reshard.json`` record
 plan says a runtime expects (the model's plan, and for a quantized linear its weight's cut carried through the
 format's table), and every rank's own slice compared with that piece, bit for bit. For each quantized linear,
 each rank's stored tensors are also dequantized on their own (the format's arithmetic,
-:mod:`reshard.commands.verify_dequant`) and compared with the rank's slice of the dequantized whole weight.
+:mod:`reshard.commands.verify_dequant`) and compared with the rank's slice of the dequantized whole weight; a
+linear's tensors are checked together, each gathered once for both checks.
 """
 
 from __future__ import annotations
@@ -44,20 +45,27 @@ def check_ranks(path: Path, read: ReadOptions) -> tuple[int, list[Difference]] |
     runtime = open_checkpoint(path, read, target_tp=tp).plan
     config = written.source.config
     quantized = quantized_tensors(config, {n: ref.shape for n, ref in written.source.ranks[0].items()})
-    by_module: dict[str, list[str]] = defaultdict(list)
+    linears = quantized.linears if quantized is not None else {}
+    units: dict[str, list[str]] = defaultdict(list)  # a quantized linear's tensors together, any other alone
+    for name in written.by_name():
+        module, _ = split_name(name)
+        units[module if module in linears else name].append(name)
     diffs: list[Difference] = []
     checked = 0
-    for name, tensor in written.by_name().items():
-        module, _ = split_name(name)
-        expected: tuple[Partition | None, str] = (tensor.partition, tensor.reason)
-        if quantized is not None and module in quantized.linears:
-            by_module[module].append(name)
-            expected = _quantized_cut(quantized, name, runtime, config, diffs) or expected
-        full = _gather(tensor, written, diffs)
-        if full is not None and _same_slices(full, tensor, expected, diffs):
-            checked += 1
-    for module, names in by_module.items():
-        _check_dequantized(module, names, written, runtime, quantized, diffs)
+    tensors = written.by_name()
+    for unit, names in units.items():
+        whole = {}  # a quantized linear's gathered tensors, kept for its dequantized check: each is gathered once
+        for name in names:
+            tensor = tensors[name]
+            expected: tuple[Partition | None, str] = (tensor.partition, tensor.reason)
+            if unit in linears:
+                expected = _quantized_cut(quantized, name, runtime, config, diffs) or expected
+            full = _gather(tensor, written, diffs)
+            if full is not None and _same_slices(full, tensor, expected, diffs):
+                checked += 1
+            whole[split_name(name)[1]] = full
+        if unit in linears and all(full is not None for full in whole.values()):  # else reported by the slice check
+            _check_dequantized(unit, names, whole, written, runtime, quantized, diffs)
     return checked, diffs
 
 
@@ -143,19 +151,15 @@ def _equal(a: torch.Tensor, b: torch.Tensor, rows: tuple | None = None) -> bool:
 def _check_dequantized(
     module: str,
     names: list[str],
+    whole: dict[str, torch.Tensor],
     written: OpenedCheckpoint,
     plan: Plan,
     quantized: QuantizedTensors,
     diffs: list[Difference],
 ) -> None:
-    """Each rank's stored tensors of ``module`` dequantized on their own against the rank's slice of the whole."""
+    """Each rank's stored tensors of ``module`` dequantized on their own against the rank's slice of the whole
+    (``whole``: the module's gathered tensors by suffix)."""
     tensors = written.by_name()
-    whole = {}
-    for name in names:
-        full = _gather(tensors[name], written, [])
-        if full is None:
-            return  # reported by the slice check
-        whole[split_name(name)[1]] = full
     config = written.source.config.for_tensor(f"{module}.weight") if written.source.config else None
     scheme = quantized.scheme
     with torch.inference_mode():

@@ -38,9 +38,10 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm.auto import tqdm
 
+from reshard.dtypes import dtype_from_code
 from reshard.engine.buffers import Budget, BufferPool, budget_for
 from reshard.engine.digest import all_finite_in_blocks, digest_of
-from reshard.engine.gather import Work, check_fits, gather_and_split, plan_work, read_phase
+from reshard.engine.gather import Work, check_fits, gather_and_split, plan_work, read_phase, writes_into
 from reshard.errors import ShapeMismatchError
 from reshard.io.direct import Batch
 from reshard.layouts.base import CheckpointWriter, TensorRef
@@ -164,7 +165,12 @@ def execute(
             buffers.get(shape, source.dtype, phase=read_phase(source, uneven=conversion.uneven))
             for shape, source in zip(work.buffer_shapes, work.tensor.sources, strict=True)
         ]
-        pieces_of = gather_and_split(work, buffers=[buffer for _, buffer in held], **options)
+        into = writes_into(work.tensor)  # the transform's output in pooled memory too
+        outputs = [buffers.get(t.shape, dtype_from_code(t.code)) for t in work.tensor.targets] if into else []
+        pieces_of = gather_and_split(
+            work, buffers=[buffer for _, buffer in held], outputs=[out for _, out in outputs] or None, **options
+        )
+        held += outputs
         for ref in _refs(work):
             ref.evict()
         written = []

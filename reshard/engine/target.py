@@ -28,6 +28,7 @@ from reshard.mappings.torchtitan_llama import TORCHTITAN
 from reshard.options import ConvertOptions
 from reshard.partition import Partition, Replicate, Vocab, head_replicas
 from reshard.plans import select_plan
+from reshard.quantization import read_scheme
 from reshard.quantization.dequant_plan import COMPANIONS, dequantized_config, recast
 from reshard.quantization.plan import linear_partition
 from reshard.vocab import source_padded_rows
@@ -233,7 +234,9 @@ def _recast(
     source = opened.source
     tensors = tuple(_whole(t) if t.name.rpartition(".")[2] in COMPANIONS else t for t in opened.tensors)
     headers = {t.name: TensorHeader(t.shape, t.code) for t in tensors if t.shape is not None}
-    plan = recast(headers, source.config.raw if source.config else None, dtype, path=source.path)
+    config = source.config
+    scheme = read_scheme(config.raw if config else None, path=config.path if config else None)
+    plan = recast(headers, scheme, dtype, path=source.path)
     companions = {unit.sources[1] for unit in plan.units if len(unit.sources) > 1} | set(plan.dropped)
     by_name = {t.name: t for t in tensors}
     groups = []

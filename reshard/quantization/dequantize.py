@@ -22,8 +22,10 @@ torch's own conversion, which is most of the work.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -33,9 +35,9 @@ if TYPE_CHECKING:
     import torch
 
 Shape = tuple[int, ...]
-# Elements of the float32 product made at once (16 MB): large enough for torch's vectorised kernels, small
-# beside the weight.
-STRIP = 1 << 22
+# Elements of the float32 product made at once (4 MB; a strip is at least one row): large enough for torch's
+# vectorised kernels, small enough to stay in the cache between them (measured in docs/quantization-dequant.md).
+STRIP = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -57,9 +59,12 @@ class Dequantize:
     def target_shapes(self, shapes: Sequence[Shape]) -> list[Shape]:
         return [tuple(shapes[0])]
 
-    def apply(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    writes_into = True  # the engine may hand apply() its output (a pooled buffer)
+
+    def apply(self, tensors: Sequence[torch.Tensor], *, out: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
         weight, scale = tensors
-        return [dequantize(weight, scale, block=self.block, code=self.code, via=self.via)]
+        into = out[0] if out else None
+        return [dequantize(weight, scale, block=self.block, code=self.code, via=self.via, out=into)]
 
     def describe(self) -> str:
         return f"dequantize ({self.block[0]}x{self.block[1]} scales) to {name_of(self.code)}"
@@ -76,9 +81,13 @@ class Cast:
     def target_shapes(self, shapes: Sequence[Shape]) -> list[Shape]:
         return [tuple(shapes[0])]
 
-    def apply(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    writes_into = True
+
+    def apply(self, tensors: Sequence[torch.Tensor], *, out: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
         from reshard.dtypes import dtype_from_code
 
+        if out:
+            return [out[0].copy_(tensors[0])]
         return [tensors[0].to(dtype_from_code(self.code))]
 
     def describe(self) -> str:
@@ -86,10 +95,16 @@ class Cast:
 
 
 def dequantize(
-    weight: torch.Tensor, scale: torch.Tensor, *, block: tuple[int, int], code: str, via: str | None = None
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    block: tuple[int, int],
+    code: str,
+    via: str | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``weight`` (2-D, FP8) times ``scale`` (a ``ceil(rows / block[0]) x ceil(cols / block[1])`` grid, or one value),
-    in the dtype of ``code``; see the module docstring for the rounding."""
+    in the dtype of ``code`` (into ``out`` when given); see the module docstring for the rounding."""
     import torch
 
     from reshard.dtypes import dtype_from_code
@@ -97,50 +112,168 @@ def dequantize(
     rows, cols = weight.shape
     block_rows, block_cols = block
     grid = scale.reshape(math.ceil(rows / block_rows), math.ceil(cols / block_cols)).float()
-    if len(grid) == 1:  # one scale row for every row (per tensor): as a view, so strips stay small
-        grid, block_rows = grid.expand(rows, -1), 1
-    out = torch.empty((rows, cols), dtype=dtype_from_code(code))
-    via_dtype = dtype_from_code(via) if via is not None else None
-    strip = min(rows, max(1, STRIP // max(1, cols) // block_rows) * block_rows)  # whole blocks of rows
-    # one int16 and one float32 strip for every strip of the weight: fresh pages each time cost more than the work
-    bits, product = torch.empty((strip, cols), dtype=torch.int16), torch.empty((strip, cols), dtype=torch.float32)
-    for start in range(0, rows, strip):
-        stop = min(rows, start + strip)
-        values = float32_of(weight[start:stop], bits=bits[: stop - start], out=product[: stop - start])
-        scales = _row_scales(grid[start // block_rows : math.ceil(stop / block_rows)], block_cols, cols)
-        whole = (stop - start) // block_rows * block_rows
-        if whole:  # every block row of the strip times its scales, broadcast over its rows
-            values[:whole].view(whole // block_rows, block_rows, -1).mul_(scales[: whole // block_rows, None, :])
-        if whole < stop - start:  # the weight's last block row, short
-            values[whole:].mul_(scales[-1])
-        out[start:stop].copy_(values if via_dtype is None else values.to(via_dtype))
+    if len(grid) == 1:  # one scale row for every row (per tensor or per column block): any rows at once
+        block_rows = rows
+    out = torch.empty((rows, cols), dtype=dtype_from_code(code)) if out is None else out
+    if not out.numel():
+        return out
+    via_dtype = dtype_from_code(via) if via is not None and via != code else None
+    grid, factor = _folded(grid, weight.dtype)
+    row_scales = _row_scales(grid, block_cols, cols)  # [block rows, cols] or [block rows, 1]
+    with _one_thread():
+        nan = weight.dtype == torch.float8_e4m3fn and _has_nan(weight)
+        _product(weight, row_scales, factor, out, block_rows=block_rows, via=via_dtype, nan=nan)
     return out
 
 
-def float32_of(
-    fp8: torch.Tensor, *, bits: torch.Tensor | None = None, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The float32 values of an FP8 tensor, the same as ``fp8.float()``, NaN bits included, for a fifth of the CPU
-    (into ``out``, through ``bits``, an int16 tensor of its shape, when given).
+def _product(
+    weight: torch.Tensor,
+    row_scales: torch.Tensor,
+    factor: float,
+    out: torch.Tensor,
+    *,
+    block_rows: int,
+    via: torch.dtype | None,
+    nan: bool,
+) -> None:
+    """``out`` = ``weight`` times each block row's scales, a strip of rows at a time (a strip holds whole block rows,
+    or is part of one)."""
+    rows, cols = weight.shape
+    per_strip = max(1, STRIP // cols)
+    temps = _Strips(per_strip if per_strip < block_rows else per_strip // block_rows * block_rows, cols)
+    start = 0
+    while start < rows:
+        first = start // block_rows
+        if temps.rows < block_rows:  # part of one block row
+            stop = min(rows, start + temps.rows, (first + 1) * block_rows)
+        else:  # whole block rows (the weight's last one may be short)
+            stop = min(rows, start + temps.rows)
+        strip = stop - start
+        values = _float32_into(weight[start:stop], temps.bits(strip), temps.values(strip), nan=nan)
+        if factor != 1.0:
+            values.mul_(factor)
+        whole = (stop - start) // block_rows if start % block_rows == 0 else 0
+        if whole:  # every whole block row of the strip times its scales, broadcast over its rows
+            values[: whole * block_rows].view(whole, block_rows, -1).mul_(row_scales[first : first + whole, None])
+        if whole * block_rows < stop - start:  # within one block row (the strip's end, or a part of one)
+            values[whole * block_rows :].mul_(row_scales[(stop - 1) // block_rows])
+        if via is not None:
+            values = temps.via(via, strip).copy_(values)
+        out[start:stop].copy_(values)
+        start = stop
 
-    Both FP8 kinds are exact in float16's bit layout, reached with integer shifts (vectorised) where torch converts
-    element by element: float8_e5m2 is float16's high byte; float8_e4m3fn's sign goes to bit 15 and its exponent and
-    mantissa to bits 7-13, where its exponent bias of 7 reads as float16's 15, so the value is that float16 times
-    2^8 (exact). e4m3fn has no infinities, and its two NaN bytes come out as +-480, beyond its largest value (448):
-    where the range shows one, those elements are converted by torch itself.
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """torch's operations on this thread run on it alone while the block lasts.
+
+    The engine already runs one unit per worker thread (``--jobs``); each of them starting a team of OpenMP
+    threads for every strip's operations oversubscribes the cores, and the teams' waiting costs more CPU than the
+    work on a loaded machine (1 thread: 0.7 ns a weight element; 2 per caller: 7-9 ns under load 10). OpenMP's
+    thread count is a per-thread setting, so other threads keep theirs."""
+    import torch
+
+    before = torch.get_num_threads()
+    if before == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def float32_of(fp8: torch.Tensor) -> torch.Tensor:
+    """The float32 values of an FP8 tensor, the same as ``fp8.float()``, NaN bits included, for a fifth of the CPU."""
+    import torch
+
+    bits, values = torch.empty(fp8.shape, dtype=torch.int16), torch.empty(fp8.shape, dtype=torch.float32)
+    e4m3 = fp8.dtype == torch.float8_e4m3fn
+    values = _float32_into(fp8, bits, values, nan=e4m3 and _has_nan(fp8))
+    return values.mul_(E4M3_FACTOR) if e4m3 else values
+
+
+class _Strips:
+    """This thread's reusable temporaries for ``rows`` rows of ``cols`` columns at a time: the FP8 bits widened to
+    int16, their float32 values, and the product rounded to the scale's dtype. Fresh pages for every strip cost
+    more than the arithmetic (page faults and zeroing), so each thread keeps its own and grows them when needed."""
+
+    def __init__(self, rows: int, cols: int) -> None:
+        import torch
+
+        self.rows, self.cols = rows, cols
+        kept = getattr(_local, "strips", None)
+        elements = rows * cols
+        if kept is None or kept[0].numel() < elements:
+            kept = _local.strips = (
+                torch.empty(elements, dtype=torch.int16),
+                torch.empty(elements, dtype=torch.float32),
+                {},
+            )
+        self._bits, self._values, self._via = kept
+
+    def bits(self, rows: int) -> torch.Tensor:
+        return self._bits[: rows * self.cols].view(rows, self.cols)
+
+    def values(self, rows: int) -> torch.Tensor:
+        return self._values[: rows * self.cols].view(rows, self.cols)
+
+    def via(self, dtype: torch.dtype, rows: int) -> torch.Tensor:
+        import torch
+
+        kept = self._via.get(dtype)
+        if kept is None or kept.numel() < self._values.numel():
+            kept = self._via[dtype] = torch.empty(self._values.numel(), dtype=dtype)
+        return kept[: rows * self.cols].view(rows, self.cols)
+
+
+_local = threading.local()
+# float8_e4m3fn read in float16's bit layout is its value times 2^-8 (see :func:`_float32_into`).
+E4M3_FACTOR = 256.0
+
+
+def _float32_into(fp8: torch.Tensor, bits: torch.Tensor, values: torch.Tensor, *, nan: bool) -> torch.Tensor:
+    """The float32 values of FP8 in ``values`` through ``bits`` (int16, of its shape; float8_e4m3fn: the values
+    times 2^-8, exact), with integer
+    shifts (vectorised) where torch converts FP8 element by element (five times the CPU).
+
+    Both FP8 kinds are exact in float16's bit layout: float8_e5m2 is float16's high byte; float8_e4m3fn's sign goes
+    to bit 15 and its exponent and mantissa to bits 7-13, where its exponent bias of 7 reads as float16's 15, so
+    the float16 is the value times 2^-8 (exact, subnormals included). e4m3fn has no infinities, and its two NaN
+    bytes would read as +-480: when the weight has any (``nan``), those elements are converted by torch itself.
     """
     import torch
 
-    bits = torch.empty(fp8.shape, dtype=torch.int16) if bits is None else bits
-    out = torch.empty(fp8.shape, dtype=torch.float32) if out is None else out
     bits.copy_(fp8.view(torch.int8))  # sign-extended
     if fp8.dtype == torch.float8_e5m2:
-        return out.copy_(bits.bitwise_left_shift_(8).view(torch.float16))
-    out.copy_(bits.bitwise_left_shift_(7).bitwise_and_(~0x4000).view(torch.float16)).mul_(256.0)
-    if out.numel() and max(-float(out.min()), float(out.max())) > 448:
-        nan = fp8.view(torch.uint8).bitwise_and(0x7F).eq(0x7F)
-        out[nan] = fp8[nan].float()
-    return out
+        return values.copy_(bits.bitwise_left_shift_(8).view(torch.float16))
+    values.copy_(bits.bitwise_left_shift_(7).bitwise_and_(~0x4000).view(torch.float16))
+    if nan:
+        where = fp8.view(torch.uint8).bitwise_and(0x7F).eq(0x7F)
+        values[where] = fp8[where].float()
+    return values
+
+
+def _has_nan(fp8: torch.Tensor) -> bool:
+    """Whether a float8_e4m3fn tensor holds a NaN (bytes 0x7F and 0xFF: the largest as int8 and as uint8)."""
+    import torch
+
+    return bool(fp8.numel()) and (int(fp8.view(torch.int8).max()) == 127 or int(fp8.view(torch.uint8).max()) == 255)
+
+
+def _folded(grid: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+    """The scale grid with float8_e4m3fn's 2^8 (:func:`_float32_into`) folded in, and the factor left to apply (1
+    unless a scale would overflow): ``(v * 2^-8) * (s * 2^8)`` is ``v * s`` rounded once, since both factors are
+    exact."""
+    import torch
+
+    if dtype != torch.float8_e4m3fn:
+        return grid, 1.0
+    folded = grid * E4M3_FACTOR
+    if bool((folded.isinf() & grid.isfinite()).any()):
+        return grid, E4M3_FACTOR
+    return folded, 1.0
 
 
 def _row_scales(grid: torch.Tensor, block_cols: int, cols: int) -> torch.Tensor:

@@ -39,7 +39,7 @@ _IRRELEVANT = {
         "format": "read",
         "config_groups": "read",
         "ignore": "read",
-        "quantization_status": "compressed is what is stored",
+        "quantization_status": "read",
         "kv_cache_scheme": "read",
         "sparsity_config": "read",
         "transform_config": "read",
@@ -115,6 +115,14 @@ _IRRELEVANT = {
         "dynamic": "read",
     },
 }
+
+
+# fp8: the values of the fields that could change what is stored (the first is the default).
+_FP8_VALUES = {"fmt": ("e4m3",), "activation_scheme": ("dynamic", "static"), "scale_fmt": ("float", "ue8m0")}
+# compressed-tensors: the fields of a config group and of its weights' scheme; the others are refused.
+_CT_GROUP = {"targets", "weights", "input_activations", "output_activations", "format"}
+_CT_WEIGHTS = {"num_bits", "type", "strategy", "symmetric", "group_size", "actorder", "dynamic", "block_structure"}
+_CT_WEIGHTS |= {"observer", "observer_kwargs", "scale_dtype", "zp_dtype"}  # calibration choices; dtypes in headers
 
 
 @dataclass(frozen=True)
@@ -223,6 +231,9 @@ def _fp8(raw: Mapping[str, Any]) -> QuantScheme:
         raise ValueError(f"expert_dtype {shown(raw.get('expert_dtype'))} is not planned (fp8 only)")
     if raw.get("modules_to_convert"):
         raise ValueError("modules_to_convert (an allow-list of quantized modules) is not planned")
+    for key, known in _FP8_VALUES.items():
+        if raw.get(key, known[0]) not in known:
+            raise ValueError(f"fp8 {key} {shown(raw.get(key))} is not planned ({', '.join(known)})")
     rows, columns = (_positive(b, "weight_block_size") for b in block)
     ignore = _names(raw.get("modules_to_not_convert"), "modules_to_not_convert")
     return QuantScheme(FP8, BLOCK, 8, False, block=(rows, columns), ignore=ignore)
@@ -235,10 +246,17 @@ def _compressed(raw: Mapping[str, Any]) -> QuantScheme:
     for key in ("sparsity_config", "transform_config", "kv_cache_scheme"):
         if raw.get(key):
             raise ValueError(f"{key} is not planned")
+    if raw.get("quantization_status", "compressed") != "compressed":
+        raise ValueError(f"quantization_status {shown(raw.get('quantization_status'))} is not planned (compressed)")
     (group,) = groups.values()
     weights = group.get("weights") if isinstance(group, Mapping) else None
     if not isinstance(weights, Mapping):
         raise ValueError("the config group has no weights scheme")
+    unknown = [str(k) for k in group if k not in _CT_GROUP] + [str(k) for k in weights if k not in _CT_WEIGHTS]
+    if unknown:
+        raise ValueError(f"config group field(s) {shown(unknown)} unknown to reshard: they may change the storage")
+    if group.get("output_activations"):
+        raise ValueError("output_activations (a stored output scale) is not planned")
     fmt = group.get("format") or raw.get("format")
     bits, kind = _positive(weights.get("num_bits"), "num_bits"), weights.get("type")
     strategy, size = weights.get("strategy"), weights.get("group_size")
@@ -266,6 +284,8 @@ def _compressed(raw: Mapping[str, Any]) -> QuantScheme:
             raise ValueError("asymmetric int8 weights (a weight_zero_point per channel) are not planned")
         return QuantScheme(COMPRESSED, strategy, 8, False, ignore=ignore)  # W8A8 int8: stored as fp8 channel
     if fmt == "float-quantized" and kind == "float" and bits == 8:
+        if not symmetric or weights.get("actorder"):
+            raise ValueError("fp8 weights with a zero point or an actorder are not planned")
         if strategy in (CHANNEL, TENSOR):
             return QuantScheme(COMPRESSED, strategy, 8, False, symmetric=symmetric, ignore=ignore)
         if strategy == BLOCK:

@@ -157,8 +157,8 @@ def test_dtype_alone_casts_a_plain_checkpoint(fp8, cli, tmp_path):
 @pytest.mark.parametrize(
     ("quant", "said"),
     [
-        ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "dequantizing gptq is not supported"),
-        ({"quant_method": "awq", "bits": 4}, "dequantizing awq is not supported"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "dequantizing gptq 4-bit, group 128 is not"),
+        ({"quant_method": "awq", "bits": 4, "group_size": 128}, "dequantizing awq 4-bit, group 128 is not supported"),
     ],
 )
 def test_a_quantization_not_dequantized_is_refused_and_nothing_is_written(fp8, cli, tmp_path, quant, said):

@@ -76,3 +76,23 @@ def test_the_transforms_state_their_shapes_and_cast_once():
 def test_fp8_to_float32_is_torchs_conversion_for_every_byte(dtype):
     every = torch.arange(256, dtype=torch.uint8).repeat(3, 1).view(dtype)  # NaNs (and e5m2's infinities) included
     assert torch.equal(float32_of(every).view(torch.int32), every.float().view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", list(CODES), ids=lambda d: str(d).removeprefix("torch."))
+def test_every_fp8_byte_times_every_kind_of_scale_is_transformers_bit_for_bit(dtype):
+    """All 256 bytes (NaN, subnormals, negative zero) in every block, scales from subnormal to 2^120 (where folding
+    float8_e4m3fn's 2^8 into the scale would overflow), infinite and NaN; into a given (pooled) output too."""
+    every = torch.arange(256, dtype=torch.uint8)
+    codes = torch.stack([every.roll(r) for r in range(256)]).repeat(2, 2).view(torch.float8_e4m3fn)  # 512 x 512
+    scales = torch.tensor(
+        [[1e-45, 2.0**-12], [0.0123, 2.0**120], [1.5 * 2.0**119, -0.75], [float("inf"), float("nan")]]
+    )
+    scale_inv = scales.reshape(4, 2)
+    weight = codes.repeat(2, 1)[:, :256]  # 1024 x 256: a 8 x 2 grid
+    grid = torch.cat([scale_inv, scale_inv]).reshape(8, 2)
+    theirs = Fp8Dequantize(None)._dequantize_one(weight, grid, output_dtype=dtype)
+    mine = dequantize(weight, grid, block=(128, 128), code=CODES[dtype])
+    assert torch.equal(_bits(mine), _bits(theirs))
+    into = torch.full_like(theirs, 7)
+    (out,) = Dequantize((128, 128), CODES[dtype]).apply([weight, grid], out=[into])
+    assert out is into and torch.equal(_bits(into), _bits(theirs))

@@ -32,6 +32,8 @@ from fixtures.quantized import (
 from fixtures.venvs import framework_python
 from safetensors.torch import load_file, save_file
 
+from reshard.options import ReadOptions
+
 ROW = re.compile(r"\.(o|down)_proj$")
 KV = re.compile(r"\.[kv]_proj$")
 CT_SCHEMES = ["W4A16", "W4A16_ASYM", "FP8_DYNAMIC"]
@@ -241,3 +243,22 @@ def test_gptq_every_rank_dequantizes_to_its_slice(cli, gptq, tmp_path, act_order
         name = "model.layers.0.self_attn.o_proj"
         assert torch.equal(rank[f"{name}.scales"], full[f"{name}.scales"])
         assert torch.equal(rank[f"{name}.g_idx"], full[f"{name}.g_idx"].chunk(2)[1])
+
+
+def test_the_rank_check_gathers_each_tensor_once(cli, fp8, tmp_path, monkeypatch) -> None:
+    """A quantized linear's tensors serve both the slice check and the dequantized check from one gather."""
+    import reshard.commands.verify_ranks as verify_ranks
+
+    out = tmp_path / "tp2"
+    convert(cli, fp8, out, 2)
+    gathered: list[str] = []
+    real = verify_ranks.gather_canonical
+
+    def counted(tensor, **kwargs):
+        gathered.append(tensor.name)
+        return real(tensor, **kwargs)
+
+    monkeypatch.setattr(verify_ranks, "gather_canonical", counted)
+    checked, diffs = verify_ranks.check_ranks(out, ReadOptions())
+    assert diffs == [] and checked == len(gathered) == len(set(gathered))
+    assert sum(name.endswith("weight_scale_inv") for name in gathered) == 14

@@ -25,6 +25,7 @@ from reshard.config import ModelConfig
 from reshard.errors import AmbiguousPartitionError
 from reshard.partition import Packed, Partition, Replicate, Shard, Vocab
 from reshard.plans.base import Plan, Rule
+from reshard.plans.llama import by_heads
 from reshard.plans.skeleton import ModelSkeleton, build_skeleton
 
 __all__ = ["NAME", "ModelSkeleton", "build_skeleton", "plan_from_tp_plan", "transformers_plan"]
@@ -50,6 +51,9 @@ GATHERED = {"colwise_rep", "colwise_gather_output"}
 # Prefixes of the model in memory that saved checkpoints may lack (or spell otherwise).
 _PREFIX = re.compile(r"^(model\.)?(language_model\.)?")
 _ANY_PREFIX = r"^(base_model\.model\.)?(model\.)?(language_model\.)?(model\.)?"
+# Attention projections: transformers' loader chunks their rows, which is whole heads only where the tp divides
+# the heads; in units of ``head_dim`` a tp that would cut a head (one KV head at tp 2) is refused as `check` does.
+_ATTENTION = re.compile(r"self_attn\.[qkvo]_proj$")
 
 
 def transformers_plan(config: ModelConfig | None) -> Plan:
@@ -116,10 +120,13 @@ def _style_partitions(style: str, key: str, config: ModelConfig | None) -> tuple
     """``(weight, bias)`` partitions (or functions of the tensor's own sub-config) of a style; ``(None, None)``
     for a style reshard does not know."""
     vocab = key.endswith(("lm_head", "embed_tokens"))
+    heads = _ATTENTION.search(key) is not None
     if style in COLWISE:
+        if heads:
+            return by_heads(-2), by_heads(-1)
         return (Vocab(0) if vocab else Shard(-2)), Shard(-1)
     if style in ROWWISE:
-        return Shard(-1), Replicate()
+        return (by_heads(-1) if heads else Shard(-1)), Replicate()
     if style == "embedding_rowwise":
         return Vocab(0), Replicate()
     if style == "embedding_colwise":

@@ -58,3 +58,21 @@ def test_a_transformers_style_reshard_cannot_express_is_an_error_not_a_replica()
         ("transformers' TP style 'local' has no reshard partition", ["model.layers.0.mlp.down_proj.weight"])
     ]
     assert report.tensors[1].rank_shape == [8, 8]
+
+
+def test_plan_transformers_never_cuts_a_head_unless_uneven(cli, tmp_path):
+    """One KV head at tp 2: whole heads do not divide, refused as `check` refuses it (before: the rows were halved,
+    exit 0); ``--uneven`` asks for transformers' loader's ``torch.chunk`` tensors, half a head each."""
+    from fixtures.models import tiny_llama
+
+    tiny_llama(tmp_path / "full", num_key_value_heads=1)
+    refused = cli("convert", tmp_path / "full", "--tp", 2, "--plan", "transformers", "-o", tmp_path / "o")
+    assert refused.exit_code == 2, refused.output
+    assert "self_attn.k_proj.weight" in refused.output and "cannot be split 2 ways" in refused.output
+    assert "num_key_value_heads=1" in refused.output
+    assert not (tmp_path / "o").exists()
+    args = ("convert", tmp_path / "full", "--tp", 2, "--plan", "transformers", "--uneven", "-o", tmp_path / "u", "-q")
+    assert cli(*args).exit_code == 0
+    full = load_folder(tmp_path / "full")
+    for r, expected in enumerate(full["model.layers.0.self_attn.k_proj.weight"].chunk(2, dim=0)):
+        assert torch.equal(load_rank(tmp_path / "u", r)["model.layers.0.self_attn.k_proj.weight"], expected)

@@ -7,6 +7,7 @@ whose import takes longer than ``reshard check`` needs for a whole 9B model's he
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import os
 import re
@@ -420,6 +421,10 @@ def verify_command(ckpt: Path, other: Path | None, quiet: bool, as_json: bool, *
     click.get_current_context().exit(0 if result.ok else 1)
 
 
+# Allocations (less frees) between collections of the youngest generation; Python's default is 700.
+GC_YOUNG = 50_000
+
+
 def run() -> None:
     """The ``reshard`` console script: :func:`main`, then end the process without tearing down the interpreter.
 
@@ -427,7 +432,13 @@ def run() -> None:
     9B model (docs/performance.md). reshard closes its own files and joins its threads
     before a command returns, so once stdout, stderr and the log handlers are flushed nothing is left
     to do but ``os._exit``. A crash still unwinds normally, with its traceback.
+
+    The cyclic collector runs less often (:data:`GC_YOUNG`): importing torch (and, for the config-family
+    check, transformers) makes millions of objects that live to the end, and with the default threshold
+    every 700 of them start a collection; the full ones walk all of them again (0.5-0.6 s of a 4 GB
+    conversion's CPU on the bench VM, docs/performance.md). Cycles are still collected.
     """
+    gc.set_threshold(GC_YOUNG, *gc.get_threshold()[1:])
     try:
         main()
         code: object = 0

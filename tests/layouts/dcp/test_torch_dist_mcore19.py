@@ -44,6 +44,9 @@ REQUIREMENTS = [
 SPECS = {
     "llama": Spec("llama", tp=2),
     "moe": Spec("moe", tp=2),
+    "rope-linear": Spec("rope-linear", tp=2),  # rotary_seq_len_interpolation_factor -> rope_type linear
+    "moe-dense-first": Spec("moe-dense-first", tp=2),  # Qwen3-MoE, mlp_only_layers [0]
+    "moe-shared-gate-dense-first": Spec("moe-shared-gate-dense-first", tp=2),  # Qwen2-MoE, mlp_only_layers [0]
     "dsv3": Spec("dsv3", tp=2),
     "dsv3-te-names": Spec("dsv3", tp=2, overrides=(("te_names", "true"),)),
 }

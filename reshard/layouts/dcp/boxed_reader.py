@@ -23,7 +23,7 @@ from reshard.formats.chunks import ChunkLayout, torch_archive_layout
 from reshard.formats.dcp_metadata.read import StoredChunk, StoredTensor
 from reshard.io.direct import Batch, OpenSources
 from reshard.io.vectored import row_views
-from reshard.layouts.readers import FileReader, TensorHeader
+from reshard.layouts.readers import ReadIntoReader, TensorHeader
 
 if TYPE_CHECKING:
     import torch
@@ -63,7 +63,7 @@ class StackedView:
 
 
 @dataclass
-class BoxedReader(FileReader):
+class BoxedReader(ReadIntoReader):
     """Boxes of global tensors stored as chunks (see the module docstring); ``path`` is the checkpoint folder."""
 
     path: Path
@@ -85,15 +85,6 @@ class BoxedReader(FileReader):
             if len({(p.tensor.code, p.shape[1:]) for p in parts}) > 1:
                 raise ValueError(f"{key}: parts of different dtypes or trailing shapes cannot be stacked")
             self.headers[key] = TensorHeader(view.shape, view.tensor.code)
-
-    def get(self, key: str) -> torch.Tensor:
-        import torch
-
-        header = self.headers[key]
-        out = torch.empty(header.shape, dtype=header.dtype)
-        with Batch():
-            self.read_into(key, out)
-        return out
 
     def read_into(self, key: str, out: torch.Tensor, *, start: int = 0) -> None:
         """Inside a :class:`reshard.io.direct.Batch`, the bytes may still be arriving when this returns."""

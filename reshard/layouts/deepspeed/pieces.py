@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from reshard.dtypes import dtype_from_code, itemsize_of
 from reshard.errors import CorruptFileError
 from reshard.io.direct import Batch, OpenSources
-from reshard.layouts.readers import FileReader, TensorHeader
+from reshard.layouts.readers import ReadIntoReader, TensorHeader
 
 if TYPE_CHECKING:
     import torch
@@ -36,7 +36,7 @@ class Piece:
 
 
 @dataclass
-class PiecesReader(FileReader):
+class PiecesReader(ReadIntoReader):
     """Tensors each the concatenation of its pieces' bytes; ``path`` is the checkpoint folder."""
 
     path: Path
@@ -54,15 +54,6 @@ class PiecesReader(FileReader):
             wanted = header.nbytes // itemsize_of(header.code) * itemsize_of(self.widened.get(key, header.code))
             if stored != wanted:
                 raise ValueError(f"{key}: pieces of {stored} bytes for a tensor stored in {wanted}")
-
-    def get(self, key: str) -> torch.Tensor:
-        import torch
-
-        header = self.headers[key]
-        out = torch.empty(header.shape, dtype=header.dtype)
-        with Batch():
-            self.read_into(key, out)
-        return out
 
     def read_into(self, key: str, out: torch.Tensor, *, start: int = 0) -> None:
         """Inside a :class:`reshard.io.direct.Batch`, the bytes may still be arriving when this returns."""

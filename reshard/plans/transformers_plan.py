@@ -51,9 +51,10 @@ GATHERED = {"colwise_rep", "colwise_gather_output"}
 # Prefixes of the model in memory that saved checkpoints may lack (or spell otherwise).
 _PREFIX = re.compile(r"^(model\.)?(language_model\.)?")
 _ANY_PREFIX = r"^(base_model\.model\.)?(model\.)?(language_model\.)?(model\.)?"
-# Attention projections: transformers' loader chunks their rows, which is whole heads only where the tp divides
-# the heads; in units of ``head_dim`` a tp that would cut a head (one KV head at tp 2) is refused as `check` does.
-_ATTENTION = re.compile(r"self_attn\.[qkvo]_proj$")
+# The KV projections: transformers' loader chunks their rows, which is whole heads only where the tp divides the
+# KV heads; in units of ``head_dim`` a tp that would cut one (one KV head at tp 2) is refused as `check` does.
+# (Query and output projections are left in rows: multi-latent attention's heads are not ``head_dim`` wide.)
+_KV_PROJECTIONS = re.compile(r"self_attn\.[kv]_proj$")
 
 
 def transformers_plan(config: ModelConfig | None) -> Plan:
@@ -120,13 +121,12 @@ def _style_partitions(style: str, key: str, config: ModelConfig | None) -> tuple
     """``(weight, bias)`` partitions (or functions of the tensor's own sub-config) of a style; ``(None, None)``
     for a style reshard does not know."""
     vocab = key.endswith(("lm_head", "embed_tokens"))
-    heads = _ATTENTION.search(key) is not None
     if style in COLWISE:
-        if heads:
+        if _KV_PROJECTIONS.search(key):
             return by_heads(-2), by_heads(-1)
         return (Vocab(0) if vocab else Shard(-2)), Shard(-1)
     if style in ROWWISE:
-        return (by_heads(-1) if heads else Shard(-1)), Replicate()
+        return Shard(-1), Replicate()
     if style == "embedding_rowwise":
         return Vocab(0), Replicate()
     if style == "embedding_colwise":

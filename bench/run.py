@@ -21,9 +21,9 @@ has also put its output on the disk. Peak resident memory comes from ``/usr/bin/
 ``getrusage`` of a fresh child), and so do the CPU seconds (user + system) of each run. ``--tmpfs`` runs the
 same cases with the checkpoint and the outputs in memory (under ``/dev/shm``; no page cache to drop, no naive
 baseline): what is left is reshard's own CPU cost per byte, against ``cp -r``'s. Rows, each with the commit it
-measured, accumulate in
-``bench/out/results.json`` (so sizes can be run at different times) and ``bench/RESULTS.md`` is rewritten
-from all of them (``--render`` rewrites it alone, measuring nothing).
+measured, accumulate in ``bench/results.json`` (tracked, so sizes can be run at different times and by different
+clones; a skipped case keeps the row measured before) and ``bench/RESULTS.md`` is rewritten from all of them, its
+hand-written sections kept (``--render`` rewrites it alone, measuring nothing).
 
 Examples:
     python bench/run.py --sizes 2
@@ -53,10 +53,11 @@ sys.path.insert(0, str(HERE.parent / "tests"))  # the model sizes of the tests' 
 from fixtures.shapes import llama_7b_config  # noqa: E402
 
 OUT = HERE / "out"
-RESULTS_JSON = OUT / "results.json"
-STARTUP_JSON = OUT / "startup.json"
+# Tracked beside RESULTS.md: a fresh clone re-renders every row measured so far, not only its own.
+RESULTS_JSON = HERE / "results.json"
+STARTUP_JSON = HERE / "startup.json"
 RESULTS_MD = HERE / "RESULTS.md"
-OBSERVATIONS = "## Observations"
+HAND_WRITTEN = re.compile(r"^## (Observations|.*hand-written)", re.MULTILINE)
 LLAMA_7B = llama_7b_config(1)
 LARGEST_TENSOR = LLAMA_7B["vocab_size"] * LLAMA_7B["hidden_size"] * 2  # the bf16 embedding (and lm_head) of Llama-7B
 BOUND = 2 * LARGEST_TENSOR + 600 * 10**6
@@ -350,10 +351,11 @@ def machine() -> dict:
 
 
 def kept_observations() -> str:
-    """The hand-written ``## Observations`` section of the current RESULTS.md, kept across rewrites."""
+    """The hand-written sections of the current RESULTS.md (from the first heading saying ``hand-written``, or
+    ``## Observations``, to the end), kept across rewrites."""
     text = RESULTS_MD.read_text() if RESULTS_MD.exists() else ""
-    start = text.find(OBSERVATIONS)
-    return "\n" + text[start:] if start >= 0 else ""
+    found = HAND_WRITTEN.search(text)
+    return "\n" + text[found.start() :] if found else ""
 
 
 def render(rows: list[dict], startup: list[dict], info: dict, notes: list[str]) -> str:
@@ -486,6 +488,8 @@ def main(argv: list[str] | None = None) -> int:
     for size in () if args.startup or args.render else (float(s) for s in args.sizes.split(",")):
         for layout in args.layouts.split(","):
             new = run_size(size, layout, cold, args.repeat, args.naive_max_gb, args.workers, tmpfs=bool(args.tmpfs))
+            measured = {_key(r) for r in rows if not r.get("skipped")}
+            new = [r for r in new if not (r.get("skipped") and _key(r) in measured)]  # a skip keeps a measured row
             keys = {_key(r) for r in new}
             rows = [r for r in rows if _key(r) not in keys] + new
             RESULTS_JSON.write_text(json.dumps(rows, indent=1))

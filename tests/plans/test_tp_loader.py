@@ -10,8 +10,9 @@ One ``torchrun --nproc-per-node 4`` (gloo, CPU) loads every family's tiny model 
 * ``--plan transformers --uneven`` gives the loader's rank slices exactly, for every tensor;
 * a checkpoint in transformers 5's in-memory form (fused ``experts.gate_up_proj`` / ``down_proj``) splits to the
   loader's fused local tensors;
-* 14 query heads (a Qwen2, an MLA model): tp 4 cuts a head and is refused by ``--plan transformers``, ``--uneven``
-  gives the loader's rank slices; at tp 2 (a second ``torchrun``, 2 ranks) the plain conversion gives them.
+* 14 query heads (a Qwen2, a Phi, an MLA model): tp 4 cuts a head and is refused by ``--plan transformers``,
+  ``--uneven`` gives the loader's rank slices; at tp 2 (a second ``torchrun``, 2 ranks) the plain conversion
+  gives them.
 """
 
 from __future__ import annotations
@@ -165,7 +166,7 @@ def test_query_heads_that_tp_does_not_divide_are_refused_and_uneven_gives_the_lo
     assert refused.exit_code == 2, refused.output
     line = refused.output.strip()
     assert "\n" not in line and "num_attention_heads=14" in line and "tp sizes that work: 1, 2" in line
-    cut = r"self_attn\.(q_proj|o_proj|q_b_proj|kv_b_proj)\.weight: heads\(dim=-[12], heads=14\)"
+    cut = r"self_attn\.(q_proj|o_proj|dense|q_b_proj|kv_b_proj)\.weight: heads\(dim=-[12], heads=14\)"
     assert re.search(cut + r".* holds 14 heads, which tp=4 does not divide: a head would be cut", line), line
     assert not (tmp_path / "o").exists()
     mine = _convert(cli, loaded / family, tmp_path / "uneven", "--plan", "transformers", "--uneven")
@@ -177,7 +178,6 @@ def test_query_heads_split_whole_at_a_tp_that_divides_them_as_the_loader_holds_t
     """At tp 2, 7 whole heads a rank, whatever their width: MLA's o_proj holds 6 columns a head, not head_dim's."""
     mine = _convert(cli, loaded_tp2 / family, tmp_path / "tp2", "--plan", "transformers", tp=2)
     _equal_to_the_loader(mine, _loader_ranks(loaded_tp2, family, tp=2))
-    recorded = json.loads((tmp_path / "tp2" / "reshard.json").read_text())["tensors"][
-        "model.layers.0.self_attn.o_proj.weight"
-    ]
+    output = "model.layers.0.self_attn." + ("dense" if family.startswith("phi") else "o_proj") + ".weight"
+    recorded = json.loads((tmp_path / "tp2" / "reshard.json").read_text())["tensors"][output]
     assert recorded["partition"] == {"kind": "shard", "dim": -1, "unit": 6 if "glm4" in family else 8}

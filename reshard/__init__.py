@@ -19,6 +19,7 @@ _EXPORTS = {
     "ConvertReport": "reshard.commands.convert",
     "FixReport": "reshard.commands.fix",
     "Grouped": "reshard.partition",
+    "Heads": "reshard.partition",
     "InspectReport": "reshard.commands.inspect",
     "Manifest": "reshard.manifest",
     "Packed": "reshard.partition",
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
     from reshard.errors import ReshardError
     from reshard.manifest import Manifest, read_manifest
     from reshard.options import ConvertOptions
-    from reshard.partition import Grouped, Packed, Partition, Replicate, ReplicatedHeads, Shard, Vocab
+    from reshard.partition import Grouped, Heads, Packed, Partition, Replicate, ReplicatedHeads, Shard, Vocab
     from reshard.plans import Plan, Rule
     from reshard.slicing import gather, split
 
@@ -75,6 +76,7 @@ __all__ = [
     "ConvertReport",
     "FixReport",
     "Grouped",
+    "Heads",
     "InspectReport",
     "Manifest",
     "Packed",

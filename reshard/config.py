@@ -33,6 +33,8 @@ SUB_MODELS: dict[str, tuple[str, ...]] = {
     "audio_encoder": ("audio_config",),
     "code2wav_dit_model": ("dit_config",),
     "code2wav_bigvgan_model": ("bigvgan_config",),
+    "encoder": ("encoder",),  # an encoder-decoder's halves, each a config (T5Gemma 2)
+    "decoder": ("decoder",),
 }
 
 

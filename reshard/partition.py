@@ -10,6 +10,8 @@ A :data:`Partition` says how the full (canonical) tensor ``T`` relates to the ``
   the pad rows are not data and are cut off when gathering.
 * :class:`Packed` - ``T`` is the concatenation along ``dim`` of parts (q, k, v; gate, up); each part is
   split on its own and a rank holds the concatenation of its piece of every part.
+* :class:`Heads` - ``T`` is ``heads`` equal heads along ``dim``, whatever their width (``head_dim``, or multi-latent
+  attention's ``qk_head_dim`` / ``v_head_dim``): split in whole heads, only at a tp that divides them.
 * :class:`ReplicatedHeads` - ``T`` is ``heads`` heads along ``dim`` (the KV heads of grouped-query attention):
   split in whole heads while ``tp`` divides them, and when ``tp`` is a multiple of them each head is copied onto
   the ``tp / heads`` ranks whose query heads use it (vLLM's ``QKVParallelLinear``).
@@ -108,6 +110,20 @@ class Packed:
 
 
 @dataclass(frozen=True)
+class Heads:
+    """``heads`` equal heads along ``dim``, each ``size / heads`` wide: split in whole heads, so a tp must divide
+    them (``--uneven``: ``torch.chunk`` rows, what transformers' TP loader holds). A size that is not ``heads``
+    equal heads is refused rather than cut in rows. Recorded as the ``Shard`` in units of one head (:func:`at_tp`).
+    """
+
+    dim: int
+    heads: int
+
+    def describe(self) -> str:
+        return f"heads(dim={self.dim}, heads={self.heads})"
+
+
+@dataclass(frozen=True)
 class ReplicatedHeads:
     """``heads`` equal heads along ``dim``. At a tp that is a larger multiple of ``heads``, rank r holds head
     ``r // (tp / heads)``, as vLLM replicates KV heads (``num_kv_head_replicas``, ``tp_rank // replicas``);
@@ -120,7 +136,7 @@ class ReplicatedHeads:
         return f"replicated_heads(dim={self.dim}, heads={self.heads})"
 
 
-Partition = Replicate | Shard | Grouped | Vocab | Packed | ReplicatedHeads
+Partition = Replicate | Shard | Grouped | Vocab | Packed | Heads | ReplicatedHeads
 
 
 # ---------------------------------------------------------------- (de)serialisation, the string boundary
@@ -140,6 +156,8 @@ def partition_to_dict(partition: Partition) -> dict[str, Any]:
         case Packed(dim, parts, units, whole):
             units_field = {"units": list(units)} if units else {}
             return {"kind": "packed", "dim": dim, "parts": list(parts)} | units_field | _whole(whole)
+        case Heads(dim, heads):
+            return {"kind": "heads", "dim": dim, "heads": heads}
         case ReplicatedHeads(dim, heads):
             return {"kind": "replicated_heads", "dim": dim, "heads": heads}
     raise TypeError(f"not a partition: {partition!r}")
@@ -173,11 +191,15 @@ def partition_from_dict(data: dict[str, Any]) -> Partition:
                 units = data.get("units")
                 units = None if units is None else tuple(units)
                 return Packed(int(data["dim"]), tuple(data["parts"]), units, _whole_from(data))
+            case "heads":
+                return Heads(int(data["dim"]), int(data["heads"]))
             case "replicated_heads":
                 return ReplicatedHeads(int(data["dim"]), int(data["heads"]))
     except KeyError as err:
         raise ValueError(f"partition {kind!r} needs the field {err.args[0]!r}") from err
-    raise ValueError(f"unknown partition kind {kind!r} (replicate, shard, grouped, vocab, packed or replicated_heads)")
+    raise ValueError(
+        f"unknown partition kind {kind!r} (replicate, shard, grouped, vocab, packed, heads or replicated_heads)"
+    )
 
 
 # ---------------------------------------------------------------- sizes
@@ -192,9 +214,9 @@ def head_replicas(partition: Partition, tp: int) -> int:
 
 
 def at_tp(partition: Partition, full_shape: Sequence[int], tp: int) -> Partition:
-    """The partition as it cuts a tensor of ``full_shape`` at ``tp``: replicated heads that are not replicated
-    there are a plain split in whole heads (what a manifest records and a report shows)."""
-    if not isinstance(partition, ReplicatedHeads) or head_replicas(partition, tp) > 1:
+    """The partition as it cuts a tensor of ``full_shape`` at ``tp``: heads, and replicated heads that are not
+    replicated there, are a plain split in whole heads (what a manifest records and a report shows)."""
+    if not isinstance(partition, (Heads, ReplicatedHeads)) or head_replicas(partition, tp) > 1:
         return partition
     try:
         unit = _head_size(full_shape[norm_dim(partition.dim, len(full_shape))], partition.heads, "the dim")
@@ -291,6 +313,14 @@ def rank_shapes(
                 raise ShapeMismatchError(f"packed parts {list(parts)} add up to {sum(parts)}, not {full_shape[dim]}")
             per_part = packed_piece_sizes(partition, tp, uneven=uneven)
             return [with_size(full_shape, dim, sum(p[r] for p in per_part)) for r in range(tp)]
+        case Heads(dim, heads):
+            dim = norm_dim(dim, len(full_shape))
+            unit = _head_size(full_shape[dim], heads, f"dim {dim}")
+            if heads % tp and not uneven:
+                raise ShapeMismatchError(
+                    f"dim {dim} holds {heads} heads, which tp={tp} does not divide: a head would be cut"
+                )
+            return rank_shapes(Shard(dim, unit), full_shape, tp, uneven=uneven)
         case ReplicatedHeads(dim, heads):
             dim = norm_dim(dim, len(full_shape))
             unit = _head_size(full_shape[dim], heads, f"dim {dim}")

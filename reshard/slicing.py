@@ -14,6 +14,7 @@ import torch
 from reshard.errors import DivergentReplicaError, ShapeMismatchError
 from reshard.partition import (
     Grouped,
+    Heads,
     Packed,
     Partition,
     Replicate,
@@ -59,7 +60,7 @@ def split(
     match partition:
         case Replicate():
             return [full] * tp
-        case Shard(dim, _) | Grouped(dim, _):
+        case Shard(dim, _) | Grouped(dim, _) | Heads(dim, _):
             sizes = [s[dim] for s in rank_shapes(partition, full.shape, tp, uneven=uneven)]
             return list(torch.split(full, sizes, dim=dim))
         case Vocab(dim):
@@ -126,7 +127,7 @@ def gather(
             if not allow_divergent:
                 check_replicas(slices)
             return slices[0]
-        case Shard(dim, _) | Grouped(dim, _):
+        case Shard(dim, _) | Grouped(dim, _) | Heads(dim, _):
             return slices[0] if len(slices) == 1 else torch.cat(list(slices), dim=dim)
         case Vocab(dim):
             joined = slices[0] if len(slices) == 1 else torch.cat(list(slices), dim=dim)

@@ -7,10 +7,12 @@ import pytest
 from reshard.errors import ShapeMismatchError
 from reshard.partition import (
     Grouped,
+    Heads,
     Packed,
     Replicate,
     Shard,
     Vocab,
+    at_tp,
     canonical_shape,
     partition_from_dict,
     partition_to_dict,
@@ -38,7 +40,15 @@ def test_vocab_canonical_shape_unpads():
 
 @pytest.mark.parametrize(
     "partition",
-    [Replicate(), Shard(1), Shard(0, unit=64), Vocab(0), Packed(0, (8, 4, 4)), Packed(0, (8, 4), units=(4, 2))],
+    [
+        Replicate(),
+        Shard(1),
+        Shard(0, unit=64),
+        Vocab(0),
+        Packed(0, (8, 4, 4)),
+        Packed(0, (8, 4), units=(4, 2)),
+        Heads(-1, 14),
+    ],
     ids=lambda p: p.describe(),
 )
 def test_partition_dict_round_trip(partition):
@@ -61,3 +71,21 @@ def test_grouped_refuses_tp_that_mixes_groups(groups: int, tp: int) -> None:
 def test_grouped_round_trips_through_its_dict_form() -> None:
     assert partition_to_dict(Grouped(0, 2)) == {"kind": "grouped", "dim": 0, "groups": 2}
     assert partition_from_dict({"kind": "grouped", "dim": 0, "groups": 2}) == Grouped(0, 2)
+
+
+def test_heads_split_whole_heads_of_the_width_the_size_gives():
+    """14 heads of 6 (an MLA o_proj's columns): tp 2 holds 7 each and is recorded as shard(unit=6); tp 4 would cut
+    one; --uneven is torch.chunk's rows; a size that is not 14 heads is refused, --uneven or not."""
+    assert rank_shapes(Heads(-1, 14), (64, 84), 2) == [(64, 42), (64, 42)]
+    assert at_tp(Heads(-1, 14), (64, 84), 2) == Shard(-1, unit=6)
+    with pytest.raises(
+        ShapeMismatchError, match="dim 1 holds 14 heads, which tp=4 does not divide: a head would be cut"
+    ):
+        rank_shapes(Heads(-1, 14), (64, 84), 4)
+    assert rank_shapes(Heads(0, 14), (84, 8), 4, uneven=True) == [(21, 8), (21, 8), (21, 8), (21, 8)]
+    assert rank_shapes(Heads(0, 14), (112, 8), 4, uneven=True) == [(28, 8)] * 4
+    assert rank_shapes(Heads(0, 14), (70, 8), 4, uneven=True) == [(18, 8), (18, 8), (18, 8), (16, 8)]
+    assert canonical_shape(Heads(0, 14), [(18, 8), (18, 8), (18, 8), (16, 8)], uneven=True) == (70, 8)
+    for uneven in (False, True):
+        with pytest.raises(ShapeMismatchError, match="dim 0 size 85 is not 14 equal heads"):
+            rank_shapes(Heads(0, 14), (85, 8), 2, uneven=uneven)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reshard.errors import DivergentReplicaError
-from reshard.partition import Grouped, Packed, Replicate, Shard, Vocab, rank_shapes
+from reshard.partition import Grouped, Heads, Packed, Replicate, Shard, Vocab, rank_shapes
 from reshard.slicing import bitwise_equal, gather, pad, split, unpad
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool]
@@ -106,6 +106,15 @@ def test_grouped_splits_whole_groups_or_spreads_each_group() -> None:
     # tp 4 > 2 groups: each group spread over 2 ranks, as Megatron core stores it
     assert [t.tolist() for t in split(full, Grouped(0, 2), 4)] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
     assert torch.equal(gather(split(full, Grouped(0, 2), 4), Grouped(0, 2)), full)
+
+
+def test_heads_split_whole_heads_and_gather_back() -> None:
+    full = torch.arange(168).reshape(2, 84)  # 14 heads of 6 columns: rank 0 holds heads 0-6
+    ranks = split(full, Heads(-1, 14), 2)
+    assert torch.equal(ranks[0], full[:, :42]) and torch.equal(gather(ranks, Heads(-1, 14)), full)
+    uneven = split(full.T, Heads(0, 14), 4, uneven=True)  # 3.5 heads a rank: torch.chunk's rows
+    assert all(torch.equal(a, b) for a, b in zip(uneven, full.T.chunk(4), strict=True))
+    assert torch.equal(gather(uneven, Heads(0, 14), uneven=True), full.T)
 
 
 def test_swiglu_fc1_re_pairs_gate_and_up() -> None:

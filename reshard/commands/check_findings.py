@@ -24,7 +24,7 @@ NOT_IN_PLAN = "not in the"  # how a warning about a tensor the plan leaves whole
 # Which head count a split tensor is cut by: (name pattern, config keys of the tensor's own sub-config).
 HEAD_COUNTS = (
     (r"visual\..*attn\.(qkv|proj)\.", ("num_heads",)),
-    (r"self_attn\.(q_proj|o_proj)\.", ("num_attention_heads",)),
+    (r"self_attn\.(q_proj|q_b_proj|kv_b_proj|o_proj)\.", ("num_attention_heads",)),
     (r"self_attn\.[kv]_proj\.", ("num_key_value_heads",)),
     (r"linear_attn\.(in_proj_qkv\.|conv1d\.)", ("linear_num_key_heads", "linear_num_value_heads")),
     (r"linear_attn\.(in_proj_qkvz|in_proj_ba)\.", ("linear_num_key_heads",)),

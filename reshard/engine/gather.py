@@ -27,7 +27,17 @@ from reshard.errors import ReshardError
 from reshard.io.direct import ALIGN, Batch
 from reshard.io.joined import Joined
 from reshard.layouts.base import TensorRef
-from reshard.partition import Grouped, Packed, Replicate, ReplicatedHeads, Shard, Vocab, head_replicas, split_sizes
+from reshard.partition import (
+    Grouped,
+    Heads,
+    Packed,
+    Replicate,
+    ReplicatedHeads,
+    Shard,
+    Vocab,
+    head_replicas,
+    split_sizes,
+)
 from reshard.slicing import bitwise_equal, check_replica, packed_parts, split
 from reshard.vocab import cut_pad_rows
 
@@ -45,7 +55,7 @@ class Copy:
 
 
 def copy_plan(
-    partition: Shard | Grouped | Vocab | Packed | ReplicatedHeads, shapes: Sequence[Shape], *, uneven: bool
+    partition: Shard | Grouped | Vocab | Packed | Heads | ReplicatedHeads, shapes: Sequence[Shape], *, uneven: bool
 ) -> tuple[list[Copy], int]:
     """Where every piece of every rank slice lands in the gathered buffer, and the buffer's size along dim.
 

@@ -17,7 +17,16 @@ from reshard.config import ModelConfig
 from reshard.dtypes import TensorHeader, safetensors_order
 from reshard.errors import AmbiguousPartitionError, PlanError, ReshardError, ShapeMismatchError
 from reshard.layouts.base import SourceCheckpoint, TensorRef
-from reshard.partition import Packed, Partition, Replicate, ReplicatedHeads, Shard, canonical_shape, rank_shapes
+from reshard.partition import (
+    Heads,
+    Packed,
+    Partition,
+    Replicate,
+    ReplicatedHeads,
+    Shard,
+    canonical_shape,
+    rank_shapes,
+)
 from reshard.plans import Plan, infer_partition
 from reshard.quantization import QuantizedTensors, quantized_tensors
 from reshard.vocab import VocabPlan, padded_size, source_padded_rows
@@ -390,6 +399,8 @@ def tps_that_split(
 def _tp_hint(partition: Partition) -> str:
     if _whole_units(partition):
         return "a quantized layer's blocks, groups and packed words are never cut, --uneven or not: choose a tp"
+    if isinstance(partition, Heads):
+        return f"choose a tp that divides the {partition.heads} heads"
     if isinstance(partition, ReplicatedHeads):
         return f"choose a tp that divides the {partition.heads} heads or is a multiple of them"
     return "choose a tp that divides it" + ("" if _whole_blocks(partition) else ", or --uneven")

@@ -20,8 +20,10 @@ class Rule:
     the model (packed part sizes, head sizes).
 
     ``gathered``: the layer's output is all-gathered after it (transformers' ``colwise_gather_output``),
-    so the modules after it see the full size. ``implicit``: not a rule anyone wrote but a default
-    (transformers replicates what its plan does not name); ``reshard check`` reports what it covers.
+    so the modules after it see the full size, or its input arrives whole and the layer splits it itself
+    (``rowwise_split_input``): either way no rank computes on a part of a head. ``implicit``: not a rule anyone
+    wrote but a default (transformers replicates what its plan does not name); ``reshard check`` reports what it
+    covers.
     """
 
     pattern: str

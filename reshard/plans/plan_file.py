@@ -5,7 +5,7 @@ name = "my-model"
 extends = "llama"              # optional: a built-in plan tried after these rules
 [[rules]]
 pattern = 'mlp\\.fc1\\.weight$'  # regular expression searched in the tensor name
-kind = "shard"                 # replicate | shard | grouped | vocab | packed | replicated_heads
+kind = "shard"                 # replicate | shard | grouped | vocab | packed | heads | replicated_heads
 dim = 0
 ```
 """

@@ -9,6 +9,11 @@ halves split on their own, ``embedding_rowwise`` (and ``lm_head``) -> the vocab 
 replicating styles -> replicate. transformers splits sizes that do not divide as ``torch.chunk`` does:
 convert with ``--uneven`` to get the same per-rank tensors.
 
+Attention projections whose output (or input) stays split are cut in whole heads, where the loader's rows are
+whole heads only at a tp that divides them: the query and output projections in ``num_attention_heads`` heads of
+``size / heads`` (any head width: MLA's too), the KV projections in heads of ``head_dim``. Another tp is refused
+(``--uneven``: the loader's ``torch.chunk`` rows, part of a head on some ranks).
+
 A plan key is matched after the language model's optional prefixes (``model.``, ``language_model.``, peft's
 ``base_model.model.``), since saved checkpoints and the model in memory name the language model differently
 (``model.layers.`` vs ``model.language_model.layers.``), but never inside another sub-model: a vision
@@ -23,7 +28,7 @@ from typing import Any
 
 from reshard.config import ModelConfig
 from reshard.errors import AmbiguousPartitionError
-from reshard.partition import Packed, Partition, Replicate, Shard, Vocab
+from reshard.partition import Heads, Packed, Partition, Replicate, Shard, Vocab
 from reshard.plans.base import Plan, Rule
 from reshard.plans.llama import by_heads
 from reshard.plans.skeleton import ModelSkeleton, build_skeleton
@@ -48,12 +53,20 @@ REPLICATED = {
     "local_params",  # runs its module on the parameters' own entries; slices nothing itself
 }
 GATHERED = {"colwise_rep", "colwise_gather_output"}
+WHOLE_INPUT = {"rowwise_rep", "rowwise_split_input"}  # rowwise layers that split a whole input themselves
 # Prefixes of the model in memory that saved checkpoints may lack (or spell otherwise).
 _PREFIX = re.compile(r"^(model\.)?(language_model\.)?")
 _ANY_PREFIX = r"^(base_model\.model\.)?(model\.)?(language_model\.)?(model\.)?"
-# The KV projections: transformers' loader chunks their rows, which is whole heads only where the tp divides the
-# KV heads; in units of ``head_dim`` a tp that would cut one (one KV head at tp 2) is refused as `check` does.
-# (Query and output projections are left in rows: multi-latent attention's heads are not ``head_dim`` wide.)
+# A projection whose rank computes on its own heads (``colwise``: the output stays split; ``rowwise``: the input
+# arrives split) is cut in whole heads, since transformers' loader chunks its rows and a rank holding part of a head
+# computes something else; a gathered one (``colwise_gather_output``, ``rowwise_split_input``) is computed whole
+# and keeps its rows. The query side (``q_proj``, its per-head gate included as in Qwen3-Next; MLA's ``q_b_proj``
+# and ``kv_b_proj``; GPT-NeoX's ``query_key_value``, each head's q, k, v together) and the output side (the
+# columns of ``o_proj``, Phi's and GPT-NeoX's ``dense``) hold ``num_attention_heads`` heads of ``size / heads``:
+# ``head_dim``, or MLA's ``qk_head_dim``, ``qk_nope_head_dim + v_head_dim`` and ``v_head_dim``. The KV projections
+# are cut in heads of ``head_dim``.
+_QUERY_HEADS = re.compile(r"(self_attn\.(q_proj|q_b_proj|kv_b_proj)|attention\.query_key_value)$")
+_OUTPUT_HEADS = re.compile(r"(self_attn\.(o_proj|dense)|attention\.dense)$")
 _KV_PROJECTIONS = re.compile(r"self_attn\.[kv]_proj$")
 
 
@@ -80,7 +93,7 @@ def plan_from_tp_plan(tp_plan: dict[str, str] | None, config: ModelConfig | None
         if weight is None:  # a style reshard cannot express: an error for what it covers, never a guess
             weight = bias = _unsupported(style)
         path = re.escape(_PREFIX.sub("", key)).replace(r"\*", r"\d+")
-        gathered = style in GATHERED
+        gathered = style in GATHERED or style in WHOLE_INPUT  # each rank computes on whole heads
         rules.append(Rule(rf"{_ANY_PREFIX}{path}\.bias$", bias, gathered=gathered))
         rules.append(Rule(rf"{_ANY_PREFIX}{path}(\.[^.]+)?$", weight, gathered=gathered))
         rules += _per_expert_rules(path, style)
@@ -122,11 +135,13 @@ def _style_partitions(style: str, key: str, config: ModelConfig | None) -> tuple
     for a style reshard does not know."""
     vocab = key.endswith(("lm_head", "embed_tokens"))
     if style in COLWISE:
-        if _KV_PROJECTIONS.search(key):
+        if style not in GATHERED and _QUERY_HEADS.search(key):
+            return _query_heads(-2), _query_heads(-1)
+        if style not in GATHERED and _KV_PROJECTIONS.search(key):
             return by_heads(-2), by_heads(-1)
         return (Vocab(0) if vocab else Shard(-2)), Shard(-1)
     if style in ROWWISE:
-        return Shard(-1), Replicate()
+        return (_query_heads(-1) if style not in WHOLE_INPUT and _OUTPUT_HEADS.search(key) else Shard(-1)), Replicate()
     if style == "embedding_rowwise":
         return Vocab(0), Replicate()
     if style == "embedding_colwise":
@@ -146,6 +161,22 @@ def _style_partitions(style: str, key: str, config: ModelConfig | None) -> tuple
     if style in REPLICATED:
         return Replicate(), Replicate()
     return None, None
+
+
+def _query_heads(dim: int):
+    """The ``num_attention_heads`` heads along ``dim`` of the tensor's own sub-config, each ``size / heads`` wide.
+
+    Raises:
+        AmbiguousPartitionError: the config gives no head count (the heads cannot be told apart in the rows).
+    """
+
+    def partition(config: ModelConfig | None) -> Partition:
+        heads = config.num_attention_heads if config is not None else None
+        if not isinstance(heads, int) or heads < 1:
+            raise AmbiguousPartitionError(f"num_attention_heads is {heads!r}: its heads cannot be told apart")
+        return Heads(dim, heads)
+
+    return partition
 
 
 def _intermediate(config: ModelConfig | None, key: str) -> int:

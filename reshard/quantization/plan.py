@@ -17,7 +17,7 @@ from math import lcm
 
 from reshard.config import ModelConfig
 from reshard.errors import AmbiguousPartitionError
-from reshard.partition import Packed, Partition, Replicate, ReplicatedHeads, Shard, norm_dim
+from reshard.partition import Heads, Packed, Partition, Replicate, ReplicatedHeads, Shard, norm_dim
 from reshard.plans.base import Plan
 from reshard.quantization.rules import (
     IN,
@@ -110,7 +110,7 @@ def cut(scheme: QuantScheme, companion: Companion, base: Partition, linear: Quan
     """``base`` (the cut of the linear's ``weight`` ``[out, in]``) as it cuts ``companion``'s stored dims."""
     if not companion.dims or isinstance(base, Replicate):
         return Replicate()
-    if not isinstance(base, (Shard, Packed, ReplicatedHeads)):
+    if not isinstance(base, (Shard, Packed, Heads, ReplicatedHeads)):
         raise AmbiguousPartitionError(f"{base.describe()} of a {scheme.method} linear is not planned")
     axis = norm_dim(base.dim, 2)
     dim = next((d for d, a in enumerate(companion.dims) if a.axis == axis), None)
@@ -122,7 +122,9 @@ def cut(scheme: QuantScheme, companion: Companion, base: Partition, linear: Quan
     match base:
         case Shard(_, unit):
             return Shard(dim, lcm(step, unit) // per, whole=True)
-        case ReplicatedHeads(_, heads):  # whole heads: rank_shapes checks that a head is whole stored elements
+        case Heads(_, heads):  # whole heads: rank_shapes checks that a head is whole stored elements
+            return Heads(dim, heads)
+        case ReplicatedHeads(_, heads):
             return ReplicatedHeads(dim, heads)
         case Packed(_, parts, _):
             units = tuple(lcm(step, u) for u in base.part_units())

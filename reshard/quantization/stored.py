@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 from reshard.config import ModelConfig
 from reshard.errors import AmbiguousPartitionError
-from reshard.partition import Packed, ReplicatedHeads, Shard
+from reshard.partition import Heads, Packed, ReplicatedHeads, Shard
 from reshard.plans.base import Plan
 from reshard.quantization.rules import companions, per_element
 from reshard.quantization.scheme import QuantScheme
@@ -52,7 +52,7 @@ def _split(plan: Plan, name: str, config: ModelConfig | None) -> bool:
         partition = rule.resolve(config.for_tensor(name) if config is not None else None)
     except AmbiguousPartitionError:
         return False
-    return isinstance(partition, (Shard, Packed, ReplicatedHeads))
+    return isinstance(partition, (Shard, Packed, Heads, ReplicatedHeads))
 
 
 def _per_expert(shapes: Mapping[str, Shape]) -> dict[str, Shape]:

@@ -9,11 +9,15 @@ One ``torchrun --nproc-per-node 4`` (gloo, CPU) loads every family's tiny model 
   checks the loader holds exactly that (an entry that no longer differs fails too);
 * ``--plan transformers --uneven`` gives the loader's rank slices exactly, for every tensor;
 * a checkpoint in transformers 5's in-memory form (fused ``experts.gate_up_proj`` / ``down_proj``) splits to the
-  loader's fused local tensors.
+  loader's fused local tensors;
+* 14 query heads (a Qwen2, a Phi, an MLA model): tp 4 cuts a head and is refused by ``--plan transformers``,
+  ``--uneven`` gives the loader's rank slices; at tp 2 (a second ``torchrun``, 2 ranks) the plain conversion
+  gives them.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -22,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures.families import SPECS, build
+from fixtures.families import SPECS, UNEVEN_HEADS, build
 from fixtures.hf import load_folder
 from safetensors.torch import load_file, save_file
 
@@ -58,30 +62,44 @@ def loaded(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("tp_loader")
     specs = []
-    for family in SPECS:
+    for family, (_, _, model_class) in (SPECS | UNEVEN_HEADS).items():
         model = build(family, root / family)
-        specs.append(f"{root / family}={SPECS[family][2]}")
+        specs.append(f"{root / family}={model_class}")
         if family in MOE:
             memory = root / f"{family}-memory"
             memory.mkdir()
             save_file({k: v.contiguous() for k, v in model.state_dict().items()}, memory / "model.safetensors")
             (memory / "config.json").write_text((root / family / "config.json").read_text())
-    env = os.environ | {"OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={TP}", str(WORKER)]
-    done = subprocess.run([*command, str(root / "loaded"), *specs], env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
+    _run_loader(TP, root / "loaded", specs)
     assert transformers.__version__  # the loader under test is the installed one
     return root
 
 
-def _convert(cli, source: Path, out: Path, *extra) -> list[dict[str, torch.Tensor]]:
-    result = cli("convert", source, "--tp", TP, "-o", out, "-q", *extra)
+def _run_loader(tp: int, out: Path, specs: list[str]) -> None:
+    env = os.environ | {"OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}", str(WORKER)]
+    done = subprocess.run([*command, str(out), *specs], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def loaded_tp2(loaded):
+    """The models of 14 query heads loaded by transformers' TP loader on 2 ranks (under ``loaded2``)."""
+    _run_loader(
+        2, loaded / "loaded2", [f"{loaded / f}={model_class}" for f, (_, _, model_class) in UNEVEN_HEADS.items()]
+    )
+    return loaded
+
+
+def _convert(cli, source: Path, out: Path, *extra, tp: int = TP) -> list[dict[str, torch.Tensor]]:
+    result = cli("convert", source, "--tp", tp, "-o", out, "-q", *extra)
     assert result.exit_code == 0, result.output
-    return [load_file(out / f"rank_{r:02d}" / "model.safetensors") for r in range(TP)]
+    return [load_file(out / f"rank_{r:02d}" / "model.safetensors") for r in range(tp)]
 
 
-def _loader_ranks(loaded: Path, family: str, prefix: str = "") -> list[dict[str, torch.Tensor]]:
-    return [load_file(loaded / "loaded" / family / f"{prefix}rank_{r:02d}.safetensors") for r in range(TP)]
+def _loader_ranks(loaded: Path, family: str, prefix: str = "", tp: int = TP) -> list[dict[str, torch.Tensor]]:
+    folder = loaded / ("loaded" if tp == TP else f"loaded{tp}") / family
+    return [load_file(folder / f"{prefix}rank_{r:02d}.safetensors") for r in range(tp)]
 
 
 def _without_tied_head(theirs: dict[str, torch.Tensor], mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -131,3 +149,35 @@ def test_fused_in_memory_experts_split_as_the_loader_holds_them(loaded, cli, tmp
     for rank, theirs in enumerate(_loader_ranks(loaded, family, "memory_")):
         for name in (n for n in mine[rank] if ".experts." in n or n.endswith(".gate.weight")):
             assert torch.equal(mine[rank][name], theirs[name]), (name, rank)
+
+
+def _equal_to_the_loader(mine: list[dict[str, torch.Tensor]], theirs: list[dict[str, torch.Tensor]]) -> None:
+    for rank, (own, held) in enumerate(zip(mine, theirs, strict=True)):
+        assert held.keys() == own.keys()
+        assert [n for n in own if not torch.equal(own[n], held[n])] == [], rank
+
+
+@pytest.mark.parametrize("family", sorted(UNEVEN_HEADS))
+def test_query_heads_that_tp_does_not_divide_are_refused_and_uneven_gives_the_loaders_rows(
+    loaded, cli, tmp_path, family
+):
+    """14 heads at tp 4 (3.5 a rank): before, q/o (and MLA's q_b_proj, kv_b_proj) were cut in rows with exit 0."""
+    refused = cli("convert", loaded / family, "--tp", TP, "--plan", "transformers", "-o", tmp_path / "o")
+    assert refused.exit_code == 2, refused.output
+    line = refused.output.strip()
+    assert "\n" not in line and "num_attention_heads=14" in line and "tp sizes that work: 1, 2" in line
+    cut = r"self_attn\.(q_proj|o_proj|dense|q_b_proj|kv_b_proj)\.weight: heads\(dim=-[12], heads=14\)"
+    assert re.search(cut + r".* holds 14 heads, which tp=4 does not divide: a head would be cut", line), line
+    assert not (tmp_path / "o").exists()
+    mine = _convert(cli, loaded / family, tmp_path / "uneven", "--plan", "transformers", "--uneven")
+    _equal_to_the_loader(mine, _loader_ranks(loaded, family))
+
+
+@pytest.mark.parametrize("family", sorted(UNEVEN_HEADS))
+def test_query_heads_split_whole_at_a_tp_that_divides_them_as_the_loader_holds_them(loaded_tp2, cli, tmp_path, family):
+    """At tp 2, 7 whole heads a rank, whatever their width: MLA's o_proj holds 6 columns a head, not head_dim's."""
+    mine = _convert(cli, loaded_tp2 / family, tmp_path / "tp2", "--plan", "transformers", tp=2)
+    _equal_to_the_loader(mine, _loader_ranks(loaded_tp2, family, tp=2))
+    output = "model.layers.0.self_attn." + ("dense" if family.startswith("phi") else "o_proj") + ".weight"
+    recorded = json.loads((tmp_path / "tp2" / "reshard.json").read_text())["tensors"][output]
+    assert recorded["partition"] == {"kind": "shard", "dim": -1, "unit": 6 if "glm4" in family else 8}

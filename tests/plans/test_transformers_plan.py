@@ -7,6 +7,8 @@ from fixtures.hf import load_folder, load_rank
 from fixtures.models import tiny_qwen3_5
 
 from reshard.commands.check import check_model
+from reshard.config import ModelConfig
+from reshard.partition import Shard
 from reshard.plans.transformers_plan import plan_from_tp_plan
 
 
@@ -76,3 +78,58 @@ def test_plan_transformers_never_cuts_a_head_unless_uneven(cli, tmp_path):
     full = load_folder(tmp_path / "full")
     for r, expected in enumerate(full["model.layers.0.self_attn.k_proj.weight"].chunk(2, dim=0)):
         assert torch.equal(load_rank(tmp_path / "u", r)["model.layers.0.self_attn.k_proj.weight"], expected)
+
+
+def _attention(style_q: str, style_o: str, heads: int | None, q_rows: int = 112) -> tuple:
+    plan = plan_from_tp_plan(
+        {"model.layers.*.self_attn.q_proj": style_q, "model.layers.*.self_attn.o_proj": style_o}, None
+    )
+    shapes = {
+        "model.layers.0.self_attn.q_proj.weight": (q_rows, 64),
+        "model.layers.0.self_attn.o_proj.weight": (64, q_rows),
+    }
+    config = ModelConfig({"model_type": "qwen2"} | ({"num_attention_heads": heads} if heads else {}))
+    return shapes, config, plan
+
+
+def test_query_and_output_projections_split_in_whole_heads_of_any_width():
+    """14 heads of 8: tp 2 holds 7 each; tp 4 would cut one (refused, naming the heads); --uneven is torch.chunk."""
+    shapes, config, plan = _attention("colwise", "rowwise", 14)
+    assert check_model(shapes, config, plan, 2).ok
+    assert [t.rank_shape for t in check_model(shapes, config, plan, 2).tensors] == [[56, 64], [64, 56]]
+    refused = check_model(shapes, config, plan, 4)
+    assert [p.message for p in refused.problems] == [
+        "num_attention_heads=14 heads do not divide by tp=4: a head would be cut"
+    ]
+    assert [t.rank_shape for t in check_model(shapes, config, plan, 4, uneven=True).tensors] == [[28, 64], [64, 28]]
+
+
+def test_a_projection_that_is_not_whole_heads_is_refused_not_cut_in_rows():
+    """113 rows are not 14 equal heads: the rows are not what the config says, so no cut is guessed, --uneven or not"""
+    shapes, config, plan = _attention("colwise", "rowwise", 14, q_rows=113)
+    for uneven in (False, True):
+        report = check_model(shapes, config, plan, 2, uneven=uneven)
+        messages = [m for t in report.tensors for m in t.problems]
+        assert messages == [
+            "heads(dim=-2, heads=14) cannot be split 2 ways: dim 0 size 113 is not 14 equal heads",
+            "heads(dim=-1, heads=14) cannot be split 2 ways: dim 1 size 113 is not 14 equal heads",
+        ]
+
+
+def test_without_a_head_count_the_heads_are_refused_by_name():
+    shapes, config, plan = _attention("colwise", "rowwise", None)
+    report = check_model(shapes, config, plan, 2)
+    assert [m for t in report.tensors for m in t.problems] == [
+        "num_attention_heads is None: its heads cannot be told apart"
+    ] * 2
+
+
+def test_gathered_projections_keep_their_rows():
+    """``colwise_gather_output`` / ``rowwise_split_input`` (OLMo 2, Phi-3's fused qkv) compute whole after a gather:
+    any even cut of rows runs, as check says (it asks heads only of split outputs)."""
+    shapes, config, plan = _attention("colwise_gather_output", "rowwise_split_input", 14)
+    report = check_model(shapes, config, plan, 4)
+    assert report.ok, report.problems
+    assert [t.partition for t in report.tensors] == [{"kind": "shard", "dim": -2}, {"kind": "shard", "dim": -1}]
+    kv = plan_from_tp_plan({"model.layers.*.self_attn.k_proj": "colwise_gather_output"}, None)
+    assert kv.match("model.layers.0.self_attn.k_proj.weight").resolve(config) == Shard(-2)

@@ -28,6 +28,9 @@ MAX_ENTRY_BYTES = 4 << 20  # the largest model of transformers 5 (fused experts)
 MAX_ENTRIES = 512
 MAX_TOTAL_BYTES = 64 << 20
 _TEMP_PREFIX = ".tmp-"
+# an entry is read only as a regular file of this user's: no link followed, no FIFO waited on (where POSIX has them)
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+_USER = os.geteuid() if hasattr(os, "geteuid") else 0  # Windows: st_uid is always 0
 
 
 def cache_dir() -> Path | None:
@@ -50,13 +53,13 @@ def load(kind: str, key: str) -> object | None:
     if folder is None:
         return None
     try:
-        fd = os.open(folder / kind / f"{key}.json", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(folder / kind / f"{key}.json", _READ_FLAGS)
     except (OSError, ValueError):
         return None
     try:
         with open(fd, "rb") as file:
             info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_size > MAX_ENTRY_BYTES:
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != _USER or info.st_size > MAX_ENTRY_BYTES:
                 return None
             entry = json.loads(file.read(MAX_ENTRY_BYTES + 1))
     except (OSError, ValueError, RecursionError):  # unreadable, not UTF-8, not JSON, nested past the parser

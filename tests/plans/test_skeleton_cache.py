@@ -120,14 +120,39 @@ def test_what_the_answer_depends_on_changes_the_key(monkeypatch, tmp_path):
         "shapes",
         "sub_models",
         "refusal",
+        "symlink",
+        "foreign",
     ],
-    ids=["empty", "not-json", "not-utf8", "another-key", "deep", "bad-shape", "bad-sub-model", "bad-refusal"],
+    ids=[
+        "empty",
+        "not-json",
+        "not-utf8",
+        "another-key",
+        "deep",
+        "bad-shape",
+        "bad-sub-model",
+        "bad-refusal",
+        "symlink",
+        "another-user",
+    ],
 )
-def test_a_damaged_entry_is_built_again_and_replaced(cache, builds, damage):
+def test_a_damaged_entry_is_built_again_and_replaced(cache, builds, damage, tmp_path):
     config = ModelConfig(raw_config("qwen2_5_vl"))
     fresh = build_skeleton(config)
     (entry,) = cache.iterdir()
     stored = json.loads(entry.read_text())
+    if damage in ("symlink", "foreign"):  # a whole, valid entry, but not a file of this user's own
+        if damage == "foreign" and os.geteuid() != 0:
+            pytest.skip("only root can give a file to another user")
+        (tmp_path / "elsewhere.json").write_text(entry.read_text())
+        entry.unlink()
+        if damage == "symlink":
+            entry.symlink_to(tmp_path / "elsewhere.json")
+        else:
+            os.rename(tmp_path / "elsewhere.json", entry)
+            os.chown(entry, 65534, 65534)
+        assert build_skeleton(config) == fresh and len(builds) == 2
+        return
     if damage == "shapes":
         stored["value"]["skeleton"]["shapes"]["lm_head.weight"] = ["64", 8]
     elif damage == "sub_models":

@@ -166,6 +166,7 @@ class FamilyCheck:
         refusal: ReshardError | None = None,
     ) -> None:
         self._args = (config, names)
+        self.judged = judged  # the answer is known already: result() does not wait
         self._error: ReshardError | None = refusal
         self._thread: threading.Thread | None = None
         self._child: tuple[int, int] | None = None  # (pid, read end of the pipe)
@@ -261,7 +262,8 @@ def _end_child(pid: int, read: int) -> None:
 def start(config: ModelConfig | None, names: list[str]) -> FamilyCheck | None:
     """Start the check beside the conversion when the config can be judged against the names (else None: nothing
     to wait); a layer count past the tensors is refused at once. When reshard's cache holds the build's answer
-    (``plans/skeleton.py`` ``cached_skeleton``), the check is judged here at once: no import, no child.
+    (``plans/skeleton.py`` ``cached_skeleton``), the check is judged here at once (``judged``: :meth:`FamilyCheck.
+    result` does not wait, and a run of one process hears a refusal before moving any byte): no import, no child.
 
     Raises:
         ReshardError: the config has more layers than the checkpoint has tensors.

@@ -24,6 +24,15 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 keep_megatron_out_of_process()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _reshard_cache(tmp_path_factory: pytest.TempPathFactory):
+    """reshard's cache (``RESHARD_CACHE_DIR``) in the session's temporary folder, never the user's home: set before
+    any fixture of a wider scope runs a command, shared by every test (and the subprocesses they start)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RESHARD_CACHE_DIR", str(tmp_path_factory.mktemp("reshard_cache")))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _offline_quiet(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
     """No test reaches the network or the user's caches; progress bars stay off."""

@@ -109,6 +109,8 @@ def run_conversion(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
     first = group is None or group.rank == 0
     # once per conversion, heard before publishing: rank 0's refusal reaches every worker through `together`
     family = built_family.start(opened.source.config, opened.source.names()) if first else None
+    if family is not None and family.judged and group is None:  # known from the cache: refused before any output
+        family.result()
     with staged(out, overwrite=options.overwrite, resume=options.resume, group=group) as staging:
         journal, resumed = open_journal(staging, opened.path, conversion, layout.name, options, group)
         todo, done = conversion, resumed.files

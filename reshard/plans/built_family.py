@@ -4,8 +4,10 @@ is one transformers would initialise at random in the published model.
 
 :func:`reshard.plans.check_family` (names' signatures and the tensors that tell model types apart) judges while
 planning, with no import; this check needs transformers, whose import costs about 2.5 s of CPU, so a conversion
-starts it on a thread when planning ends (:func:`start`) and hears its answer before publishing
-(:meth:`FamilyCheck.result`): the bytes move meanwhile, and a refusal still leaves nothing behind. The decoder
+starts it in a child process (or on a thread) when planning ends (:func:`start`) and hears its answer before
+publishing (:meth:`FamilyCheck.result`): the bytes move meanwhile, and a refusal still leaves nothing behind. The
+build's answer is the same every time for the same config and code, and kept in reshard's cache
+(``plans/skeleton.py``): a conversion of a config built before judges at once, with no import and no child. The decoder
 layers held are counted against the config at once, with no import (:func:`check_counts`). Where transformers
 cannot build the class (an unknown model type, a config it rejects), the model has sub-models, or some tensor of the
 checkpoint is not the model's under its own name (transformers renames it on load: per-expert tensors fused, LoRA
@@ -29,7 +31,7 @@ from reshard.config import ModelConfig
 from reshard.errors import ReshardError, shown
 from reshard.plans import judged_families
 from reshard.plans.lora import plain_name
-from reshard.plans.skeleton import ModelSkeleton, build_skeleton
+from reshard.plans.skeleton import ModelSkeleton, build_skeleton, cached_skeleton
 
 __all__ = ["FamilyCheck", "check_built_family", "check_counts", "start"]
 
@@ -89,11 +91,17 @@ def check_built_family(config: ModelConfig | None, names: Iterable[str]) -> None
         skeleton = build_skeleton(config)
     except ReshardError:  # a class transformers cannot build from it: the signature check stands
         return
-    if skeleton.sub_models:
-        return
-    problem = _missing(skeleton, set(plain), config)
+    problem = _judged(skeleton, plain, config)
     if problem is not None:
         raise problem
+
+
+def _judged(skeleton: ModelSkeleton | ReshardError, plain: list[str], config: ModelConfig) -> ReshardError | None:
+    """The refusal :func:`check_built_family` raises given the build's answer (a refusal of transformers' own, a
+    model with sub-models: none, the signature check stands)."""
+    if isinstance(skeleton, ReshardError) or skeleton.sub_models:
+        return None
+    return _missing(skeleton, set(plain), config)
 
 
 def _missing(skeleton: ModelSkeleton, have: set[str], config: ModelConfig) -> ReshardError | None:
@@ -139,7 +147,8 @@ def check_counts(config: ModelConfig | None, names: Iterable[str]) -> None:
 
 
 class FamilyCheck:
-    """:func:`check_built_family` running beside the conversion; :meth:`result` waits for it and raises its refusal.
+    """:func:`check_built_family` running beside the conversion (or ``judged`` already, its ``refusal`` given);
+    :meth:`result` waits for it and raises its refusal.
 
     Where the platform forks (Linux) and no other thread runs, the check runs in a child process forked from this
     one: it shares the torch already imported, and its 2-3 s of pure-Python import and build then take another core
@@ -148,11 +157,21 @@ class FamilyCheck:
     thread. A child that dies without answering is not taken as a pass: the check then runs here.
     """
 
-    def __init__(self, config: ModelConfig | None, names: list[str]) -> None:
+    def __init__(
+        self,
+        config: ModelConfig | None,
+        names: list[str],
+        *,
+        judged: bool = False,
+        refusal: ReshardError | None = None,
+    ) -> None:
         self._args = (config, names)
-        self._error: ReshardError | None = None
+        self.judged = judged  # the answer is known already: result() does not wait
+        self._error: ReshardError | None = refusal
         self._thread: threading.Thread | None = None
         self._child: tuple[int, int] | None = None  # (pid, read end of the pipe)
+        if judged:  # from the cache's answer: nothing to run
+            return
         if _can_fork():
             self._child = _fork_check(config, names)
             self._ender = weakref.finalize(self, _end_child, *self._child)  # a run failing first leaves no child
@@ -241,8 +260,10 @@ def _end_child(pid: int, read: int) -> None:
 
 
 def start(config: ModelConfig | None, names: list[str]) -> FamilyCheck | None:
-    """Start the check on a thread when the config can be judged against the names (else None: nothing to wait);
-    a layer count past the tensors is refused at once.
+    """Start the check beside the conversion when the config can be judged against the names (else None: nothing
+    to wait); a layer count past the tensors is refused at once. When reshard's cache holds the build's answer
+    (``plans/skeleton.py`` ``cached_skeleton``), the check is judged here at once (``judged``: :meth:`FamilyCheck.
+    result` does not wait, and a run of one process hears a refusal before moving any byte): no import, no child.
 
     Raises:
         ReshardError: the config has more layers than the checkpoint has tensors.
@@ -251,4 +272,9 @@ def start(config: ModelConfig | None, names: list[str]) -> FamilyCheck | None:
     if config is None or judged_families(config, plain) is None:
         return None
     check_counts(config, plain)
+    if _over(config.raw, len(plain), COUNTS) is not None:  # not built: the signature check stands
+        return None
+    known = cached_skeleton(config)
+    if known is not None:
+        return FamilyCheck(config, names, judged=True, refusal=_judged(known, plain, config))
     return FamilyCheck(config, names)

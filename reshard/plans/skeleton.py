@@ -4,6 +4,10 @@ of its sub-models (vision tower, audio encoder, talker, ...) the plan leaves out
 The class is the one ``architectures`` names, else the auto class for the config: image-text-to-text and
 multimodal first (a composite config builds its whole model, towers included), then causal LM, then the
 bare model. A model without a plan (``_tp_plan`` None, as Qwen2.5-Omni had) has an empty one.
+
+Importing transformers and building costs ~2.8 CPU-s and ~116 MB, the same every time for the same config and the
+same code, so the answer is kept in reshard's cache (``io/user_cache.py``) under a key of everything it depends on
+(``plans/skeleton_key.py``); an entry is checked field by field before it is trusted.
 """
 
 from __future__ import annotations
@@ -14,8 +18,12 @@ from typing import Any
 
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
+from reshard.io import user_cache
+from reshard.plans.skeleton_key import skeleton_key
 
 AUTO_CLASSES = ("AutoModelForImageTextToText", "AutoModelForMultimodalLM", "AutoModelForCausalLM", "AutoModel")
+KIND = "skeletons"  # the cache's folder for them
+FIELDS = ("tp_plan", "shapes", "model_class", "sub_models", "tied")  # a cache entry's, in this order
 
 
 @dataclass(frozen=True)
@@ -53,7 +61,9 @@ class ModelSkeleton:
 
 
 def build_skeleton(config: ModelConfig | None) -> ModelSkeleton:
-    """Instantiate the config's model on the ``meta`` device for its plan, shapes and sub-models.
+    """Instantiate the config's model on the ``meta`` device for its plan, shapes and sub-models; the answer (or
+    transformers' refusal) comes from reshard's cache when this config was built before with the same code
+    (:func:`cached_skeleton`), and is stored there when not.
 
     Raises:
         ReshardError: transformers is missing, does not know the model type, or cannot build the model
@@ -61,6 +71,87 @@ def build_skeleton(config: ModelConfig | None) -> ModelSkeleton:
     """
     if config is None or not config.model_type:
         raise ReshardError("the transformers plan needs a config.json with a model_type", hint="pass --config FILE")
+    key = skeleton_key(config.raw)
+    known = _cached(key, config)
+    if isinstance(known, ReshardError):
+        raise known
+    if known is not None:
+        return known
+    try:
+        skeleton = _build(config)
+    except ReshardError as err:
+        # a refusal of the config itself is as lasting as an answer; a missing module, a file or the network is not
+        if key is not None and not isinstance(err.__cause__, (ImportError, OSError, MemoryError)):
+            user_cache.save(KIND, key, {"refusal": [err.detail, err.path is not None, err.hint]})
+        raise
+    if key is not None:
+        user_cache.save(KIND, key, {"skeleton": _to_json(skeleton)})
+    return skeleton
+
+
+def cached_skeleton(config: ModelConfig) -> ModelSkeleton | ReshardError | None:
+    """What :func:`build_skeleton` answers for ``config`` if the cache holds it (its refusal as an exception
+    object, not raised); None if it does not: a few milliseconds, no import."""
+    return _cached(skeleton_key(config.raw), config) if config.model_type else None
+
+
+def _cached(key: str | None, config: ModelConfig) -> ModelSkeleton | ReshardError | None:
+    """The answer the cache holds under ``key`` (a refusal given ``config``'s path), checked; None if none is."""
+    stored = None if key is None else user_cache.load(KIND, key)
+    if not isinstance(stored, dict) or len(stored) != 1:
+        return None
+    if "skeleton" in stored:
+        return _from_json(stored["skeleton"])
+    refusal = stored.get("refusal")
+    if isinstance(refusal, list) and len(refusal) == 3:
+        detail, at_path, hint = refusal
+        if isinstance(detail, str) and isinstance(at_path, bool) and (hint is None or isinstance(hint, str)):
+            return ReshardError(detail, path=config.path if at_path else None, hint=hint)
+    return None
+
+
+def _to_json(skeleton: ModelSkeleton) -> dict[str, Any]:
+    """A cache entry's value: :data:`FIELDS` in order, as JSON spells them."""
+    return {
+        "tp_plan": skeleton.tp_plan,
+        "shapes": {name: list(shape) for name, shape in skeleton.shapes.items()},
+        "model_class": skeleton.model_class,
+        "sub_models": [[s.prefix, s.model_class, s.has_plan] for s in skeleton.sub_models],
+        "tied": sorted(skeleton.tied),
+    }
+
+
+def _from_json(value: object) -> ModelSkeleton | None:
+    """The skeleton a cache entry holds, every field's type checked (None: not one)."""
+    if not isinstance(value, dict) or list(value) != list(FIELDS):
+        return None
+    plan, shapes, model_class, subs, tied = (value[k] for k in FIELDS)
+    plain_plan = plan is None or (isinstance(plan, dict) and all(isinstance(v, str) for v in plan.values()))
+    plain_shapes = isinstance(shapes, dict) and all(
+        isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape) for shape in shapes.values()
+    )
+    plain_subs = isinstance(subs, list) and all(
+        isinstance(s, list)
+        and len(s) == 3
+        and isinstance(s[0], str)
+        and isinstance(s[1], str)
+        and isinstance(s[2], bool)
+        for s in subs
+    )
+    plain_tied = isinstance(tied, list) and all(isinstance(t, str) for t in tied)
+    if not (plain_plan and plain_shapes and plain_subs and plain_tied and isinstance(model_class, str)):
+        return None
+    return ModelSkeleton(
+        None if plan is None else dict(plan),
+        {name: tuple(shape) for name, shape in shapes.items()},
+        model_class,
+        tuple(SubModel(*s) for s in subs),
+        frozenset(tied),
+    )
+
+
+def _build(config: ModelConfig) -> ModelSkeleton:
+    """The meta build itself: imports transformers (~2.8 CPU-s) and builds the model."""
     try:
         import torch
         import transformers

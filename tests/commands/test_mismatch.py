@@ -11,6 +11,9 @@ import pytest
 from fixtures.checks import assert_refused
 from fixtures.models import tiny_llama, tiny_qwen3
 
+from reshard.engine import execute
+from reshard.plans import skeleton
+
 VOCAB = 1001
 
 
@@ -72,15 +75,19 @@ def test_the_config_of_its_own_family_converts(cli, tmp_path, llama_dir):
     ],
     ids=["qwen2-biases"],
 )
-def test_a_config_whose_built_model_lacks_tensors_is_refused(cli, tmp_path, llama_dir, changes, expected):
+def test_a_config_whose_built_model_lacks_tensors_is_refused(cli, tmp_path, llama_dir, changes, expected, monkeypatch):
     """No name signature tells a Qwen2 config (q/k/v biases) from Llama's tensors: the model transformers builds for
-    the config on the meta device does."""
+    the config on the meta device does; the second command hears it from the cache of meta builds, building nothing
+    and moving no byte."""
+    monkeypatch.setenv("RESHARD_CACHE_DIR", str(tmp_path / "cache"))
     ckpt = with_config(llama_dir, tmp_path / "ckpt", **changes)
     for command in (["convert", ckpt, "--tp", 2], ["fix", ckpt, "--vocab", VOCAB, "--force"]):
         result = cli(*command, "-o", tmp_path / "out")
         line = assert_refused(result, tmp_path / "out", expected, "from_pretrained would initialise them at random")
         assert line.startswith(f"Error: {ckpt / 'config.json'}: ")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+        monkeypatch.setattr(skeleton, "_build", lambda config: pytest.fail("built again"))
+        monkeypatch.setattr(execute, "execute", lambda *a, **k: pytest.fail("bytes moved"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "ckpt"]
 
 
 def test_a_config_with_a_layer_more_than_held_is_refused(cli, tmp_path, llama_dir):

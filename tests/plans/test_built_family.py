@@ -1,5 +1,6 @@
 """The built-model family check beside a conversion (``plans/built_family.py`` ``FamilyCheck``): the same answer in
-a forked child as on a thread, and a child that dies without answering is not taken for a pass."""
+a forked child, on a thread and from the cache of meta builds, and a child that dies without answering is not taken
+for a pass."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from fixtures.models import tiny_llama
 
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
-from reshard.plans import built_family
+from reshard.plans import built_family, skeleton
 
 LLAMA = {
     "model_type": "llama",
@@ -38,15 +39,28 @@ QWEN2_CLASS = ["Qwen2ForCausalLM"]
 QWEN2 = {**LLAMA, "model_type": "qwen2", "architectures": QWEN2_CLASS}  # q/k/v biases Llama lacks
 
 
-@pytest.fixture(params=["fork", "thread"])
-def way(request, monkeypatch):
+@pytest.fixture
+def cold(monkeypatch, tmp_path):
+    """An empty cache of meta builds: the check has to build."""
+    monkeypatch.setenv("RESHARD_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture(params=["fork", "thread", "cached"])
+def way(request, monkeypatch, tmp_path):
+    """The check in a child, on a thread, or judged at once from a cache that a first build filled."""
+    monkeypatch.setenv("RESHARD_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(built_family, "_can_fork", lambda: request.param == "fork")
+    if request.param == "cached":
+        for config in (LLAMA, QWEN2):
+            skeleton.build_skeleton(ModelConfig(config))
+        monkeypatch.setattr(skeleton, "_build", lambda config: pytest.fail("built again"))
     return request.param
 
 
 def test_the_own_family_passes(way):
     check = built_family.start(ModelConfig(LLAMA), NAMES)
     assert check is not None
+    assert (check._child is None and check._thread is None) == (way == "cached")
     check.result()
 
 
@@ -58,7 +72,7 @@ def test_another_family_is_refused_with_the_same_line(way):
     assert "from_pretrained would initialise them at random" in str(refused.value)
 
 
-def test_a_child_that_dies_is_not_a_pass(monkeypatch):
+def test_a_child_that_dies_is_not_a_pass(monkeypatch, cold):
     monkeypatch.setattr(built_family, "_can_fork", lambda: True)
     parent = os.getpid()
     real = built_family.check_built_family
@@ -73,7 +87,7 @@ def test_a_child_that_dies_is_not_a_pass(monkeypatch):
         built_family.start(ModelConfig(QWEN2), NAMES).result()
 
 
-def test_a_check_nobody_waits_for_leaves_no_child(monkeypatch):
+def test_a_check_nobody_waits_for_leaves_no_child(monkeypatch, cold):
     monkeypatch.setattr(built_family, "_can_fork", lambda: True)
     check = built_family.start(ModelConfig(LLAMA), NAMES)
     pid = check._child[0]

@@ -16,8 +16,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from reshard.errors import CorruptFileError, ReshardError, shown
 from reshard.tokenizer import GENERATION_CONFIG, NamedTokenizer
 
@@ -220,6 +218,8 @@ def _model_yaml(checkpoint: Path) -> Any:
     path = checkpoint / MODEL_YAML
     if not path.is_file():
         return None
+    import yaml  # here, not at the top: every command imports this module, few read a NeMo checkpoint (~14 ms)
+
     try:
         return yaml.safe_load(path.read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError, ValueError) as err:  # ValueError: an

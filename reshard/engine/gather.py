@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from reshard.dtypes import itemsize_of
 from reshard.engine.planner import SourceTensor, TargetTensor, TensorPlan, identity_plan
 from reshard.errors import ReshardError
 from reshard.io.direct import ALIGN, Batch
@@ -96,6 +97,21 @@ def read_phase(source: SourceTensor, *, uneven: bool) -> int:
         place = (first.dst - first.src) * row_bytes
     phase = (ref.position - place) % ALIGN
     return phase if phase % source.dtype.itemsize == 0 else 0
+
+
+def write_phase(target: TargetTensor, position: int | None) -> int:
+    """Where in a 4 KB page the memory a transform writes ``target`` into should start so that the target is written
+    straight from it (:meth:`reshard.io.direct.DirectFile.write`): the phase of ``position``, where rank 0's slice
+    starts in its file (:meth:`~reshard.layouts.base.CheckpointWriter.position`), when that slice is the target's
+    first bytes in one run (the whole target, a replicated one, or one split along its first dim); else 0."""
+    if position is None or not target.shape:
+        return 0
+    partition, shape = target.partition, tuple(target.shape)
+    whole = isinstance(partition, Replicate) or tuple(target.rank_shapes[:1]) in ((), (shape,))
+    if not whole and math.prod(shape[: partition.dim % len(shape)]) != 1:
+        return 0
+    phase = position % ALIGN
+    return phase if phase % itemsize_of(target.code) == 0 else 0
 
 
 @dataclass(frozen=True)

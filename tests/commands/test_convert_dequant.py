@@ -146,6 +146,31 @@ def test_compressed_tensors_fp8_drops_scales_and_input_scales(cli, tmp_path, str
     _load(tmp_path / "full")
 
 
+def test_dequantized_weights_are_written_straight_from_the_memory_they_are_made_in(fp8, cli, tmp_path, monkeypatch):
+    """Each weight is dequantized into memory on the 4 KB phase of its offset in the output file, so its whole
+    blocks go to the disk without a staging copy; only the tensors written as they were read (their memory is on
+    their source file's phase) are copied into staging."""
+    from reshard.io import direct as direct_io
+
+    if not direct_io.DirectFile(tmp_path / "probe", 0)._direct:
+        pytest.skip("this file system has no O_DIRECT")
+    staged: list[int] = []
+    real = direct_io.DirectFile._write_block
+
+    def write_block(self, views: list[memoryview], position: int) -> None:
+        if not (len(views) == 1 and direct_io.in_phase(views[0], position)):
+            staged.append(sum(len(view) for view in views))
+        real(self, views, position)
+
+    monkeypatch.setattr(direct_io.DirectFile, "_write_block", write_block)
+    assert cli("convert", fp8, "--tp", 1, "--dtype", "bfloat16", "-o", tmp_path / "out").exit_code == 0
+    stored = load_file(fp8 / "model.safetensors")
+    kept = sum(t.nbytes for n, t in stored.items() if t.dtype == torch.bfloat16)
+    dequantized = sum(t.numel() * 2 for t in stored.values() if t.dtype == torch.float8_e4m3fn)
+    assert dequantized > kept  # so the dequantized weights cannot all hide in the bound below
+    assert sum(staged) <= kept
+
+
 def test_dtype_alone_casts_a_plain_checkpoint(fp8, cli, tmp_path):
     plain = fp8.parent / "bf16-source"
     assert cli("convert", plain, "--tp", 1, "--dtype", "float32", "-o", tmp_path / "f32").exit_code == 0

@@ -182,8 +182,13 @@ def execute(
             if into
             else []
         )
+        known_finite: set[str] = set()  # targets a transform knows to be finite from its inputs
         pieces_of = gather_and_split(
-            work, buffers=[buffer for _, buffer in held], outputs=[out for _, out in outputs] or None, **options
+            work,
+            buffers=[buffer for _, buffer in held],
+            outputs=[out for _, out in outputs] or None,
+            known_finite=known_finite,
+            **options,
         )
         held += outputs
         for ref in _refs(work):
@@ -196,7 +201,10 @@ def execute(
                     writer.write_unordered(name, pieces)
                     pieces = []
                 digest = digest_of(canonical)
-                is_finite = all_finite_in_blocks(canonical) if finite is not None else None
+                if finite is None:
+                    is_finite = None
+                else:
+                    is_finite = name in known_finite or all_finite_in_blocks(canonical)
             written.append((name, digest, is_finite, pieces))
         del pieces_of
         return written, [raw for raw, _ in held]

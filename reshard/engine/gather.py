@@ -288,6 +288,7 @@ def gather_and_split(
     divergent: set[str] | None = None,
     buffers: Sequence[torch.Tensor] | None = None,
     outputs: Sequence[torch.Tensor] | None = None,
+    known_finite: set[str] | None = None,
 ) -> list[Piece]:
     """Gather one unit's source tensors (into ``buffers`` of ``work.buffer_shapes``, or new ones) and return,
     per target tensor, its name, the canonical tensor and its target rank slices.
@@ -295,7 +296,8 @@ def gather_and_split(
     A tensor kept as it is gives views of its buffer (a ``packed`` target's slices as :class:`Joined` views of
     its parts, unless packed off dim 0: then copies); a mapped unit goes through its transform first, which
     writes into ``outputs`` (one per target, of its canonical shape and dtype) when given: only for a transform
-    that :func:`writes_into` them.
+    that :func:`writes_into` them. Such a transform may know from its inputs that a target has no NaN or Inf
+    (a dequantized weight whose scales bound it): those targets' names are added to ``known_finite``.
     """
     tensor = work.tensor
     if buffers is None:
@@ -311,7 +313,13 @@ def gather_and_split(
             (source,), (buffer,), (target,) = tensor.sources, canonicals, tensor.targets
             return [(target.name, *_kept(source, buffer, target, target_tp, uneven=uneven))]
         inputs = [c for c, _ in canonicals]
-        outputs = tensor.transform.apply(inputs, out=outputs) if outputs else tensor.transform.apply(inputs)
+        if outputs:
+            finite: list[bool] = []
+            outputs = tensor.transform.apply(inputs, out=outputs, finite=finite)
+            if known_finite is not None:
+                known_finite.update(t.name for t, known in zip(tensor.targets, finite, strict=True) if known)
+        else:
+            outputs = tensor.transform.apply(inputs)
         return [
             (target.name, out, _split_target(out, target, target_tp, uneven=uneven))
             for target, out in zip(tensor.targets, outputs, strict=True)

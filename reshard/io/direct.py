@@ -20,6 +20,10 @@ slices read into them (:func:`reshard.engine.gather.read_phase`), and the thread
 column blocks on the phase of the file range they come from or go to, so that every read and the column
 blocks' writes skip the staging copy.
 
+A direct read goes to the device even for bytes the page cache holds, so each block is first asked of the page
+cache alone (``preadv`` with ``RWF_NOWAIT``: no disk I/O, no read-ahead); what it holds (a checkpoint just
+downloaded or written) comes from there, the rest directly.
+
 Callers group the requests of one tensor in a :class:`Batch`: every read and write started inside
 ``with Batch():`` runs at once, and leaving the block waits for all of them. A call outside a batch
 waits for its own blocks. Where the file system refuses ``O_DIRECT`` (tmpfs before Linux 6.6, some

@@ -41,7 +41,15 @@ from tqdm.auto import tqdm
 from reshard.dtypes import dtype_from_code
 from reshard.engine.buffers import Budget, BufferPool, budget_for
 from reshard.engine.digest import all_finite_in_blocks, digest_of
-from reshard.engine.gather import Work, check_fits, gather_and_split, plan_work, read_phase, writes_into
+from reshard.engine.gather import (
+    Work,
+    check_fits,
+    gather_and_split,
+    plan_work,
+    read_phase,
+    write_phase,
+    writes_into,
+)
 from reshard.errors import ShapeMismatchError
 from reshard.io.direct import Batch
 from reshard.layouts.base import CheckpointWriter, TensorRef
@@ -166,9 +174,21 @@ def execute(
             for shape, source in zip(work.buffer_shapes, work.tensor.sources, strict=True)
         ]
         into = writes_into(work.tensor)  # the transform's output in pooled memory too
-        outputs = [buffers.get(t.shape, dtype_from_code(t.code)) for t in work.tensor.targets] if into else []
+        outputs = (  # on the phase of where they are written: written without a staging copy
+            [
+                buffers.get(t.shape, dtype_from_code(t.code), phase=write_phase(t, writer.position(t.name)))
+                for t in work.tensor.targets
+            ]
+            if into
+            else []
+        )
+        known_finite: set[str] = set()  # targets a transform knows to be finite from its inputs
         pieces_of = gather_and_split(
-            work, buffers=[buffer for _, buffer in held], outputs=[out for _, out in outputs] or None, **options
+            work,
+            buffers=[buffer for _, buffer in held],
+            outputs=[out for _, out in outputs] or None,
+            known_finite=known_finite,
+            **options,
         )
         held += outputs
         for ref in _refs(work):
@@ -181,7 +201,10 @@ def execute(
                     writer.write_unordered(name, pieces)
                     pieces = []
                 digest = digest_of(canonical)
-                is_finite = all_finite_in_blocks(canonical) if finite is not None else None
+                if finite is None:
+                    is_finite = None
+                else:
+                    is_finite = name in known_finite or all_finite_in_blocks(canonical)
             written.append((name, digest, is_finite, pieces))
         del pieces_of
         return written, [raw for raw, _ in held]

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from reshard.dtypes import itemsize_of
 from reshard.engine.planner import SourceTensor, TargetTensor, TensorPlan, identity_plan
 from reshard.errors import ReshardError
 from reshard.io.direct import ALIGN, Batch
@@ -106,6 +107,21 @@ def read_phase(source: SourceTensor, *, uneven: bool) -> int:
         place = (first.dst - first.src) * row_bytes
     phase = (ref.position - place) % ALIGN
     return phase if phase % source.dtype.itemsize == 0 else 0
+
+
+def write_phase(target: TargetTensor, position: int | None) -> int:
+    """Where in a 4 KB page the memory a transform writes ``target`` into should start so that the target is written
+    straight from it (:meth:`reshard.io.direct.DirectFile.write`): the phase of ``position``, where rank 0's slice
+    starts in its file (:meth:`~reshard.layouts.base.CheckpointWriter.position`), when that slice is the target's
+    first bytes in one run (the whole target, a replicated one, or one split along its first dim); else 0."""
+    if position is None or not target.shape:
+        return 0
+    partition, shape = target.partition, tuple(target.shape)
+    whole = isinstance(partition, Replicate) or tuple(target.rank_shapes[:1]) in ((), (shape,))
+    if not whole and math.prod(shape[: partition.dim % len(shape)]) != 1:
+        return 0
+    phase = position % ALIGN
+    return phase if phase % itemsize_of(target.code) == 0 else 0
 
 
 @dataclass(frozen=True)
@@ -282,6 +298,7 @@ def gather_and_split(
     divergent: set[str] | None = None,
     buffers: Sequence[torch.Tensor] | None = None,
     outputs: Sequence[torch.Tensor] | None = None,
+    known_finite: set[str] | None = None,
 ) -> list[Piece]:
     """Gather one unit's source tensors (into ``buffers`` of ``work.buffer_shapes``, or new ones) and return,
     per target tensor, its name, the canonical tensor and its target rank slices.
@@ -289,7 +306,8 @@ def gather_and_split(
     A tensor kept as it is gives views of its buffer (a ``packed`` target's slices as :class:`Joined` views of
     its parts, unless packed off dim 0: then copies); a mapped unit goes through its transform first, which
     writes into ``outputs`` (one per target, of its canonical shape and dtype) when given: only for a transform
-    that :func:`writes_into` them.
+    that :func:`writes_into` them. Such a transform may know from its inputs that a target has no NaN or Inf
+    (a dequantized weight whose scales bound it): those targets' names are added to ``known_finite``.
     """
     tensor = work.tensor
     if buffers is None:
@@ -305,7 +323,13 @@ def gather_and_split(
             (source,), (buffer,), (target,) = tensor.sources, canonicals, tensor.targets
             return [(target.name, *_kept(source, buffer, target, target_tp, uneven=uneven))]
         inputs = [c for c, _ in canonicals]
-        outputs = tensor.transform.apply(inputs, out=outputs) if outputs else tensor.transform.apply(inputs)
+        if outputs:
+            finite: list[bool] = []
+            outputs = tensor.transform.apply(inputs, out=outputs, finite=finite)
+            if known_finite is not None:
+                known_finite.update(t.name for t, known in zip(tensor.targets, finite, strict=True) if known)
+        else:
+            outputs = tensor.transform.apply(inputs)
         return [
             (target.name, out, _split_target(out, target, target_tp, uneven=uneven))
             for target, out in zip(tensor.targets, outputs, strict=True)

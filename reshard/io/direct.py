@@ -20,6 +20,10 @@ slices read into them (:func:`reshard.engine.gather.read_phase`), and the thread
 column blocks on the phase of the file range they come from or go to, so that every read and the column
 blocks' writes skip the staging copy.
 
+A direct read goes to the device even for bytes the page cache holds, so each block is first asked of the page
+cache alone (``preadv`` with ``RWF_NOWAIT``: no disk I/O, no read-ahead); what it holds (a checkpoint just
+downloaded or written) comes from there, the rest directly.
+
 Callers group the requests of one tensor in a :class:`Batch`: every read and write started inside
 ``with Batch():`` runs at once, and leaving the block waits for all of them. A call outside a batch
 waits for its own blocks. Where the file system refuses ``O_DIRECT`` (tmpfs before Linux 6.6, some
@@ -59,6 +63,8 @@ STAGING_BYTES = 8 << 20
 # Threads that carry out requests, shared by every file and caller; each holds one staging buffer.
 IO_THREADS = 8
 _REFUSED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
+# preadv's flag for a read from the page cache only (Linux 4.14+; None elsewhere).
+_NOWAIT = getattr(os, "RWF_NOWAIT", None)
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 _batches = threading.local()
@@ -209,7 +215,7 @@ class DirectSource:
 
     def read_block(self, staging: memoryview, position: int) -> int:
         """Read up to ``len(staging)`` bytes at ``position`` (aligned); the count read (short at the file's end)."""
-        count = 0
+        count = self._read_cached(staging, position) if self.direct else 0
         while count < len(staging):
             got = self._pread_direct(staging[count:], position + count) if self.direct else None
             direct = got is not None
@@ -221,6 +227,21 @@ class DirectSource:
             if direct and count % ALIGN:  # a direct read stops off the block grid only at the file's end
                 break
         return count
+
+    def _read_cached(self, view: memoryview, position: int) -> int:
+        """The whole blocks at the start of the range that the page cache holds, read from there (``RWF_NOWAIT``: no
+        disk I/O, no read-ahead); the count read, 0 when the first block is not cached (or the platform cannot
+        tell). A direct read goes to the disk even for cached bytes: a checkpoint just downloaded or written is
+        read again from memory, not from the device (measured: docs/performance.md). The count is rounded down
+        to the block grid, where the direct read of the rest must start (at the file's end, its last partial
+        block is read again, directly)."""
+        if _NOWAIT is None:
+            return 0
+        try:
+            got = os.preadv(self._fd, [view], position, _NOWAIT)
+        except OSError:  # EAGAIN: not cached; EOPNOTSUPP: no RWF_NOWAIT on this file system
+            return 0
+        return got // ALIGN * ALIGN
 
     def _pread_direct(self, view: memoryview, position: int) -> int | None:
         """One direct read; None (and no more direct reads of this file) if it was refused."""

@@ -292,6 +292,12 @@ class CheckpointWriter:
         """Like :meth:`write`, in any order and from any thread; only when :attr:`concurrent`."""
         raise NotImplementedError
 
+    def position(self, name: str) -> int | None:
+        """Where rank 0's slice of ``name`` will start in its file, when the layout fixes it before the slice
+        arrives (None otherwise). The engine puts memory it fills for the target (a transform's output) on that
+        offset's 4 KB phase, so it goes to the disk without a staging copy (:func:`reshard.io.direct.in_phase`)."""
+        return None
+
     def close(self) -> list[Path]:
         raise NotImplementedError
 
@@ -316,3 +322,8 @@ class RankFilesWriter(CheckpointWriter):
     def write_unordered(self, name: str, slices: list[torch.Tensor]) -> None:
         for writer, piece in zip(self.rank_writers, slices, strict=True):
             writer.write_unordered(name, piece)
+
+    def position(self, name: str) -> int | None:
+        """Rank 0's file writer's offset of ``name``, for writers that know it up front (safetensors)."""
+        find = getattr(self.rank_writers[0], "position", None) if self.rank_writers else None
+        return None if find is None else find(name)

@@ -61,10 +61,21 @@ class Dequantize:
 
     writes_into = True  # the engine may hand apply() its output (a pooled buffer)
 
-    def apply(self, tensors: Sequence[torch.Tensor], *, out: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
+    def apply(
+        self,
+        tensors: Sequence[torch.Tensor],
+        *,
+        out: Sequence[torch.Tensor] = (),
+        finite: list[bool] | None = None,
+    ) -> list[torch.Tensor]:
+        """The dequantized weight (in ``out[0]`` when given); when ``finite`` is given, whether the inputs alone show
+        every value of it finite is appended to it (:func:`bounded`: the engine then skips looking at its bytes)."""
         weight, scale = tensors
         into = out[0] if out else None
-        return [dequantize(weight, scale, block=self.block, code=self.code, via=self.via, out=into)]
+        made, known = _dequantize(weight, scale, block=self.block, code=self.code, via=self.via, out=into)
+        if finite is not None:
+            finite.append(known)
+        return [made]
 
     def describe(self) -> str:
         return f"dequantize ({self.block[0]}x{self.block[1]} scales) to {name_of(self.code)}"
@@ -83,9 +94,19 @@ class Cast:
 
     writes_into = True
 
-    def apply(self, tensors: Sequence[torch.Tensor], *, out: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
+    def apply(
+        self,
+        tensors: Sequence[torch.Tensor],
+        *,
+        out: Sequence[torch.Tensor] = (),
+        finite: list[bool] | None = None,
+    ) -> list[torch.Tensor]:
+        """The cast tensor (into ``out[0]`` when given); nothing is known of its values beforehand (``finite``
+        gets False: the engine looks at its bytes)."""
         from reshard.dtypes import dtype_from_code
 
+        if finite is not None:
+            finite.append(False)
         if out:
             return [out[0].copy_(tensors[0])]
         return [tensors[0].to(dtype_from_code(self.code))]
@@ -105,6 +126,19 @@ def dequantize(
 ) -> torch.Tensor:
     """``weight`` (2-D, FP8) times ``scale`` (a ``ceil(rows / block[0]) x ceil(cols / block[1])`` grid, or one value),
     in the dtype of ``code`` (into ``out`` when given); see the module docstring for the rounding."""
+    return _dequantize(weight, scale, block=block, code=code, via=via, out=out)[0]
+
+
+def _dequantize(
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    block: tuple[int, int],
+    code: str,
+    via: str | None,
+    out: torch.Tensor | None,
+) -> tuple[torch.Tensor, bool]:
+    """:func:`dequantize`, and whether its inputs bound every value of it finite (:func:`bounded`)."""
     import torch
 
     from reshard.dtypes import dtype_from_code
@@ -116,14 +150,37 @@ def dequantize(
         block_rows = rows
     out = torch.empty((rows, cols), dtype=dtype_from_code(code)) if out is None else out
     if not out.numel():
-        return out
+        return out, False
     via_dtype = dtype_from_code(via) if via is not None and via != code else None
+    known = bounded(grid, weight.dtype, via=via_dtype, dtype=out.dtype)  # before _has_nan: it needs no NaN
     grid, factor = _folded(grid, weight.dtype)
     row_scales = _row_scales(grid, block_cols, cols)  # [block rows, cols] or [block rows, 1]
     with _one_thread():
         nan = weight.dtype == torch.float8_e4m3fn and _has_nan(weight)
         _product(weight, row_scales, factor, out, block_rows=block_rows, via=via_dtype, nan=nan)
-    return out
+    return out, known and not nan
+
+
+# The largest magnitude of a float8_e4m3fn value that is not NaN (it has no infinities).
+E4M3_MAX = 448.0
+
+
+def bounded(grid: torch.Tensor, fp8: torch.dtype, *, via: torch.dtype | None, dtype: torch.dtype) -> bool:
+    """Whether every product of a float8_e4m3fn weight with no NaN and the float32 scale ``grid`` is finite in
+    ``dtype`` (through ``via``), as the inputs alone show: no value of the weight exceeds 448 in magnitude, and
+    rounding to nearest is monotonic, so no product rounds past the largest scale times 448 rounded the same way
+    (float32, then ``via``, then ``dtype``). A finite bound makes every value finite; otherwise (an infinite or NaN
+    scale, or a product near the dtype's limit) the caller looks at the values. float8_e5m2 (it has infinities)
+    is never bounded here. The caller still has to rule out the weight's NaN bytes."""
+    import torch
+
+    if fp8 != torch.float8_e4m3fn or not grid.numel():
+        return False
+    bound = grid.abs().max() * E4M3_MAX  # float32, rounded as each product is
+    for step in (via, dtype):
+        if step is not None:
+            bound = bound.to(step)
+    return bool(torch.isfinite(bound))
 
 
 def _product(

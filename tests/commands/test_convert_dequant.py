@@ -146,6 +146,57 @@ def test_compressed_tensors_fp8_drops_scales_and_input_scales(cli, tmp_path, str
     _load(tmp_path / "full")
 
 
+def test_dequantized_weights_are_written_straight_from_the_memory_they_are_made_in(fp8, cli, tmp_path, monkeypatch):
+    """Each weight is dequantized into memory on the 4 KB phase of its offset in the output file, so its whole
+    blocks go to the disk without a staging copy; only the tensors written as they were read (their memory is on
+    their source file's phase) are copied into staging."""
+    from reshard.io import direct as direct_io
+
+    if not direct_io.DirectFile(tmp_path / "probe", 0)._direct:
+        pytest.skip("this file system has no O_DIRECT")
+    staged: list[int] = []
+    real = direct_io.DirectFile._write_block
+
+    def write_block(self, views: list[memoryview], position: int) -> None:
+        if not (len(views) == 1 and direct_io.in_phase(views[0], position)):
+            staged.append(sum(len(view) for view in views))
+        real(self, views, position)
+
+    monkeypatch.setattr(direct_io.DirectFile, "_write_block", write_block)
+    assert cli("convert", fp8, "--tp", 1, "--dtype", "bfloat16", "-o", tmp_path / "out").exit_code == 0
+    stored = load_file(fp8 / "model.safetensors")
+    kept = sum(t.nbytes for n, t in stored.items() if t.dtype == torch.bfloat16)
+    dequantized = sum(t.numel() * 2 for t in stored.values() if t.dtype == torch.float8_e4m3fn)
+    assert dequantized > kept  # so the dequantized weights cannot all hide in the bound below
+    assert sum(staged) <= kept
+
+
+def test_a_weight_its_scales_bound_is_recorded_finite_without_a_look_at_its_values(fp8, cli, tmp_path, monkeypatch):
+    """The manifest's ``finite`` of a dequantized weight comes from its inputs when they bound it (no NaN byte, the
+    largest scale times 448 finite in bf16): the engine looks at the values of the other tensors only. A weight
+    with a NaN byte is looked at, and recorded not finite."""
+    from reshard.engine import execute
+
+    looked: list[tuple[int, ...]] = []
+    real = execute.all_finite_in_blocks
+    monkeypatch.setattr(execute, "all_finite_in_blocks", lambda t: looked.append(tuple(t.shape)) or real(t))
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "config.json").write_text((fp8 / "config.json").read_text())
+    stored = load_file(fp8 / "model.safetensors")
+    nan_weight = "model.layers.1.mlp.up_proj.weight"
+    stored[nan_weight] = stored[nan_weight].clone()
+    stored[nan_weight].view(torch.uint8)[2, 3] = 0x7F
+    save_file(stored, source / "model.safetensors", metadata={"format": "pt"})
+    assert cli("convert", source, "--tp", 1, "--dtype", "bfloat16", "-o", tmp_path / "out").exit_code == 0
+    manifest = json.loads((tmp_path / "out" / "reshard.json").read_text())["tensors"]
+    fp8_names = [n for n, t in stored.items() if t.dtype == torch.float8_e4m3fn]
+    assert {n: manifest[n]["finite"] for n in fp8_names} == {n: n != nan_weight for n in fp8_names}
+    plain = [n for n, t in stored.items() if t.dtype == torch.bfloat16]
+    assert all(manifest[n]["finite"] for n in plain)
+    assert sorted(looked) == sorted([tuple(stored[n].shape) for n in [*plain, nan_weight]])
+
+
 def test_dtype_alone_casts_a_plain_checkpoint(fp8, cli, tmp_path):
     plain = fp8.parent / "bf16-source"
     assert cli("convert", plain, "--tp", 1, "--dtype", "float32", "-o", tmp_path / "f32").exit_code == 0

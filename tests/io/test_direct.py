@@ -92,14 +92,14 @@ def fail_direct_calls(
     ``short_at`` moves only its first block (a short, aligned transfer). Returns the positions of the calls."""
     real, calls = getattr(os, name), []
 
-    def failing(call_fd, data, position):
+    def failing(call_fd, data, position, *flags):
         if call_fd == fd:
             calls.append(position)
             if len(calls) == short_at:
                 return real(call_fd, data[:ALIGN], position)
             if len(calls) > after:
                 raise OSError(*error)
-        return real(call_fd, data, position)
+        return real(call_fd, data, position, *flags)
 
     monkeypatch.setattr(direct_io.os, name, failing)
     return calls
@@ -168,14 +168,64 @@ def read_ranges(source: DirectSource, size: int, seed: int, *, batched: bool) ->
 
 
 def random_source(path: Path, size: int, seed: int, *, needs_direct: bool = False) -> tuple[DirectSource, bytes]:
-    """``size`` random bytes written to ``path``, and a :class:`DirectSource` on them; with ``needs_direct``, the
-    test is skipped where the file system refuses ``O_DIRECT``."""
+    """``size`` random bytes written to ``path`` (and dropped from the page cache, so they are read from the disk),
+    and a :class:`DirectSource` on them; with ``needs_direct``, the test is skipped where the file system refuses
+    ``O_DIRECT``."""
     data = random.Random(seed).randbytes(size)
     path.write_bytes(data)
+    uncache(path, 0)
     source = DirectSource(path)
     if needs_direct and not source.direct:
         pytest.skip("this file system has no O_DIRECT")
     return source, data
+
+
+def uncache(path: Path, start: int) -> None:
+    """Drop the file's pages from ``start`` on from the page cache (written to the disk first)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, start, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def direct_reads(source: DirectSource, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Record ``(position, length)`` of every direct read of ``source``."""
+    reads: list[tuple[int, int]] = []
+    real = source._pread_direct
+
+    def reading(view: memoryview, position: int) -> int | None:
+        reads.append((position, len(view)))
+        return real(view, position)
+
+    monkeypatch.setattr(source, "_pread_direct", reading)
+    return reads
+
+
+@pytest.mark.parametrize("cached", [40 * ALIGN + 5, 16 * ALIGN + 100], ids=["whole-file", "first-16-blocks"])
+def test_bytes_the_page_cache_holds_are_read_from_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cached: int
+) -> None:
+    """A direct read goes to the device even for bytes the page cache holds (a checkpoint just downloaded or
+    written): the whole blocks it holds are read from it, from the first one it lacks on the rest directly (and
+    the file's short last block, read again directly)."""
+    monkeypatch.setattr(direct_io, "STAGING_BYTES", 8 * ALIGN)
+    size = 40 * ALIGN + 5
+    source, data = random_source(tmp_path / "in.bin", size, 9, needs_direct=True)
+    if direct_io._NOWAIT is None:
+        pytest.skip("no RWF_NOWAIT on this platform")
+    assert (tmp_path / "in.bin").read_bytes() == data  # now in the page cache
+    uncache(tmp_path / "in.bin", cached // ALIGN * ALIGN)
+    reads = direct_reads(source, monkeypatch)
+    memory = mmap.mmap(-1, size + ALIGN)
+    with Batch():
+        source.read([memoryview(memory)[:size]], 0, error=Unreadable)
+    assert memory[:size] == data
+    assert source.direct
+    first_direct = min(cached // ALIGN * ALIGN, size // ALIGN * ALIGN)
+    assert reads and min(position for position, _ in reads) == first_direct
+    source.close()
 
 
 @pytest.mark.parametrize("batched", [True, False], ids=["batched", "one-by-one"])

@@ -96,3 +96,45 @@ def test_every_fp8_byte_times_every_kind_of_scale_is_transformers_bit_for_bit(dt
     into = torch.full_like(theirs, 7)
     (out,) = Dequantize((128, 128), CODES[dtype]).apply([weight, grid], out=[into])
     assert out is into and torch.equal(_bits(into), _bits(theirs))
+
+
+def _near_the_limits() -> list[float]:
+    """Scales whose products with 448 (float8_e4m3fn's largest value) fall on either side of each float dtype's
+    largest finite value, its rounding boundary included; ordinary, zero, infinite and NaN scales."""
+    scales = [0.0, 1.0, 0.0123, -(2.0**-12), float("inf"), float("nan")]
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        limit = torch.tensor(torch.finfo(dtype).max / 448, dtype=torch.float32)
+        for factor in (1 - 2.0**-8, 1 - 2.0**-9, 1.0, 1 + 2.0**-9, 1 + 2.0**-8):
+            near = (limit.double() * factor).float()
+            for _ in range(3):
+                scales.append(float(near))
+                near = torch.nextafter(near, torch.tensor(float("inf")))
+    return scales
+
+
+@pytest.mark.parametrize("via", [None, "F16", "BF16"], ids=["float32-product", "via-float16", "via-bfloat16"])
+@pytest.mark.parametrize("dtype", list(CODES), ids=lambda d: str(d).removeprefix("torch."))
+def test_a_weight_is_known_finite_exactly_when_its_values_are(dtype, via):
+    """The inputs' bound (no NaN byte; the largest scale times 448 rounded as every product is) is claimed for a
+    weight holding every other byte exactly when its dequantized values have no NaN or Inf, for scales up to each
+    dtype's limit; never for a weight with a NaN byte; and the engine skips its own look only then."""
+    every = torch.arange(256, dtype=torch.uint8)
+    plain = every[(every & 0x7F) != 0x7F].repeat(4).reshape(8, -1).view(torch.float8_e4m3fn)
+    claimed = 0
+    for value in _near_the_limits():
+        for sign in (1.0, -1.0):
+            grid = torch.tensor([[sign * value]])
+            finite: list[bool] = []
+            (out,) = Dequantize(tuple(plain.shape), CODES[dtype], via).apply([plain, grid], finite=finite)
+            actual = bool(torch.isfinite(out.float()).all())
+            assert finite == [actual], (value, sign)
+            claimed += actual
+            with_nan = plain.clone()
+            with_nan.view(torch.uint8)[3, 5] = 0xFF
+            finite = []
+            Dequantize(tuple(plain.shape), CODES[dtype], via).apply([with_nan, grid], finite=finite)
+            assert finite == [False]
+    assert claimed > 4
+    finite = []
+    Cast(CODES[dtype]).apply([torch.ones(3)], finite=finite)
+    assert finite == [False]

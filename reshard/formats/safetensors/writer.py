@@ -139,6 +139,10 @@ class SafetensorsFileWriter:
     def done(self) -> bool:
         return self.keep or self._finished == len(self._order)
 
+    def position(self, name: str) -> int | None:
+        """Where ``name``'s bytes start in the file (None for a tensor the file does not hold)."""
+        return self._offsets.get(name)
+
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Write the next tensor in :func:`ordered` order."""
         with self._lock:
@@ -288,6 +292,11 @@ class ShardedSafetensorsWriter:
     def write_unordered(self, name: str, tensor: torch.Tensor) -> None:
         """:meth:`SafetensorsFileWriter.write_unordered` into the shard that holds ``name``."""
         self._files[self._file_of[name]].write_unordered(name, tensor)
+
+    def position(self, name: str) -> int | None:
+        """Where ``name``'s bytes start in the shard that holds it (None for a tensor no shard holds)."""
+        filename = self._file_of.get(name)
+        return None if filename is None else self._files[filename].position(name)
 
     def close(self, *, index: bool = True) -> None:
         """Finish every file (refusing if a tensor is missing) and write the index when sharded (and ``index``)."""

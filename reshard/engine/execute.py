@@ -42,6 +42,7 @@ from reshard.dtypes import dtype_from_code
 from reshard.engine.buffers import Budget, BufferPool, budget_for
 from reshard.engine.digest import all_finite_in_blocks, digest_of
 from reshard.engine.gather import Work, check_fits, gather_and_split, plan_work, read_phase, writes_into
+from reshard.engine.stream import stream, stream_plan, streams_to
 from reshard.errors import ShapeMismatchError
 from reshard.io.direct import Batch
 from reshard.layouts.base import CheckpointWriter, TensorRef
@@ -159,8 +160,13 @@ def execute(
     }
 
     buffers = BufferPool(budget.limit)
+    streams = streams_to(writer)
 
     def job(work: Work) -> tuple[list[Written], list[torch.Tensor]]:
+        streamed = stream_plan(work, target_tp=conversion.target_tp, uneven=conversion.uneven) if streams else None
+        if streamed is not None:  # runs of source bytes, through a small buffer (engine/stream.py)
+            digest, is_finite = stream(work, streamed, writer, finite=finite is not None)
+            return [(work.tensor.targets[0].name, digest, is_finite, [])], []
         held = [
             buffers.get(shape, source.dtype, phase=read_phase(source, uneven=conversion.uneven))
             for shape, source in zip(work.buffer_shapes, work.tensor.sources, strict=True)

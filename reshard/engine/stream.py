@@ -1,0 +1,170 @@
+"""Units whose target slices are runs of their source slices' bytes, moved through one small buffer.
+
+Why: with the checkpoint and the output in memory (tmpfs), what a conversion costs is CPU, and gathering a
+tensor into a buffer of its own size costs it three times over: the buffer's fresh pages are faulted in and
+zeroed, the buffer is read from memory again to be hashed and checked for NaN/Inf, and again to be written
+(4.17 GB hf-ranks tp 8 -> 4 on the 2-core bench VM: 0.46 CPU-s of faults, 1.0 of BLAKE3 and 0.36 of the check
+reading cold memory; docs/performance.md). A tensor kept as it is and split along its first dim (the
+column-parallel weights, the embedding, the head: three quarters of a Llama's bytes), or held whole by one
+source rank, is different: its canonical bytes are byte ranges of its source slices one after the other, and
+each target slice is one or more ranges of those. Such a unit is moved block by block instead: each block of
+:data:`BLOCK_BYTES` is read into this thread's reusable buffer, hashed and checked while it is in the core's
+cache (:class:`~reshard.engine.digest.RunningDigest`), and written to each target slice it belongs to
+(:meth:`~reshard.layouts.base.CheckpointWriter.write_part`). No buffer the size of the tensor, no fresh page,
+and every byte is read from memory once.
+
+Only where the source files and the output are in memory (:func:`reshard.io.direct.in_memory`): on a disk, the
+direct reads and writes with many blocks in flight (:mod:`reshard.io.direct`) are what keep it busy, and one
+synchronous block at a time would not. The byte ranges come from the same functions as the gather's
+(:func:`~reshard.engine.gather.copy_plan` for the sources, the gather's own split of the canonical tensor for
+the targets, run on a tensor of row numbers), so both paths write the same bytes; ``tests/engine/test_stream.py``
+checks them against each other.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from reshard.dtypes import dtype_from_code
+from reshard.engine.digest import RunningDigest
+from reshard.engine.gather import Work, copy_plan
+from reshard.engine.gather import _kept as kept_slices
+from reshard.io.direct import Batch, in_memory
+from reshard.io.joined import Joined
+from reshard.io.scratch import scratch
+from reshard.layouts.base import CheckpointWriter, TensorRef
+from reshard.partition import Partition, Replicate, Vocab, head_replicas
+
+# Bytes per block: hashed and checked while still in a core's cache (0.35 against 0.45 CPU-s a GB for 256 KB
+# or 4 MB blocks, read from tmpfs, hashed and checked, on the bench VM).
+BLOCK_BYTES = 1 << 20
+Range = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Run:
+    """Bytes ``[start, start + length)`` of one source rank slice."""
+
+    ref: TensorRef
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """A unit's canonical bytes as source runs in order, and each target rank's slice as canonical byte ranges."""
+
+    runs: tuple[Run, ...]
+    targets: tuple[tuple[Range, ...], ...]
+
+
+def streams_to(writer: CheckpointWriter) -> bool:
+    """Whether units may be streamed into ``writer``: it writes byte ranges, from worker threads, into memory."""
+    return writer.concurrent and getattr(writer, "takes_parts", False) and in_memory(writer.out_dir)
+
+
+def stream_plan(work: Work, *, target_tp: int, uneven: bool) -> Streamed | None:
+    """The runs of a unit that can be streamed (see the module's docstring); None for any other unit (a
+    transform, copies of a replicated tensor to compare, a split after the first dim, pad rows to add, a source
+    not read straight from a file in memory), which is gathered."""
+    tensor = work.tensor
+    if tensor.transform is not None:
+        return None
+    (source,), _ = tensor.sources, tensor.targets
+    refs = source.refs
+    if not refs or any(ref.position is None or not in_memory(ref.file) for ref in refs):
+        return None
+    partition, shape = source.partition, tuple(source.shape)
+    if isinstance(partition, Replicate):
+        if len(refs) != 1:  # every rank's copy is compared with the first (gather_into)
+            return None
+        whole = ((0, refs[0].header.nbytes),)
+        return Streamed((Run(refs[0], 0, refs[0].header.nbytes),), (whole,) * target_tp)
+    dim = partition.dim % len(shape)
+    if math.prod(shape[:dim]) != 1 or head_replicas(partition, len(refs)) > 1:
+        return None
+    row = math.prod(shape[dim + 1 :]) * source.dtype.itemsize
+    runs = _source_runs(source.refs, partition, shape[dim], row, uneven=uneven)
+    targets = _target_ranges(work, dim, row, target_tp, uneven=uneven)
+    if runs is None or targets is None:
+        return None
+    return Streamed(runs, targets)
+
+
+def _source_runs(
+    refs: Sequence[TensorRef], partition: Partition, rows: int, row: int, *, uneven: bool
+) -> tuple[Run, ...] | None:
+    """The canonical tensor's ``rows`` rows (of ``row`` bytes) as runs of the rank slices, in order (the gather's
+    own placement, :func:`copy_plan`; pad rows past ``rows`` left out)."""
+    copies, _ = copy_plan(partition, [ref.shape for ref in refs], uneven=uneven)
+    runs, at = [], 0
+    for copy in sorted((c for c in copies if c.length), key=lambda c: c.dst):
+        if at == rows:
+            break
+        if copy.dst != at:
+            return None
+        length = min(copy.length, rows - at)
+        runs.append(Run(refs[copy.rank], copy.src * row, length * row))
+        at += length
+    return tuple(runs) if at == rows else None
+
+
+def _target_ranges(
+    work: Work, dim: int, row: int, target_tp: int, *, uneven: bool
+) -> tuple[tuple[Range, ...], ...] | None:
+    """Each target rank's slice as canonical byte ranges: the gather's split (:func:`kept_slices`) of a tensor of
+    row numbers shaped like the gather buffer along ``dim``; None when a slice needs pad rows the source lacks."""
+    (source,), (target,) = work.tensor.sources, work.tensor.targets
+    rows = source.shape[dim]
+    if isinstance(source.partition, Vocab) and sum(s[dim] for s in target.rank_shapes) > rows:
+        return None  # zero rows to append: the gather zeroes them in its buffer
+    numbers_shape = [1] * len(source.shape)
+    numbers_shape[dim] = work.buffer_shapes[0][dim]
+    numbers = torch.arange(numbers_shape[dim], dtype=torch.int64).view(numbers_shape)
+    canonical = numbers.narrow(dim, 0, rows)
+    _, pieces = kept_slices(source, (canonical, numbers), target, target_tp, uneven=uneven)
+    ranges = []
+    for piece, shape in zip(pieces, target.rank_shapes, strict=True):
+        parts = piece.parts if isinstance(piece, Joined) else (piece,)
+        order = np.concatenate([part.reshape(-1).numpy() for part in parts])
+        if len(order) != shape[dim] or np.any(order >= rows):
+            return None
+        consecutive = np.split(order, np.flatnonzero(np.diff(order) != 1) + 1)
+        ranges.append(tuple((int(run[0]) * row, (int(run[-1]) + 1) * row) for run in consecutive if len(run)))
+    return tuple(ranges)
+
+
+def stream(work: Work, streamed: Streamed, writer: CheckpointWriter, *, finite: bool) -> tuple[str, bool | None]:
+    """Move one unit block by block (see the module's docstring); its digest and, when ``finite``, whether every
+    value is finite (else None)."""
+    (source,), (target,) = work.tensor.sources, work.tensor.targets
+    digest = RunningDigest(source.dtype, finite=finite)
+    places = []  # (target rank, canonical range, where the range starts in the rank's slice)
+    for rank, ranges in enumerate(streamed.targets):
+        offset = 0
+        for first, end in ranges:
+            places.append((rank, first, end, offset))
+            offset += end - first
+    writer.begin_parts(target.name, target.rank_shapes, dtype_from_code(target.code))
+    largest = max(run.length for run in streamed.runs)
+    with scratch(torch.empty(min(BLOCK_BYTES, largest), dtype=torch.uint8, device="meta")) as buffer:
+        view = memoryview(buffer.numpy())
+        at = 0
+        for run in streamed.runs:
+            for start in range(0, run.length, BLOCK_BYTES):
+                size = min(BLOCK_BYTES, run.length - start)
+                with Batch():
+                    run.ref.read_into(buffer[:size], start=run.start + start)
+                digest.update(view[:size])
+                for rank, first, end, offset in places:
+                    low, high = max(first, at), min(end, at + size)
+                    if low < high:
+                        writer.write_part(target.name, rank, [view[low - at : high - at]], offset + low - first)
+                at += size
+    writer.end_parts(target.name)
+    return digest.result()

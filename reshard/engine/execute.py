@@ -165,7 +165,14 @@ def execute(
     def job(work: Work) -> tuple[list[Written], list[torch.Tensor]]:
         streamed = stream_plan(work, target_tp=conversion.target_tp, uneven=conversion.uneven) if streams else None
         if streamed is not None:  # runs of source bytes, through a small buffer (engine/stream.py)
-            digest, is_finite = stream(work, streamed, writer, finite=finite is not None)
+            digest, is_finite = stream(
+                work,
+                streamed,
+                writer,
+                target_tp=conversion.target_tp,
+                uneven=conversion.uneven,
+                finite=finite is not None,
+            )
             return [(work.tensor.targets[0].name, digest, is_finite, [])], []
         held = [
             buffers.get(shape, source.dtype, phase=read_phase(source, uneven=conversion.uneven))

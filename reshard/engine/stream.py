@@ -63,12 +63,21 @@ class Streamed:
     targets: tuple[tuple[Range, ...], ...]
 
 
+@dataclass(frozen=True)
+class RowBlocks:
+    """A unit split after its first dim (the row-parallel weights), moved ``rows`` rows of that first dim at a
+    time: those rows of each source slice are one run of its bytes, gathered into a small buffer as the gather
+    places them (:func:`copy_plan`), hashed and checked there, then split as the gather splits and written."""
+
+    rows: int
+
+
 def streams_to(writer: CheckpointWriter) -> bool:
     """Whether units may be streamed into ``writer``: it writes byte ranges, from worker threads, into memory."""
     return writer.concurrent and getattr(writer, "takes_parts", False) and in_memory(writer.out_dir)
 
 
-def stream_plan(work: Work, *, target_tp: int, uneven: bool) -> Streamed | None:
+def stream_plan(work: Work, *, target_tp: int, uneven: bool) -> Streamed | RowBlocks | None:
     """The runs of a unit that can be streamed (see the module's docstring); None for any other unit (a
     transform, copies of a replicated tensor to compare, a split after the first dim, pad rows to add, a source
     not read straight from a file in memory), which is gathered."""
@@ -86,14 +95,28 @@ def stream_plan(work: Work, *, target_tp: int, uneven: bool) -> Streamed | None:
         whole = ((0, refs[0].header.nbytes),)
         return Streamed((Run(refs[0], 0, refs[0].header.nbytes),), (whole,) * target_tp)
     dim = partition.dim % len(shape)
-    if math.prod(shape[:dim]) != 1 or head_replicas(partition, len(refs)) > 1:
+    if head_replicas(partition, len(refs)) > 1:  # copies of a head are compared (gather_into)
         return None
+    if math.prod(shape[:dim]) != 1:
+        return _row_blocks(work, dim)
     row = math.prod(shape[dim + 1 :]) * source.dtype.itemsize
     runs = _source_runs(source.refs, partition, shape[dim], row, uneven=uneven)
     targets = _target_ranges(work, dim, row, target_tp, uneven=uneven)
     if runs is None or targets is None:
         return None
     return Streamed(runs, targets)
+
+
+def _row_blocks(work: Work, dim: int) -> RowBlocks | None:
+    """How many first-dim rows go in a block, for a unit split along ``dim`` > 0; None when its canonical block
+    would not be contiguous (pad rows along ``dim``) or a slice needs pad rows the source lacks."""
+    (source,), (target,) = work.tensor.sources, work.tensor.targets
+    if work.buffer_shapes[0][dim] != source.shape[dim] or any(ref.shape[0] != source.shape[0] for ref in source.refs):
+        return None
+    if isinstance(source.partition, Vocab) and sum(s[dim] for s in target.rank_shapes) > source.shape[dim]:
+        return None
+    row = math.prod(source.shape[1:]) * source.dtype.itemsize
+    return RowBlocks(max(1, BLOCK_BYTES // max(1, row)))
 
 
 def _source_runs(
@@ -139,9 +162,19 @@ def _target_ranges(
     return tuple(ranges)
 
 
-def stream(work: Work, streamed: Streamed, writer: CheckpointWriter, *, finite: bool) -> tuple[str, bool | None]:
+def stream(
+    work: Work,
+    streamed: Streamed | RowBlocks,
+    writer: CheckpointWriter,
+    *,
+    target_tp: int,
+    uneven: bool,
+    finite: bool,
+) -> tuple[str, bool | None]:
     """Move one unit block by block (see the module's docstring); its digest and, when ``finite``, whether every
     value is finite (else None)."""
+    if isinstance(streamed, RowBlocks):
+        return _stream_rows(work, streamed.rows, writer, target_tp=target_tp, uneven=uneven, finite=finite)
     (source,), (target,) = work.tensor.sources, work.tensor.targets
     digest = RunningDigest(source.dtype, finite=finite)
     places = []  # (target rank, canonical range, where the range starts in the rank's slice)
@@ -166,5 +199,56 @@ def stream(work: Work, streamed: Streamed, writer: CheckpointWriter, *, finite: 
                     if low < high:
                         writer.write_part(target.name, rank, [view[low - at : high - at]], offset + low - first)
                 at += size
+    writer.end_parts(target.name)
+    return digest.result()
+
+
+def _stream_rows(
+    work: Work, rows: int, writer: CheckpointWriter, *, target_tp: int, uneven: bool, finite: bool
+) -> tuple[str, bool | None]:
+    """:func:`stream` of a :class:`RowBlocks` unit: one area of this thread's scratch holds a block of every source
+    slice, the gathered block and one target slice's block copied out of it when it is not contiguous there."""
+    (source,), (target,) = work.tensor.sources, work.tensor.targets
+    refs, dtype, itemsize = source.refs, source.dtype, source.dtype.itemsize
+    dim = source.partition.dim % len(source.shape)
+    copies, _ = copy_plan(source.partition, [ref.shape for ref in refs], uneven=uneven)
+    copies = [c for c in copies if c.length]
+    needed = sorted({c.rank for c in copies})
+    tail = tuple(work.buffer_shapes[0][1:])
+    source_row = [math.prod(ref.shape[1:]) * itemsize for ref in refs]
+    block_row = math.prod(tail) * itemsize
+    target_row = [math.prod(shape[1:]) * itemsize for shape in target.rank_shapes]
+    places, at = {}, 0
+    for rank in needed:
+        places[rank] = at
+        at += rows * source_row[rank]
+    block_at, out_at = at, at + rows * block_row
+    digest = RunningDigest(dtype, finite=finite)
+    writer.begin_parts(target.name, target.rank_shapes, dtype_from_code(target.code))
+    with scratch(torch.empty(out_at + rows * max(target_row), dtype=torch.uint8, device="meta")) as area:
+        view = memoryview(area.numpy())
+        for first in range(0, source.shape[0], rows):
+            count = min(rows, source.shape[0] - first)
+            slices = {}
+            for rank in needed:
+                start = places[rank]
+                part = area[start : start + count * source_row[rank]].view(dtype).view(count, *refs[rank].shape[1:])
+                with Batch():
+                    refs[rank].read_into(part, start=first * source_row[rank])
+                slices[rank] = part
+            block = area[block_at : block_at + count * block_row].view(dtype).view(count, *tail)
+            for c in copies:
+                block.narrow(dim, c.dst, c.length).copy_(slices[c.rank].narrow(dim, c.src, c.length))
+            digest.update(view[block_at : block_at + count * block_row])
+            _, pieces = kept_slices(source, (block, block), target, target_tp, uneven=uneven)
+            for rank, piece in enumerate(pieces):
+                size = piece.numel() * itemsize
+                inside = piece.untyped_storage().data_ptr() == area.untyped_storage().data_ptr()
+                if piece.is_contiguous() and inside:  # a view of the block: written from where it is
+                    start = piece.data_ptr() - area.data_ptr()
+                else:
+                    area[out_at : out_at + size].view(dtype).view(piece.shape).copy_(piece)
+                    start = out_at
+                writer.write_part(target.name, rank, [view[start : start + size]], first * target_row[rank])
     writer.end_parts(target.name)
     return digest.result()

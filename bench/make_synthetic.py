@@ -4,6 +4,9 @@ Shapes are Llama-2-7B's (hidden 4096, intermediate 11008, 32 heads, vocab 32000,
 number of layers changes, chosen with ``--layers`` or from ``--size-gb``. The bytes are random (tiled
 from a 64 MB random block at shifting offsets, so no two tensors are equal), which is all a speed and
 memory benchmark needs; replicated tensors (the norms) are bit-identical on every rank, as they must be.
+Every value is finite, as in a trained model, so a conversion's NaN/Inf check reads all of them (one bit of
+every byte is cleared, which keeps a bf16's exponent off all ones); ``--raw-bytes`` keeps the NaN and Inf
+patterns of fully random bytes, on which that check stops at the first block.
 
 Layouts:
 
@@ -44,6 +47,7 @@ LLAMA_7B = llama_7b_config(1)
 HIDDEN, INTERMEDIATE = LLAMA_7B["hidden_size"], LLAMA_7B["intermediate_size"]
 DTYPE = torch.bfloat16
 POOL_BYTES = 64 << 20
+FINITE_MASK = 0xBF
 MEGATRON_DIVISIBLE_BY = 128
 Shapes = dict[str, tuple[tuple[int, ...], bool]]
 
@@ -99,9 +103,11 @@ def _nbytes(shape: tuple[int, ...]) -> int:
 class RandomBytes:
     """Hands out ``n`` random-looking bytes, tiling a fixed random pool from an offset that moves on."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, *, finite: bool = True) -> None:
         generator = torch.Generator().manual_seed(seed)
         pool = torch.randint(0, 256, (POOL_BYTES,), dtype=torch.uint8, generator=generator)
+        if finite:  # bit 6 of a bf16's high byte is its exponent's top bit: never all ones, never NaN or Inf
+            pool &= FINITE_MASK
         self._pool = memoryview(pool.numpy()).cast("B")
         self._offset = 0
 
@@ -125,13 +131,13 @@ class RandomBytes:
         return out
 
 
-def write_hf_ranks(out: Path, layers: int, tp: int, seed: int) -> None:
+def write_hf_ranks(out: Path, layers: int, tp: int, seed: int, *, finite: bool) -> None:
     shapes = hf_rank_shapes(layers, tp)
     headers = {name: TensorHeader.of(shape, DTYPE) for name, (shape, _) in shapes.items()}
-    shared = RandomBytes(seed + 1000)
+    shared = RandomBytes(seed + 1000, finite=finite)
     replicated = {name: b"".join(shared.chunks(_nbytes(shape))) for name, (shape, rep) in shapes.items() if rep}
     for rank in range(tp):
-        source = RandomBytes(seed + rank)
+        source = RandomBytes(seed + rank, finite=finite)
         folder = out / f"rank_{rank:02d}"
         folder.mkdir(parents=True)
         with (folder / "model.safetensors").open("wb") as handle:
@@ -146,10 +152,10 @@ def write_hf_ranks(out: Path, layers: int, tp: int, seed: int) -> None:
     (out / "config.json").write_text(json.dumps(llama_7b_config(layers), indent=2) + "\n")
 
 
-def write_megatron(out: Path, layers: int, tp: int, seed: int) -> None:
+def write_megatron(out: Path, layers: int, tp: int, seed: int, *, finite: bool) -> None:
     """One rank's state dict in memory at a time (torch.save needs it whole)."""
     shapes = megatron_rank_shapes(layers, tp)
-    replicated = RandomBytes(seed + 1000)
+    replicated = RandomBytes(seed + 1000, finite=finite)
     norms = {name: replicated.tensor(shape) for name, (shape, rep) in shapes.items() if rep}
     args = megatron_args(
         megatron_sizes(layers),
@@ -163,7 +169,7 @@ def write_megatron(out: Path, layers: int, tp: int, seed: int) -> None:
         iteration=1,
     )
     for rank in range(tp):
-        source = RandomBytes(seed + rank)
+        source = RandomBytes(seed + rank, finite=finite)
         model = {name: norms[name].clone() if rep else source.tensor(shape) for name, (shape, rep) in shapes.items()}
         folder = out / "iter_0000001" / f"mp_rank_{rank:02d}"
         folder.mkdir(parents=True)
@@ -186,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp", type=int, default=8, help="tensor-parallel ranks (default 8)")
     parser.add_argument("--layout", choices=("hf-ranks", "megatron"), default="hf-ranks")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--raw-bytes", action="store_true", help="fully random bytes, NaN and Inf patterns included (default: finite)"
+    )
     args = parser.parse_args(argv)
     if args.out.exists():
         parser.error(f"{args.out} exists")
@@ -195,9 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True)
     with torch.inference_mode():
         if args.layout == "hf-ranks":
-            write_hf_ranks(args.out, layers, args.tp, args.seed)
+            write_hf_ranks(args.out, layers, args.tp, args.seed, finite=not args.raw_bytes)
         else:
-            write_megatron(args.out, layers, args.tp, args.seed)
+            write_megatron(args.out, layers, args.tp, args.seed, finite=not args.raw_bytes)
     os.sync()
     total = folder_bytes(args.out)
     sys.stdout.write(f"{args.out}: {args.layout}, tp={args.tp}, {layers} layers, {total / 1e9:.2f} GB\n")

@@ -26,16 +26,48 @@ THREADED_BYTES = 16 << 20
 def digest_of(tensor: torch.Tensor, algorithm: str = ALGORITHM) -> str:
     """``"<algorithm>:<hex>"`` of a tensor's bytes in C order (read in place when contiguous, else in bounded
     blocks); ``algorithm`` is one of :data:`ALGORITHMS`."""
-    if algorithm == "sha256":
-        digest = hashlib.sha256()
-    elif algorithm == "blake3":
-        large = tensor.numel() * tensor.element_size() >= THREADED_BYTES
-        digest = blake3.blake3(max_threads=blake3.blake3.AUTO if large else 1)
-    else:
-        raise ValueError(f"unknown digest algorithm {algorithm!r}")
+    digest = _hasher(algorithm, threaded=tensor.numel() * tensor.element_size() >= THREADED_BYTES)
     for chunk in byte_chunks(tensor):
         digest.update(chunk)
     return f"{algorithm}:{digest.hexdigest()}"
+
+
+def _hasher(algorithm: str, *, threaded: bool) -> hashlib._Hash | blake3.blake3:
+    if algorithm == "sha256":
+        return hashlib.sha256()
+    if algorithm == "blake3":
+        return blake3.blake3(max_threads=blake3.blake3.AUTO if threaded else 1)
+    raise ValueError(f"unknown digest algorithm {algorithm!r}")
+
+
+class RunningDigest:
+    """:func:`digest_of` and :func:`all_finite_in_blocks` of a tensor fed its bytes in C order, block by block.
+
+    Each block is checked for NaN/Inf right after it is hashed, while it is still in the core's cache: one pass
+    over memory instead of two (the check alone reads memory at ~11 GB/s on the bench VM, ~0.09 CPU-s a GB).
+    Blocks hold whole values.
+    """
+
+    def __init__(self, dtype: torch.dtype, *, finite: bool, algorithm: str = ALGORITHM) -> None:
+        self._hash = _hasher(algorithm, threaded=False)
+        self._algorithm = algorithm
+        self._dtype = dtype
+        self._finite: bool | None = True if finite else None
+        self._masked = np.empty(FINITE_BLOCK, dtype=EXPONENT_BITS[dtype][0]) if dtype in EXPONENT_BITS else None
+
+    def update(self, block: memoryview) -> None:
+        """Hash the next bytes and, while no NaN/Inf has been met, check them."""
+        self._hash.update(block)
+        if self._finite and len(block):
+            if self._dtype in EXPONENT_BITS:
+                bits, mask = EXPONENT_BITS[self._dtype]
+                self._finite = _no_exponent_all_ones(np.frombuffer(block, dtype=bits), bits, mask, out=self._masked)
+            else:
+                self._finite = all_finite_in_blocks(torch.frombuffer(block, dtype=self._dtype))
+
+    def result(self) -> tuple[str, bool | None]:
+        """``("<algorithm>:<hex>", finite)``; finite is None when not asked for."""
+        return f"{self._algorithm}:{self._hash.hexdigest()}", self._finite
 
 
 def algorithm_of(digest: str) -> str:
@@ -75,7 +107,8 @@ def all_finite_in_blocks(tensor: torch.Tensor) -> bool:
     if tensor.numel() == 0 or not tensor.is_floating_point():
         return all_finite(tensor)
     if tensor.dtype in EXPONENT_BITS and tensor.is_contiguous():
-        return _no_exponent_all_ones(tensor, *EXPONENT_BITS[tensor.dtype])
+        bits, mask = EXPONENT_BITS[tensor.dtype]
+        return _no_exponent_all_ones(tensor.reshape(-1).view(torch.uint8).numpy().view(bits), bits, mask)
     try:
         low, high = torch.aminmax(tensor)
     except (RuntimeError, NotImplementedError):  # dtypes without an aminmax kernel (float8 kinds)
@@ -88,9 +121,12 @@ def all_finite_in_blocks(tensor: torch.Tensor) -> bool:
     return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
 
 
-def _no_exponent_all_ones(tensor: torch.Tensor, bits: type[np.integer], mask: int) -> bool:
-    values = tensor.reshape(-1).view(torch.uint8).numpy().view(bits)
-    masked = np.empty(min(FINITE_BLOCK, values.size), dtype=bits)
+def _no_exponent_all_ones(
+    values: np.ndarray, bits: type[np.integer], mask: int, *, out: np.ndarray | None = None
+) -> bool:
+    """No value whose exponent bits are all ones; ``out``: room for :data:`FINITE_BLOCK` masked values to reuse
+    (a fresh one per call is faulted in again once glibc has trimmed the heap after the last)."""
+    masked = out if out is not None else np.empty(min(FINITE_BLOCK, values.size), dtype=bits)
     for start in range(0, values.size, FINITE_BLOCK):
         block = masked[: min(FINITE_BLOCK, values.size - start)]
         np.bitwise_and(values[start : start + len(block)], bits(mask), out=block)

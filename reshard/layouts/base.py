@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -298,6 +298,27 @@ class CheckpointWriter:
         offset's 4 KB phase, so it goes to the disk without a staging copy (:func:`reshard.io.direct.in_phase`)."""
         return None
 
+    @property
+    def takes_parts(self) -> bool:
+        """Whether a tensor's slices may be written in byte ranges instead (:meth:`begin_parts`, :meth:`write_part`,
+        :meth:`end_parts`), as they stream through a small buffer: only writers that need no whole slice (a
+        torch zip record's CRC-32 does)."""
+        return False
+
+    def begin_parts(self, name: str, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype) -> None:
+        """Announce that tensor ``name``'s slices (one shape per target rank) come as byte ranges; only when
+        :attr:`takes_parts`. Any thread; the parts of one tensor from one thread."""
+        raise NotImplementedError
+
+    def write_part(self, name: str, rank: int, views: Sequence[memoryview], start: int) -> None:
+        """Write bytes ``[start, start + len)`` of rank ``rank``'s slice of ``name``; the views may be reused once
+        this returns."""
+        raise NotImplementedError
+
+    def end_parts(self, name: str) -> None:
+        """Every byte of every slice of ``name`` is written."""
+        raise NotImplementedError
+
     def close(self) -> list[Path]:
         raise NotImplementedError
 
@@ -327,3 +348,18 @@ class RankFilesWriter(CheckpointWriter):
         """Rank 0's file writer's offset of ``name``, for writers that know it up front (safetensors)."""
         find = getattr(self.rank_writers[0], "position", None) if self.rank_writers else None
         return None if find is None else find(name)
+
+    @property
+    def takes_parts(self) -> bool:
+        return all(hasattr(writer, "write_part") for writer in self.rank_writers)
+
+    def begin_parts(self, name: str, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype) -> None:
+        for writer, shape in zip(self.rank_writers, shapes, strict=True):
+            writer.begin_parts(name, tuple(shape), dtype)
+
+    def write_part(self, name: str, rank: int, views: Sequence[memoryview], start: int) -> None:
+        self.rank_writers[rank].write_part(name, views, start)
+
+    def end_parts(self, name: str) -> None:
+        for writer in self.rank_writers:
+            writer.end_parts(name)

@@ -86,6 +86,37 @@ def test_unordered_writes_from_threads_give_the_save_file_bytes(tmp_path):
         writer.write_unordered("t0", tensors["t0"])
 
 
+def test_tensors_written_in_parts_give_the_save_file_bytes(tmp_path):
+    """Byte ranges of a tensor, in any order and beside whole tensors, land where ``save_file`` puts its bytes; a
+    file kept as it is (a resumed run) is left alone."""
+    tensors = {"a": arange((37, 5), torch.bfloat16), "b": arange((9, 3)), "c": arange((4,), torch.float16)}
+    save_file(tensors, tmp_path / "ref.safetensors", metadata={"format": "pt"})
+    writer = SafetensorsFileWriter(tmp_path / "ours.safetensors", headers_of(tensors))
+    writer.write_unordered("c", tensors["c"])
+    raw = memoryview(tensors["a"].view(torch.uint8).numpy()).cast("B")
+    writer.begin_parts("a", (37, 5), torch.bfloat16)
+    for start in (300, 0, 100, 200):
+        writer.write_part("a", [raw[start : start + 40], raw[start + 40 : start + 100]], start)
+    writer.write_part("a", [raw[370:]], 370)
+    writer.write_part("a", [raw[360:370]], 360)
+    assert not writer.done
+    writer.end_parts("a")
+    writer.write_unordered("b", tensors["b"])
+    assert writer.done
+    writer.close()
+    assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    with pytest.raises(ValueError, match="written twice"):
+        writer.begin_parts("a", (37, 5), torch.bfloat16)
+    other = SafetensorsFileWriter(tmp_path / "other.safetensors", headers_of(tensors))
+    with pytest.raises(ValueError, match=r"announced \(37, 5\)"):
+        other.begin_parts("a", (5, 37), torch.bfloat16)
+    kept = SafetensorsFileWriter(tmp_path / "kept.safetensors", headers_of(tensors), keep=True)
+    kept.begin_parts("a", (37, 5), torch.bfloat16)
+    kept.write_part("a", [raw], 0)
+    kept.end_parts("a")
+    assert not (tmp_path / "kept.safetensors").exists()
+
+
 def test_wrong_order_or_shape_is_refused(tmp_path):
     tensors = {"a": torch.zeros(2), "b": torch.zeros(3)}
     writer = SafetensorsFileWriter(tmp_path / "x.safetensors", headers_of(tensors))

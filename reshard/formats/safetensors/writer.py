@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import struct
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -153,23 +153,9 @@ class SafetensorsFileWriter:
 
     def write_unordered(self, name: str, tensor: torch.Tensor) -> None:
         """Write one announced tensor at its offset; safe to call from several threads at once."""
-        header = self.headers.get(name)
-        if header is None:
-            raise ValueError(f"{self.path.name}: tensor {name!r} was not announced")
-        if tuple(tensor.shape) != header.shape or tensor.dtype != header.dtype:
-            raise ValueError(
-                f"{self.path.name}: {name}: announced {header.shape} {header.dtype}, "
-                f"got {tuple(tensor.shape)} {tensor.dtype}"
-            )
-        with self._lock:
-            if name in self._written:
-                raise ValueError(f"{self.path.name}: tensor {name!r} written twice")
-            self._written.add(name)
-            if self.keep:
-                return
-            if not self._started:
-                self._start()
-            file = self._file
+        file = self._claim(name, tuple(tensor.shape), tensor.dtype)
+        if file is None:
+            return
         position = self._offsets[name]
         rows = row_views(tensor)
         if rows is not None:
@@ -179,6 +165,46 @@ class SafetensorsFileWriter:
                 with Batch():  # written before the next block is copied into the same buffer
                     file.write([chunk], position)
                 position += len(chunk)
+        self._finish()
+
+    def begin_parts(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """Announce that tensor ``name``'s bytes come in parts, by :meth:`write_part` (any order, one thread per
+        tensor), until :meth:`end_parts`; other tensors may be written meanwhile, from other threads."""
+        self._claim(name, shape, dtype)
+
+    def write_part(self, name: str, views: Sequence[memoryview], start: int) -> None:
+        """Write bytes ``[start, start + len)`` of tensor ``name`` (begun by :meth:`begin_parts`), synchronously:
+        the views may be reused once this returns."""
+        if self.keep:
+            return
+        with Batch():
+            self._file.write(views, self._offsets[name] + start)
+
+    def end_parts(self, name: str) -> None:
+        """Tensor ``name``'s parts are all written."""
+        if not self.keep:
+            self._finish()
+
+    def _claim(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> DirectFile | None:
+        """Check tensor ``name`` against its announced header and mark it written; the open file to write it
+        into (None when the file is kept as it is)."""
+        header = self.headers.get(name)
+        if header is None:
+            raise ValueError(f"{self.path.name}: tensor {name!r} was not announced")
+        if shape != header.shape or dtype != header.dtype:
+            raise ValueError(f"{self.path.name}: {name}: announced {header.shape} {header.dtype}, got {shape} {dtype}")
+        with self._lock:
+            if name in self._written:
+                raise ValueError(f"{self.path.name}: tensor {name!r} written twice")
+            self._written.add(name)
+            if self.keep:
+                return None
+            if not self._started:
+                self._start()
+            return self._file
+
+    def _finish(self) -> None:
+        """One tensor more is complete; the file is closed after its last."""
         with self._lock:
             self._finished += 1
             if self.done:
@@ -297,6 +323,17 @@ class ShardedSafetensorsWriter:
         """Where ``name``'s bytes start in the shard that holds it (None for a tensor no shard holds)."""
         filename = self._file_of.get(name)
         return None if filename is None else self._files[filename].position(name)
+
+    def begin_parts(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """:meth:`SafetensorsFileWriter.begin_parts` in the shard that holds ``name``."""
+        self._files[self._file_of[name]].begin_parts(name, shape, dtype)
+
+    def write_part(self, name: str, views: Sequence[memoryview], start: int) -> None:
+        """:meth:`SafetensorsFileWriter.write_part` into the shard that holds ``name``."""
+        self._files[self._file_of[name]].write_part(name, views, start)
+
+    def end_parts(self, name: str) -> None:
+        self._files[self._file_of[name]].end_parts(name)
 
     def close(self, *, index: bool = True) -> None:
         """Finish every file (refusing if a tensor is missing) and write the index when sharded (and ``index``)."""

@@ -1,0 +1,138 @@
+"""``reshard.engine.stream``: units streamed through a small buffer write the bytes, digests and finite flags the
+gather writes, and a flipped bit in what they wrote still fails ``verify``."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from fixtures import SAMPLES
+from safetensors.torch import load_file, save_file
+
+from reshard import ConvertOptions, convert
+from reshard.engine import execute
+from reshard.engine import stream as engine_stream
+from reshard.io.direct import in_memory
+
+TP2 = SAMPLES / "tiny-llama-tp2"
+Q = "model.layers.1.self_attn.q_proj.weight"
+
+
+@pytest.fixture
+def streamed(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every file counts as in memory, blocks are small and odd-sized (they cross every slice's edges); the names
+    of the units streamed are recorded."""
+    names: list[str] = []
+    real = engine_stream.stream
+
+    def recording(work, *args, **kwargs):
+        names.append(work.tensor.targets[0].name)
+        return real(work, *args, **kwargs)
+
+    monkeypatch.setattr(engine_stream, "in_memory", lambda path: True)
+    monkeypatch.setattr(engine_stream, "BLOCK_BYTES", 3 * 1028)
+    monkeypatch.setattr(execute, "stream", recording)
+    return names
+
+
+def _convert(source: Path, out: Path, tp: int) -> dict:
+    convert(source, out, ConvertOptions(tp=tp, progress=False))
+    return json.loads((out / "reshard.json").read_text())["tensors"]
+
+
+def _gathered(source: Path, out: Path, tp: int) -> dict:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(execute, "streams_to", lambda writer: False)
+        return _convert(source, out, tp)
+
+
+def _same_files(a: Path, b: Path) -> None:
+    files = sorted(p.relative_to(a) for p in a.rglob("*.safetensors"))
+    assert files and files == sorted(p.relative_to(b) for p in b.rglob("*.safetensors"))
+    for name in files:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+@pytest.mark.parametrize(
+    ("sample", "tp"),
+    [("tiny-llama-tp2", 1), ("tiny-llama-tp2", 2), ("tiny-llama-tp2", 4), ("tiny-llama-65535-tp2", 1)],
+)
+def test_streamed_units_write_what_the_gather_writes(
+    streamed: list[str], tmp_path: Path, sample: str, tp: int
+) -> None:
+    source = SAMPLES / sample
+    manifest = _convert(source, tmp_path / "streamed", tp)
+    assert "model.layers.0.self_attn.q_proj.weight" in streamed  # column-parallel: runs of rank slices
+    assert "model.layers.0.self_attn.o_proj.weight" in streamed  # row-parallel: blocks of rows
+    assert "model.layers.0.input_layernorm.weight" not in streamed  # two copies to compare: gathered
+    if tp == 1:
+        assert "model.embed_tokens.weight" in streamed  # the source's pad rows left out
+    assert manifest == _gathered(source, tmp_path / "gathered", tp)
+    _same_files(tmp_path / "streamed", tmp_path / "gathered")
+
+
+def test_one_copy_of_a_replicated_tensor_is_streamed_to_every_rank(streamed: list[str], tmp_path: Path) -> None:
+    _gathered(TP2, tmp_path / "tp1", 1)
+    manifest = _convert(tmp_path / "tp1", tmp_path / "streamed", 2)
+    assert "model.norm.weight" in streamed
+    assert manifest == _gathered(tmp_path / "tp1", tmp_path / "gathered", 2)
+    _same_files(tmp_path / "streamed", tmp_path / "gathered")
+    norm = load_file(tmp_path / "tp1" / "model.safetensors")["model.norm.weight"]
+    for rank in range(2):
+        assert torch.equal(
+            load_file(tmp_path / "streamed" / f"rank_{rank:02d}" / "model.safetensors")["model.norm.weight"], norm
+        )
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_non_finite_value_past_the_first_block_is_found(streamed: list[str], tmp_path: Path, value: float) -> None:
+    source = Path(shutil.copytree(TP2, tmp_path / "source"))
+    path = source / "rank_01" / "model.safetensors"
+    state = load_file(path)
+    state[Q][-1, -1] = value  # the last value of the canonical tensor: many blocks after the first
+    save_file(state, path, metadata={"format": "pt"})
+    manifest = _convert(source, tmp_path / "streamed", 1)
+    assert Q in streamed
+    assert [name for name, entry in manifest.items() if not entry["finite"]] == [Q]
+    assert manifest == _gathered(source, tmp_path / "gathered", 1)
+
+
+def test_a_flipped_bit_in_a_streamed_tensor_fails_verify(cli, streamed: list[str], tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    _convert(TP2, out, 1)
+    assert Q in streamed
+    assert cli("verify", out).exit_code == 0
+    path = out / "model.safetensors"
+    raw = bytearray(path.read_bytes())
+    length = int.from_bytes(raw[:8], "little")
+    start = 8 + length + json.loads(raw[8 : 8 + length])[Q]["data_offsets"][0]
+    raw[start + 4097] ^= 0x01
+    path.write_bytes(bytes(raw))
+    result = cli("verify", out, "--json")
+    assert result.exit_code == 1
+    assert {d["tensor"] for c in json.loads(result.stdout)["checks"] for d in c["differences"]} == {Q}
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")
+def test_a_conversion_in_tmpfs_streams_by_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without any patching: a source and an output in tmpfs take the streamed path."""
+    root = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    try:
+        if not in_memory(root):
+            pytest.skip(f"{root} is not in memory")
+        names: list[str] = []
+        real = engine_stream.stream
+        monkeypatch.setattr(
+            execute, "stream", lambda work, *a, **k: names.append(work.tensor.name) or real(work, *a, **k)
+        )
+        source = Path(shutil.copytree(TP2, root / "source"))
+        manifest = _convert(source, root / "out", 1)
+        assert len(names) == 16  # every tensor but the 5 norms (the copies of each rank are compared)
+        assert manifest == _gathered(TP2, root / "gathered", 1)
+        _same_files(root / "out", root / "gathered")
+    finally:
+        shutil.rmtree(root)

@@ -23,7 +23,7 @@ from reshard.engine.resume import open_journal, still_to_do
 from reshard.engine.route import Route
 from reshard.engine.target import TargetPlan, plan_target, planned_tp, target_spec
 from reshard.engine.tokenizer import carried_tokenizer, has_tokenizer, runtime_files, with_token_ids
-from reshard.engine.warmup import import_torch_in_background
+from reshard.engine.warmup import import_torch_in_background, wait_for_torch
 from reshard.engine.worker_shares import share_of
 from reshard.engine.workers import join, together
 from reshard.io.journal import Resumed
@@ -108,6 +108,7 @@ def run_conversion(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
     group = join()
     first = group is None or group.rank == 0
     # once per conversion, heard before publishing: rank 0's refusal reaches every worker through `together`
+    wait_for_torch()  # the bytes need it next; the check forks only a process of one thread
     family = built_family.start(opened.source.config, opened.source.names()) if first else None
     if family is not None and family.judged and group is None:  # known from the cache: refused before any output
         family.result()

@@ -18,14 +18,25 @@ import sys
 import threading
 
 _started = threading.Event()
+_thread: threading.Thread | None = None
 
 
 def import_torch_in_background() -> None:
     """Start importing torch, once per process, unless it is already imported."""
     if "torch" in sys.modules or _started.is_set():
         return
+    global _thread
     _started.set()
-    threading.Thread(target=_import_torch, name="reshard-import-torch", daemon=True).start()
+    _thread = threading.Thread(target=_import_torch, name="reshard-import-torch", daemon=True)
+    _thread.start()
+
+
+def wait_for_torch() -> None:
+    """Wait for the background import to end. Called where the next step needs torch anyway and needs this process
+    to run one thread: the config-family check forks its child only then (``plans/built_family.py``); on a thread,
+    it held the interpreter lock against the import and the bytes (2-3 s of pure-Python import)."""
+    if _thread is not None:
+        _thread.join()
 
 
 def _import_torch() -> None:

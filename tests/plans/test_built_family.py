@@ -109,3 +109,28 @@ def test_a_workers_run_hears_worker_0s_refusal_in_one_line(tmp_path):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: worker 0: ") and "Qwen2ForCausalLM" in lines[0], lines
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+SPY = """
+import sys
+from reshard.plans import built_family
+assert "torch" not in sys.modules  # the command imports it on its background thread
+real, forks = built_family._fork_check, []
+built_family._fork_check = lambda *args: forks.append(1) or real(*args)
+from reshard.cli.main import main
+try:
+    main(sys.argv[1:])
+except SystemExit as end:
+    print("forks", len(forks), "exit", end.code)
+"""
+
+
+def test_a_cold_conversion_forks_the_check_after_torch_is_imported(tmp_path, cold):
+    """A real command imports torch on a thread while it plans: the check waits for that import to end, then forks
+    (on a thread beside the import, it held the interpreter lock against it and against the bytes)."""
+    source = tmp_path / "src"
+    tiny_llama(source, vocab=64)
+    args = ["convert", str(source), "--tp", "2", "-o", str(tmp_path / "out"), "-q"]
+    env = {**os.environ, "RESHARD_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", SPY, *args], capture_output=True, text=True, timeout=300, env=env)
+    assert done.stdout.split() == ["forks", "1", "exit", "0"], done.stderr

@@ -321,7 +321,7 @@ def gather_and_split(
         ]
         if tensor.transform is None:
             (source,), (buffer,), (target,) = tensor.sources, canonicals, tensor.targets
-            return [(target.name, *_kept(source, buffer, target, target_tp, uneven=uneven))]
+            return [(target.name, *kept_slices(source, buffer, target, target_tp, uneven=uneven))]
         inputs = [c for c, _ in canonicals]
         if outputs:
             finite: list[bool] = []
@@ -359,7 +359,7 @@ def _gathered(
     return buffer, buffer
 
 
-def _kept(
+def kept_slices(
     source: SourceTensor,
     gathered: tuple[torch.Tensor, torch.Tensor],
     target: TargetTensor,

@@ -37,8 +37,7 @@ import torch
 
 from reshard.dtypes import dtype_from_code
 from reshard.engine.digest import RunningDigest
-from reshard.engine.gather import Work, copy_plan
-from reshard.engine.gather import _kept as kept_slices
+from reshard.engine.gather import Work, copy_plan, kept_slices
 from reshard.io.direct import Batch, in_memory
 from reshard.io.joined import Joined
 from reshard.io.scratch import scratch

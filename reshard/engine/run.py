@@ -25,7 +25,7 @@ from reshard.engine.target import TargetPlan, plan_target, planned_tp, target_sp
 from reshard.engine.tokenizer import carried_tokenizer, has_tokenizer, runtime_files, with_token_ids
 from reshard.engine.warmup import import_torch_in_background, wait_for_torch
 from reshard.engine.worker_shares import share_of
-from reshard.engine.workers import join, together
+from reshard.engine.workers import Group, join, together
 from reshard.io.journal import Resumed
 from reshard.io.staging import check_output
 from reshard.manifest import MANIFEST_NAME, write_manifest
@@ -110,8 +110,7 @@ def run_conversion(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
     # once per conversion, heard before publishing: rank 0's refusal reaches every worker through `together`
     wait_for_torch()  # the bytes need it next; the check forks only a process of one thread
     family = built_family.start(opened.source.config, opened.source.names()) if first else None
-    if family is not None and family.judged and group is None:  # known from the cache: refused before any output
-        family.result()
+    _heard_early(family, group)  # a refusal the cache already knows: before any output exists
     with staged(out, overwrite=options.overwrite, resume=options.resume, group=group) as staging:
         journal, resumed = open_journal(staging, opened.path, conversion, layout.name, options, group)
         todo, done = conversion, resumed.files
@@ -162,6 +161,17 @@ def run_conversion(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
             journal.close(remove=True)
     said = tokenizer.origin if tokenizer is not None else "source" if has_tokenizer(files) else None
     return _result(opened, target, out, options, tuple(files), whole.divergent, said)
+
+
+def _heard_early(family: built_family.FamilyCheck | None, group: Group | None) -> None:
+    """Raise, before any output exists, a refusal of the config's family that the cache of meta builds already
+    gave (``family.judged``). With workers, only rank 0 checks: every worker meets at one gather here, so all of
+    them stop at once on rank 0's refusal, instead of moving their share of the bytes first."""
+    heard = family.result if family is not None and family.judged else lambda: None
+    if group is None:
+        heard()
+    else:
+        together(group, heard)
 
 
 def _merged(moved: list[_Moved], resumed: Resumed) -> _Moved:

@@ -111,6 +111,47 @@ def test_a_workers_run_hears_worker_0s_refusal_in_one_line(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
+STAGING_SPY = """
+import os
+from reshard.engine import run
+real = run.staged
+def staged(*args, **kwargs):
+    with open(os.environ["STAGING_LOG"], "a") as log:
+        log.write(os.environ.get("RANK", "-") + "\\n")
+    return real(*args, **kwargs)
+run.staged = staged
+"""
+
+
+def test_a_workers_run_hears_a_cached_refusal_before_any_worker_stages(tmp_path):
+    """Once the cache of meta builds knows the config's family refuses the tensors, every worker stops at one
+    gather before staging an output or moving a byte (before: each moved its share first, and heard it at the end)."""
+    source = tmp_path / "src"
+    tiny_llama(source, vocab=64)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps(config | {"model_type": "qwen2", "architectures": QWEN2_CLASS}))
+    spy, log = tmp_path / "spy", tmp_path / "staged.log"
+    spy.mkdir()
+    (spy / "sitecustomize.py").write_text(STAGING_SPY)
+    env = {**os.environ, "RESHARD_CACHE_DIR": str(tmp_path / "cache"), "STAGING_LOG": str(log)}
+    env["PYTHONPATH"] = os.pathsep.join([str(spy), *filter(None, [env.get("PYTHONPATH")])])
+    lines = []
+    for workers in ("1", "2"):  # the first run builds (and caches) the model, the second finds the answer cached
+        out = tmp_path / f"out{workers}"
+        args = ["convert", str(source), "--tp", "2", "-o", str(out), "--workers", workers, "-q"]
+        done = subprocess.run(
+            [sys.executable, "-m", "reshard", *args], capture_output=True, text=True, timeout=300, env=env
+        )
+        assert done.returncode == 2, done.stderr
+        lines.append(done.stderr.strip().splitlines())
+        if workers == "1":
+            assert log.read_text().split() == ["-"]  # built beside the conversion: heard at its end
+            log.unlink()
+    assert len(lines[1]) == 1 and lines[1][0].startswith("Error: worker 0: ") and "Qwen2ForCausalLM" in lines[1][0]
+    assert not log.exists()  # no worker staged anything
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "spy", "src"]
+
+
 SPY = """
 import sys
 from reshard.plans import built_family

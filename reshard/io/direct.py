@@ -20,9 +20,11 @@ slices read into them (:func:`reshard.engine.gather.read_phase`), and the thread
 column blocks on the phase of the file range they come from or go to, so that every read and the column
 blocks' writes skip the staging copy.
 
-A direct read goes to the device even for bytes the page cache holds, so each block is first asked of the page
-cache alone (``preadv`` with ``RWF_NOWAIT``: no disk I/O, no read-ahead); what it holds (a checkpoint just
-downloaded or written) comes from there, the rest directly.
+A direct read goes to the device even for bytes the page cache holds, so each block first asks the kernel which of its
+pages the cache holds (``mincore``, :func:`cached_prefix`) and reads those from there (``preadv`` with
+``RWF_NOWAIT``); what it holds (a checkpoint just downloaded or written) comes from memory, the rest directly. The
+question comes first because ``RWF_NOWAIT`` alone is no probe: on a page the cache lacks it returns ``EAGAIN`` but
+starts the read-ahead of the whole range, so a cold checkpoint was read twice from the disk, once into the page cache.
 
 Callers group the requests of one tensor in a :class:`Batch`: every read and write started inside
 ``with Batch():`` runs at once, and leaving the block waits for all of them. A call outside a batch
@@ -229,17 +231,19 @@ class DirectSource:
         return count
 
     def _read_cached(self, view: memoryview, position: int) -> int:
-        """The whole blocks at the start of the range that the page cache holds, read from there (``RWF_NOWAIT``: no
-        disk I/O, no read-ahead); the count read, 0 when the first block is not cached (or the platform cannot
-        tell). A direct read goes to the disk even for cached bytes: a checkpoint just downloaded or written is
-        read again from memory, not from the device (measured: docs/performance.md). The count is rounded down
-        to the block grid, where the direct read of the rest must start (at the file's end, its last partial
-        block is read again, directly)."""
-        if _NOWAIT is None:
+        """The whole blocks at the start of the range that the page cache holds, read from there; the count read, 0
+        when the first block is not cached (or the platform cannot tell). A direct read goes to the disk even for
+        cached bytes: a checkpoint just downloaded or written is read again from memory, not from the device
+        (measured: docs/performance.md). Only the pages :func:`cached_prefix` finds are asked for, with
+        ``RWF_NOWAIT`` (no waiting for the disk should one be dropped meanwhile): a page the cache lacks would
+        start its read-ahead. The count is rounded down to the block grid, where the direct read of the rest must
+        start (at the file's end, its last partial block is read again, directly)."""
+        held = cached_prefix(self._fd, position, len(view)) if _NOWAIT is not None else 0
+        if not held:
             return 0
         try:
-            got = os.preadv(self._fd, [view], position, _NOWAIT)
-        except OSError:  # EAGAIN: not cached; EOPNOTSUPP: no RWF_NOWAIT on this file system
+            got = os.preadv(self._fd, [view[:held]], position, _NOWAIT)
+        except OSError:  # EAGAIN: dropped since; EOPNOTSUPP: no RWF_NOWAIT on this file system
             return 0
         return got // ALIGN * ALIGN
 
@@ -421,6 +425,38 @@ def _address(view: memoryview) -> int | None:
         return ctypes.addressof(ctypes.c_char.from_buffer(view))
     except (TypeError, ValueError):
         return None
+
+
+def cached_prefix(fd: int, position: int, length: int) -> int:
+    """How many of the ``length`` bytes from ``position`` on the page cache holds without a gap from the start, in
+    whole pages (the file's end cuts the last one); 0 where the platform cannot tell. Asked with ``mincore`` of a
+    private mapping of the range, which reads nothing in and starts no read-ahead."""
+    if _LIBC is None:
+        return 0
+    size = min(length, os.fstat(fd).st_size - position)
+    if size <= 0:
+        return 0
+    skip = position % mmap.ALLOCATIONGRANULARITY  # a mapping starts on that grid
+    mapping = mmap.mmap(fd, skip + size, access=mmap.ACCESS_COPY, offset=position - skip)
+    pages = (ctypes.c_ubyte * (-(-(skip + size) // mmap.PAGESIZE)))()
+    try:
+        start = ctypes.c_char.from_buffer(mapping)
+        try:
+            failed = _LIBC.mincore(ctypes.c_void_p(ctypes.addressof(start)), ctypes.c_size_t(skip + size), pages)
+        finally:
+            del start
+    finally:
+        mapping.close()
+    if failed:
+        return 0
+    first = skip // mmap.PAGESIZE
+    missing = bytes(pages).translate(_RESIDENT).find(0, first)  # mincore's low bit: the page is resident
+    held = (len(pages) if missing < 0 else missing) * mmap.PAGESIZE - skip
+    return max(0, min(held, size))
+
+
+# A mincore byte -> 1 when its page is resident (the low bit; the others are reserved).
+_RESIDENT = bytes(value & 1 for value in range(256))
 
 
 def _close_all(*fds: int | None) -> None:

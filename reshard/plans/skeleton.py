@@ -13,7 +13,7 @@ same code, so the answer is kept in reshard's cache (``io/user_cache.py``) under
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from reshard.config import ModelConfig
@@ -23,7 +23,7 @@ from reshard.plans.skeleton_key import skeleton_key
 
 AUTO_CLASSES = ("AutoModelForImageTextToText", "AutoModelForMultimodalLM", "AutoModelForCausalLM", "AutoModel")
 KIND = "skeletons"  # the cache's folder for them
-FIELDS = ("tp_plan", "shapes", "model_class", "sub_models", "tied")  # a cache entry's, in this order
+FIELDS = ("tp_plan", "shapes", "model_class", "sub_models", "tied", "loaded_as")  # a cache entry's, in this order
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,9 @@ class ModelSkeleton:
 
     ``tp_plan`` is None when the model has no plan at all; ``sub_models`` lists the sub-models the plan
     leaves out (outermost first: a sub-model without a plan hides its own sub-models); ``tied`` names the tensors
-    tied to another (``lm_head.weight`` with ``tie_word_embeddings``), which a checkpoint may leave out.
+    tied to another (``lm_head.weight`` with ``tie_word_embeddings``), which a checkpoint may leave out;
+    ``loaded_as`` maps a checkpoint name that transformers renames on load to the model's name it loads as
+    (GPT-NeoX's ``embed_out.weight`` -> ``lm_head.weight``), which is the name its TP plan is matched against.
     """
 
     tp_plan: dict[str, str] | None
@@ -50,6 +52,7 @@ class ModelSkeleton:
     model_class: str
     sub_models: tuple[SubModel, ...] = ()
     tied: frozenset[str] = frozenset()
+    loaded_as: dict[str, str] = field(default_factory=dict)
 
     def without_plan(self) -> list[SubModel]:
         return [s for s in self.sub_models if not s.has_plan]
@@ -118,6 +121,7 @@ def _to_json(skeleton: ModelSkeleton) -> dict[str, Any]:
         "model_class": skeleton.model_class,
         "sub_models": [[s.prefix, s.model_class, s.has_plan] for s in skeleton.sub_models],
         "tied": sorted(skeleton.tied),
+        "loaded_as": skeleton.loaded_as,
     }
 
 
@@ -125,7 +129,7 @@ def _from_json(value: object) -> ModelSkeleton | None:
     """The skeleton a cache entry holds, every field's type checked (None: not one)."""
     if not isinstance(value, dict) or list(value) != list(FIELDS):
         return None
-    plan, shapes, model_class, subs, tied = (value[k] for k in FIELDS)
+    plan, shapes, model_class, subs, tied, loaded_as = (value[k] for k in FIELDS)
     plain_plan = plan is None or (isinstance(plan, dict) and all(isinstance(v, str) for v in plan.values()))
     plain_shapes = isinstance(shapes, dict) and all(
         isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape) for shape in shapes.values()
@@ -139,7 +143,9 @@ def _from_json(value: object) -> ModelSkeleton | None:
         for s in subs
     )
     plain_tied = isinstance(tied, list) and all(isinstance(t, str) for t in tied)
-    if not (plain_plan and plain_shapes and plain_subs and plain_tied and isinstance(model_class, str)):
+    plain_loaded = isinstance(loaded_as, dict) and all(isinstance(v, str) for v in loaded_as.values())
+    plain = plain_plan and plain_shapes and plain_subs and plain_tied and plain_loaded
+    if not (plain and isinstance(model_class, str)):
         return None
     return ModelSkeleton(
         None if plan is None else dict(plan),
@@ -147,6 +153,7 @@ def _from_json(value: object) -> ModelSkeleton | None:
         model_class,
         tuple(SubModel(*s) for s in subs),
         frozenset(tied),
+        dict(loaded_as),
     )
 
 
@@ -187,7 +194,42 @@ def _build(config: ModelConfig) -> ModelSkeleton:
         if own_config and any(shape_name.startswith(name + ".") for shape_name in shapes):
             subs.append(SubModel(name, type(module).__name__, has_plan))
     tied = frozenset(getattr(model, "all_tied_weights_keys", None) or ())
-    return ModelSkeleton(None if plan is None else dict(plan), shapes, model_class.__name__, tuple(subs), tied)
+    plan = None if plan is None else dict(plan)
+    return ModelSkeleton(plan, shapes, model_class.__name__, tuple(subs), tied, _loaded_as(model, list(shapes)))
+
+
+def _loaded_as(model: Any, names: list[str]) -> dict[str, str]:
+    """The checkpoint names transformers renames on load to ``names`` (its parameters), by transformers' own
+    renamings for this model (``conversion_mapping.py``, by class and model type, sub-models' scoped): each name as
+    ``save_pretrained`` writes it (the renamings reversed, as ``revert_weight_conversion`` does), kept only if
+    the loader's ``rename_source_key`` turns it back into the name. Tensors a converter fuses or splits (per-expert
+    weights) are left out: their names are not one-to-one, and the plan's per-expert rules cover them.
+    """
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (
+            PrefixChange,
+            WeightConverter,
+            WeightRenaming,
+            apply_renamings,
+            rename_source_key,
+        )
+    except ImportError:  # pragma: no cover - transformers before 5 renames nothing on load
+        return {}
+    loading = get_model_conversion_mapping(model)
+    renamings = [t for t in loading if isinstance(t, WeightRenaming)]
+    converters = [t for t in loading if isinstance(t, WeightConverter)]
+    saving = [
+        t.reverse_transform()
+        for t in get_model_conversion_mapping(model, add_legacy=False)[::-1]
+        if isinstance(t, WeightRenaming) and not isinstance(t, PrefixChange)
+    ]
+    loaded_as = {}
+    for name in names:
+        saved = apply_renamings(name, saving)
+        if saved != name and rename_source_key(saved, renamings, converters) == (name, None):
+            loaded_as[saved] = name
+    return loaded_as
 
 
 def _no_init_weights() -> contextlib.AbstractContextManager:

@@ -33,7 +33,7 @@ from reshard.plans.base import Plan, Rule
 from reshard.plans.llama import by_heads
 from reshard.plans.skeleton import ModelSkeleton, build_skeleton
 
-__all__ = ["NAME", "ModelSkeleton", "build_skeleton", "plan_from_tp_plan", "transformers_plan"]
+__all__ = ["NAME", "ModelSkeleton", "build_skeleton", "plan_from_skeleton", "plan_from_tp_plan", "transformers_plan"]
 
 NAME = "transformers"
 COLWISE = {"colwise", "colwise_rep", "colwise_gather_output", "local_colwise"}
@@ -57,6 +57,7 @@ WHOLE_INPUT = {"rowwise_rep", "rowwise_split_input"}  # rowwise layers that spli
 # Prefixes of the model in memory that saved checkpoints may lack (or spell otherwise).
 _PREFIX = re.compile(r"^(model\.)?(language_model\.)?")
 _ANY_PREFIX = r"^(base_model\.model\.)?(model\.)?(language_model\.)?(model\.)?"
+_INDEX = re.compile(r"(?:(?<=\.)|^)(?:\*|\d+)(?=\.|$)")  # a layer index: ``*`` in a plan key, a number in a name
 # A projection whose rank computes on its own heads (``colwise``: the output stays split; ``rowwise``: the input
 # arrives split) is cut in whole heads, since transformers' loader chunks its rows and a rank holding part of a head
 # computes something else; a gathered one (``colwise_gather_output``, ``rowwise_split_input``) is computed whole
@@ -65,20 +66,40 @@ _ANY_PREFIX = r"^(base_model\.model\.)?(model\.)?(language_model\.)?(model\.)?"
 # columns of ``o_proj``, Phi's and GPT-NeoX's ``dense``) hold ``num_attention_heads`` heads of ``size / heads``:
 # ``head_dim``, or MLA's ``qk_head_dim``, ``qk_nope_head_dim + v_head_dim`` and ``v_head_dim``. The KV projections
 # are cut in heads of ``head_dim``.
-_QUERY_HEADS = re.compile(r"(self_attn\.(q_proj|q_b_proj|kv_b_proj)|attention\.query_key_value)$")
+_QUERY_HEADS = re.compile(
+    r"(self_attn\.(q_proj|q_b_proj|kv_b_proj|q_gate_proj|gate_proj|g_proj|gate_bias|sinks)|attention\.query_key_value)$"
+)
 _OUTPUT_HEADS = re.compile(r"(self_attn\.(o_proj|dense)|attention\.dense)$")
 _KV_PROJECTIONS = re.compile(r"self_attn\.[kv]_proj$")
 
 
 def transformers_plan(config: ModelConfig | None) -> Plan:
     """The installed transformers' TP plan for ``config``'s model as a :class:`Plan`."""
-    return plan_from_tp_plan(build_skeleton(config).tp_plan, config)
+    return plan_from_skeleton(build_skeleton(config), config)
 
 
-def plan_from_tp_plan(tp_plan: dict[str, str] | None, config: ModelConfig | None) -> Plan:
+def plan_from_skeleton(skeleton: ModelSkeleton, config: ModelConfig | None) -> Plan:
+    """The plan of the model ``skeleton`` describes: its ``tp_plan``, matched against the names checkpoint tensors
+    load as (``skeleton.loaded_as``), with the keys that name a one-dimensional parameter (attention sinks, a
+    per-head gate bias) known from its shapes."""
+    plain = {_PREFIX.sub("", name) for name, shape in skeleton.shapes.items() if len(shape) == 1}
+    vectors = {key for key in skeleton.tp_plan or {} if any(map(re.compile(_generic(key)).fullmatch, plain))}
+    return plan_from_tp_plan(skeleton.tp_plan, config, loaded_as=skeleton.loaded_as, vectors=frozenset(vectors))
+
+
+def plan_from_tp_plan(
+    tp_plan: dict[str, str] | None,
+    config: ModelConfig | None,
+    *,
+    loaded_as: dict[str, str] | None = None,
+    vectors: frozenset[str] = frozenset(),
+) -> Plan:
     """Rules for a transformers ``tp_plan`` mapping; the last rule replicates what the plan does not name.
 
-    Keys are tried deepest first, as transformers tries a parameter's own path before its module's.
+    Keys are tried deepest first, as transformers tries a parameter's own path before its module's. A checkpoint
+    name that transformers renames on load (``loaded_as``: checkpoint name -> the model's) gets the partition of the
+    name it loads as, and keeps its own name in the output. A key in ``vectors`` names a one-dimensional parameter,
+    which ``colwise`` splits on its only dim (transformers' ``Shard(ndim - 2)``), as it does a bias.
 
     Example:
         >>> plan = plan_from_tp_plan({"model.layers.*.mlp.down_proj": "rowwise"}, None)
@@ -92,13 +113,33 @@ def plan_from_tp_plan(tp_plan: dict[str, str] | None, config: ModelConfig | None
         weight, bias = _style_partitions(style, key, config)
         if weight is None:  # a style reshard cannot express: an error for what it covers, never a guess
             weight = bias = _unsupported(style)
+        elif key in vectors and style in COLWISE:
+            weight = bias
         path = re.escape(_PREFIX.sub("", key)).replace(r"\*", r"\d+")
         gathered = style in GATHERED or style in WHOLE_INPUT  # each rank computes on whole heads
         rules.append(Rule(rf"{_ANY_PREFIX}{path}\.bias$", bias, gathered=gathered))
         rules.append(Rule(rf"{_ANY_PREFIX}{path}(\.[^.]+)?$", weight, gathered=gathered))
         rules += _per_expert_rules(path, style)
     rules.append(Rule("", Replicate(), implicit=True))
-    return Plan(NAME, tuple(rules))
+    return Plan(NAME, (*_renamed_rules(loaded_as or {}, Plan(NAME, tuple(rules))), *rules))
+
+
+def _generic(name: str) -> str:
+    """A pattern of ``name`` without the language model's prefixes, with any layer index (``*`` in a plan key, a
+    number in a tensor name)."""
+    parts = _INDEX.split(_PREFIX.sub("", name))
+    return r"\d+".join(re.escape(part) for part in parts)
+
+
+def _renamed_rules(loaded_as: dict[str, str], plan: Plan) -> list[Rule]:
+    """One rule for each checkpoint name transformers renames on load (any layer index), with the partition the
+    plan gives the name it loads as: the plan is transformers', keyed by the model's names, not the checkpoint's."""
+    rules: dict[str, Rule] = {}
+    for saved, loaded in loaded_as.items():
+        pattern = rf"{_ANY_PREFIX}{_generic(saved)}$"
+        if pattern not in rules and (rule := plan.match(loaded)) is not None:
+            rules[pattern] = Rule(pattern, rule.partition, gathered=rule.gathered, implicit=rule.implicit)
+    return list(rules.values())
 
 
 def _unsupported(style: str):

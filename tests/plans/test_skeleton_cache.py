@@ -129,6 +129,7 @@ def test_what_the_answer_depends_on_changes_the_key(monkeypatch, tmp_path):
         "shapes",
         "sub_models",
         "loaded_as",
+        "heads",
         "refusal",
         "symlink",
         "foreign",
@@ -142,6 +143,7 @@ def test_what_the_answer_depends_on_changes_the_key(monkeypatch, tmp_path):
         "bad-shape",
         "bad-sub-model",
         "bad-loaded-as",
+        "bad-heads",
         "bad-refusal",
         "symlink",
         "another-user",
@@ -170,6 +172,8 @@ def test_a_damaged_entry_is_built_again_and_replaced(cache, builds, damage, tmp_
         stored["value"]["skeleton"]["sub_models"][0][2] = "yes"
     elif damage == "loaded_as":
         stored["value"]["skeleton"]["loaded_as"] = {"embed_out.weight": 7}
+    elif damage == "heads":
+        stored["value"]["skeleton"]["heads"] = {"model.layers.0.self_attn": 0}
     elif damage == "refusal":
         stored["value"] = {"refusal": ["x", "yes", None]}
     entry.write_bytes(json.dumps(stored).encode() if isinstance(damage, str) else damage)

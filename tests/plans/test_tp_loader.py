@@ -189,7 +189,8 @@ def test_query_heads_split_whole_at_a_tp_that_divides_them_as_the_loader_holds_t
 @pytest.mark.parametrize("family", sorted(PLAN_NAMES))
 def test_plan_transformers_matches_the_names_tensors_load_as_and_per_head_tensors(loaded, cli, tmp_path, family):
     """Before: GPT-NeoX's ``embed_out`` and A.X-K2's ``q_b_proj`` were kept whole where the loader splits the
-    ``lm_head`` / ``q_gate_proj`` they load as; Beam's ``gate_bias`` and Granite-SWA's ``sinks`` were refused."""
+    ``lm_head`` / ``q_gate_proj`` they load as; Beam's ``gate_bias``, Granite-SWA's ``sinks`` and the ``g_proj`` of
+    dots3's sliding-window layer (4 rows: its own 4 heads, not the config's 8) were refused."""
     mine = _convert(cli, loaded / family, tmp_path / "plan", "--plan", "transformers")
     _equal_to_the_loader(mine, _loader_ranks(loaded, family))
     assert all(name in load_folder(loaded / family) for name in mine[0])  # the checkpoint's own names

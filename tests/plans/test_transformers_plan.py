@@ -156,8 +156,12 @@ def test_renamed_checkpoint_names_and_per_head_vectors_get_the_partition_of_the_
         "AnyForCausalLM",
         loaded_as={
             "embed_out.weight": "lm_head.weight",
-            "model.layers.0.self_attn.q_b_proj.weight": "model.layers.0.self_attn.q_gate_proj.weight",
+            **{
+                f"model.layers.{i}.self_attn.q_b_proj.weight": f"model.layers.{i}.self_attn.q_gate_proj.weight"
+                for i in (0, 2)
+            },
         },
+        heads={"model.layers.2.self_attn": 4},  # a layer built with its own heads (dots3's sliding-window layers)
     )
     config = ModelConfig({"num_attention_heads": 8})
     plan = plan_from_skeleton(skeleton, config)
@@ -167,6 +171,9 @@ def test_renamed_checkpoint_names_and_per_head_vectors_get_the_partition_of_the_
         ("model.layers.7.self_attn.q_gate_proj.weight", Heads(-2, 8)),
         ("model.layers.3.self_attn.sinks", Heads(-1, 8)),
         ("model.layers.3.self_attn.gate_bias", Heads(-1, 8)),
+        ("model.layers.2.self_attn.gate_bias", Heads(-1, 4)),
+        ("model.layers.2.self_attn.q_b_proj.weight", Heads(-2, 4)),
+        ("model.layers.12.self_attn.q_b_proj.weight", Heads(-2, 8)),
     ]:
         assert plan.match(name).resolve(config) == partition, name
     shapes = {"model.layers.0.self_attn.sinks": (8,), "model.layers.0.self_attn.q_b_proj.weight": (192, 32)}

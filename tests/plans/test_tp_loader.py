@@ -13,9 +13,9 @@ One ``torchrun --nproc-per-node 4`` (gloo, CPU) loads every family's tiny model 
 * 14 query heads (a Qwen2, a Phi, an MLA model): tp 4 cuts a head and is refused by ``--plan transformers``,
   ``--uneven`` gives the loader's rank slices; at tp 2 (a second ``torchrun``, 2 ranks) the plain conversion
   gives them;
-* checkpoint names transformers renames on load (GPT-NeoX's ``embed_out``, A.X-K2's ``q_b_proj``) and per-head
-  tensors beside the query (output gates, their bias, a per-head scalar gate, attention sinks) split as the loader
-  holds them under ``--plan transformers``.
+* checkpoint names transformers renames on load (GPT-NeoX's ``embed_out``, A.X-K2's ``q_b_proj``, HY-V4's sinks
+  and gate) and per-head tensors beside the query (output gates, their bias, a per-head scalar gate, attention
+  sinks, a layer with heads of its own) split as the loader holds them under ``--plan transformers``.
 """
 
 from __future__ import annotations
@@ -189,8 +189,9 @@ def test_query_heads_split_whole_at_a_tp_that_divides_them_as_the_loader_holds_t
 @pytest.mark.parametrize("family", sorted(PLAN_NAMES))
 def test_plan_transformers_matches_the_names_tensors_load_as_and_per_head_tensors(loaded, cli, tmp_path, family):
     """Before: GPT-NeoX's ``embed_out`` and A.X-K2's ``q_b_proj`` were kept whole where the loader splits the
-    ``lm_head`` / ``q_gate_proj`` they load as; Beam's ``gate_bias``, Granite-SWA's ``sinks`` and the ``g_proj`` of
-    dots3's sliding-window layer (4 rows: its own 4 heads, not the config's 8) were refused."""
+    ``lm_head`` / ``q_gate_proj`` they load as; Beam's ``gate_bias`` and Granite-SWA's ``sinks`` were refused; HY-V4's
+    ``learnable_sink_param`` and ``linear_gate`` (its ``sinks`` and ``gate_proj``) were kept whole. dots3's ``g_proj``
+    was cut in rows, as the loader; now in heads, its sliding-window layer's in its own 4 (the config says 8)."""
     mine = _convert(cli, loaded / family, tmp_path / "plan", "--plan", "transformers")
     _equal_to_the_loader(mine, _loader_ranks(loaded, family))
     assert all(name in load_folder(loaded / family) for name in mine[0])  # the checkpoint's own names

@@ -41,7 +41,7 @@ from reshard.partition import Partition, Replicate, at_tp, partition_to_dict, ra
 from reshard.plans import FAMILIES, TRANSFORMERS, Plan, Rule, select_plan
 from reshard.plans.lora import with_lora
 from reshard.plans.skeleton import ModelSkeleton, build_skeleton
-from reshard.plans.transformers_plan import plan_from_tp_plan
+from reshard.plans.transformers_plan import plan_from_skeleton
 from reshard.quantization import QuantizedTensors, quantized_tensors, read_scheme
 from reshard.quantization.rules import runtime_rule
 from reshard.quantization.stored import stored_shapes
@@ -288,7 +288,7 @@ def check_built(
 def plan_for(config: ModelConfig, skeleton: ModelSkeleton, options: CheckOptions) -> Plan:
     """The plan ``options.plan`` names for a model built from ``config``."""
     if options.plan == TRANSFORMERS:  # the model is built already: its plan, not a second build
-        return with_lora(plan_from_tp_plan(skeleton.tp_plan, config))
+        return with_lora(plan_from_skeleton(skeleton, config))
     return select_plan(config, skeleton.shapes, plan_file=options.plan)
 
 

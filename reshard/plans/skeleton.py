@@ -1,5 +1,6 @@
-"""The model transformers builds for a config, on the ``meta`` device: its parameters, its TP plan and which
-of its sub-models (vision tower, audio encoder, talker, ...) the plan leaves out. No memory, no data.
+"""The model transformers builds for a config, on the ``meta`` device: its parameters, its TP plan, which
+of its sub-models (vision tower, audio encoder, talker, ...) the plan leaves out, the checkpoint names it renames
+on load and the attention layers built with heads of their own. No memory, no data.
 
 The class is the one ``architectures`` names, else the auto class for the config: image-text-to-text and
 multimodal first (a composite config builds its whole model, towers included), then causal LM, then the
@@ -13,7 +14,7 @@ same code, so the answer is kept in reshard's cache (``io/user_cache.py``) under
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from reshard.config import ModelConfig
@@ -23,7 +24,8 @@ from reshard.plans.skeleton_key import skeleton_key
 
 AUTO_CLASSES = ("AutoModelForImageTextToText", "AutoModelForMultimodalLM", "AutoModelForCausalLM", "AutoModel")
 KIND = "skeletons"  # the cache's folder for them
-FIELDS = ("tp_plan", "shapes", "model_class", "sub_models", "tied")  # a cache entry's, in this order
+# a cache entry's, in this order
+FIELDS = ("tp_plan", "shapes", "model_class", "sub_models", "tied", "loaded_as", "heads")
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,11 @@ class ModelSkeleton:
 
     ``tp_plan`` is None when the model has no plan at all; ``sub_models`` lists the sub-models the plan
     leaves out (outermost first: a sub-model without a plan hides its own sub-models); ``tied`` names the tensors
-    tied to another (``lm_head.weight`` with ``tie_word_embeddings``), which a checkpoint may leave out.
+    tied to another (``lm_head.weight`` with ``tie_word_embeddings``), which a checkpoint may leave out;
+    ``loaded_as`` maps a checkpoint name that transformers renames on load to the model's name it loads as
+    (GPT-NeoX's ``embed_out.weight`` -> ``lm_head.weight``), which is the name its TP plan is matched against;
+    ``heads`` gives the attention modules whose own head count (``num_heads``) is not the config's
+    ``num_attention_heads`` (dots3's sliding-window layers: 64 heads, the others 128).
     """
 
     tp_plan: dict[str, str] | None
@@ -50,6 +56,8 @@ class ModelSkeleton:
     model_class: str
     sub_models: tuple[SubModel, ...] = ()
     tied: frozenset[str] = frozenset()
+    loaded_as: dict[str, str] = field(default_factory=dict)
+    heads: dict[str, int] = field(default_factory=dict)
 
     def without_plan(self) -> list[SubModel]:
         return [s for s in self.sub_models if not s.has_plan]
@@ -118,6 +126,8 @@ def _to_json(skeleton: ModelSkeleton) -> dict[str, Any]:
         "model_class": skeleton.model_class,
         "sub_models": [[s.prefix, s.model_class, s.has_plan] for s in skeleton.sub_models],
         "tied": sorted(skeleton.tied),
+        "loaded_as": skeleton.loaded_as,
+        "heads": skeleton.heads,
     }
 
 
@@ -125,7 +135,7 @@ def _from_json(value: object) -> ModelSkeleton | None:
     """The skeleton a cache entry holds, every field's type checked (None: not one)."""
     if not isinstance(value, dict) or list(value) != list(FIELDS):
         return None
-    plan, shapes, model_class, subs, tied = (value[k] for k in FIELDS)
+    plan, shapes, model_class, subs, tied, loaded_as, heads = (value[k] for k in FIELDS)
     plain_plan = plan is None or (isinstance(plan, dict) and all(isinstance(v, str) for v in plan.values()))
     plain_shapes = isinstance(shapes, dict) and all(
         isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape) for shape in shapes.values()
@@ -139,7 +149,10 @@ def _from_json(value: object) -> ModelSkeleton | None:
         for s in subs
     )
     plain_tied = isinstance(tied, list) and all(isinstance(t, str) for t in tied)
-    if not (plain_plan and plain_shapes and plain_subs and plain_tied and isinstance(model_class, str)):
+    plain_loaded = isinstance(loaded_as, dict) and all(isinstance(v, str) for v in loaded_as.values())
+    plain_heads = isinstance(heads, dict) and all(type(v) is int and v > 0 for v in heads.values())
+    plain = plain_plan and plain_shapes and plain_subs and plain_tied and plain_loaded and plain_heads
+    if not (plain and isinstance(model_class, str)):
         return None
     return ModelSkeleton(
         None if plan is None else dict(plan),
@@ -147,6 +160,8 @@ def _from_json(value: object) -> ModelSkeleton | None:
         model_class,
         tuple(SubModel(*s) for s in subs),
         frozenset(tied),
+        dict(loaded_as),
+        dict(heads),
     )
 
 
@@ -187,7 +202,55 @@ def _build(config: ModelConfig) -> ModelSkeleton:
         if own_config and any(shape_name.startswith(name + ".") for shape_name in shapes):
             subs.append(SubModel(name, type(module).__name__, has_plan))
     tied = frozenset(getattr(model, "all_tied_weights_keys", None) or ())
-    return ModelSkeleton(None if plan is None else dict(plan), shapes, model_class.__name__, tuple(subs), tied)
+    plan = None if plan is None else dict(plan)
+    loaded_as = _loaded_as(model, list(shapes))
+    return ModelSkeleton(plan, shapes, model_class.__name__, tuple(subs), tied, loaded_as, _own_heads(model, config))
+
+
+def _own_heads(model: Any, config: ModelConfig) -> dict[str, int]:
+    """Modules whose own head count (``num_heads``) is not the ``num_attention_heads`` of the config that sizes them:
+    models with a config per layer (dots3's sliding-window layers) build some attention layers with other heads."""
+    heads = {}
+    for name, module in model.named_modules():
+        count = getattr(module, "num_heads", None)
+        if name and type(count) is int and count > 0:
+            if count != config.for_tensor(f"{name}.weight").num_attention_heads:
+                heads[name] = count
+    return heads
+
+
+def _loaded_as(model: Any, names: list[str]) -> dict[str, str]:
+    """The checkpoint names transformers renames on load to ``names`` (its parameters), by transformers' own
+    renamings for this model (``conversion_mapping.py``, by class and model type, sub-models' scoped): each name as
+    ``save_pretrained`` writes it (the renamings reversed, as ``revert_weight_conversion`` does), kept only if
+    the loader's ``rename_source_key`` turns it back into the name. Tensors a converter fuses or splits (per-expert
+    weights) are left out: their names are not one-to-one, and the plan's per-expert rules cover them.
+    """
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (
+            PrefixChange,
+            WeightConverter,
+            WeightRenaming,
+            apply_renamings,
+            rename_source_key,
+        )
+    except ImportError:  # pragma: no cover - transformers before 5 renames nothing on load
+        return {}
+    loading = get_model_conversion_mapping(model)
+    renamings = [t for t in loading if isinstance(t, WeightRenaming)]
+    converters = [t for t in loading if isinstance(t, WeightConverter)]
+    saving = [
+        t.reverse_transform()
+        for t in get_model_conversion_mapping(model, add_legacy=False)[::-1]
+        if isinstance(t, WeightRenaming) and not isinstance(t, PrefixChange)
+    ]
+    loaded_as = {}
+    for name in names:
+        saved = apply_renamings(name, saving)
+        if saved != name and rename_source_key(saved, renamings, converters) == (name, None):
+            loaded_as[saved] = name
+    return loaded_as
 
 
 def _no_init_weights() -> contextlib.AbstractContextManager:

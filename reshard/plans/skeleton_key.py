@@ -1,7 +1,8 @@
 """The cache key of a meta build (``plans/skeleton.py`` ``build_skeleton``): a digest of everything its answer
 depends on, made in a few milliseconds without importing transformers.
 
-The answer (the model's class, parameter shapes, TP plan, sub-models and tied tensors, or transformers' refusal) is a
+The answer (the model's class, parameter shapes, TP plan, sub-models, tied tensors, the checkpoint names transformers
+renames on load (its top-level ``conversion_mapping.py``) and per-layer head counts, or transformers' refusal) is a
 function of: the config (its raw mapping, ``model_type`` and ``architectures`` in it), the code that builds and
 reads the model (transformers and torch, and whatever optional package transformers delegates a model to, such as
 timm), the interpreter, and reshard's own reading of the model. The key holds each:

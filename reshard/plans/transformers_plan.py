@@ -33,7 +33,7 @@ from reshard.plans.base import Plan, Rule
 from reshard.plans.llama import by_heads
 from reshard.plans.skeleton import ModelSkeleton, build_skeleton
 
-__all__ = ["NAME", "ModelSkeleton", "build_skeleton", "plan_from_tp_plan", "transformers_plan"]
+__all__ = ["NAME", "ModelSkeleton", "build_skeleton", "plan_from_skeleton", "plan_from_tp_plan", "transformers_plan"]
 
 NAME = "transformers"
 COLWISE = {"colwise", "colwise_rep", "colwise_gather_output", "local_colwise"}
@@ -57,6 +57,7 @@ WHOLE_INPUT = {"rowwise_rep", "rowwise_split_input"}  # rowwise layers that spli
 # Prefixes of the model in memory that saved checkpoints may lack (or spell otherwise).
 _PREFIX = re.compile(r"^(model\.)?(language_model\.)?")
 _ANY_PREFIX = r"^(base_model\.model\.)?(model\.)?(language_model\.)?(model\.)?"
+_INDEX = re.compile(r"(?:(?<=\.)|^)(?:\*|\d+)(?=\.|$)")  # a layer index: ``*`` in a plan key, a number in a name
 # A projection whose rank computes on its own heads (``colwise``: the output stays split; ``rowwise``: the input
 # arrives split) is cut in whole heads, since transformers' loader chunks its rows and a rank holding part of a head
 # computes something else; a gathered one (``colwise_gather_output``, ``rowwise_split_input``) is computed whole
@@ -65,20 +66,45 @@ _ANY_PREFIX = r"^(base_model\.model\.)?(model\.)?(language_model\.)?(model\.)?"
 # columns of ``o_proj``, Phi's and GPT-NeoX's ``dense``) hold ``num_attention_heads`` heads of ``size / heads``:
 # ``head_dim``, or MLA's ``qk_head_dim``, ``qk_nope_head_dim + v_head_dim`` and ``v_head_dim``. The KV projections
 # are cut in heads of ``head_dim``.
-_QUERY_HEADS = re.compile(r"(self_attn\.(q_proj|q_b_proj|kv_b_proj)|attention\.query_key_value)$")
+_QUERY_HEADS = re.compile(
+    r"(self_attn\.(q_proj|q_b_proj|kv_b_proj|q_gate_proj|gate_proj|g_proj|gate_bias|sinks)|attention\.query_key_value)$"
+)
 _OUTPUT_HEADS = re.compile(r"(self_attn\.(o_proj|dense)|attention\.dense)$")
 _KV_PROJECTIONS = re.compile(r"self_attn\.[kv]_proj$")
 
 
 def transformers_plan(config: ModelConfig | None) -> Plan:
     """The installed transformers' TP plan for ``config``'s model as a :class:`Plan`."""
-    return plan_from_tp_plan(build_skeleton(config).tp_plan, config)
+    return plan_from_skeleton(build_skeleton(config), config)
 
 
-def plan_from_tp_plan(tp_plan: dict[str, str] | None, config: ModelConfig | None) -> Plan:
+def plan_from_skeleton(skeleton: ModelSkeleton, config: ModelConfig | None) -> Plan:
+    """The plan of the model ``skeleton`` describes: its ``tp_plan``, matched against the names checkpoint tensors
+    load as (``skeleton.loaded_as``), with the keys that name a one-dimensional parameter (attention sinks, a
+    per-head gate bias) known from its shapes."""
+    plain = {_PREFIX.sub("", name) for name, shape in skeleton.shapes.items() if len(shape) == 1}
+    vectors = {key for key in skeleton.tp_plan or {} if any(map(re.compile(_generic(key)).fullmatch, plain))}
+    return plan_from_tp_plan(
+        skeleton.tp_plan, config, loaded_as=skeleton.loaded_as, vectors=frozenset(vectors), heads=skeleton.heads
+    )
+
+
+def plan_from_tp_plan(
+    tp_plan: dict[str, str] | None,
+    config: ModelConfig | None,
+    *,
+    loaded_as: dict[str, str] | None = None,
+    vectors: frozenset[str] = frozenset(),
+    heads: dict[str, int] | None = None,
+) -> Plan:
     """Rules for a transformers ``tp_plan`` mapping; the last rule replicates what the plan does not name.
 
-    Keys are tried deepest first, as transformers tries a parameter's own path before its module's.
+    Keys are tried deepest first, as transformers tries a parameter's own path before its module's. A checkpoint
+    name that transformers renames on load (``loaded_as``: checkpoint name -> the model's) gets the partition of the
+    name it loads as, and keeps its own name in the output. A key in ``vectors`` names a one-dimensional parameter,
+    which ``colwise`` splits on its only dim (transformers' ``Shard(ndim - 2)``), as it does a bias. ``heads`` gives
+    the attention modules built with another head count than the config's (module path -> count): their query and
+    output heads are cut in that many.
 
     Example:
         >>> plan = plan_from_tp_plan({"model.layers.*.mlp.down_proj": "rowwise"}, None)
@@ -89,16 +115,66 @@ def plan_from_tp_plan(tp_plan: dict[str, str] | None, config: ModelConfig | None
         return Plan(NAME, ())
     rules: list[Rule] = []
     for key, style in sorted(tp_plan.items(), key=lambda kv: -kv[0].count(".")):
-        weight, bias = _style_partitions(style, key, config)
-        if weight is None:  # a style reshard cannot express: an error for what it covers, never a guess
-            weight = bias = _unsupported(style)
-        path = re.escape(_PREFIX.sub("", key)).replace(r"\*", r"\d+")
         gathered = style in GATHERED or style in WHOLE_INPUT  # each rank computes on whole heads
-        rules.append(Rule(rf"{_ANY_PREFIX}{path}\.bias$", bias, gathered=gathered))
-        rules.append(Rule(rf"{_ANY_PREFIX}{path}(\.[^.]+)?$", weight, gathered=gathered))
-        rules += _per_expert_rules(path, style)
+        for path, count in _paths(key, style, heads or {}):
+            weight, bias = _style_partitions(style, key, config, heads=count)
+            if weight is None:  # a style reshard cannot express: an error for what it covers, never a guess
+                weight = bias = _unsupported(style)
+            elif key in vectors and style in COLWISE:
+                weight = bias
+            rules.append(Rule(rf"{_ANY_PREFIX}{path}\.bias$", bias, gathered=gathered))
+            rules.append(Rule(rf"{_ANY_PREFIX}{path}(\.[^.]+)?$", weight, gathered=gathered))
+        rules += _per_expert_rules(_key_path(key), style)
     rules.append(Rule("", Replicate(), implicit=True))
-    return Plan(NAME, tuple(rules))
+    return Plan(NAME, (*_renamed_rules(loaded_as or {}, Plan(NAME, tuple(rules))), *rules))
+
+
+def _generic(name: str) -> str:
+    """A pattern of ``name`` without the language model's prefixes, with any layer index (``*`` in a plan key, a
+    number in a tensor name)."""
+    parts = _INDEX.split(_PREFIX.sub("", name))
+    return r"\d+".join(re.escape(part) for part in parts)
+
+
+def _renamed_rules(loaded_as: dict[str, str], plan: Plan) -> list[Rule]:
+    """Rules for the checkpoint names transformers renames on load, with the partition the plan gives the name each
+    loads as: the plan is transformers', keyed by the model's names, not the checkpoint's. One rule for any layer
+    index, with the partition most layers' names load under; before it, one a name for the others (layers built
+    with heads of their own)."""
+    found: dict[str, dict[Rule, list[str]]] = {}
+    for saved, loaded in loaded_as.items():
+        if (rule := plan.match(loaded)) is not None:
+            found.setdefault(_generic(saved), {}).setdefault(rule, []).append(saved)
+    exact, generic = [], []
+    for pattern, by_rule in found.items():
+        most, *others = sorted(by_rule.items(), key=lambda item: -len(item[1]))
+        exact += [(re.escape(_PREFIX.sub("", name)), rule) for rule, names in others for name in names]
+        generic.append((pattern, most[0]))
+    return [
+        Rule(rf"{_ANY_PREFIX}{pattern}$", rule.partition, gathered=rule.gathered, implicit=rule.implicit)
+        for pattern, rule in exact + generic
+    ]
+
+
+def _key_path(key: str) -> str:
+    """The pattern of a plan key's path after the language model's prefixes, any layer index for ``*``."""
+    return re.escape(_PREFIX.sub("", key)).replace(r"\*", r"\d+")
+
+
+def _paths(key: str, style: str, heads: dict[str, int]) -> list[tuple[str, int | None]]:
+    """The key's pattern, after one for each head count other than the config's that modules it covers were built
+    with (``(path, None)``: the config's count), for the styles cut in heads."""
+    path = _key_path(key)
+    if style in GATHERED or style in WHOLE_INPUT or not (_QUERY_HEADS.search(key) or _OUTPUT_HEADS.search(key)):
+        return [(path, None)]
+    parent, _, own = key.rpartition(".")
+    module = re.compile(_generic(parent))
+    by_count: dict[int, list[str]] = {}
+    for name, count in heads.items():
+        if module.fullmatch(_PREFIX.sub("", name)):
+            by_count.setdefault(count, []).append(re.escape(_PREFIX.sub("", name)))
+    other = [(rf"({'|'.join(names)})\.{re.escape(own)}", count) for count, names in sorted(by_count.items())]
+    return [*other, (path, None)]
 
 
 def _unsupported(style: str):
@@ -130,18 +206,21 @@ def _per_expert_rules(path: str, style: str) -> list[Rule]:
     return []
 
 
-def _style_partitions(style: str, key: str, config: ModelConfig | None) -> tuple[Any, Any]:
+def _style_partitions(
+    style: str, key: str, config: ModelConfig | None, *, heads: int | None = None
+) -> tuple[Any, Any]:
     """``(weight, bias)`` partitions (or functions of the tensor's own sub-config) of a style; ``(None, None)``
-    for a style reshard does not know."""
+    for a style reshard does not know. ``heads``: the module's own head count, if not its config's."""
     vocab = key.endswith(("lm_head", "embed_tokens"))
     if style in COLWISE:
         if style not in GATHERED and _QUERY_HEADS.search(key):
-            return _query_heads(-2), _query_heads(-1)
+            return _query_heads(-2, heads), _query_heads(-1, heads)
         if style not in GATHERED and _KV_PROJECTIONS.search(key):
             return by_heads(-2), by_heads(-1)
         return (Vocab(0) if vocab else Shard(-2)), Shard(-1)
     if style in ROWWISE:
-        return (_query_heads(-1) if style not in WHOLE_INPUT and _OUTPUT_HEADS.search(key) else Shard(-1)), Replicate()
+        cut = style not in WHOLE_INPUT and _OUTPUT_HEADS.search(key)
+        return (_query_heads(-1, heads) if cut else Shard(-1)), Replicate()
     if style == "embedding_rowwise":
         return Vocab(0), Replicate()
     if style == "embedding_colwise":
@@ -163,15 +242,16 @@ def _style_partitions(style: str, key: str, config: ModelConfig | None) -> tuple
     return None, None
 
 
-def _query_heads(dim: int):
-    """The ``num_attention_heads`` heads along ``dim`` of the tensor's own sub-config, each ``size / heads`` wide.
+def _query_heads(dim: int, count: int | None = None):
+    """The ``num_attention_heads`` heads along ``dim`` of the tensor's own sub-config (``count``: the module's own,
+    when it was built with others), each ``size / heads`` wide.
 
     Raises:
         AmbiguousPartitionError: the config gives no head count (the heads cannot be told apart in the rows).
     """
 
     def partition(config: ModelConfig | None) -> Partition:
-        heads = config.num_attention_heads if config is not None else None
+        heads = count or (config.num_attention_heads if config is not None else None)
         if not isinstance(heads, int) or heads < 1:
             raise AmbiguousPartitionError(f"num_attention_heads is {heads!r}: its heads cannot be told apart")
         return Heads(dim, heads)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import transformers
-from fixtures.families import SPECS
+from fixtures.families import PLAN_NAMES, SPECS
 from fixtures.models import tiny_llama
 
 from reshard.config import ModelConfig
@@ -24,7 +24,7 @@ from reshard.plans.skeleton import build_skeleton
 
 
 def raw_config(family: str, **changes) -> dict:
-    config_class, arguments, model_class = SPECS[family]
+    config_class, arguments, model_class = (SPECS | PLAN_NAMES)[family]
     raw = getattr(transformers, config_class)(**arguments).to_dict()
     return json.loads(json.dumps(raw)) | {"architectures": [model_class]} | changes
 
@@ -51,8 +51,8 @@ def builds(monkeypatch) -> list[str]:
 
 @pytest.mark.parametrize(
     ("family", "changes"),
-    [("phi3", {"tie_word_embeddings": True}), ("qwen3_moe", {}), ("qwen2_5_vl", {})],
-    ids=["tied", "moe", "composite"],
+    [("phi3", {"tie_word_embeddings": True}), ("qwen3_moe", {}), ("qwen2_5_vl", {}), ("gpt_neox", {})],
+    ids=["tied", "moe", "composite", "renamed"],
 )
 def test_a_hit_is_the_fresh_build(cache, builds, family, changes):
     config = ModelConfig(raw_config(family, **changes))
@@ -66,6 +66,15 @@ def test_a_hit_is_the_fresh_build(cache, builds, family, changes):
         assert any(".experts." in name for name in fresh.shapes)
     if family == "qwen2_5_vl":
         assert fresh.sub_models
+    # transformers' renamings on load, kept with the build: GPT-NeoX's embed_out loads as lm_head; Qwen2.5-VL's
+    # checkpoints name the language model as transformers 4 did
+    if family == "gpt_neox":
+        assert fresh.loaded_as == {"embed_out.weight": "lm_head.weight"}
+    elif family == "qwen2_5_vl":
+        down = "layers.0.mlp.down_proj.weight"
+        assert fresh.loaded_as[f"model.{down}"] == f"model.language_model.{down}"
+    else:
+        assert fresh.loaded_as == {}
 
 
 def test_a_refusal_is_kept_with_the_path_of_the_config_at_hand(cache, builds, tmp_path):
@@ -119,6 +128,8 @@ def test_what_the_answer_depends_on_changes_the_key(monkeypatch, tmp_path):
         b"[" * 100000,
         "shapes",
         "sub_models",
+        "loaded_as",
+        "heads",
         "refusal",
         "symlink",
         "foreign",
@@ -131,6 +142,8 @@ def test_what_the_answer_depends_on_changes_the_key(monkeypatch, tmp_path):
         "deep",
         "bad-shape",
         "bad-sub-model",
+        "bad-loaded-as",
+        "bad-heads",
         "bad-refusal",
         "symlink",
         "another-user",
@@ -157,6 +170,10 @@ def test_a_damaged_entry_is_built_again_and_replaced(cache, builds, damage, tmp_
         stored["value"]["skeleton"]["shapes"]["lm_head.weight"] = ["64", 8]
     elif damage == "sub_models":
         stored["value"]["skeleton"]["sub_models"][0][2] = "yes"
+    elif damage == "loaded_as":
+        stored["value"]["skeleton"]["loaded_as"] = {"embed_out.weight": 7}
+    elif damage == "heads":
+        stored["value"]["skeleton"]["heads"] = {"model.layers.0.self_attn": 0}
     elif damage == "refusal":
         stored["value"] = {"refusal": ["x", "yes", None]}
     entry.write_bytes(json.dumps(stored).encode() if isinstance(damage, str) else damage)

@@ -12,7 +12,10 @@ One ``torchrun --nproc-per-node 4`` (gloo, CPU) loads every family's tiny model 
   loader's fused local tensors;
 * 14 query heads (a Qwen2, a Phi, an MLA model): tp 4 cuts a head and is refused by ``--plan transformers``,
   ``--uneven`` gives the loader's rank slices; at tp 2 (a second ``torchrun``, 2 ranks) the plain conversion
-  gives them.
+  gives them;
+* checkpoint names transformers renames on load (GPT-NeoX's ``embed_out``, A.X-K2's ``q_b_proj``, HY-V4's sinks
+  and gate) and per-head tensors beside the query (output gates, their bias, a per-head scalar gate, attention
+  sinks, a layer with heads of its own) split as the loader holds them under ``--plan transformers``.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures.families import SPECS, UNEVEN_HEADS, build
+from fixtures.families import PLAN_NAMES, SPECS, UNEVEN_HEADS, build
 from fixtures.hf import load_folder
 from safetensors.torch import load_file, save_file
 
@@ -62,7 +65,7 @@ def loaded(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("tp_loader")
     specs = []
-    for family, (_, _, model_class) in (SPECS | UNEVEN_HEADS).items():
+    for family, (_, _, model_class) in (SPECS | UNEVEN_HEADS | PLAN_NAMES).items():
         model = build(family, root / family)
         specs.append(f"{root / family}={model_class}")
         if family in MOE:
@@ -181,3 +184,14 @@ def test_query_heads_split_whole_at_a_tp_that_divides_them_as_the_loader_holds_t
     output = "model.layers.0.self_attn." + ("dense" if family.startswith("phi") else "o_proj") + ".weight"
     recorded = json.loads((tmp_path / "tp2" / "reshard.json").read_text())["tensors"][output]
     assert recorded["partition"] == {"kind": "shard", "dim": -1, "unit": 6 if "glm4" in family else 8}
+
+
+@pytest.mark.parametrize("family", sorted(PLAN_NAMES))
+def test_plan_transformers_matches_the_names_tensors_load_as_and_per_head_tensors(loaded, cli, tmp_path, family):
+    """Before: GPT-NeoX's ``embed_out`` and A.X-K2's ``q_b_proj`` were kept whole where the loader splits the
+    ``lm_head`` / ``q_gate_proj`` they load as; Beam's ``gate_bias`` and Granite-SWA's ``sinks`` were refused; HY-V4's
+    ``learnable_sink_param`` and ``linear_gate`` (its ``sinks`` and ``gate_proj``) were kept whole. dots3's ``g_proj``
+    was cut in rows, as the loader; now in heads, its sliding-window layer's in its own 4 (the config says 8)."""
+    mine = _convert(cli, loaded / family, tmp_path / "plan", "--plan", "transformers")
+    _equal_to_the_loader(mine, _loader_ranks(loaded, family))
+    assert all(name in load_folder(loaded / family) for name in mine[0])  # the checkpoint's own names

@@ -8,8 +8,9 @@ from fixtures.models import tiny_qwen3_5
 
 from reshard.commands.check import check_model
 from reshard.config import ModelConfig
-from reshard.partition import Shard
-from reshard.plans.transformers_plan import plan_from_tp_plan
+from reshard.partition import Heads, Shard, Vocab
+from reshard.plans.skeleton import ModelSkeleton
+from reshard.plans.transformers_plan import plan_from_skeleton, plan_from_tp_plan
 
 
 def test_plan_transformers_matches_torch_chunk_of_the_loader(cli, tmp_path):
@@ -133,3 +134,51 @@ def test_gathered_projections_keep_their_rows():
     assert [t.partition for t in report.tensors] == [{"kind": "shard", "dim": -2}, {"kind": "shard", "dim": -1}]
     kv = plan_from_tp_plan({"model.layers.*.self_attn.k_proj": "colwise_gather_output"}, None)
     assert kv.match("model.layers.0.self_attn.k_proj.weight").resolve(config) == Shard(-2)
+
+
+def test_renamed_checkpoint_names_and_per_head_vectors_get_the_partition_of_the_name_they_load_as():
+    """The plan is keyed by the model's names: a checkpoint name transformers renames on load takes the partition
+    of the name it loads as (kept in the output under its own name); a 1-d parameter the plan names (sinks, a gate's
+    bias: one value a head) is split on its only dim in whole heads, so a tp that cuts a head is refused."""
+    skeleton = ModelSkeleton(
+        {
+            "lm_head": "colwise_gather_output",
+            "model.layers.*.self_attn.q_gate_proj": "colwise",
+            "model.layers.*.self_attn.sinks": "colwise",
+            "model.layers.*.self_attn.gate_bias": "colwise",
+        },
+        {
+            "lm_head.weight": (256, 64),
+            "model.layers.0.self_attn.q_gate_proj.weight": (192, 32),
+            "model.layers.0.self_attn.sinks": (8,),
+            "model.layers.0.self_attn.gate_bias": (8,),
+        },
+        "AnyForCausalLM",
+        loaded_as={
+            "embed_out.weight": "lm_head.weight",
+            **{
+                f"model.layers.{i}.self_attn.q_b_proj.weight": f"model.layers.{i}.self_attn.q_gate_proj.weight"
+                for i in (0, 2)
+            },
+        },
+        heads={"model.layers.2.self_attn": 4},  # a layer built with its own heads (dots3's sliding-window layers)
+    )
+    config = ModelConfig({"num_attention_heads": 8})
+    plan = plan_from_skeleton(skeleton, config)
+    for name, partition in [
+        ("embed_out.weight", Vocab(0)),
+        ("model.layers.7.self_attn.q_b_proj.weight", Heads(-2, 8)),
+        ("model.layers.7.self_attn.q_gate_proj.weight", Heads(-2, 8)),
+        ("model.layers.3.self_attn.sinks", Heads(-1, 8)),
+        ("model.layers.3.self_attn.gate_bias", Heads(-1, 8)),
+        ("model.layers.2.self_attn.gate_bias", Heads(-1, 4)),
+        ("model.layers.2.self_attn.q_b_proj.weight", Heads(-2, 4)),
+        ("model.layers.12.self_attn.q_b_proj.weight", Heads(-2, 8)),
+    ]:
+        assert plan.match(name).resolve(config) == partition, name
+    shapes = {"model.layers.0.self_attn.sinks": (8,), "model.layers.0.self_attn.q_b_proj.weight": (192, 32)}
+    refused = check_model(shapes, config, plan, 3)
+    cut = "cannot be split 3 ways: dim 0 holds 8 heads, which tp=3 does not divide: a head would be cut"
+    assert not refused.ok
+    problems = [m for t in refused.tensors for m in t.problems]
+    assert problems == [f"heads(dim=-1, heads=8) {cut}", f"heads(dim=-2, heads=8) {cut}"]

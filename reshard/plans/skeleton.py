@@ -228,6 +228,9 @@ def _loaded_as(model: Any, names: list[str]) -> dict[str, str]:
     """
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
+    except ImportError:  # transformers before 5: no renaming on load before its TP plan is matched
+        return {}
+    try:
         from transformers.core_model_loading import (
             PrefixChange,
             WeightConverter,
@@ -235,8 +238,14 @@ def _loaded_as(model: Any, names: list[str]) -> dict[str, str]:
             apply_renamings,
             rename_source_key,
         )
-    except ImportError:  # pragma: no cover - transformers before 5 renames nothing on load
-        return {}
+    except ImportError as err:  # it renames on load, but not in a way reshard can read: never a guess of none
+        import transformers
+
+        raise ReshardError(
+            f"transformers {transformers.__version__} renames checkpoint names on load, and reshard cannot read "
+            f"its renamings ({err})",
+            hint="upgrade transformers (reshard is tested with 5.23)",
+        ) from err
     loading = get_model_conversion_mapping(model)
     renamings = [t for t in loading if isinstance(t, WeightRenaming)]
     converters = [t for t in loading if isinstance(t, WeightConverter)]

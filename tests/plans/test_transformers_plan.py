@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import sys
+import types
+
+import pytest
 import torch
 from fixtures.hf import load_folder, load_rank
 from fixtures.models import tiny_qwen3_5
 
 from reshard.commands.check import check_model
 from reshard.config import ModelConfig
+from reshard.errors import ReshardError
 from reshard.partition import Heads, Shard, Vocab
-from reshard.plans.skeleton import ModelSkeleton
+from reshard.plans.skeleton import ModelSkeleton, _loaded_as
 from reshard.plans.transformers_plan import plan_from_skeleton, plan_from_tp_plan
 
 
@@ -182,3 +187,14 @@ def test_renamed_checkpoint_names_and_per_head_vectors_get_the_partition_of_the_
     assert not refused.ok
     problems = [m for t in refused.tensors for m in t.problems]
     assert problems == [f"heads(dim=-1, heads=8) {cut}", f"heads(dim=-2, heads=8) {cut}"]
+
+
+def test_renamings_transformers_has_but_reshard_cannot_read_are_an_error_not_none(monkeypatch):
+    """A transformers that renames names on load (it has ``conversion_mapping``) whose loading module lacks what
+    reshard reads them with is refused by name; one without ``conversion_mapping`` (before 5) renames nothing."""
+    monkeypatch.setitem(sys.modules, "transformers.core_model_loading", types.ModuleType("core_model_loading"))
+    with pytest.raises(ReshardError, match="cannot read its renamings") as refused:
+        _loaded_as(None, ["embed_out.weight"])
+    assert "upgrade transformers" in refused.value.one_line()
+    monkeypatch.setitem(sys.modules, "transformers.conversion_mapping", None)  # import fails: before transformers 5
+    assert _loaded_as(None, ["embed_out.weight"]) == {}

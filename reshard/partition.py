@@ -335,6 +335,33 @@ def rank_shapes(
     raise TypeError(f"not a partition: {partition!r}")
 
 
+def rank_rows(
+    partition: Partition, full_shape: Sequence[int], tp: int, *, padded: int | None = None, uneven: bool = False
+) -> list[tuple[tuple[int, int], ...]]:
+    """Per rank, the runs ``(start, length)`` along the partition's dim of the (``padded``) canonical tensor that
+    its slice joins, in order: what :func:`reshard.slicing.split` cuts, as numbers, so that byte paths can cut
+    without torch (:mod:`reshard.engine.stream`). Not for :class:`Replicate`, which has no dim.
+
+    Example:
+        >>> rank_rows(Packed(0, (4, 2)), (6, 3), 2)
+        [((0, 2), (4, 1)), ((2, 2), (5, 1))]
+    """
+    shapes = rank_shapes(partition, full_shape, tp, padded=padded, uneven=uneven)  # validates
+    dim = norm_dim(partition.dim, len(full_shape))
+    sizes = [shape[dim] for shape in shapes]
+    if isinstance(partition, Packed) and tp > 1:
+        pieces = packed_piece_sizes(partition, tp, uneven=uneven)
+        starts = [sum(partition.parts[:i]) for i in range(len(partition.parts))]
+        return [
+            tuple((start + sum(part[:r]), part[r]) for start, part in zip(starts, pieces, strict=True))
+            for r in range(tp)
+        ]
+    replicas = head_replicas(partition, tp)
+    if replicas > 1:  # every copy of a head is the same rows
+        return [(((r // replicas) * sizes[r], sizes[r]),) for r in range(tp)]
+    return [((sum(sizes[:r]), sizes[r]),) for r in range(tp)]
+
+
 def packed_piece_sizes(partition: Packed, tp: int, *, uneven: bool) -> list[list[int]]:
     """For each part, the sizes of its ``tp`` pieces."""
     out = []

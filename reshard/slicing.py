@@ -25,6 +25,7 @@ from reshard.partition import (
     head_replicas,
     norm_dim,
     packed_piece_sizes,
+    rank_rows,
     rank_shapes,
     with_size,
 )
@@ -57,41 +58,32 @@ def split(
         >>> [t.tolist() for t in split(torch.arange(4), Packed(0, (2, 2)), 2)]
         [[0, 2], [1, 3]]
     """
-    match partition:
-        case Replicate():
-            return [full] * tp
-        case Shard(dim, _) | Grouped(dim, _) | Heads(dim, _):
-            sizes = [s[dim] for s in rank_shapes(partition, full.shape, tp, uneven=uneven)]
-            return list(torch.split(full, sizes, dim=dim))
-        case Vocab(dim):
-            sizes = [s[dim] for s in rank_shapes(partition, full.shape, tp, padded=padded, uneven=uneven)]
-            return list(torch.split(pad(full, dim, sum(sizes)), sizes, dim=dim))
-        case Packed(dim, _, _):
-            if tp == 1:  # one rank holds every part whole, in order: the tensor itself, not a copy
-                rank_shapes(partition, full.shape, tp, uneven=uneven)  # validates
-                return [full]
-            return [torch.cat(parts, dim=dim) for parts in packed_parts(full, partition, tp, uneven=uneven)]
-        case ReplicatedHeads(dim, _):
-            sizes = [s[dim] for s in rank_shapes(partition, full.shape, tp, uneven=uneven)]
-            replicas = head_replicas(partition, tp)
-            if replicas == 1:
-                return list(torch.split(full, sizes, dim=dim))
-            return [full.narrow(dim, (r // replicas) * sizes[r], sizes[r]) for r in range(tp)]
-    raise TypeError(f"not a partition: {partition!r}")
+    if isinstance(partition, Replicate):
+        return [full] * tp
+    if isinstance(partition, Packed) and tp == 1:  # one rank holds every part whole, in order: the tensor itself
+        rank_shapes(partition, full.shape, tp, uneven=uneven)  # validates
+        return [full]
+    rows = rank_rows(partition, full.shape, tp, padded=padded, uneven=uneven)
+    if isinstance(partition, Vocab):
+        full = pad(full, partition.dim, sum(length for ((_, length),) in rows))
+    dim = norm_dim(partition.dim, full.dim())
+    return [_joined(full, dim, runs) for runs in rows]
+
+
+def _joined(full: torch.Tensor, dim: int, runs: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """Rows ``runs`` of ``full`` along ``dim``: a view when they are one run, else their concatenation."""
+    if len(runs) == 1:
+        return full.narrow(dim, *runs[0])
+    return torch.cat([full.narrow(dim, start, length) for start, length in runs], dim=dim)
 
 
 def packed_parts(full: torch.Tensor, partition: Packed, tp: int, *, uneven: bool = False) -> list[list[torch.Tensor]]:
     """Per rank, the views of a packed tensor's parts that its slice joins along ``partition.dim``, in order."""
-    rank_shapes(partition, full.shape, tp, uneven=uneven)  # validates
-    pieces = [
-        torch.split(part, sizes, dim=partition.dim)
-        for part, sizes in zip(
-            torch.split(full, list(partition.parts), dim=partition.dim),
-            packed_piece_sizes(partition, tp, uneven=uneven),
-            strict=True,
-        )
+    dim = norm_dim(partition.dim, full.dim())
+    return [
+        [full.narrow(dim, start, length) for start, length in runs]
+        for runs in rank_rows(partition, full.shape, tp, uneven=uneven)
     ]
-    return [[p[r] for p in pieces] for r in range(tp)]
 
 
 def gather(

@@ -12,12 +12,12 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import torch
-
 from reshard.io.direct import ALIGN
 
 if TYPE_CHECKING:
-    from reshard.engine.gather import Work
+    import torch
+
+    from reshard.engine.work import Work
 
 MIN_BUDGET = 64 << 20
 Shape = tuple[int, ...]
@@ -41,7 +41,7 @@ class BufferPool:
 
     def get(self, shape: Shape, dtype: torch.dtype, *, phase: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """A raw byte buffer (give it back with :meth:`put`) and a tensor of ``shape`` and ``dtype`` on it,
-        starting ``phase`` bytes into a 4 KB page (:func:`reshard.engine.gather.read_phase`): every buffer has
+        starting ``phase`` bytes into a 4 KB page (:func:`reshard.engine.work.read_phase`): every buffer has
         :data:`~reshard.io.direct.ALIGN` bytes of slack for that."""
         nbytes = math.prod(shape) * dtype.itemsize + ALIGN
         raw = None
@@ -56,6 +56,8 @@ class BufferPool:
                 self._held += nbytes
                 self.peak = max(self.peak, self._held)
         if raw is None:
+            import torch
+
             raw = torch.empty(nbytes, dtype=torch.uint8)
         start = (phase - raw.data_ptr()) % ALIGN
         return raw, raw[start : start + nbytes - ALIGN].view(dtype).view(shape)

@@ -9,13 +9,17 @@ Manifests written before it record sha256, which :func:`digest_of` still compute
 from __future__ import annotations
 
 import hashlib
+from typing import TYPE_CHECKING
 
 import blake3
 import numpy as np
-import torch
 
+from reshard.dtypes import code_of
 from reshard.formats.safetensors.writer import CHUNK_BYTES, byte_chunks
 from reshard.schema import DIGESTS
+
+if TYPE_CHECKING:
+    import torch
 
 ALGORITHM = "blake3"
 ALGORITHMS = DIGESTS
@@ -40,30 +44,40 @@ def _hasher(algorithm: str, *, threaded: bool) -> hashlib._Hash | blake3.blake3:
     raise ValueError(f"unknown digest algorithm {algorithm!r}")
 
 
+def checked_without_torch(code: str) -> bool:
+    """Whether :class:`RunningDigest` checks values of dtype ``code`` for NaN/Inf on their bits alone (every float
+    code but ``F8_E8M0``, whose only non-finite value is one bit pattern, and the complex one; every integer)."""
+    return code in EXPONENT_BITS or code in NEVER_NAN
+
+
 class RunningDigest:
     """:func:`digest_of` and :func:`all_finite_in_blocks` of a tensor fed its bytes in C order, block by block.
 
     Each block is checked for NaN/Inf right after it is hashed, while it is still in the core's cache: one pass
     over memory instead of two (the check alone reads memory at ~11 GB/s on the bench VM, ~0.09 CPU-s a GB).
-    Blocks hold whole values.
+    Blocks hold whole values. Torch-free for the dtypes :func:`checked_without_torch` names.
     """
 
-    def __init__(self, dtype: torch.dtype, *, finite: bool, algorithm: str = ALGORITHM) -> None:
+    def __init__(self, code: str, *, finite: bool, algorithm: str = ALGORITHM) -> None:
         self._hash = _hasher(algorithm, threaded=False)
         self._algorithm = algorithm
-        self._dtype = dtype
+        self._code = code
         self._finite: bool | None = True if finite else None
-        self._masked = np.empty(FINITE_BLOCK, dtype=EXPONENT_BITS[dtype][0]) if dtype in EXPONENT_BITS else None
+        self._masked = np.empty(FINITE_BLOCK, dtype=EXPONENT_BITS[code][0]) if code in EXPONENT_BITS else None
 
     def update(self, block: memoryview) -> None:
         """Hash the next bytes and, while no NaN/Inf has been met, check them."""
         self._hash.update(block)
-        if self._finite and len(block):
-            if self._dtype in EXPONENT_BITS:
-                bits, mask = EXPONENT_BITS[self._dtype]
+        if self._finite and len(block) and self._code not in NEVER_NAN:
+            if self._code in EXPONENT_BITS:
+                bits, mask = EXPONENT_BITS[self._code]
                 self._finite = _no_exponent_all_ones(np.frombuffer(block, dtype=bits), bits, mask, out=self._masked)
             else:
-                self._finite = all_finite_in_blocks(torch.frombuffer(block, dtype=self._dtype))
+                import torch
+
+                from reshard.dtypes import dtype_from_code
+
+                self._finite = all_finite_in_blocks(torch.frombuffer(block, dtype=dtype_from_code(self._code)))
 
     def result(self) -> tuple[str, bool | None]:
         """``("<algorithm>:<hex>", finite)``; finite is None when not asked for."""
@@ -77,6 +91,8 @@ def algorithm_of(digest: str) -> str:
 
 def all_finite(tensor: torch.Tensor) -> bool:
     """True when no value is NaN or Inf (always for integer and bool tensors)."""
+    import torch
+
     if not (tensor.is_floating_point() or tensor.is_complex()):
         return True
     try:
@@ -85,13 +101,19 @@ def all_finite(tensor: torch.Tensor) -> bool:
         return bool(torch.isfinite(tensor.float()).all())
 
 
-# A float is NaN or +-Inf exactly when its exponent bits are all ones: the integer type of its bits and that mask.
-EXPONENT_BITS: dict[torch.dtype, tuple[type[np.integer], int]] = {
-    torch.bfloat16: (np.int16, 0x7F80),
-    torch.float16: (np.int16, 0x7C00),
-    torch.float32: (np.int32, 0x7F800000),
-    torch.float64: (np.int64, 0x7FF0000000000000),
+# A float is NaN or +-Inf exactly when the bits of this mask are all ones: by dtype code, the integer type of its
+# bits and that mask. The exponent bits, except float8 e4m3fn: it has no Inf, and its exponent all ones is a
+# number too, but for the mantissa all ones (NaN).
+EXPONENT_BITS: dict[str, tuple[type[np.integer], int]] = {
+    "BF16": (np.int16, 0x7F80),
+    "F16": (np.int16, 0x7C00),
+    "F32": (np.int32, 0x7F800000),
+    "F64": (np.int64, 0x7FF0000000000000),
+    "F8_E5M2": (np.int8, 0x7C),
+    "F8_E4M3": (np.int8, 0x7F),
 }
+# Dtype codes with no NaN or Inf to look for.
+NEVER_NAN = frozenset({"BOOL", "U8", "I8", "I16", "U16", "I32", "U32", "I64", "U64"})
 # Values per block of the exponent check: its one temporary stays in a core's cache.
 FINITE_BLOCK = 1 << 18
 
@@ -104,10 +126,13 @@ def all_finite_in_blocks(tensor: torch.Tensor) -> bool:
     one ``aminmax`` pass: it propagates NaN, and a tensor is finite when its min and max are (far faster than
     ``isfinite(t).all()``, which builds a mask). Measurements: docs/performance.md.
     """
+    import torch
+
     if tensor.numel() == 0 or not tensor.is_floating_point():
         return all_finite(tensor)
-    if tensor.dtype in EXPONENT_BITS and tensor.is_contiguous():
-        bits, mask = EXPONENT_BITS[tensor.dtype]
+    code = _code_of(tensor.dtype)
+    if code in EXPONENT_BITS and tensor.is_contiguous():
+        bits, mask = EXPONENT_BITS[code]
         return _no_exponent_all_ones(tensor.reshape(-1).view(torch.uint8).numpy().view(bits), bits, mask)
     try:
         low, high = torch.aminmax(tensor)
@@ -119,6 +144,13 @@ def all_finite_in_blocks(tensor: torch.Tensor) -> bool:
             all_finite(tensor.narrow(0, s, min(rows, tensor.shape[0] - s))) for s in range(0, len(tensor), rows)
         )
     return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
+
+
+def _code_of(dtype: torch.dtype) -> str | None:
+    try:
+        return code_of(dtype)
+    except KeyError:  # a dtype safetensors cannot hold (float8 e4m3fnuz...)
+        return None
 
 
 def _no_exponent_all_ones(

@@ -15,9 +15,13 @@ Why it is shaped like this (the gather itself is :mod:`reshard.engine.gather`):
   at their offsets: a thread waiting for the disk leaves the core to another one's hashing. Other
   writers get the tensors in plan order from the calling thread. Buffers are reused for the next tensor
   of the same size, and what is in flight stays within a byte budget (:mod:`reshard.engine.buffers`).
-* **In memory, no gather.** When the source files and the output live in memory (tmpfs), a tensor kept as it
-  is skips the buffer: it streams through a small one, block by block (:mod:`reshard.engine.stream`), and only
-  the others (a transform, copies of a replicated tensor to compare) are gathered.
+* **No gather, no torch, where bytes are only moved.** A tensor kept as it is can skip the gather buffer: it
+  streams through a small one, block by block (:mod:`reshard.engine.stream`). When every unit of a conversion
+  streams (re-slicing safetensors, DeepSpeed's fp32 masters to safetensors), torch is never imported: its import
+  alone costs 1.7-2.0 CPU-s on the bench VM, more than the bytes of a small model. When the source files and the
+  output live in memory (tmpfs), the units that stream do so beside the gathered ones (a transform, copies of a
+  replicated tensor to compare, :mod:`reshard.engine.gathered`); on a disk, a conversion with one gathered unit
+  gathers all of them, as the gather's direct reads of a whole tensor keep more of the disk busy.
 * **The largest tensors first.** A tensor is hashed while its slices are written, so the last one's hash
   ends after every byte has gone to the disk. Plan order is by name, which ends a Megatron checkpoint on
   ``output_layer.weight``: 0.24 s of hashing 262 MB with the disk idle, at the end of a 4 GB tp 8 -> 4 on
@@ -36,36 +40,21 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-import torch
 from tqdm.auto import tqdm
 
-from reshard.dtypes import dtype_from_code
-from reshard.engine.buffers import Budget, BufferPool, budget_for
-from reshard.engine.digest import all_finite_in_blocks, digest_of
-from reshard.engine.gather import (
-    Work,
-    check_fits,
-    gather_and_split,
-    plan_work,
-    read_phase,
-    write_phase,
-    writes_into,
-)
-from reshard.engine.stream import stream, stream_plan, streams_to
-from reshard.errors import ShapeMismatchError
-from reshard.io.direct import Batch
+from reshard.engine.buffers import Budget, budget_for
+from reshard.engine.stream import RowBlocks, Streamed, in_memory_unit, stream, stream_plan, streams_to
+from reshard.engine.work import Work, check_fits, plan_work
 from reshard.layouts.base import CheckpointWriter, TensorRef
 from reshard.progress import quiet_unless
 
 if TYPE_CHECKING:
+    from reshard.engine.gathered import GatherJobs, Written
     from reshard.engine.planner import ConversionPlan, TensorPlan
 
 MAX_PENDING = 256
-Shape = tuple[int, ...]
-# What a job hands back per target tensor: name, digest, finite, and the slices left to write (if any).
-Written = tuple[str, str, bool | None, list["torch.Tensor"]]
 
 
 class ReadAhead:
@@ -155,7 +144,7 @@ def execute(
     ``allow_divergent``, replicated tensors that differ between ranks are taken from rank 0 and, when
     ``divergent`` is given, named in it (the manifest records them). ``on_hashed(plan, name, digest, finite)``
     is called, in this thread, for every target tensor once it is hashed and handed to the writer (a resumable
-    run journals it).
+    run journals it). Torch is imported only when a unit is gathered (see the module's docstring).
     """
     works = [plan_work(t, target_tp=conversion.target_tp) for t in conversion.tensors]
     check_fits(works)  # before the first buffer: a declared size larger than memory is one line, not the allocator's
@@ -163,67 +152,29 @@ def execute(
         largest = max((work.tensor.nbytes for work in works), default=0)
         works.sort(key=lambda work: work.tensor.nbytes != largest)
     budget = budget or Budget(budget_for(works))
-    options = {
-        "target_tp": conversion.target_tp,
+    streamed = _streamed(works, writer, target_tp=conversion.target_tp, uneven=conversion.uneven)
+    gathers = None
+    if any(plan is None for plan in streamed):
+        from reshard.engine.gathered import GatherJobs  # imports torch
+
+        gathers = GatherJobs(
+            writer,
+            budget.limit,
+            target_tp=conversion.target_tp,
+            uneven=conversion.uneven,
+            allow_divergent=allow_divergent,
+            divergent=divergent,
+            finite=finite is not None,
+        )
+
+    moves = {
+        "writer": writer,
+        "gathers": gathers,
         "uneven": conversion.uneven,
+        "finite": finite is not None,
         "allow_divergent": allow_divergent,
         "divergent": divergent,
     }
-
-    buffers = BufferPool(budget.limit)
-    streams = streams_to(writer)
-
-    def job(work: Work) -> tuple[list[Written], list[torch.Tensor]]:
-        streamed = stream_plan(work, target_tp=conversion.target_tp, uneven=conversion.uneven) if streams else None
-        if streamed is not None:  # runs of source bytes, through a small buffer (engine/stream.py)
-            digest, is_finite = stream(
-                work,
-                streamed,
-                writer,
-                target_tp=conversion.target_tp,
-                uneven=conversion.uneven,
-                finite=finite is not None,
-            )
-            return [(work.tensor.targets[0].name, digest, is_finite, [])], []
-        held = [
-            buffers.get(shape, source.dtype, phase=read_phase(source, uneven=conversion.uneven))
-            for shape, source in zip(work.buffer_shapes, work.tensor.sources, strict=True)
-        ]
-        into = writes_into(work.tensor)  # the transform's output in pooled memory too
-        outputs = (  # on the phase of where they are written: written without a staging copy
-            [
-                buffers.get(t.shape, dtype_from_code(t.code), phase=write_phase(t, writer.position(t.name)))
-                for t in work.tensor.targets
-            ]
-            if into
-            else []
-        )
-        known_finite: set[str] = set()  # targets a transform knows to be finite from its inputs
-        pieces_of = gather_and_split(
-            work,
-            buffers=[buffer for _, buffer in held],
-            outputs=[out for _, out in outputs] or None,
-            known_finite=known_finite,
-            **options,
-        )
-        held += outputs
-        for ref in _refs(work):
-            ref.evict()
-        written = []
-        for (name, canonical, pieces), target in zip(pieces_of, work.tensor.targets, strict=True):
-            pieces = _exact(pieces, target.rank_shapes)
-            with Batch():
-                if writer.concurrent:  # write here, every target rank's blocks in flight while this thread hashes
-                    writer.write_unordered(name, pieces)
-                    pieces = []
-                digest = digest_of(canonical)
-                if finite is None:
-                    is_finite = None
-                else:
-                    is_finite = name in known_finite or all_finite_in_blocks(canonical)
-            written.append((name, digest, is_finite, pieces))
-        del pieces_of
-        return written, [raw for raw, _ in held]
 
     hashes: dict[str, str] = {}
     total = sum(t.nbytes for t in conversion.tensors)
@@ -240,15 +191,15 @@ def execute(
             leave=False,
             **quiet_unless(progress),
         ) as bar,
-        torch.inference_mode(),
+        gathers.mode() if gathers is not None else contextlib.nullcontext(),
         ReadAhead(works, budget.limit) as read_ahead,
     ):
-        queue = deque(works)
+        queue = deque(zip(works, streamed, strict=True))
         try:
             while queue or pending:
-                while queue and len(pending) < MAX_PENDING and budget.take(queue[0].cost):
-                    work = queue.popleft()
-                    pending.append((work, pool.submit(job, work)))
+                while queue and len(pending) < MAX_PENDING and budget.take(queue[0][0].cost):
+                    work, plan = queue.popleft()
+                    pending.append((work, pool.submit(move_unit, work, plan, **moves)))
                     read_ahead.started(work)
                 work, future = pending.popleft()
                 written, raws = future.result()
@@ -261,8 +212,8 @@ def execute(
                     if on_hashed is not None:
                         on_hashed(work.tensor, name, digest, is_finite)
                 del written, pieces, future
-                for raw in raws:
-                    buffers.put(raw)
+                if raws:
+                    gathers.release(raws)
                 budget.give(work.cost)
                 bar.update(work.tensor.nbytes)
         except BaseException:
@@ -272,8 +223,49 @@ def execute(
     return hashes
 
 
-def _exact(pieces: Sequence[torch.Tensor], shapes: Sequence[Shape]) -> list[torch.Tensor]:
-    for piece, shape in zip(pieces, shapes, strict=True):
-        if tuple(piece.shape) != shape:
-            raise ShapeMismatchError(f"split produced {tuple(piece.shape)}, planned {shape}")
-    return list(pieces)
+def move_unit(
+    work: Work,
+    plan: Streamed | RowBlocks | None,
+    *,
+    writer: CheckpointWriter,
+    gathers: GatherJobs | None,
+    uneven: bool,
+    finite: bool,
+    allow_divergent: bool,
+    divergent: set[str] | None,
+) -> tuple[list[Written], list[Any]]:
+    """Move one unit's bytes, on a worker thread: streamed by ``plan``, or gathered when it has none. Its targets
+    (name, digest, finite, slices still to write) and the gather buffers to give back once they are written."""
+    if plan is None:
+        return gathers.run(work)
+    digest, is_finite = stream(
+        work, plan, writer, uneven=uneven, finite=finite, allow_divergent=allow_divergent, divergent=divergent
+    )
+    return [(work.tensor.targets[0].name, digest, is_finite, [])], []
+
+
+def streams(conversion: ConversionPlan) -> bool:
+    """Whether every unit of ``conversion`` can stream (into a writer that takes byte ranges): then moving its bytes
+    never imports torch. Pure; the engine starts torch's import early only when this is False."""
+    return all(
+        stream_plan(
+            plan_work(t, target_tp=conversion.target_tp), target_tp=conversion.target_tp, uneven=conversion.uneven
+        )
+        is not None
+        for t in conversion.tensors
+    )
+
+
+def _streamed(
+    works: Sequence[Work], writer: CheckpointWriter, *, target_tp: int, uneven: bool
+) -> list[Streamed | RowBlocks | None]:
+    """Per unit, its stream (None: gathered): every unit's when all of them stream, else those in memory."""
+    if not streams_to(writer):
+        return [None] * len(works)
+    plans = [stream_plan(work, target_tp=target_tp, uneven=uneven) for work in works]
+    if all(plan is not None for plan in plans):
+        return plans
+    return [
+        plan if plan is not None and in_memory_unit(work, writer) else None
+        for work, plan in zip(works, plans, strict=True)
+    ]

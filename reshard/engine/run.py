@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.engine.conversion_manifest import conversion_manifest
+from reshard.engine.execute import execute, streams
 from reshard.engine.group_staging import staged
 from reshard.engine.lora_merge import check_lora_replicas
 from reshard.engine.open import OpenedCheckpoint, open_checkpoint
@@ -80,7 +81,6 @@ class _Moved:
 
 def open_for_conversion(ckpt: Path, out: Path, options: ConvertOptions) -> OpenedCheckpoint:
     """Check ``out`` can be written, then open ``ckpt`` for the tp its target layout is planned at."""
-    import_torch_in_background()
     check_output(out, source=ckpt, overwrite=options.overwrite)
     return open_checkpoint(ckpt, options.read, target_tp=planned_tp(options.layout, options.tp))
 
@@ -93,6 +93,8 @@ def run_conversion(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
             ``out`` then; with ``--resume``, the partial output is kept to resume from).
     """
     target = plan_target(opened, options)
+    if not streams(target.conversion):  # the bytes need torch: its import runs while the rest is planned
+        import_torch_in_background()
     built_family.check_counts(opened.source.config, opened.source.names())  # every worker, no import
     tokenizer = carried_tokenizer(opened.tokenizer, target.layout)
     if opened.tokenizer is not None and tokenizer is None:
@@ -108,7 +110,7 @@ def run_conversion(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
     group = join()
     first = group is None or group.rank == 0
     # once per conversion, heard before publishing: rank 0's refusal reaches every worker through `together`
-    wait_for_torch()  # the bytes need it next; the check forks only a process of one thread
+    wait_for_torch()  # the check forks only a process of one thread
     family = built_family.start(opened.source.config, opened.source.names()) if first else None
     _heard_early(family, group)  # a refusal the cache already knows: before any output exists
     with staged(out, overwrite=options.overwrite, resume=options.resume, group=group) as staging:
@@ -123,7 +125,6 @@ def run_conversion(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
             spec, done_files=done, on_file_done=journal.file_done if journal else None, writes_shared=first
         )
         writer = layout.writer(staging, spec, file_plan)
-        from reshard.engine.execute import execute  # imports torch: after planning, which does without it
 
         def move() -> _Moved:
             divergent: set[str] = set()

@@ -33,22 +33,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from reshard.dtypes import dtype_from_code
-from reshard.engine.digest import RunningDigest
-from reshard.engine.gather import Work, copy_plan, kept_slices
+from reshard.dtypes import itemsize_of
+from reshard.engine.digest import RunningDigest, checked_without_torch
+from reshard.engine.planner import SourceTensor
+from reshard.engine.work import Work, copy_plan
+from reshard.errors import ReshardError
 from reshard.io.direct import Batch, in_memory
-from reshard.io.joined import Joined
-from reshard.io.scratch import scratch
+from reshard.io.scratch import scratch_bytes
 from reshard.layouts.base import CheckpointWriter, TensorRef
-from reshard.partition import Partition, Replicate, Vocab, head_replicas
+from reshard.partition import Partition, Replicate, Vocab, head_replicas, rank_rows
 
 # Bytes per block: small enough to stay in a core's cache between the read, the hash, the check and the writes,
 # large enough that the Python calls per block are few (paired runs of a 4.17 GB tp 8 -> 4 in tmpfs on the bench
 # VM: 4 MB blocks took 0.95 x the CPU of 1 MB ones, user 0.91 x).
 BLOCK_BYTES = 4 << 20
 Range = tuple[int, int]
+Runs = tuple[tuple[int, int], ...]
 
 
 @dataclass(frozen=True)
@@ -62,66 +63,90 @@ class Run:
 
 @dataclass(frozen=True)
 class Streamed:
-    """A unit's canonical bytes as source runs in order, and each target rank's slice as canonical byte ranges."""
+    """A unit's canonical bytes as source runs in order, and each target rank's slice as canonical byte ranges;
+    ``copies``: the other ranks' copies of a replicated tensor, each block compared with the first's; ``pads``:
+    the zero rows a bigger target vocab adds, as ``(rank, byte in its slice, length)``."""
 
     runs: tuple[Run, ...]
     targets: tuple[tuple[Range, ...], ...]
+    copies: tuple[TensorRef, ...] = ()
+    pads: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
 class RowBlocks:
     """A unit split after its first dim (the row-parallel weights), moved ``rows`` rows of that first dim at a
     time: those rows of each source slice are one run of its bytes, gathered into a small buffer as the gather
-    places them (:func:`copy_plan`), hashed and checked there, then split as the gather splits and written."""
+    places them (:func:`copy_plan`), hashed and checked there, then cut as the gather splits (``targets``: each
+    target rank's runs along the split dim, :func:`~reshard.partition.rank_rows`) and written."""
 
     rows: int
+    targets: tuple[Runs, ...]
 
 
 def streams_to(writer: CheckpointWriter) -> bool:
-    """Whether units may be streamed into ``writer``: it writes byte ranges, from worker threads, into memory."""
-    return writer.concurrent and getattr(writer, "takes_parts", False) and in_memory(writer.out_dir)
+    """Whether units may be streamed into ``writer``: it writes byte ranges, from worker threads."""
+    return writer.concurrent and getattr(writer, "takes_parts", False)
+
+
+def in_memory_unit(work: Work, writer: CheckpointWriter) -> bool:
+    """Whether a unit's source files and the output are all in memory (tmpfs): there the stream is the cheaper
+    path even beside units that are gathered; on a disk, only when no unit needs the gather (then torch is never
+    imported), since the gather's direct reads keep more of the disk busy."""
+    return in_memory(writer.out_dir) and all(in_memory(ref.file) for ref in work.tensor.sources[0].refs)
 
 
 def stream_plan(work: Work, *, target_tp: int, uneven: bool) -> Streamed | RowBlocks | None:
     """The runs of a unit that can be streamed (see the module's docstring); None for any other unit (a
-    transform, copies of a replicated tensor to compare, a split after the first dim, pad rows to add, a source
-    not read straight from a file in memory), which is gathered."""
+    transform, copies of a replicated tensor to compare, pad rows to add, a source not read straight from its
+    file, a dtype whose NaN/Inf check needs torch), which is gathered."""
     tensor = work.tensor
     if tensor.transform is not None:
         return None
-    (source,), _ = tensor.sources, tensor.targets
+    (source,) = tensor.sources
     refs = source.refs
-    if not refs or any(ref.position is None or not in_memory(ref.file) for ref in refs):
+    if not refs or any(ref.position is None for ref in refs) or not checked_without_torch(source.code):
         return None
     partition, shape = source.partition, tuple(source.shape)
     if isinstance(partition, Replicate):
-        if len(refs) != 1:  # every rank's copy is compared with the first (gather_into)
-            return None
         whole = ((0, refs[0].header.nbytes),)
-        return Streamed((Run(refs[0], 0, refs[0].header.nbytes),), (whole,) * target_tp)
+        return Streamed((Run(refs[0], 0, refs[0].header.nbytes),), (whole,) * target_tp, refs[1:])
     dim = partition.dim % len(shape)
     if head_replicas(partition, len(refs)) > 1:  # copies of a head are compared (gather_into)
         return None
-    if math.prod(shape[:dim]) != 1:
-        return _row_blocks(work, dim)
-    row = math.prod(shape[dim + 1 :]) * source.dtype.itemsize
-    runs = _source_runs(source.refs, partition, shape[dim], row, uneven=uneven)
-    targets = _target_ranges(work, dim, row, target_tp, uneven=uneven)
-    if runs is None or targets is None:
+    targets = _target_runs(work, dim, target_tp, uneven=uneven)
+    if targets is None:
         return None
-    return Streamed(runs, targets)
+    if math.prod(shape[:dim]) != 1:
+        return _row_blocks(work, dim, targets)
+    row = math.prod(shape[dim + 1 :]) * itemsize_of(source.code)
+    runs = _source_runs(source.refs, partition, shape[dim], row, uneven=uneven)
+    if runs is None:
+        return None
+    rows = shape[dim]
+    ranges = tuple(
+        tuple((start * row, min(start + length, rows) * row) for start, length in rank if start < rows and length)
+        for rank in targets
+    )
+    pads = tuple(  # only a vocab's runs reach past the canonical rows (one run a rank)
+        (rank, (rows - start) * row if start < rows else 0, (start + length - max(start, rows)) * row)
+        for rank, runs in enumerate(targets)
+        for start, length in runs
+        if start + length > rows
+    )
+    return Streamed(runs, ranges, pads=pads)
 
 
-def _row_blocks(work: Work, dim: int) -> RowBlocks | None:
+def _row_blocks(work: Work, dim: int, targets: tuple[Runs, ...]) -> RowBlocks | None:
     """How many first-dim rows go in a block, for a unit split along ``dim`` > 0; None when its canonical block
-    would not be contiguous (pad rows along ``dim``) or a slice needs pad rows the source lacks."""
-    (source,), (target,) = work.tensor.sources, work.tensor.targets
+    would not be contiguous (pad rows along ``dim``)."""
+    (source,) = work.tensor.sources
     if work.buffer_shapes[0][dim] != source.shape[dim] or any(ref.shape[0] != source.shape[0] for ref in source.refs):
         return None
-    if isinstance(source.partition, Vocab) and sum(s[dim] for s in target.rank_shapes) > source.shape[dim]:
-        return None
-    row = math.prod(source.shape[1:]) * source.dtype.itemsize
-    return RowBlocks(max(1, BLOCK_BYTES // max(1, row)))
+    if any(start + length > source.shape[dim] for rank in targets for start, length in rank):
+        return None  # zero rows to append along dim: gathered
+    row = math.prod(source.shape[1:]) * itemsize_of(source.code)
+    return RowBlocks(max(1, BLOCK_BYTES // max(1, row)), targets)
 
 
 def _source_runs(
@@ -142,29 +167,20 @@ def _source_runs(
     return tuple(runs) if at == rows else None
 
 
-def _target_ranges(
-    work: Work, dim: int, row: int, target_tp: int, *, uneven: bool
-) -> tuple[tuple[Range, ...], ...] | None:
-    """Each target rank's slice as canonical byte ranges: the gather's split (:func:`kept_slices`) of a tensor of
-    row numbers shaped like the gather buffer along ``dim``; None when a slice needs pad rows the source lacks."""
+def _target_runs(work: Work, dim: int, target_tp: int, *, uneven: bool) -> tuple[Runs, ...] | None:
+    """Each target rank's slice as runs ``(start, length)`` of canonical rows along ``dim``: the gather's split
+    (:func:`~reshard.engine.gather.kept_slices`: a vocab cut by the target's rank shapes, every other partition by
+    :func:`~reshard.partition.rank_rows`; a vocab's runs may reach past the canonical rows into zero rows to add);
+    None when the split does not give the planned slices."""
     (source,), (target,) = work.tensor.sources, work.tensor.targets
-    rows = source.shape[dim]
-    if isinstance(source.partition, Vocab) and sum(s[dim] for s in target.rank_shapes) > rows:
-        return None  # zero rows to append: the gather zeroes them in its buffer
-    numbers_shape = [1] * len(source.shape)
-    numbers_shape[dim] = work.buffer_shapes[0][dim]
-    numbers = torch.arange(numbers_shape[dim], dtype=torch.int64).view(numbers_shape)
-    canonical = numbers.narrow(dim, 0, rows)
-    _, pieces = kept_slices(source, (canonical, numbers), target, target_tp, uneven=uneven)
-    ranges = []
-    for piece, shape in zip(pieces, target.rank_shapes, strict=True):
-        parts = piece.parts if isinstance(piece, Joined) else (piece,)
-        order = np.concatenate([part.reshape(-1).numpy() for part in parts])
-        if len(order) != shape[dim] or np.any(order >= rows):
-            return None
-        consecutive = np.split(order, np.flatnonzero(np.diff(order) != 1) + 1)
-        ranges.append(tuple((int(run[0]) * row, (int(run[-1]) + 1) * row) for run in consecutive if len(run)))
-    return tuple(ranges)
+    partition = source.partition
+    sizes = [shape[dim] for shape in target.rank_shapes]
+    if isinstance(partition, Vocab):
+        return tuple(((sum(sizes[:rank]), size),) for rank, size in enumerate(sizes))
+    runs = tuple(rank_rows(partition, source.shape, target_tp, uneven=uneven))
+    if [sum(length for _, length in rank) for rank in runs] != sizes:
+        return None
+    return runs
 
 
 def stream(
@@ -172,49 +188,104 @@ def stream(
     streamed: Streamed | RowBlocks,
     writer: CheckpointWriter,
     *,
-    target_tp: int,
     uneven: bool,
     finite: bool,
+    allow_divergent: bool = False,
+    divergent: set[str] | None = None,
 ) -> tuple[str, bool | None]:
     """Move one unit block by block (see the module's docstring); its digest and, when ``finite``, whether every
-    value is finite (else None)."""
+    value is finite (else None). The copies of a replicated tensor are compared with the first as the gather
+    compares them (:func:`~reshard.engine.gather.gather_into`): ``allow_divergent`` and ``divergent`` alike."""
     if isinstance(streamed, RowBlocks):
-        return _stream_rows(work, streamed.rows, writer, target_tp=target_tp, uneven=uneven, finite=finite)
+        return _stream_rows(work, streamed, writer, uneven=uneven, finite=finite)
     (source,), (target,) = work.tensor.sources, work.tensor.targets
-    digest = RunningDigest(source.dtype, finite=finite)
+    copies = Copies(source, streamed.copies, allow_divergent=allow_divergent, divergent=divergent)
+    digest = RunningDigest(source.code, finite=finite)
     places = []  # (target rank, canonical range, where the range starts in the rank's slice)
     for rank, ranges in enumerate(streamed.targets):
         offset = 0
         for first, end in ranges:
             places.append((rank, first, end, offset))
             offset += end - first
-    writer.begin_parts(target.name, target.rank_shapes, dtype_from_code(target.code))
+    writer.begin_parts(target.name, target.rank_shapes, target.code)
     largest = max(run.length for run in streamed.runs)
-    with scratch(torch.empty(min(BLOCK_BYTES, largest), dtype=torch.uint8, device="meta")) as buffer:
-        view = memoryview(buffer.numpy())
+    block = min(BLOCK_BYTES, largest)
+    with scratch_bytes(block * (2 if copies else 1)) as buffer:
+        view = memoryview(buffer)
         at = 0
         for run in streamed.runs:
             for start in range(0, run.length, BLOCK_BYTES):
                 size = min(BLOCK_BYTES, run.length - start)
                 with Batch():
-                    run.ref.read_into(buffer[:size], start=run.start + start)
+                    run.ref.read_bytes(view[:size], start=run.start + start)
+                copies.compare(buffer[:size], buffer[block : block + size], start=run.start + start)
                 digest.update(view[:size])
                 for rank, first, end, offset in places:
                     low, high = max(first, at), min(end, at + size)
                     if low < high:
                         writer.write_part(target.name, rank, [view[low - at : high - at]], offset + low - first)
                 at += size
+    for rank, start, length in streamed.pads:
+        zeros = np.zeros(min(length, BLOCK_BYTES), dtype=np.uint8)
+        for offset in range(0, length, len(zeros)):
+            writer.write_part(target.name, rank, [memoryview(zeros)[: length - offset]], start + offset)
     writer.end_parts(target.name)
     return digest.result()
 
 
+class Copies:
+    """The other ranks' copies of a replicated tensor, compared with the first block by block. At the first block
+    that differs: raise naming both ranks, as the gather does (both copies then read whole, with torch, for the
+    error's max difference), or, with ``allow_divergent``, add the tensor's name to ``divergent`` and stop
+    comparing. With ``allow_divergent`` and no ``divergent`` to fill, nothing is compared."""
+
+    def __init__(
+        self, source: SourceTensor, refs: Sequence[TensorRef], *, allow_divergent: bool, divergent: set[str] | None
+    ) -> None:
+        self._source = source
+        self._refs = [] if allow_divergent and divergent is None else list(refs)
+        self._allow = allow_divergent
+        self._divergent = divergent
+
+    def __bool__(self) -> bool:
+        return bool(self._refs)
+
+    def compare(self, first: np.ndarray, room: np.ndarray, *, start: int) -> None:
+        """Compare bytes ``first`` (from byte ``start`` of the first copy) with the same bytes of every other copy,
+        each read into ``room``."""
+        for ref in self._refs:
+            with Batch():
+                ref.read_bytes(memoryview(room), start=start)
+            if np.array_equal(first, room):
+                continue
+            if not self._allow:
+                _raise_divergent(self._source, ref)
+            self._divergent.add(self._source.name)
+            self._refs = []
+            return
+
+
+def _raise_divergent(source: SourceTensor, other: TensorRef) -> None:
+    """The gather's error for a copy that differs from the first (:func:`reshard.slicing.check_replica`, with the
+    rank's place among the source's slices), naming the first copy's file as the gather does."""
+    from reshard.slicing import check_replica
+
+    first = source.refs[0]
+    try:
+        check_replica(first.read(), other.read(), source.refs.index(other))
+    except ReshardError as err:
+        raise type(err)(err.detail, path=first.file, tensor=source.name, hint=err.hint) from err
+
+
 def _stream_rows(
-    work: Work, rows: int, writer: CheckpointWriter, *, target_tp: int, uneven: bool, finite: bool
+    work: Work, blocks: RowBlocks, writer: CheckpointWriter, *, uneven: bool, finite: bool
 ) -> tuple[str, bool | None]:
     """:func:`stream` of a :class:`RowBlocks` unit: one area of this thread's scratch holds a block of every source
-    slice, the gathered block and one target slice's block copied out of it when it is not contiguous there."""
+    slice, the gathered block and one target slice's block cut out of it, as arrays of the dtype's width (the
+    bytes are moved, never read as values)."""
     (source,), (target,) = work.tensor.sources, work.tensor.targets
-    refs, dtype, itemsize = source.refs, source.dtype, source.dtype.itemsize
+    refs, rows, itemsize = source.refs, blocks.rows, itemsize_of(source.code)
+    width = np.dtype(f"u{itemsize}")
     dim = source.partition.dim % len(source.shape)
     copies, _ = copy_plan(source.partition, [ref.shape for ref in refs], uneven=uneven)
     copies = [c for c in copies if c.length]
@@ -228,32 +299,38 @@ def _stream_rows(
         places[rank] = at
         at += rows * source_row[rank]
     block_at, out_at = at, at + rows * block_row
-    digest = RunningDigest(dtype, finite=finite)
-    writer.begin_parts(target.name, target.rank_shapes, dtype_from_code(target.code))
-    with scratch(torch.empty(out_at + rows * max(target_row), dtype=torch.uint8, device="meta")) as area:
-        view = memoryview(area.numpy())
+    digest = RunningDigest(source.code, finite=finite)
+    writer.begin_parts(target.name, target.rank_shapes, target.code)
+    with scratch_bytes(out_at + rows * max(target_row)) as area:
+        view = memoryview(area)
         for first in range(0, source.shape[0], rows):
             count = min(rows, source.shape[0] - first)
             slices = {}
             for rank in needed:
-                start = places[rank]
-                part = area[start : start + count * source_row[rank]].view(dtype).view(count, *refs[rank].shape[1:])
+                start, size = places[rank], count * source_row[rank]
                 with Batch():
-                    refs[rank].read_into(part, start=first * source_row[rank])
-                slices[rank] = part
-            block = area[block_at : block_at + count * block_row].view(dtype).view(count, *tail)
+                    refs[rank].read_bytes(view[start : start + size], start=first * source_row[rank])
+                slices[rank] = area[start : start + size].view(width).reshape(count, *refs[rank].shape[1:])
+            block = area[block_at : block_at + count * block_row].view(width).reshape(count, *tail)
             for c in copies:
-                block.narrow(dim, c.dst, c.length).copy_(slices[c.rank].narrow(dim, c.src, c.length))
+                block[_along(dim, c.dst, c.length)] = slices[c.rank][_along(dim, c.src, c.length)]
             digest.update(view[block_at : block_at + count * block_row])
-            _, pieces = kept_slices(source, (block, block), target, target_tp, uneven=uneven)
-            for rank, piece in enumerate(pieces):
-                size = piece.numel() * itemsize
-                inside = piece.untyped_storage().data_ptr() == area.untyped_storage().data_ptr()
-                if piece.is_contiguous() and inside:  # a view of the block: written from where it is
-                    start = piece.data_ptr() - area.data_ptr()
+            for rank, runs in enumerate(blocks.targets):
+                size = count * target_row[rank]
+                if runs == ((0, tail[dim - 1]),):  # the whole block: written from where it is
+                    start = block_at
                 else:
-                    area[out_at : out_at + size].view(dtype).view(piece.shape).copy_(piece)
+                    piece = area[out_at : out_at + size].view(width).reshape(count, *target.rank_shapes[rank][1:])
+                    placed = 0
+                    for low, length in runs:
+                        piece[_along(dim, placed, length)] = block[_along(dim, low, length)]
+                        placed += length
                     start = out_at
                 writer.write_part(target.name, rank, [view[start : start + size]], first * target_row[rank])
     writer.end_parts(target.name)
     return digest.result()
+
+
+def _along(dim: int, start: int, length: int) -> tuple[slice, ...]:
+    """The index of ``length`` entries from ``start`` along ``dim`` (all of every dim before it)."""
+    return (slice(None),) * dim + (slice(start, start + length),)

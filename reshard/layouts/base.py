@@ -56,6 +56,11 @@ class TensorRef:
         in between where the reader can."""
         self.reader.read_into(self.key, out, start=start)
 
+    def read_bytes(self, view: memoryview, *, start: int = 0) -> None:
+        """Fill ``view`` with this slice's bytes from byte ``start`` on (C order), without torch; only for a slice
+        with a :attr:`position` (read from its file directly)."""
+        self.reader.read_bytes(self.key, view, start=start)
+
     def describe(self) -> str | None:
         """How this slice is stored, when it is not one tensor of one file (a box of a global tensor)."""
         return self.reader.describe(self.key)
@@ -305,9 +310,9 @@ class CheckpointWriter:
         torch zip record's CRC-32 does)."""
         return False
 
-    def begin_parts(self, name: str, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype) -> None:
-        """Announce that tensor ``name``'s slices (one shape per target rank) come as byte ranges; only when
-        :attr:`takes_parts`. Any thread; the parts of one tensor from one thread."""
+    def begin_parts(self, name: str, shapes: Sequence[tuple[int, ...]], code: str) -> None:
+        """Announce that tensor ``name``'s slices (one shape per target rank, of dtype ``code``) come as byte ranges;
+        only when :attr:`takes_parts`. Any thread; the parts of one tensor from one thread."""
         raise NotImplementedError
 
     def write_part(self, name: str, rank: int, views: Sequence[memoryview], start: int) -> None:
@@ -353,9 +358,9 @@ class RankFilesWriter(CheckpointWriter):
     def takes_parts(self) -> bool:
         return all(hasattr(writer, "write_part") for writer in self.rank_writers)
 
-    def begin_parts(self, name: str, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype) -> None:
+    def begin_parts(self, name: str, shapes: Sequence[tuple[int, ...]], code: str) -> None:
         for writer, shape in zip(self.rank_writers, shapes, strict=True):
-            writer.begin_parts(name, tuple(shape), dtype)
+            writer.begin_parts(name, tuple(shape), code)
 
     def write_part(self, name: str, rank: int, views: Sequence[memoryview], start: int) -> None:
         self.rank_writers[rank].write_part(name, views, start)

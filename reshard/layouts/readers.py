@@ -75,6 +75,11 @@ class FileReader:
                 self._mapped = file_mappings(self.path)
             release_mapped(source, self._mapped)
 
+    def read_bytes(self, key: str, view: memoryview, *, start: int = 0) -> None:
+        """Bytes ``[start, start + len(view))`` of tensor ``key`` (in C order) into ``view``, without torch; only
+        readers that give the key a :meth:`position` read it so."""
+        raise NotImplementedError(f"{type(self).__name__} reads {key} only through torch")
+
     def describe(self, key: str) -> str | None:
         """How tensor ``key`` is stored, when it is not simply a tensor of the file (``inspect`` shows it)."""
         return None
@@ -142,7 +147,16 @@ class DirectReader(FileReader):
         if views is None:
             self._read_in_blocks(key, out, start)
             return
+        self._read_views(key, views, start)
 
+    def read_bytes(self, key: str, view: memoryview, *, start: int = 0) -> None:
+        """Bytes ``[start, start + len(view))`` of tensor ``key`` into ``view``, straight from the file; for a key
+        with a :meth:`position`. Torch-free: the byte stream reads with it (:mod:`reshard.engine.stream`)."""
+        if start + len(view) > self.headers[key].nbytes:
+            raise ValueError(f"{self.path.name}: {key}: read past the end of the tensor")
+        self._read_views(key, [view], start)
+
+    def _read_views(self, key: str, views: list[memoryview], start: int) -> None:
         def error(why: str) -> CorruptFileError:
             return CorruptFileError(f"cannot read tensor: {why}", path=self.path, tensor=key)
 

@@ -175,11 +175,11 @@ def test_a_weight_its_scales_bound_is_recorded_finite_without_a_look_at_its_valu
     """The manifest's ``finite`` of a dequantized weight comes from its inputs when they bound it (no NaN byte, the
     largest scale times 448 finite in bf16): the engine looks at the values of the other tensors only. A weight
     with a NaN byte is looked at, and recorded not finite."""
-    from reshard.engine import execute
+    from reshard.engine import gathered
 
     looked: list[tuple[int, ...]] = []
-    real = execute.all_finite_in_blocks
-    monkeypatch.setattr(execute, "all_finite_in_blocks", lambda t: looked.append(tuple(t.shape)) or real(t))
+    real = gathered.all_finite_in_blocks
+    monkeypatch.setattr(gathered, "all_finite_in_blocks", lambda t: looked.append(tuple(t.shape)) or real(t))
     source = tmp_path / "src"
     source.mkdir()
     (source / "config.json").write_text((fp8 / "config.json").read_text())

@@ -14,12 +14,13 @@ from fixtures import SAMPLES
 from fixtures.hf import load_folder, load_rank
 
 from reshard import convert
-from reshard.engine import buffers
+from reshard.engine import buffers, gathered
 from reshard.engine import execute as stream
 from reshard.engine import gather as engine_gather
 from reshard.engine.digest import digest_of
 from reshard.engine.open import open_checkpoint
 from reshard.engine.target import plan_target
+from reshard.engine.work import Work
 from reshard.errors import ReshardError
 from reshard.io.direct import ALIGN
 from reshard.options import ConvertOptions
@@ -71,7 +72,7 @@ def test_bytes_in_flight_stay_within_the_budget(tmp_path: Path, monkeypatch: pyt
         with lock:
             live[0] -= nbytes
 
-    def tracking(work: engine_gather.Work, **options: object):
+    def tracking(work: Work, **options: object):
         results = prepare(work, **options)
         pieces = [p for _, _, slices in results for p in slices]
         storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in pieces}
@@ -92,8 +93,9 @@ def test_bytes_in_flight_stay_within_the_budget(tmp_path: Path, monkeypatch: pyt
 
     prepare = engine_gather.gather_and_split
     monkeypatch.setattr(stream, "Budget", Recording)
-    monkeypatch.setattr(stream, "BufferPool", RecordingPool)
-    monkeypatch.setattr(stream, "gather_and_split", tracking)
+    monkeypatch.setattr(stream, "stream_plan", lambda work, **options: None)  # every unit gathered
+    monkeypatch.setattr(gathered, "BufferPool", RecordingPool)
+    monkeypatch.setattr(gathered, "gather_and_split", tracking)
     monkeypatch.setattr(buffers, "MIN_BUDGET", 0)  # the tiny model's own 2 x largest tensor
     convert(SAMPLE, tmp_path / "out", ConvertOptions(tp=2, jobs=4, progress=False))
     (budget,) = budgets
@@ -127,7 +129,8 @@ def test_conversions_leave_no_descriptor_open(tmp_path: Path, monkeypatch: pytes
             raise ReshardError("disk on fire")
         return digest_of(tensor)
 
-    monkeypatch.setattr(stream, "digest_of", fail_midway)
+    monkeypatch.setattr(stream, "stream_plan", lambda work, **options: None)  # every unit gathered
+    monkeypatch.setattr(gathered, "digest_of", fail_midway)
     with pytest.raises(ReshardError, match="disk on fire"):
         convert(SAMPLE, tmp_path / "failed", ConvertOptions(tp=2, progress=False))
     assert len(hashed) > 3 and not (tmp_path / "failed").exists()

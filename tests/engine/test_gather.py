@@ -14,6 +14,7 @@ from reshard.engine import gather as engine_gather
 from reshard.engine.buffers import BufferPool
 from reshard.engine.digest import digest_of
 from reshard.engine.planner import SourceTensor, TargetTensor, TensorPlan
+from reshard.engine.work import plan_work, read_phase
 from reshard.errors import DivergentReplicaError
 from reshard.formats.safetensors.writer import byte_chunks, tensor_bytes
 from reshard.io import direct as direct_io
@@ -84,7 +85,7 @@ def test_prepare_matches_gather_then_split(tmp_path: Path, case: str, fmt: str) 
     targets = tuple(rank_shapes(partition, full.shape, target_tp, padded=target_padded, uneven=uneven))
     plan = one_tensor(SourceTensor("w", refs, partition, "test", tuple(full.shape)), targets)
 
-    work = engine_gather.plan_work(plan, target_tp=target_tp)
+    work = plan_work(plan, target_tp=target_tp)
     ((name, canonical, pieces),) = engine_gather.gather_and_split(
         work, target_tp=target_tp, uneven=uneven, allow_divergent=False
     )
@@ -109,7 +110,7 @@ def test_divergent_replica_names_the_rank_and_file(tmp_path: Path) -> None:
     other[1, 2] += 0.5
     refs = _refs(tmp_path, [same, same, other], "safetensors")
     plan = one_tensor(SourceTensor("w", refs, Replicate(), "test", (4, 3)), ((4, 3),))
-    work = engine_gather.plan_work(plan, target_tp=1)
+    work = plan_work(plan, target_tp=1)
     with pytest.raises(DivergentReplicaError, match=r"rank0\.safetensors.*w.*between rank 0 and rank 2.*0\.5"):
         engine_gather.gather_and_split(work, target_tp=1, uneven=False, allow_divergent=False)
     ((_, canonical, _),) = engine_gather.gather_and_split(work, target_tp=1, uneven=False, allow_divergent=True)
@@ -133,7 +134,7 @@ def test_slices_are_read_into_a_buffer_on_their_files_phase(
     real = direct_io.copy_bytes
     monkeypatch.setattr(direct_io, "copy_bytes", lambda to, what: copied.append(len(what)) or real(to, what))
     pool = BufferPool(1 << 30)
-    _, buffer = pool.get(full.shape, full.dtype, phase=engine_gather.read_phase(source, uneven=False))
+    _, buffer = pool.get(full.shape, full.dtype, phase=read_phase(source, uneven=False))
     gathered = engine_gather.gather_into(source, buffer, uneven=False, allow_divergent=True)
     assert torch.equal(gathered, full)
     if not (isinstance(partition, Shard) and partition.dim == 1):  # column blocks: each block on its own phase

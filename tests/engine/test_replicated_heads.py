@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from reshard.engine import gather as engine_gather
 from reshard.engine.planner import SourceTensor, TargetTensor, TensorPlan
+from reshard.engine.work import plan_work
 from reshard.errors import DivergentReplicaError, ShapeMismatchError
 from reshard.formats.safetensors.writer import tensor_bytes
 from reshard.io.direct import ALIGN
@@ -167,7 +168,7 @@ def test_engine_gathers_and_splits_as_slicing_does(tmp_path, case, fmt):
     slices = split(full, kv, source_tp)
     targets = tuple(rank_shapes(kv, shape, target_tp))
     plan = _plan(SourceTensor("w", refs_of(tmp_path, slices, fmt), kv, "test", shape), targets)
-    work = engine_gather.plan_work(plan, target_tp=target_tp)
+    work = plan_work(plan, target_tp=target_tp)
     assert work.buffer_shapes == (shape,)  # one copy of each head, never tp / heads of them
     slice_bytes = max(ref.header.nbytes for ref in plan.sources[0].refs)
     # near one tensor: the buffer (with its phase slack) and one slice-sized temporary
@@ -186,7 +187,7 @@ def test_engine_names_the_file_and_ranks_of_a_differing_copy(tmp_path):
     slices[3][0, 0] = -1.0  # rank 3 holds head 0, first copied on rank 0
     refs = refs_of(tmp_path, slices, "safetensors")
     plan = _plan(SourceTensor("w", refs, kv, "test", (16, 6)), ((16, 6),))
-    work = engine_gather.plan_work(plan, target_tp=1)
+    work = plan_work(plan, target_tp=1)
     with pytest.raises(
         DivergentReplicaError, match=r"rank0\.safetensors: w: replicated KV head 0 differs between rank 0 and rank 3"
     ):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -68,7 +70,7 @@ def test_streamed_units_write_what_the_gather_writes(
     manifest = _convert(source, tmp_path / "streamed", tp)
     assert "model.layers.0.self_attn.q_proj.weight" in streamed  # column-parallel: runs of rank slices
     assert "model.layers.0.self_attn.o_proj.weight" in streamed  # row-parallel: blocks of rows
-    assert "model.layers.0.input_layernorm.weight" not in streamed  # two copies to compare: gathered
+    assert "model.layers.0.input_layernorm.weight" in streamed  # two copies: compared block by block
     if tp == 1:
         assert "model.embed_tokens.weight" in streamed  # the source's pad rows left out
     assert manifest == _gathered(source, tmp_path / "gathered", tp)
@@ -117,6 +119,65 @@ def test_a_flipped_bit_in_a_streamed_tensor_fails_verify(cli, streamed: list[str
     assert {d["tensor"] for c in json.loads(result.stdout)["checks"] for d in c["differences"]} == {Q}
 
 
+@pytest.mark.parametrize("allow", [False, True])
+def test_copies_that_differ_are_found_as_the_gather_finds_them(
+    cli, streamed: list[str], tmp_path: Path, allow: bool
+) -> None:
+    source = Path(shutil.copytree(TP2, tmp_path / "source"))
+    path = source / "rank_01" / "model.safetensors"
+    state = load_file(path)
+    state["model.norm.weight"][-1] += 1
+    save_file(state, path, metadata={"format": "pt"})
+    flag = ["--allow-divergent-replicas"] if allow else []
+    done = cli("convert", source, "--tp", 1, "-o", tmp_path / "streamed", "-q", *flag)
+    assert "model.norm.weight" in streamed
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(execute, "streams_to", lambda writer: False)
+        gathered = cli("convert", source, "--tp", 1, "-o", tmp_path / "gathered", "-q", *flag)
+    assert (done.exit_code, done.output) == (gathered.exit_code, gathered.output)
+    if not allow:
+        assert done.exit_code == 2 and "model.norm.weight" in done.output and "rank 0 and rank 1" in done.output
+        assert not (tmp_path / "streamed").exists()
+        return
+    manifest = json.loads((tmp_path / "streamed" / "reshard.json").read_text())
+    assert manifest["tensors"]["model.norm.weight"]["divergent"]
+    assert manifest["tensors"] == json.loads((tmp_path / "gathered" / "reshard.json").read_text())["tensors"]
+    _same_files(tmp_path / "streamed", tmp_path / "gathered")
+
+
+MODULES_AFTER_CONVERT = """
+import json, sys
+from reshard.cli.main import main
+sys.argv = ["reshard", "convert", *sys.argv[1:]]
+try:
+    main()
+except SystemExit as done:
+    assert not done.code, done.code
+print(json.dumps(sorted(name for name in sys.modules if name.split(".")[0] == "torch")))
+"""
+
+
+@pytest.mark.parametrize("target", [["--tp", "1"], ["--tp", "4"], ["--tp", "1", "--dtype", "bfloat16"]])
+def test_a_conversion_that_only_moves_bytes_never_imports_torch(tmp_path: Path, target: list[str]) -> None:
+    """On a disk, without any patching: when every unit streams, torch is not imported (its import costs more
+    than moving a small model's bytes); a cast needs it. The bytes are the gather's."""
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, "-c", MODULES_AFTER_CONVERT, str(TP2), *target, "-o", str(out), "-q"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    imported = json.loads(done.stdout.splitlines()[-1])
+    assert bool(imported) == ("--dtype" in target), imported[:5]
+    options = ConvertOptions(tp=int(target[1]), dtype="bfloat16" if "--dtype" in target else None, progress=False)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(execute, "streams_to", lambda writer: False)
+        convert(TP2, tmp_path / "gathered", options)
+    _same_files(out, tmp_path / "gathered")
+
+
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")
 def test_a_conversion_in_tmpfs_streams_by_itself(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without any patching: a source and an output in tmpfs take the streamed path."""
@@ -131,7 +192,7 @@ def test_a_conversion_in_tmpfs_streams_by_itself(monkeypatch: pytest.MonkeyPatch
         )
         source = Path(shutil.copytree(TP2, root / "source"))
         manifest = _convert(source, root / "out", 1)
-        assert len(names) == 16  # every tensor but the 5 norms (the copies of each rank are compared)
+        assert len(names) == 21  # every tensor, the 5 norms too (the copies of each rank compared as they stream)
         assert manifest == _gathered(TP2, root / "gathered", 1)
         _same_files(root / "out", root / "gathered")
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from fixtures.models import tiny_llama
 
 
@@ -28,25 +29,29 @@ def test_planning_a_safetensors_conversion_never_imports_torch(tmp_path):
     assert int(tensors) > 10 and imported == "False"
 
 
-def test_convert_imports_torch_on_a_thread_while_it_plans(tmp_path):
-    """Importing the convert command leaves torch alone; by the time planning starts, its import has begun."""
+@pytest.mark.parametrize(("extra", "started"), [("", "False"), (", dtype='bfloat16'", "True")])
+def test_convert_imports_torch_on_a_thread_only_when_its_bytes_need_it(tmp_path, extra: str, started: str):
+    """Importing the convert command leaves torch alone. Once the conversion is planned, one whose bytes need torch
+    (a cast) has begun importing it on a thread, while the config's family is checked and the output staged; one
+    that only moves bytes has not (and never imports it, tests/engine/test_stream.py)."""
     tiny_llama(tmp_path / "orig")
     probe = (
         "import sys\n"
         "from pathlib import Path\n"
         "import reshard.commands.convert as convert_module\n"
-        "import reshard.engine.run as run_module\n"
         "from reshard.engine import warmup\n"
         "from reshard.options import ConvertOptions\n"
-        "plan_target, seen = run_module.plan_target, ['torch' in sys.modules]\n"
-        "def watched(opened, options):\n"
+        "from reshard.plans import built_family\n"
+        "check_counts, seen = built_family.check_counts, ['torch' in sys.modules]\n"
+        "def watched(config, names):\n"
         "    seen.append(warmup._started.is_set())\n"
-        "    return plan_target(opened, options)\n"
-        "run_module.plan_target = watched\n"
-        "convert_module.convert(Path(sys.argv[1]), Path(sys.argv[2]), ConvertOptions(tp=2, progress=False))\n"
+        "    return check_counts(config, names)\n"
+        "built_family.check_counts = watched\n"
+        f"options = ConvertOptions(tp=2, progress=False{extra})\n"
+        "convert_module.convert(Path(sys.argv[1]), Path(sys.argv[2]), options)\n"
         "print(*seen)\n"
     )
     run = [sys.executable, "-c", probe, str(tmp_path / "orig"), str(tmp_path / "tp2")]
     done = subprocess.run(run, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["False", "True"] and (tmp_path / "tp2" / "reshard.json").exists()
+    assert done.stdout.split() == ["False", started] and (tmp_path / "tp2" / "reshard.json").exists()

@@ -67,7 +67,7 @@ def test_signal_while_writing(bases, tmp_path: Path, monkeypatch, base, command,
     ws = Workspace(tmp_path)
     copy_base(bases[base], ws.ckpt)
     before = snapshot(ws.ckpt)
-    calls = signal_at_call(monkeypatch, execute_module, "digest_of", signum, at=at)
+    calls = signal_at_call(monkeypatch, execute_module, "move_unit", signum, at=at)
     outcome = run(command, ws.ckpt, [*ARGS[base][command], *extra] if command != "verify" else extra, ws)
     assert calls[0] >= at, "the run ended before the signal was sent"
     assert interrupted(outcome, ws, before, signum) == []
@@ -106,10 +106,10 @@ def test_a_signal_during_the_cleanup_of_a_failed_run_does_not_cut_it_short(bases
     copy_base(bases["hf_ranks"], ws.ckpt)
     before = snapshot(ws.ckpt)
 
-    def failing(tensor):
+    def failing(*args: object, **kwargs: object):
         raise ReshardError("a worker was lost (Connection closed by peer)")
 
-    monkeypatch.setattr(execute_module, "digest_of", failing)
+    monkeypatch.setattr(execute_module, "move_unit", failing)
     removals = signal_at_call(monkeypatch, staging_module.shutil, "rmtree", signal.SIGTERM, at=1)
     outcome = run("convert", ws.ckpt, ["--tp", "4"], ws)
     assert removals[0] >= 1
@@ -120,7 +120,7 @@ def test_the_message_says_what_was_left_when_a_removal_fails(bases, tmp_path: Pa
     """'Nothing was left' is the result of a look: a staged folder that could not be removed is named."""
     ws = Workspace(tmp_path)
     copy_base(bases["hf_ranks"], ws.ckpt)
-    signal_at_call(monkeypatch, execute_module, "digest_of", signal.SIGTERM, at=2)
+    signal_at_call(monkeypatch, execute_module, "move_unit", signal.SIGTERM, at=2)
     monkeypatch.setattr(staging_module.shutil, "rmtree", lambda path, ignore_errors=False: None)
     outcome = run("convert", ws.ckpt, ["--tp", "4"], ws)
     left = [p for p in ws.outs.iterdir() if p.name.endswith(".reshard-tmp")]

@@ -11,13 +11,14 @@ from bases import ARGS, copy_base
 from harness import Workspace, judge, run, snapshot
 
 import reshard.engine.gather as gather_module
-from reshard.engine.gather import check_fits
+import reshard.engine.work as work_module
+from reshard.engine.work import check_fits
 from reshard.errors import ReshardError
 from reshard.plans import built_family
 
 
 def test_a_tensor_of_2_to_the_40_elements_is_refused_with_its_size_and_the_memory_available(monkeypatch) -> None:
-    monkeypatch.setattr(gather_module, "memory_available", lambda: 64 << 30)
+    monkeypatch.setattr(work_module, "memory_available", lambda: 64 << 30)
     source = SimpleNamespace(shape=(2**20, 2**20), refs=[SimpleNamespace(file=Path("ckpt/__0_0.distcp"))])
     work = SimpleNamespace(cost=2**40 * 2, tensor=SimpleNamespace(name="model.embed_tokens.weight", sources=[source]))
     expected = (
@@ -34,7 +35,7 @@ def test_commands_that_read_bytes_refuse_before_allocating(bases, tmp_path: Path
     family check's model, built on the ``meta`` device (no memory), is left out: ``torch.empty`` is counted here."""
     allocations: list[object] = []
     monkeypatch.setattr(built_family, "start", lambda config, names: None)
-    monkeypatch.setattr(gather_module, "memory_available", lambda: 4096)
+    monkeypatch.setattr(work_module, "memory_available", lambda: 4096)
     monkeypatch.setattr(gather_module.torch, "empty", lambda *a, **k: allocations.append(a) or pytest.fail("alloc"))
     ws = Workspace(tmp_path)
     copy_base(bases["dcp"], ws.ckpt)

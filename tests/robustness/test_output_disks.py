@@ -124,16 +124,16 @@ def test_a_finished_output_is_never_replaced(bases, tmp_path: Path, monkeypatch:
     copy_base(bases["hf"], ws.ckpt)
     before = snapshot(ws.ckpt)
     theirs = ws.outs / "out"
-    real, once = execute_module.digest_of, threading.Lock()
+    real, once = execute_module.move_unit, threading.Lock()
 
-    def publish_theirs(tensor):
+    def publish_theirs(*args: object, **kwargs: object):
         with once:  # worker threads hash at once
             if not theirs.exists():
                 theirs.mkdir()
                 (theirs / "theirs.txt").write_text("finished first")
-        return real(tensor)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(execute_module, "digest_of", publish_theirs)
+    monkeypatch.setattr(execute_module, "move_unit", publish_theirs)
     outcome = run("convert", ws.ckpt, ["--tp", "1"], ws)
     assert outcome.exit_code == 2 and "another run finished this output first" in outcome.stderr
     assert sorted(p.name for p in ws.outs.iterdir()) == ["out"] and os.listdir(theirs) == ["theirs.txt"]

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from huggingface_hub import split_state_dict_into_shards_factory
 from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_WEIGHTS_FILE_PATTERN
 
-from reshard.dtypes import safetensors_order
+from reshard.dtypes import code_of, safetensors_order
 from reshard.io.direct import Batch, DirectFile
 from reshard.io.joined import Joined
 from reshard.io.scratch import scratch
@@ -153,7 +153,7 @@ class SafetensorsFileWriter:
 
     def write_unordered(self, name: str, tensor: torch.Tensor) -> None:
         """Write one announced tensor at its offset; safe to call from several threads at once."""
-        file = self._claim(name, tuple(tensor.shape), tensor.dtype)
+        file = self._claim(name, tuple(tensor.shape), code_of(tensor.dtype))
         if file is None:
             return
         position = self._offsets[name]
@@ -167,10 +167,10 @@ class SafetensorsFileWriter:
                 position += len(chunk)
         self._finish()
 
-    def begin_parts(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        """Announce that tensor ``name``'s bytes come in parts, by :meth:`write_part` (any order, one thread per
-        tensor), until :meth:`end_parts`; other tensors may be written meanwhile, from other threads."""
-        self._claim(name, shape, dtype)
+    def begin_parts(self, name: str, shape: tuple[int, ...], code: str) -> None:
+        """Announce that tensor ``name``'s bytes (of dtype ``code``) come in parts, by :meth:`write_part` (any order,
+        one thread per tensor), until :meth:`end_parts`; other tensors may be written meanwhile, from other threads."""
+        self._claim(name, shape, code)
 
     def write_part(self, name: str, views: Sequence[memoryview], start: int) -> None:
         """Write bytes ``[start, start + len)`` of tensor ``name`` (begun by :meth:`begin_parts`), synchronously:
@@ -185,14 +185,14 @@ class SafetensorsFileWriter:
         if not self.keep:
             self._finish()
 
-    def _claim(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> DirectFile | None:
+    def _claim(self, name: str, shape: tuple[int, ...], code: str) -> DirectFile | None:
         """Check tensor ``name`` against its announced header and mark it written; the open file to write it
         into (None when the file is kept as it is)."""
         header = self.headers.get(name)
         if header is None:
             raise ValueError(f"{self.path.name}: tensor {name!r} was not announced")
-        if shape != header.shape or dtype != header.dtype:
-            raise ValueError(f"{self.path.name}: {name}: announced {header.shape} {header.dtype}, got {shape} {dtype}")
+        if shape != header.shape or code != header.code:
+            raise ValueError(f"{self.path.name}: {name}: announced {header.shape} {header.code}, got {shape} {code}")
         with self._lock:
             if name in self._written:
                 raise ValueError(f"{self.path.name}: tensor {name!r} written twice")
@@ -324,9 +324,9 @@ class ShardedSafetensorsWriter:
         filename = self._file_of.get(name)
         return None if filename is None else self._files[filename].position(name)
 
-    def begin_parts(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    def begin_parts(self, name: str, shape: tuple[int, ...], code: str) -> None:
         """:meth:`SafetensorsFileWriter.begin_parts` in the shard that holds ``name``."""
-        self._files[self._file_of[name]].begin_parts(name, shape, dtype)
+        self._files[self._file_of[name]].begin_parts(name, shape, code)
 
     def write_part(self, name: str, views: Sequence[memoryview], start: int) -> None:
         """:meth:`SafetensorsFileWriter.write_part` into the shard that holds ``name``."""

@@ -71,17 +71,26 @@ class PiecesReader(ReadIntoReader):
             raise ValueError(f"{self.path.name}: {key}: read_into past the end of the tensor")
         code = self.widened.get(key)
         if code is None:
-            self._read_bytes(key, memoryview(out.reshape(-1).view(torch.uint8).numpy()), start)
+            self.read_bytes(key, memoryview(out.reshape(-1).view(torch.uint8).numpy()), start=start)
             return
         if start % out.element_size():
             raise ValueError(f"{self.path.name}: {key}: read_into at byte {start} of a widened tensor")
         narrow = torch.empty(out.numel(), dtype=dtype_from_code(code))
         with Batch():
             first = start // out.element_size() * narrow.element_size()
-            self._read_bytes(key, memoryview(narrow.view(torch.uint8).numpy()), first)
+            self._read_stored(key, memoryview(narrow.view(torch.uint8).numpy()), first)
         out.reshape(-1).copy_(narrow)
 
-    def _read_bytes(self, key: str, buffer: memoryview, start: int) -> None:
+    def read_bytes(self, key: str, view: memoryview, *, start: int = 0) -> None:
+        """Bytes ``[start, start + len(view))`` of ``key`` into ``view``, without torch: for a key stored as it is
+        read (one with a :meth:`position`, not a widened one)."""
+        if key in self.widened:
+            raise ValueError(f"{self.path.name}: {key}: a widened tensor is read through torch")
+        if start + len(view) > self.headers[key].nbytes:
+            raise ValueError(f"{self.path.name}: {key}: read past the end of the tensor")
+        self._read_stored(key, view, start)
+
+    def _read_stored(self, key: str, buffer: memoryview, start: int) -> None:
         """Stored bytes ``[start, start + len(buffer))`` of ``key`` into ``buffer``."""
         begin = 0  # the stored byte the current piece starts at
         for piece in self.pieces[key]:

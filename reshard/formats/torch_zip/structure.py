@@ -157,8 +157,25 @@ def _parameter(data: Any, *rest: Any) -> Any:
     return data
 
 
+class _TensorType:
+    """``torch.Tensor`` itself, as the type :func:`_from_type` rebuilds a tensor as."""
+
+
+def _from_type(function: Any, new_type: Any, args: Any, state: Any) -> Any:
+    """``torch._tensor._rebuild_from_type_v2``: a plain tensor that carries Python attributes (DeepSpeed's ZeRO-3
+    ``ds_id``) is the tensor ``function`` rebuilds, its attributes dropped; a subclass is :class:`Inert`."""
+    if function is _rebuild and new_type is _TensorType and isinstance(args, tuple):
+        return _rebuild(*args)
+    return Inert()
+
+
+def _size(values: Any) -> tuple[int, ...]:
+    """``torch.Size(values)``, as a plain tuple (shapes that DeepSpeed's ``param_shapes`` pickles)."""
+    return _ints(values)
+
+
 class _StructureUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, refuse: Callable[[str, str], Exception] | None) -> None:
+    def __init__(self, data: bytes, refuse: Callable[[str, str], Exception | None] | None) -> None:
         super().__init__(PickleInput(data))
         self._refuse = refuse
 
@@ -167,6 +184,12 @@ class _StructureUnpickler(pickle.Unpickler):
             return _rebuild
         if module == "torch._utils" and name in ("_rebuild_parameter", "_rebuild_parameter_with_state"):
             return _parameter
+        if module == "torch._tensor" and name == "_rebuild_from_type_v2":
+            return _from_type
+        if module == "torch" and name == "Tensor":
+            return _TensorType
+        if module == "torch" and name == "Size":
+            return _size
         if module == "collections" and name == "OrderedDict":
             return _Dict
         if module == "torch.storage" and name == "UntypedStorage":
@@ -175,8 +198,9 @@ class _StructureUnpickler(pickle.Unpickler):
             return _StorageKind(_STORAGE_DTYPES[name])
         if module == "torch" and name in DTYPE_NAMES:
             return Dtype(name)
-        if self._refuse is not None:
-            raise self._refuse(module, name)
+        error = self._refuse(module, name) if self._refuse is not None else None
+        if error is not None:
+            raise error
         return Inert
 
     def persistent_load(self, pid: Any) -> Any:
@@ -190,13 +214,15 @@ class _StructureUnpickler(pickle.Unpickler):
         return Inert()
 
 
-def read_structure(data: bytes, *, refuse: Callable[[str, str], Exception] | None = None) -> Any:
-    """Unpickle ``data.pkl`` into plain containers, :class:`TensorRecord` for each tensor, and :class:`Inert`.
+def read_structure(data: bytes, *, refuse: Callable[[str, str], Exception | None] | None = None) -> Any:
+    """Unpickle ``data.pkl`` into plain containers (a ``torch.Size`` a tuple), :class:`TensorRecord` for each tensor,
+    and :class:`Inert`.
 
     Args:
         data: the ``data.pkl`` record.
-        refuse: builds the error raised for a global that is not part of a tensor (module, name); without it,
-            such a global (and an unknown persistent id) becomes :class:`Inert`.
+        refuse: builds the error raised for a global that is not part of a tensor (module, name), or returns None
+            to tolerate it; without it, such a global (and an unknown persistent id) becomes :class:`Inert`, as does
+            a tolerated global.
 
     Raises:
         pickle.UnpicklingError: not a pickle of tensors (also EOFError, ValueError, ... for damaged bytes).

@@ -1,5 +1,6 @@
 """The ``deepspeed`` layout: DeepSpeed ZeRO checkpoints as ``engine.save_checkpoint`` writes them (HF Trainer,
-LLaMA-Factory, TRL, OpenRLHF), read without DeepSpeed.
+LLaMA-Factory, TRL, OpenRLHF), read without DeepSpeed and opened without torch (the pickles are read structurally,
+:mod:`reshard.layouts.deepspeed.pickles`).
 
 ::
 
@@ -27,14 +28,14 @@ from pathlib import Path
 from typing import Any
 
 from reshard.config import find_config
-from reshard.dtypes import TensorHeader
+from reshard.dtypes import TensorHeader, code_from_name
 from reshard.errors import CorruptFileError, MissingRankError, ReshardError
-from reshard.formats.torch_zip.structure import read_structure
+from reshard.formats.torch_zip.structure import TensorRecord, read_structure
 from reshard.layouts.base import SourceCheckpoint, TensorRef
-from reshard.layouts.deepspeed.pickles import STAND_INS
+from reshard.layouts.deepspeed import pickles
+from reshard.layouts.deepspeed.pickles import Pickled
 from reshard.layouts.deepspeed.pieces import Piece, PiecesReader
 from reshard.layouts.deepspeed.zero import Flat, Segment, zero2_pieces, zero3_pieces
-from reshard.layouts.readers import load_torch_file, offsets_in_file, torch_header
 from reshard.options import MAX_RANKS, ReadOptions
 from reshard.ranks import listed
 
@@ -171,39 +172,32 @@ def _refuse_other_features(folder: Path, model: dict, zero3: dict, optim: dict) 
         )
 
 
-def _load_any(file: Path, options: ReadOptions) -> Any:
-    """A DeepSpeed file unpickled lazily (tensors memory-mapped, nothing read) with the stand-ins of
-    :mod:`reshard.layouts.deepspeed.pickles`."""
-    notes: list[str] = []
-    obj = load_torch_file(file, trust_pickle=options.trust_pickle, notes=notes, allowed=STAND_INS)
-    if notes:
-        raise CorruptFileError("a legacy (non-zip) torch file: its tensors cannot be read in place", path=file)
-    return obj
+def _load(file: Path, options: ReadOptions) -> Pickled:
+    """A DeepSpeed file's pickled dict, read structurally (:mod:`reshard.layouts.deepspeed.pickles`)."""
+    pickled = pickles.read(file, trust_pickle=options.trust_pickle)
+    if not isinstance(pickled.obj, Mapping):
+        raise CorruptFileError(f"holds a {type(pickled.obj).__name__}, not a DeepSpeed checkpoint dict", path=file)
+    return pickled
 
 
-def _load(file: Path, options: ReadOptions) -> dict[str, Any]:
-    obj = _load_any(file, options)
-    if not isinstance(obj, Mapping):
-        raise CorruptFileError(f"holds a {type(obj).__name__}, not a DeepSpeed checkpoint dict", path=file)
-    return dict(obj)
+def _header(tensor: TensorRecord, file: Path, key: str) -> TensorHeader:
+    """The header of a tensor the pickle rebuilds; an error for dtypes safetensors cannot hold."""
+    code = code_from_name(tensor.dtype)
+    if code is None:
+        raise CorruptFileError(
+            f"dtype torch.{tensor.dtype} is not supported (safetensors has no code for it)", path=file, tensor=key
+        )
+    return TensorHeader(tensor.sizes, code)
 
 
-def _piece(file: Path, key: str, tensor: Any) -> Piece:
-    """Where a memory-mapped tensor's bytes are in ``file``."""
-    position = offsets_in_file(file, {key: tensor}).get(key)
-    if position is None:
-        raise CorruptFileError("stored strided or outside the file: cannot be read in place", path=file, tensor=key)
-    return Piece(file, position, tensor.numel() * tensor.element_size())
-
-
-def _segment(file: Path, key: str, tensor: Any) -> Segment:
-    import torch
-
-    if not isinstance(tensor, torch.Tensor) or tensor.dim() != 1 or tensor.dtype != torch.float32:
-        got = f"{tensor.dtype} of shape {list(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor)
-        raise CorruptFileError(f"is {got}, not a flat float32 partition", path=file, tensor=key)
-    piece = _piece(file, key, tensor)
-    return Segment(file, piece.position, tensor.numel(), 4, key)
+def _segment(pickled: Pickled, key: str, tensor: Any) -> Segment:
+    if not isinstance(tensor, TensorRecord) or len(tensor.sizes) != 1 or tensor.dtype != "float32":
+        got = f"torch.{tensor.dtype} of shape {list(tensor.sizes)}" if isinstance(tensor, TensorRecord) else None
+        raise CorruptFileError(
+            f"is {got or type(tensor).__name__}, not a flat float32 partition", path=pickled.file, tensor=key
+        )
+    piece = pickled.piece(key, tensor)
+    return Segment(pickled.file, piece.position, tensor.sizes[0], 4, key)
 
 
 def _shapes(value: Any, file: Path, key: str) -> dict[str, tuple[int, ...]]:
@@ -252,23 +246,30 @@ def _ranks_in_order(found: dict[tuple[int, ...], Path], what: str, folder: Path,
 class _Tensors:
     """What a checkpoint's tensors are made of, filled as the files are read."""
 
-    states_file: Path
-    module: Mapping[str, Any]
+    states: Pickled  # rank 0's model states
     pieces: dict[str, list[Piece]] = field(default_factory=dict)
     headers: dict[str, TensorHeader] = field(default_factory=dict)
     described: dict[str, str] = field(default_factory=dict)
     widened: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
+    @property
+    def states_file(self) -> Path:
+        return self.states.file
+
+    @property
+    def module(self) -> Mapping[str, Any]:
+        return self.states.obj["module"]
+
     def from_module(self, name: str) -> None:
-        """``name`` as the module copy holds it (training dtype)."""
+        """``name`` as the module copy holds it (training dtype): a byte range of the model-states file."""
         tensor = self.module[name]
-        self.pieces[name] = [_piece(self.states_file, f"module.{name}", tensor)]
-        self.headers[name] = torch_header(tensor, path=self.states_file, key=name)
+        self.pieces[name] = [self.states.piece(f"module.{name}", tensor)]
+        self.headers[name] = _header(tensor, self.states_file, name)
 
 
 def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
-    """Read a DeepSpeed checkpoint from its pickles (tensors memory-mapped, no tensor byte read)."""
+    """Read a DeepSpeed checkpoint from its pickles (no tensor byte read, torch not imported)."""
     weights = options.weights
     if weights not in WEIGHTS:
         raise ReshardError(f"--weights {weights!r} is not one of {', '.join(WEIGHTS)}")
@@ -287,8 +288,8 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
         )
     universal = not optim and (folder / UNIVERSAL).is_dir()
     states_files = [model[(0,)]] if model else _ranks_in_order(zero3, "zero_pp_rank_*_model_states.pt", folder, None)
-    states = _model_states(states_files[0], options)
-    found = _Tensors(states_files[0], states["module"])
+    found = _Tensors(_model_states(states_files[0], options))
+    states = found.states.obj
     if zero3 and weights == "module":
         raise ReshardError("ZeRO-3 keeps no module copy of the weights", path=folder, hint="drop --weights module")
     if weights == "module" or not (optim or universal):
@@ -327,9 +328,10 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
     return _source(path, folder, found, shared, options)
 
 
-def _model_states(file: Path, options: ReadOptions) -> dict[str, Any]:
+def _model_states(file: Path, options: ReadOptions) -> Pickled:
     """Rank 0's model-states file, checked to be DeepSpeed's of one tensor-parallel rank."""
-    states = _load(file, options)
+    pickled = _load(file, options)
+    states = pickled.obj
     missing = [k for k in REQUIRED if k not in states]
     if missing:
         raise CorruptFileError(f"no {', '.join(missing)}: not a DeepSpeed model-states file", path=file)
@@ -340,14 +342,14 @@ def _model_states(file: Path, options: ReadOptions) -> dict[str, Any]:
         )
     if not isinstance(states["module"], Mapping):
         raise CorruptFileError("'module' is not a state dict", path=file, tensor="module")
-    return states
+    return pickled
 
 
 def _rest(
     states: dict[str, Any], states_files: list[Path], options: ReadOptions, found: _Tensors, *, zero3: bool
 ) -> dict[str, str]:
     """Frozen parameters, buffers and what else the module holds beside the fp32 masters; the tied weights."""
-    _frozen(states, states_files, options, found.pieces, found.headers, zero3=zero3, notes=found.notes)
+    _frozen(found.states, states_files, options, found.pieces, found.headers, zero3=zero3, notes=found.notes)
     for name in _names(states.get("buffer_names"), states_files[0], "buffer_names"):
         if name in found.module and name not in found.pieces:
             found.from_module(name)
@@ -402,21 +404,20 @@ def _universal(
     """The fp32 master of every trainable parameter from ``ds_to_universal``'s ``zero/<name>/fp32.pt``: ZeRO-1/2
     ``{"param": tensor, "cat_dim": 0}``, ZeRO-3 a flat tensor (``checkpoint/ds_to_universal.py``); returns the stage,
     where the weights come from and the optimizer state skipped."""
-    import torch
-
     shapes = {n: s for g in states["param_shapes"] for n, s in _shapes(g, found.states_file, "param_shapes").items()}
     skipped: set[str] = set()
     for name, shape in shapes.items():
         file = zero / name / "fp32.pt"
         if not file.is_file():
             raise MissingRankError("no fp32.pt for this parameter in the universal checkpoint", path=file, tensor=name)
-        stored = _load_any(file, options)
-        tensor = stored.get("param") if isinstance(stored, Mapping) else stored
+        stored = pickles.read(file, trust_pickle=options.trust_pickle)
+        tensor = stored.obj.get("param") if isinstance(stored.obj, Mapping) else stored.obj
         numel = math.prod(shape)
-        if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.float32 or tensor.numel() != numel:
-            got = f"{tensor.dtype} {list(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            raise CorruptFileError(f"holds {got}, not the float32 {list(shape)} of {name}", path=file, tensor=name)
-        found.pieces[name] = [_piece(file, name, tensor)]
+        if not isinstance(tensor, TensorRecord) or tensor.dtype != "float32" or math.prod(tensor.sizes) != numel:
+            got = f"torch.{tensor.dtype} {list(tensor.sizes)}" if isinstance(tensor, TensorRecord) else None
+            why = f"holds {got or type(tensor).__name__}, not the float32 {list(shape)} of {name}"
+            raise CorruptFileError(why, path=file, tensor=name)
+        found.pieces[name] = [stored.piece(name, tensor)]
         found.headers[name] = TensorHeader(shape, "F32")
         skipped.update(p.stem for p in file.parent.iterdir() if p.name != file.name)
     return (3 if zero3 else _stage(states)), "from ds_to_universal's zero/<name>/fp32.pt", sorted(skipped)
@@ -439,7 +440,8 @@ def _master(
     groups: list[list[Segment]] = []
     paddings = None
     for rank, file in enumerate(optim_files):
-        osd = _osd(_load(file, options), file)
+        pickled = _load(file, options)
+        osd = _osd(pickled.obj, file)
         if key not in osd:
             other = "single_partition_of_fp32_groups" if zero3 else "fp32_flat_groups"
             why = "a ZeRO-1/2 optimizer file beside ZeRO-3 model states" if other in osd else "no fp32 partitions"
@@ -455,7 +457,7 @@ def _master(
         flats = osd[key]
         if not isinstance(flats, list | tuple) or not flats:
             raise CorruptFileError(f"{key} is not a list of tensors", path=file, tensor=key)
-        groups.append([_segment(file, f"{key}[{g}]", t) for g, t in enumerate(flats)])
+        groups.append([_segment(pickled, f"{key}[{g}]", t) for g, t in enumerate(flats)])
         if rank == 0 and not zero3:
             paddings = osd.get("param_alignment_paddings")
     param_shapes = states["param_shapes"]
@@ -494,7 +496,7 @@ def _stage(states: dict[str, Any]) -> int:
 
 
 def _frozen(
-    states: dict[str, Any],
+    states: Pickled,
     states_files: list[Path],
     options: ReadOptions,
     pieces: dict[str, list[Piece]],
@@ -505,29 +507,26 @@ def _frozen(
 ) -> None:
     """Frozen parameters (no gradient, so no fp32 master): whole in rank 0's model states under ZeRO-2, one
     fragment per rank under ZeRO-3 (concatenated and cut to size, like trainable ones); ZeRO-1 records none."""
-    if states.get("frozen_param_shapes") is None:
+    if states.obj.get("frozen_param_shapes") is None:
         return
-    shapes = _shapes(states["frozen_param_shapes"], states_files[0], "frozen_param_shapes")
+    shapes = _shapes(states.obj["frozen_param_shapes"], states_files[0], "frozen_param_shapes")
     if not shapes:
         return
     every = [states] + [_load(f, options) for f in states_files[1:]] if zero3 else [states]
     for name, shape in shapes.items():
-        fragments = []
-        for file, rank_states in zip(states_files, every, strict=False):
-            held = rank_states.get("frozen_param_fragments")
+        fragments: list[tuple[Piece, TensorRecord]] = []
+        for rank_states in every:
+            held = rank_states.obj.get("frozen_param_fragments")
             if not isinstance(held, Mapping) or name not in held:
-                raise CorruptFileError("a frozen parameter without its fragment", path=file, tensor=name)
-            fragments.append((file, held[name]))
+                raise CorruptFileError("a frozen parameter without its fragment", path=rank_states.file, tensor=name)
+            fragments.append((rank_states.piece(f"frozen_param_fragments.{name}", held[name]), held[name]))
         dtypes = {tensor.dtype for _, tensor in fragments}
         if len(dtypes) != 1:
-            why = f"fragments of dtypes {sorted(map(str, dtypes))}"
+            why = f"fragments of dtypes {sorted(f'torch.{d}' for d in dtypes)}"
             raise CorruptFileError(why, path=states_files[0], tensor=name)
-        header = torch_header(fragments[0][1], path=states_files[0], key=name)
-        itemsize = fragments[0][1].element_size()
-        segments = []
-        for file, tensor in fragments:
-            piece = _piece(file, f"frozen_param_fragments.{name}", tensor)
-            segments.append(Segment(file, piece.position, tensor.numel(), itemsize, name))
+        header = _header(fragments[0][1], states_files[0], name)
+        itemsize = fragments[0][1].itemsize
+        segments = [Segment(p.file, p.position, p.length // itemsize, itemsize, name) for p, _ in fragments]
         flat = Flat(tuple(segments))
         numel = math.prod(shape)
         if flat.numel < numel:
@@ -557,7 +556,7 @@ def _shared(value: Any, file: Path) -> dict[str, str]:
 
 def _moments(file: Path, options: ReadOptions) -> list[str]:
     """The names of the optimizer state reshard does not carry (Adam's ``exp_avg``, ``exp_avg_sq``, ``step``)."""
-    osd = _osd(_load(file, options), file)
+    osd = _osd(_load(file, options).obj, file)
     inner = osd.get("base_optimizer_state", osd.get("optimizer_state_dict"))
     state = inner.get("state") if isinstance(inner, Mapping) else None
     if isinstance(inner, list):  # ZeRO-1/2 keep one state per group

@@ -110,3 +110,13 @@ def test_a_root_with_several_tags_and_no_latest_names_them(ds_copy, latest, cli,
     assert "holds 2 DeepSpeed checkpoints (global_step2, global_step10)" in result.output
     assert str(root / "global_step10") in result.output and "zero_to_fp32" in result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_a_legacy_torch_file_is_refused_in_one_line(ds_copy, cli, tmp_path):
+    """A model-states file in torch's legacy (non-zip) serialization has no records to read in place."""
+    folder = ds_copy("zero3_bf16")
+    file = folder / TAG / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    torch.save(torch.load(file, weights_only=True), file, _use_new_zipfile_serialization=False)
+    result = cli("convert", folder, "--tp", 1, "-o", tmp_path / "out", "-q")
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert f"{file.name}: a legacy (non-zip) torch file" in result.output

@@ -28,8 +28,9 @@ checks them against each other.
 
 from __future__ import annotations
 
+import bisect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,7 +40,7 @@ from reshard.engine.digest import RunningDigest, checked_without_torch
 from reshard.engine.planner import SourceTensor
 from reshard.engine.work import Work, copy_plan
 from reshard.errors import ReshardError
-from reshard.io.direct import Batch, in_memory
+from reshard.io.direct import ALIGN, Batch, in_memory
 from reshard.io.scratch import scratch_bytes
 from reshard.layouts.base import CheckpointWriter, TensorRef
 from reshard.partition import Partition, Replicate, Vocab, head_replicas, rank_rows
@@ -208,22 +209,28 @@ def stream(
             places.append((rank, first, end, offset))
             offset += end - first
     writer.begin_parts(target.name, target.rank_shapes, target.code)
-    largest = max(run.length for run in streamed.runs)
-    block = min(BLOCK_BYTES, largest)
-    with scratch_bytes(block * (2 if copies else 1)) as buffer:
+    phase = _file_phases(places, [writer.position(target.name, rank) for rank in range(len(streamed.targets))])
+    cuts = sorted({edge for _, first, end, _ in places for edge in (first, end)})
+    room = min(BLOCK_BYTES, max(run.length for run in streamed.runs)) + ALIGN
+    with scratch_bytes(room * (2 if copies else 1)) as buffer:
         view = memoryview(buffer)
         at = 0
         for run in streamed.runs:
-            for start in range(0, run.length, BLOCK_BYTES):
-                size = min(BLOCK_BYTES, run.length - start)
+            end = at + run.length
+            while at < end:
+                lead = phase(at)  # the block sits in memory on the phase of its file offset: written in place
+                cut = bisect.bisect_right(cuts, at)  # blocks end where a target rank's range does
+                size = min(BLOCK_BYTES - lead % BLOCK_BYTES, end - at, (cuts[cut] if cut < len(cuts) else end) - at)
+                block = view[lead : lead + size]
+                start = run.start + run.length - (end - at)
                 with Batch():
-                    run.ref.read_bytes(view[:size], start=run.start + start)
-                copies.compare(buffer[:size], buffer[block : block + size], start=run.start + start)
-                digest.update(view[:size])
-                for rank, first, end, offset in places:
-                    low, high = max(first, at), min(end, at + size)
+                    run.ref.read_bytes(block, start=start)
+                copies.compare(buffer[lead : lead + size], buffer[room + lead : room + lead + size], start=start)
+                digest.update(block)
+                for rank, first, last, offset in places:
+                    low, high = max(first, at), min(last, at + size)
                     if low < high:
-                        writer.write_part(target.name, rank, [view[low - at : high - at]], offset + low - first)
+                        writer.write_part(target.name, rank, [block[low - at : high - at]], offset + low - first)
                 at += size
     for rank, start, length in streamed.pads:
         zeros = np.zeros(min(length, BLOCK_BYTES), dtype=np.uint8)
@@ -231,6 +238,21 @@ def stream(
             writer.write_part(target.name, rank, [memoryview(zeros)[: length - offset]], start + offset)
     writer.end_parts(target.name)
     return digest.result()
+
+
+def _file_phases(places: Sequence[tuple[int, int, int, int]], positions: Sequence[int | None]) -> Callable[[int], int]:
+    """The 4 KB phase in its file of each canonical byte, as written by the first target rank that holds it (its
+    slice's ``position`` in its file, when the writer knows it); 0 where none is known. Blocks end at those files'
+    page boundaries, so every block but a tensor's first is written straight from memory, not through staging
+    and a buffered head and tail (:class:`~reshard.io.direct.DirectFile`)."""
+
+    def phase(at: int) -> int:
+        for rank, first, end, offset in places:
+            if first <= at < end and positions[rank] is not None:
+                return (positions[rank] + offset + at - first) % ALIGN
+        return 0
+
+    return phase
 
 
 class Copies:

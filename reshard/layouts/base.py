@@ -297,10 +297,11 @@ class CheckpointWriter:
         """Like :meth:`write`, in any order and from any thread; only when :attr:`concurrent`."""
         raise NotImplementedError
 
-    def position(self, name: str) -> int | None:
-        """Where rank 0's slice of ``name`` will start in its file, when the layout fixes it before the slice
-        arrives (None otherwise). The engine puts memory it fills for the target (a transform's output) on that
-        offset's 4 KB phase, so it goes to the disk without a staging copy (:func:`reshard.io.direct.in_phase`)."""
+    def position(self, name: str, rank: int = 0) -> int | None:
+        """Where rank ``rank``'s slice of ``name`` will start in its file, when the layout fixes it before the slice
+        arrives (None otherwise). The engine puts memory it fills for the target (a transform's output, a streamed
+        block) on that offset's 4 KB phase, so it goes to the disk without a staging copy
+        (:func:`reshard.io.direct.in_phase`)."""
         return None
 
     @property
@@ -349,9 +350,9 @@ class RankFilesWriter(CheckpointWriter):
         for writer, piece in zip(self.rank_writers, slices, strict=True):
             writer.write_unordered(name, piece)
 
-    def position(self, name: str) -> int | None:
-        """Rank 0's file writer's offset of ``name``, for writers that know it up front (safetensors)."""
-        find = getattr(self.rank_writers[0], "position", None) if self.rank_writers else None
+    def position(self, name: str, rank: int = 0) -> int | None:
+        """Rank ``rank``'s file writer's offset of ``name``, for writers that know it up front (safetensors)."""
+        find = getattr(self.rank_writers[rank], "position", None) if rank < len(self.rank_writers) else None
         return None if find is None else find(name)
 
     @property

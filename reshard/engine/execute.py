@@ -241,6 +241,8 @@ def move_unit(
     digest, is_finite = stream(
         work, plan, writer, uneven=uneven, finite=finite, allow_divergent=allow_divergent, divergent=divergent
     )
+    for ref in _refs(work):  # read through the page cache where direct reads are refused: not needed again
+        ref.evict()
     return [(work.tensor.targets[0].name, digest, is_finite, [])], []
 
 

@@ -10,7 +10,9 @@ reading cold memory; docs/performance.md). A tensor kept as it is (no transform)
   bytes), or held whole by one source rank, its canonical bytes are byte ranges of its source slices one after
   the other, and each target slice is one or more ranges of those (:class:`Streamed`);
 * split along a later dim (the row-parallel weights), a block of its first dim's rows is, in each source slice,
-  one range of bytes, and those blocks gathered make a block of the canonical tensor (:class:`RowBlocks`).
+  one range of bytes, and those blocks gathered make a block of the canonical tensor (:class:`RowBlocks`);
+* replicated on several source ranks, the first rank's copy is streamed and every other one compared with it,
+  block by block.
 
 Such a unit is moved block by block: each block (about :data:`BLOCK_BYTES`) is read into this thread's reusable
 buffer, hashed and checked for NaN/Inf while it is in the cache (:class:`~reshard.engine.digest.RunningDigest`),
@@ -18,12 +20,13 @@ and its bytes written to each target slice (:meth:`~reshard.layouts.base.Checkpo
 buffer the size of the tensor, no fresh page, every byte read from memory once; the peak memory of a 4.17 GB
 conversion drops from ~800 to ~280 MB.
 
-Only where the source files and the output are in memory (:func:`reshard.io.direct.in_memory`): on a disk, the
-direct reads and writes with many blocks in flight (:mod:`reshard.io.direct`) are what keep it busy, and one
-synchronous block at a time would not. The byte ranges come from the same functions as the gather's
-(:func:`~reshard.engine.gather.copy_plan` for the sources, the gather's own split of the canonical tensor for
-the targets, run on a tensor of row numbers), so both paths write the same bytes; ``tests/engine/test_stream.py``
-checks them against each other.
+All of it is numpy and byte views, no torch: a conversion whose every unit streams never imports torch (1.7-2.0
+CPU-s on the bench VM), so it streams on a disk too, each block on the 4 KB phase of where it is written, ending at
+that file's page boundary (written with ``O_DIRECT`` straight from memory). Beside gathered units it streams only in
+memory (:func:`in_memory_unit`). The byte ranges come from the same functions as the gather's
+(:func:`~reshard.engine.work.copy_plan` for the sources, :func:`~reshard.partition.rank_rows`, by which
+:func:`reshard.slicing.split` cuts, for the targets), so both paths write the same bytes;
+``tests/engine/test_stream.py`` checks them against each other.
 """
 
 from __future__ import annotations
@@ -99,8 +102,8 @@ def in_memory_unit(work: Work, writer: CheckpointWriter) -> bool:
 
 def stream_plan(work: Work, *, target_tp: int, uneven: bool) -> Streamed | RowBlocks | None:
     """The runs of a unit that can be streamed (see the module's docstring); None for any other unit (a
-    transform, copies of a replicated tensor to compare, pad rows to add, a source not read straight from its
-    file, a dtype whose NaN/Inf check needs torch), which is gathered."""
+    transform, copies of a replicated head to compare, pad rows to add along a later dim, a source not read
+    straight from its file, a dtype whose NaN/Inf check needs torch), which is gathered."""
     tensor = work.tensor
     if tensor.transform is not None:
         return None
@@ -131,8 +134,8 @@ def stream_plan(work: Work, *, target_tp: int, uneven: bool) -> Streamed | RowBl
     )
     pads = tuple(  # only a vocab's runs reach past the canonical rows (one run a rank)
         (rank, (rows - start) * row if start < rows else 0, (start + length - max(start, rows)) * row)
-        for rank, runs in enumerate(targets)
-        for start, length in runs
+        for rank, rank_runs in enumerate(targets)
+        for start, length in rank_runs
         if start + length > rows
     )
     return Streamed(runs, ranges, pads=pads)

@@ -30,3 +30,32 @@ def test_finite_check_in_one_pass_agrees_with_isfinite(
     expected = bool(torch.isfinite(tensor.double()).all()) if dtype.is_floating_point else True
     assert all_finite_in_blocks(tensor) is expected
     assert all_finite_in_blocks(tensor[:, 8:14]) is expected  # a strided view holding the bad value
+
+
+@pytest.mark.parametrize(
+    ("dtype", "code"),
+    [
+        (torch.bfloat16, "BF16"),
+        (torch.float16, "F16"),
+        (torch.float8_e4m3fn, "F8_E4M3"),
+        (torch.float8_e5m2, "F8_E5M2"),
+        (torch.int16, "I16"),
+    ],
+)
+def test_every_bit_pattern_is_judged_as_isfinite_judges_it(dtype: torch.dtype, code: str) -> None:
+    """The torch-free check of a stream (:class:`~reshard.engine.digest.RunningDigest`, on the bits) and the check of a
+    gathered tensor, on every value the dtype has, one value at a time."""
+    bits = torch.int8 if dtype.itemsize == 1 else torch.int16
+    low, high = torch.iinfo(bits).min, torch.iinfo(bits).max
+    values = torch.arange(low, high + 1, dtype=torch.int32).to(bits).view(dtype)
+    expected = (
+        torch.isfinite(values.double()) if dtype.is_floating_point else torch.ones(len(values), dtype=torch.bool)
+    )
+    streamed, gathered = [], []
+    for value in values:
+        running = digest.RunningDigest(code, finite=True)
+        running.update(memoryview(value.reshape(1).view(torch.uint8).numpy()))
+        streamed.append(running.result()[1])
+        gathered.append(all_finite_in_blocks(value.reshape(1)))
+    assert torch.tensor(streamed).equal(expected) and torch.tensor(gathered).equal(expected)
+    assert digest.checked_without_torch(code)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import blake3
 import numpy as np
 
-from reshard.dtypes import code_of
+from reshard.dtypes import code_of, dtype_from_code
 from reshard.formats.safetensors.writer import CHUNK_BYTES, byte_chunks
 from reshard.schema import DIGESTS
 
@@ -74,8 +74,6 @@ class RunningDigest:
                 self._finite = _no_exponent_all_ones(np.frombuffer(block, dtype=bits), bits, mask, out=self._masked)
             else:
                 import torch
-
-                from reshard.dtypes import dtype_from_code
 
                 self._finite = all_finite_in_blocks(torch.frombuffer(block, dtype=dtype_from_code(self._code)))
 

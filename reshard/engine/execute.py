@@ -20,7 +20,7 @@ Why it is shaped like this (the gather itself is :mod:`reshard.engine.gather`):
   streams (re-slicing safetensors, DeepSpeed's fp32 masters to safetensors), torch is never imported: its import
   alone costs 1.7-2.0 CPU-s on the bench VM, more than the bytes of a small model. When the source files and the
   output live in memory (tmpfs), the units that stream do so beside the gathered ones (a transform, copies of a
-  replicated tensor to compare, :mod:`reshard.engine.gathered`); on a disk, a conversion with one gathered unit
+  replicated head to compare, :mod:`reshard.engine.gathered`); on a disk, a conversion with one gathered unit
   gathers all of them, as the gather's direct reads of a whole tensor keep more of the disk busy.
 * **The largest tensors first.** A tensor is hashed while its slices are written, so the last one's hash
   ends after every byte has gone to the disk. Plan order is by name, which ends a Megatron checkpoint on

@@ -1,10 +1,10 @@
 """The job of one gathered unit, on a worker thread: its rank slices read into a pooled buffer, the transform run,
 the targets hashed, checked for NaN/Inf and (for a concurrent writer) written.
 
-The units :mod:`reshard.engine.stream` cannot move as runs of bytes come here: transforms, replicas to compare,
-pad rows to add, and, on a disk, every unit of a conversion that has one such unit (the direct reads of a whole
-tensor keep more of the disk busy than a stream's one block at a time). This module imports torch; the
-scheduler (:mod:`reshard.engine.execute`) imports it only when a unit needs it.
+The units :mod:`reshard.engine.stream` cannot move as runs of bytes come here: transforms, copies of a replicated
+head to compare, pad rows to add along a later dim, and, on a disk, every unit of a conversion that has one such
+unit (the direct reads of a whole tensor keep more of the disk busy than a stream's one block at a time). This
+module imports torch; the scheduler (:mod:`reshard.engine.execute`) imports it only when a unit needs it.
 """
 
 from __future__ import annotations

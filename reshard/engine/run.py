@@ -93,7 +93,7 @@ def run_conversion(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
             ``out`` then; with ``--resume``, the partial output is kept to resume from).
     """
     target = plan_target(opened, options)
-    if not streams(target.conversion):  # the bytes need torch: its import runs while the rest is planned
+    if not streams(target.conversion):  # the bytes need torch: imported while the rest is checked and staged
         import_torch_in_background()
     built_family.check_counts(opened.source.config, opened.source.names())  # every worker, no import
     tokenizer = carried_tokenizer(opened.tokenizer, target.layout)

@@ -1,7 +1,8 @@
 """Lazy readers for the two tensor file formats: safetensors and torch pickles.
 
 A reader is opened once per file from its header alone (names, shapes, dtypes); tensor bytes are
-read only by :meth:`FileReader.get`, through ``safe_open`` or a memory-mapped ``torch.load``.
+read only when asked (:meth:`FileReader.get`, :meth:`~FileReader.read_into`): at their file offsets for safetensors,
+through a memory-mapped ``torch.load`` for torch files.
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
-
-from safetensors import SafetensorError, safe_open
 
 from reshard.dtypes import TensorHeader
 from reshard.errors import CorruptFileError, UnsafePickleError
@@ -204,27 +203,20 @@ class DirectReader(FileReader):
 
 
 @dataclass
-class SafetensorsReader(DirectReader):
+class SafetensorsReader(ReadIntoReader, DirectReader):
     """A ``.safetensors`` file; the header is parsed and checked against the file size up front, and tensors
-    are read around the page cache (:class:`DirectReader`)."""
+    are read around the page cache (:class:`DirectReader`), :meth:`get` too: through ``safe_open`` the file would
+    be mapped, and every page read stays resident for as long as the handle lives (``verify``'s rank check of a
+    4.17 GB tp 4 output in tmpfs peaked at 4.3 GB, the files' size)."""
 
     path: Path
     headers: dict[str, TensorHeader] = field(init=False)
     metadata: dict[str, str] = field(init=False)
     extras: dict[str, Any] = field(init=False, default_factory=dict)
     notes: list[str] = field(init=False, default_factory=list)
-    _handle: Any = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.headers, self.metadata, self._offsets = _parse_safetensors_header(self.path)
-
-    def get(self, key: str) -> torch.Tensor:
-        try:
-            if self._handle is None:
-                self._handle = safe_open(self.path, framework="pt", device="cpu")
-            return self._handle.get_tensor(key)
-        except (SafetensorError, OSError) as err:
-            raise CorruptFileError(f"cannot read tensor: {err}", path=self.path, tensor=key) from err
 
 
 def read_safetensors_header(path: Path) -> tuple[dict[str, TensorHeader], dict[str, str]]:

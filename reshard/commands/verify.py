@@ -20,14 +20,15 @@ from tqdm.auto import tqdm
 from reshard.commands.verify_checks import Difference, check_files, value_difference
 from reshard.commands.verify_ranks import check_ranks
 from reshard.dtypes import name_of
-from reshard.engine.digest import algorithm_of, all_finite, digest_of
+from reshard.engine.digest import algorithm_of, all_finite_in_blocks, digest_of
 from reshard.engine.gather import gather_canonical
 from reshard.engine.open import OpenedCheckpoint, open_checkpoint
 from reshard.engine.planner import SourceTensor
 from reshard.engine.run import open_for_conversion, run_conversion
+from reshard.engine.stream import canonical_digest
 from reshard.errors import DivergentReplicaError, PlanError, ReshardError, ShapeMismatchError
 from reshard.io.staging import temporary_folder
-from reshard.manifest import find_manifest
+from reshard.manifest import TensorEntry, find_manifest
 from reshard.mappings import HF, naming_of
 from reshard.options import ConvertOptions, ReadOptions, check_tp
 from reshard.progress import quiet_unless
@@ -220,15 +221,42 @@ def check_manifest(ckpt: Path, options: VerifyOptions) -> VerifyReport:
             )
         else:
             to_hash.append(name)
-    for name, full in _gathered(opened, to_hash, options.progress, diffs):
+    for name, digest, finite in _digests(opened, {n: expected[n] for n in to_hash}, options.progress, diffs):
         entry, files = expected[name], _files(tensors[name])
         report.tensors += 1
         algorithm = algorithm_of(entry.digest)
-        if digest_of(full, algorithm) != entry.digest:
+        if digest != entry.digest:
             diffs.append(Difference(algorithm, name, f"bytes differ from the {algorithm} in reshard.json", files))
-        if entry.finite and not all_finite(full):
+        if entry.finite and not finite:
             diffs.append(Difference("non-finite", name, "NaN/Inf present; reshard.json says it had none", files))
     return report
+
+
+def _digests(
+    opened: OpenedCheckpoint, entries: dict[str, TensorEntry], progress: bool, diffs: list[Difference]
+) -> Iterator[tuple[str, str, bool | None]]:
+    """Yield ``(name, digest, finite)`` of each canonical tensor, by the algorithm its manifest entry names (finite
+    only when the entry records it). A tensor kept as its slices' bytes streams through a small buffer, as the
+    conversion wrote it (:func:`~reshard.engine.stream.canonical_digest`); any other is gathered. Tensors that
+    cannot be read whole become differences."""
+    tensors = opened.by_name()
+    names = list(entries)
+    for name in tqdm(names, desc="verify", unit="tensor", file=sys.stderr, leave=False, **quiet_unless(progress)):
+        tensor, entry = tensors[name], entries[name]
+        algorithm = algorithm_of(entry.digest)
+        if tensor.problem is not None:
+            diffs.append(Difference("inconsistent", name, tensor.problem.detail, _files(tensor)))
+            continue
+        try:
+            streamed = canonical_digest(tensor, uneven=opened.uneven, finite=entry.finite, algorithm=algorithm)
+        except DivergentReplicaError as err:
+            diffs.append(Difference("inconsistent", name, err.detail, _files(tensor)))
+            continue
+        if streamed is not None:
+            yield name, *streamed
+            continue
+        for _, full in _gathered(opened, [name], False, diffs):
+            yield name, digest_of(full, algorithm), all_finite_in_blocks(full) if entry.finite else None
 
 
 def compare_checkpoints(ckpt: Path, other: Path, options: VerifyOptions) -> VerifyReport:

@@ -39,9 +39,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from reshard.dtypes import itemsize_of
-from reshard.engine.digest import RunningDigest, checked_without_torch
-from reshard.engine.planner import SourceTensor
-from reshard.engine.work import Work, copy_plan
+from reshard.engine.digest import ALGORITHM, RunningDigest, checked_without_torch
+from reshard.engine.planner import SourceTensor, TargetTensor, TensorPlan
+from reshard.engine.work import Work, copy_plan, plan_work
 from reshard.errors import ReshardError
 from reshard.io.direct import ALIGN, Batch, in_memory
 from reshard.io.scratch import scratch_bytes
@@ -196,15 +196,17 @@ def stream(
     finite: bool,
     allow_divergent: bool = False,
     divergent: set[str] | None = None,
+    algorithm: str = ALGORITHM,
 ) -> tuple[str, bool | None]:
-    """Move one unit block by block (see the module's docstring); its digest and, when ``finite``, whether every
-    value is finite (else None). The copies of a replicated tensor are compared with the first as the gather
-    compares them (:func:`~reshard.engine.gather.gather_into`): ``allow_divergent`` and ``divergent`` alike."""
+    """Move one unit block by block (see the module's docstring); its digest (by ``algorithm``) and, when
+    ``finite``, whether every value is finite (else None). The copies of a replicated tensor are compared with the
+    first as the gather compares them (:func:`~reshard.engine.gather.gather_into`): ``allow_divergent`` and
+    ``divergent`` alike."""
     if isinstance(streamed, RowBlocks):
-        return _stream_rows(work, streamed, writer, uneven=uneven, finite=finite)
+        return _stream_rows(work, streamed, writer, uneven=uneven, finite=finite, algorithm=algorithm)
     (source,), (target,) = work.tensor.sources, work.tensor.targets
     copies = Copies(source, streamed.copies, allow_divergent=allow_divergent, divergent=divergent)
-    digest = RunningDigest(source.code, finite=finite)
+    digest = RunningDigest(source.code, finite=finite, algorithm=algorithm)
     places = []  # (target rank, canonical range, where the range starts in the rank's slice)
     for rank, ranges in enumerate(streamed.targets):
         offset = 0
@@ -303,7 +305,7 @@ def _raise_divergent(source: SourceTensor, other: TensorRef) -> None:
 
 
 def _stream_rows(
-    work: Work, blocks: RowBlocks, writer: CheckpointWriter, *, uneven: bool, finite: bool
+    work: Work, blocks: RowBlocks, writer: CheckpointWriter, *, uneven: bool, finite: bool, algorithm: str
 ) -> tuple[str, bool | None]:
     """:func:`stream` of a :class:`RowBlocks` unit: one area of this thread's scratch holds a block of every source
     slice, the gathered block and one target slice's block cut out of it, as arrays of the dtype's width (the
@@ -324,7 +326,7 @@ def _stream_rows(
         places[rank] = at
         at += rows * source_row[rank]
     block_at, out_at = at, at + rows * block_row
-    digest = RunningDigest(source.code, finite=finite)
+    digest = RunningDigest(source.code, finite=finite, algorithm=algorithm)
     writer.begin_parts(target.name, target.rank_shapes, target.code)
     with scratch_bytes(out_at + rows * max(target_row)) as area:
         view = memoryview(area)
@@ -359,3 +361,41 @@ def _stream_rows(
 def _along(dim: int, start: int, length: int) -> tuple[slice, ...]:
     """The index of ``length`` entries from ``start`` along ``dim`` (all of every dim before it)."""
     return (slice(None),) * dim + (slice(start, start + length),)
+
+
+def canonical_digest(
+    source: SourceTensor, *, uneven: bool, finite: bool, algorithm: str
+) -> tuple[str, bool | None] | None:
+    """The digest (by ``algorithm``) of a source tensor's canonical bytes and, when ``finite``, whether every value
+    is finite, streamed from its slices as a conversion to one rank would stream them (:func:`stream`), without a
+    buffer of its size or torch; None when it does not stream (:func:`stream_plan`), to be gathered instead.
+    ``verify`` checks a manifest with it: the same bytes and the same per-block digest as the conversion's.
+
+    Raises:
+        DivergentReplicaError: copies of a replicated tensor differ.
+    """
+    whole = TargetTensor(source.name, source.shape, source.code, source.partition, (tuple(source.shape),))
+    work = plan_work(TensorPlan((source,), (whole,)), target_tp=1)
+    plan = stream_plan(work, target_tp=1, uneven=uneven)
+    if plan is None:
+        return None
+    return stream(work, plan, _Discard(), uneven=uneven, finite=finite, algorithm=algorithm)
+
+
+class _Discard(CheckpointWriter):
+    """A writer that keeps no byte: :func:`canonical_digest` needs the stream's digest, not its output."""
+
+    concurrent = True
+    takes_parts = True
+
+    def __init__(self) -> None:  # no folder, no plan: nothing is written
+        pass
+
+    def begin_parts(self, name: str, shapes: Sequence[tuple[int, ...]], code: str) -> None:
+        pass
+
+    def write_part(self, name: str, rank: int, views: Sequence[memoryview], start: int) -> None:
+        pass
+
+    def end_parts(self, name: str) -> None:
+        pass

@@ -18,7 +18,12 @@ from safetensors.torch import load_file, save_file
 from reshard import ConvertOptions, convert
 from reshard.engine import execute
 from reshard.engine import stream as engine_stream
+from reshard.engine.digest import digest_of
+from reshard.engine.gather import gather_canonical
+from reshard.engine.open import open_checkpoint
+from reshard.engine.stream import canonical_digest
 from reshard.io.direct import in_memory
+from reshard.options import ReadOptions
 
 TP2 = SAMPLES / "tiny-llama-tp2"
 Q = "model.layers.1.self_attn.q_proj.weight"
@@ -143,6 +148,39 @@ def test_copies_that_differ_are_found_as_the_gather_finds_them(
     assert manifest["tensors"]["model.norm.weight"]["divergent"]
     assert manifest["tensors"] == json.loads((tmp_path / "gathered" / "reshard.json").read_text())["tensors"]
     _same_files(tmp_path / "streamed", tmp_path / "gathered")
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("algorithm", ["blake3", "sha256"])
+def test_verify_streams_the_digest_the_gather_gives(tmp_path: Path, tp: int, algorithm: str) -> None:
+    manifest = _convert(TP2, tmp_path / "out", tp)
+    opened = open_checkpoint(tmp_path / "out", ReadOptions(), target_tp=1, recorded_plan=True)
+    streamed = 0
+    for tensor in opened.tensors:
+        got = canonical_digest(tensor, uneven=opened.uneven, finite=True, algorithm=algorithm)
+        if got is None:
+            continue
+        streamed += 1
+        whole = gather_canonical(tensor, uneven=opened.uneven)
+        assert got == (digest_of(whole, algorithm), manifest[tensor.name]["finite"]), tensor.name
+        if algorithm == "blake3":
+            assert got[0] == f"blake3:{manifest[tensor.name]['blake3']}"
+    assert streamed == len(opened.tensors)  # every tensor of a bf16 Llama: runs, blocks of rows, copies, pad rows
+
+
+def test_a_flipped_bit_in_one_ranks_row_parallel_slice_fails_verify(cli, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    _convert(TP2, out, 2)
+    name = "model.layers.1.self_attn.o_proj.weight"
+    path = out / "rank_01" / "model.safetensors"
+    raw = bytearray(path.read_bytes())
+    length = int.from_bytes(raw[:8], "little")
+    raw[8 + length + json.loads(raw[8 : 8 + length])[name]["data_offsets"][1] - 3] ^= 0x10
+    path.write_bytes(bytes(raw))
+    result = cli("verify", out, "--json")
+    assert result.exit_code == 1
+    checks = {c["check"]: c for c in json.loads(result.stdout)["checks"]}
+    assert [(d["kind"], d["tensor"]) for d in checks["manifest"]["differences"]] == [("blake3", name)]
 
 
 MODULES_AFTER_CONVERT = """

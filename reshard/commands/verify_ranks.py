@@ -3,7 +3,10 @@
 A comparison of gathered tensors cannot see a wrong cut: rank slices taken on the wrong axis gather back into
 the same bytes. Here each tensor is gathered the way its ``reshard.json`` recorded it, cut again the way the
 plan says a runtime expects (the model's plan, and for a quantized linear its weight's cut carried through the
-format's table), and every rank's own slice compared with that piece, bit for bit. For each quantized linear,
+format's table), and every rank's own slice compared with that piece, bit for bit. Where that cut gives each rank
+exactly the rows the gather placed from its own slice (the recorded cut of an unquantized tensor split along a dim,
+:func:`_own_rows`), the comparison would read a slice's bytes to compare them with themselves: the numbers prove it
+without a read (a 4.17 GB tp 4 output in tmpfs: 8.4 -> 1.1 CPU-s). For each quantized linear,
 each rank's stored tensors are also dequantized on their own (the format's arithmetic,
 :mod:`reshard.commands.verify_dequant`) and compared with the rank's slice of the dequantized whole weight; a
 linear's tensors are checked together, each gathered once for both checks.
@@ -22,9 +25,10 @@ from reshard.config import ModelConfig
 from reshard.engine.gather import gather_canonical
 from reshard.engine.open import OpenedCheckpoint, open_checkpoint
 from reshard.engine.planner import SourceTensor
+from reshard.engine.work import copy_plan
 from reshard.errors import AmbiguousPartitionError, DivergentReplicaError, ReshardError, ShapeMismatchError
 from reshard.options import ReadOptions
-from reshard.partition import Partition, Replicate, Vocab, norm_dim
+from reshard.partition import Partition, Replicate, Vocab, norm_dim, rank_rows
 from reshard.plans import Plan
 from reshard.quantization import QuantizedTensors, quantized_tensors
 from reshard.quantization.plan import companion_partition, linear_partition, split_name
@@ -54,6 +58,9 @@ def check_ranks(path: Path, read: ReadOptions) -> tuple[int, list[Difference]] |
     checked = 0
     tensors = written.by_name()
     for unit, names in units.items():
+        if unit not in linears and _own_rows(tensors[unit], written.uneven):
+            checked += 1
+            continue
         whole = {}  # a quantized linear's gathered tensors, kept for its dequantized check: each is gathered once
         for name in names:
             tensor = tensors[name]
@@ -67,6 +74,41 @@ def check_ranks(path: Path, read: ReadOptions) -> tuple[int, list[Difference]] |
         if unit in linears and all(full is not None for full in whole.values()):  # else reported by the slice check
             _check_dequantized(unit, names, whole, written, runtime, quantized, diffs)
     return checked, diffs
+
+
+def _own_rows(tensor: SourceTensor, uneven: bool) -> bool:
+    """Whether the tensor's recorded cut gives every rank exactly the rows the gather places from its own slice (the
+    gather's :func:`~reshard.engine.work.copy_plan` against the split's :func:`~reshard.partition.rank_rows`, every
+    other dim the canonical one's): then each rank's piece is its own slice's bytes. Not for a replicated tensor or
+    replicated heads (their copies are compared), nor a vocab (its pad rows are not data)."""
+    partition, shapes = tensor.partition, [tuple(ref.shape) for ref in tensor.refs]
+    if tensor.problem is not None or isinstance(partition, (Replicate, Vocab)) or not shapes:
+        return False
+    dim = norm_dim(partition.dim, len(tensor.shape))
+    if any(len(shape) != len(tensor.shape) or _without(shape, dim) != _without(tensor.shape, dim) for shape in shapes):
+        return False
+    try:
+        runs = rank_rows(partition, tensor.shape, len(shapes), uneven=len(set(shapes)) > 1)
+        copies, _ = copy_plan(partition, shapes, uneven=uneven)
+    except (ReshardError, ValueError):
+        return False
+    placed: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
+    for copy in copies:
+        if copy.length:
+            placed[copy.rank].append((copy.src, copy.dst, copy.length))
+    for rank, shape in enumerate(shapes):
+        mine = sorted(placed[rank])
+        sources = [src for src, _, _ in mine]
+        lengths = [length for _, _, length in mine]
+        if sources != [sum(lengths[:i]) for i in range(len(mine))] or sum(lengths) != shape[dim]:
+            return False  # the gather does not take the whole slice, in order
+        if [(dst, length) for _, dst, length in mine] != [run for run in runs[rank] if run[1]]:
+            return False
+    return True
+
+
+def _without(shape: tuple[int, ...], dim: int) -> tuple[int, ...]:
+    return shape[:dim] + shape[dim + 1 :]
 
 
 def _quantized_cut(

@@ -1,0 +1,58 @@
+"""``verify``'s rank check: a rank whose piece of the recorded cut is its own slice is proven by the numbers, and
+that proof agrees with reading the bytes; any other cut (other sizes, copies, a vocab) is read and compared."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from fixtures import SAMPLES
+
+from reshard import ConvertOptions, convert
+from reshard.commands import verify_ranks
+from reshard.engine.gather import gather_canonical
+from reshard.engine.open import open_checkpoint
+from reshard.engine.planner import SourceTensor
+from reshard.options import ReadOptions
+from reshard.partition import Packed, Replicate, Shard
+from reshard.slicing import bitwise_equal, split
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_own_rows_hold_exactly_where_each_ranks_piece_is_its_slice(tmp_path: Path, tp: int) -> None:
+    convert(SAMPLES / "tiny-llama-tp2", tmp_path / "out", ConvertOptions(tp=tp, progress=False))
+    opened = open_checkpoint(tmp_path / "out", ReadOptions(), target_tp=1, recorded_plan=True)
+    proven = []
+    for tensor in opened.tensors:
+        if not verify_ranks._own_rows(tensor, opened.uneven):
+            continue
+        proven.append(tensor.name)
+        pieces = split(gather_canonical(tensor, uneven=opened.uneven), tensor.partition, tp)
+        for ref, piece in zip(tensor.refs, pieces, strict=True):  # what the check read before
+            assert bitwise_equal(ref.read(), piece), tensor.name
+    assert "model.layers.0.self_attn.q_proj.weight" in proven  # column-parallel
+    assert "model.layers.0.self_attn.o_proj.weight" in proven  # row-parallel
+    assert "model.layers.0.input_layernorm.weight" not in proven  # copies: compared
+    assert "model.embed_tokens.weight" not in proven  # a vocab: pad rows are not data
+    assert verify_ranks.check_ranks(tmp_path / "out", ReadOptions()) == (len(opened.tensors), [])
+
+
+def _tensor(partition: object, shape: tuple[int, ...], *shapes: tuple[int, ...]) -> SourceTensor:
+    refs = tuple(SimpleNamespace(shape=s) for s in shapes)
+    return SourceTensor("w", refs, partition, "test", shape)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("tensor", "uneven", "own"),
+    [
+        (_tensor(Shard(0), (8, 4), (4, 4), (4, 4)), False, True),
+        (_tensor(Shard(1), (4, 8), (4, 4), (4, 4)), False, True),
+        (_tensor(Packed(0, (4, 2)), (6, 3), (3, 3), (3, 3)), False, True),  # two runs a rank
+        (_tensor(Shard(0), (8, 4), (3, 4), (5, 4)), True, False),  # sizes the split rule would not give
+        (_tensor(Shard(0), (8, 4), (4, 4), (4, 5)), False, False),  # another dim differs
+        (_tensor(Replicate(), (4,), (4,), (4,)), False, False),
+    ],
+)
+def test_own_rows_by_the_numbers(tensor: SourceTensor, uneven: bool, own: bool) -> None:
+    assert verify_ranks._own_rows(tensor, uneven) is own

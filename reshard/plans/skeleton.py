@@ -14,6 +14,10 @@ same code, so the answer is kept in reshard's cache (``io/user_cache.py``) under
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,7 +90,8 @@ def build_skeleton(config: ModelConfig | None) -> ModelSkeleton:
     if known is not None:
         return known
     try:
-        skeleton = _build(config)
+        with _torch_cache_in_a_temporary_folder():
+            skeleton = _build(config)
     except ReshardError as err:
         # a refusal of the config itself is as lasting as an answer; a missing module, a file or the network is not
         if key is not None and not isinstance(err.__cause__, (ImportError, OSError, MemoryError)):
@@ -163,6 +168,22 @@ def _from_json(value: object) -> ModelSkeleton | None:
         dict(loaded_as),
         dict(heads),
     )
+
+
+@contextlib.contextmanager
+def _torch_cache_in_a_temporary_folder() -> Iterator[None]:
+    """Importing transformers imports ``torch._dynamo``, which makes its cache folder at import,
+    ``$TMPDIR/torchinductor_<user>`` unless ``TORCHINDUCTOR_CACHE_DIR`` says otherwise: a folder reshard would leave
+    in ``$TMPDIR`` (reshard compiles nothing). Until the build is done the folder is a temporary one, removed after."""
+    if "TORCHINDUCTOR_CACHE_DIR" in os.environ or "torch._dynamo" in sys.modules:
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="reshard-torch-cache-") as folder:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+        try:
+            yield
+        finally:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
 
 
 def _build(config: ModelConfig) -> ModelSkeleton:

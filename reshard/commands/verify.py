@@ -1,8 +1,9 @@
 """``verify``: check a checkpoint against its manifest, compare two checkpoints, or prove a round trip.
 
-Every check streams one canonical tensor at a time (per side) through the same gather the converter
-uses, so a checkpoint is judged exactly as reshard would read it. A difference is a result (exit 1);
-a file that cannot be read at all is a :class:`~reshard.errors.ReshardError` (exit 2).
+Every check reads one canonical tensor at a time (per side) as the converter does, so a checkpoint is judged exactly
+as reshard would read it: a manifest's digests stream from the slices (:func:`~reshard.engine.stream.canonical_digest`,
+no torch for a tensor kept as its slices' bytes), anything else goes through the same gather. A difference is a
+result (exit 1); a file that cannot be read at all is a :class:`~reshard.errors.ReshardError` (exit 2).
 """
 
 from __future__ import annotations
@@ -12,18 +13,15 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from tqdm.auto import tqdm
 
-from reshard.commands.verify_checks import Difference, check_files, value_difference
+from reshard.commands.verify_checks import Difference, check_files, files_of, value_difference
 from reshard.commands.verify_ranks import check_ranks
 from reshard.dtypes import name_of
 from reshard.engine.digest import algorithm_of, all_finite_in_blocks, digest_of
-from reshard.engine.gather import gather_canonical
 from reshard.engine.open import OpenedCheckpoint, open_checkpoint
-from reshard.engine.planner import SourceTensor
 from reshard.engine.run import open_for_conversion, run_conversion
 from reshard.engine.stream import canonical_digest
 from reshard.errors import DivergentReplicaError, PlanError, ReshardError, ShapeMismatchError
@@ -32,6 +30,9 @@ from reshard.manifest import TensorEntry, find_manifest
 from reshard.mappings import HF, naming_of
 from reshard.options import ConvertOptions, ReadOptions, check_tp
 from reshard.progress import quiet_unless
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Difference", "VerifyOptions", "VerifyReport", "VerifyResult", "verify"]
 
@@ -165,25 +166,26 @@ def _open(path: Path, options: ReadOptions) -> OpenedCheckpoint:
     return open_checkpoint(path, options, target_tp=1, recorded_plan=True)
 
 
-def _files(tensor: SourceTensor) -> str:
-    return ", ".join(dict.fromkeys(str(ref.file) for ref in tensor.refs))
-
-
 def _gathered(
     opened: OpenedCheckpoint, names: list[str], progress: bool, diffs: list[Difference]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, canonical tensor)`` one at a time; tensors that cannot be gathered become differences."""
+    """Yield ``(name, canonical tensor)`` one at a time; tensors that cannot be gathered become differences. Imports
+    torch (a manifest check whose every tensor streams never does)."""
+    import torch
+
+    from reshard.engine.gather import gather_canonical
+
     tensors = opened.by_name()
     with torch.inference_mode():
         for name in tqdm(names, desc="verify", unit="tensor", file=sys.stderr, leave=False, **quiet_unless(progress)):
             tensor = tensors[name]
             if tensor.problem is not None:
-                diffs.append(Difference("inconsistent", name, tensor.problem.detail, _files(tensor)))
+                diffs.append(Difference("inconsistent", name, tensor.problem.detail, files_of(tensor)))
                 continue
             try:
                 yield name, gather_canonical(tensor, uneven=opened.uneven)
             except (DivergentReplicaError, ShapeMismatchError) as err:
-                diffs.append(Difference("inconsistent", name, err.detail, _files(tensor)))
+                diffs.append(Difference("inconsistent", name, err.detail, files_of(tensor)))
 
 
 def check_manifest(ckpt: Path, options: VerifyOptions) -> VerifyReport:
@@ -205,24 +207,26 @@ def check_manifest(ckpt: Path, options: VerifyOptions) -> VerifyReport:
     diffs = report.differences
     expected = manifest.tensors
     diffs += [Difference("missing", n, "in reshard.json, not in the checkpoint") for n in expected if n not in tensors]
-    diffs += [Difference("extra", n, "not in reshard.json", _files(tensors[n])) for n in tensors if n not in expected]
+    diffs += [
+        Difference("extra", n, "not in reshard.json", files_of(tensors[n])) for n in tensors if n not in expected
+    ]
     to_hash = []
     for name in (n for n in expected if n in tensors):
         tensor, entry = tensors[name], expected[name]
         if tensor.problem is None and (name_of(tensor.code) != entry.dtype):
             diffs.append(
-                Difference("dtype", name, f"{name_of(tensor.code)}, reshard.json says {entry.dtype}", _files(tensor))
+                Difference("dtype", name, f"{name_of(tensor.code)}, reshard.json says {entry.dtype}", files_of(tensor))
             )
         elif tensor.problem is None and tensor.shape != entry.shape:
             diffs.append(
                 Difference(
-                    "shape", name, f"{list(tensor.shape)}, reshard.json says {list(entry.shape)}", _files(tensor)
+                    "shape", name, f"{list(tensor.shape)}, reshard.json says {list(entry.shape)}", files_of(tensor)
                 )
             )
         else:
             to_hash.append(name)
     for name, digest, finite in _digests(opened, {n: expected[n] for n in to_hash}, options.progress, diffs):
-        entry, files = expected[name], _files(tensors[name])
+        entry, files = expected[name], files_of(tensors[name])
         report.tensors += 1
         algorithm = algorithm_of(entry.digest)
         if digest != entry.digest:
@@ -245,12 +249,12 @@ def _digests(
         tensor, entry = tensors[name], entries[name]
         algorithm = algorithm_of(entry.digest)
         if tensor.problem is not None:
-            diffs.append(Difference("inconsistent", name, tensor.problem.detail, _files(tensor)))
+            diffs.append(Difference("inconsistent", name, tensor.problem.detail, files_of(tensor)))
             continue
         try:
             streamed = canonical_digest(tensor, uneven=opened.uneven, finite=entry.finite, algorithm=algorithm)
         except DivergentReplicaError as err:
-            diffs.append(Difference("inconsistent", name, err.detail, _files(tensor)))
+            diffs.append(Difference("inconsistent", name, err.detail, files_of(tensor)))
             continue
         if streamed is not None:
             yield name, *streamed
@@ -296,17 +300,17 @@ def _compare(a: OpenedCheckpoint, b: OpenedCheckpoint, options: VerifyOptions, r
     ckpt, other = report.checkpoint, report.against
     ours, theirs = a.by_name(), b.by_name()
     diffs = report.differences
-    diffs += [Difference("missing", n, f"not in {other}", _files(t)) for n, t in ours.items() if n not in theirs]
-    diffs += [Difference("extra", n, f"not in {ckpt}", _files(t)) for n, t in theirs.items() if n not in ours]
+    diffs += [Difference("missing", n, f"not in {other}", files_of(t)) for n, t in ours.items() if n not in theirs]
+    diffs += [Difference("extra", n, f"not in {ckpt}", files_of(t)) for n, t in theirs.items() if n not in ours]
     common = []
     for name in (n for n in ours if n in theirs):
         ta, tb = ours[name], theirs[name]
         if ta.problem or tb.problem:
             common.append(name)  # reported as inconsistent by _gathered
         elif ta.shape != tb.shape:
-            diffs.append(Difference("reshaped", name, f"{list(ta.shape)} vs {list(tb.shape)}", _files(tb)))
+            diffs.append(Difference("reshaped", name, f"{list(ta.shape)} vs {list(tb.shape)}", files_of(tb)))
         elif ta.code != tb.code and options.exact:
-            diffs.append(Difference("dtype", name, f"{name_of(ta.code)} vs {name_of(tb.code)}", _files(tb)))
+            diffs.append(Difference("dtype", name, f"{name_of(ta.code)} vs {name_of(tb.code)}", files_of(tb)))
         else:
             common.append(name)
     for name, left in _gathered(a, common, options.progress, diffs):
@@ -322,7 +326,7 @@ def _compare(a: OpenedCheckpoint, b: OpenedCheckpoint, options: VerifyOptions, r
                     "values",
                     name,
                     f"{what}: max abs difference {difference:.6g}",
-                    _files(theirs[name]),
+                    files_of(theirs[name]),
                     difference,
                 )
             )

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from reshard.layouts import find_layout
 from reshard.manifest import Manifest
-from reshard.slicing import bitwise_equal
+
+if TYPE_CHECKING:
+    import torch
+
+    from reshard.engine.planner import SourceTensor
 
 # Elements widened to float64 at a time when comparing values (128 MB per side).
 _BLOCK = 1 << 24
@@ -40,6 +42,11 @@ class Difference:
         return dict(self.__dict__)
 
 
+def files_of(tensor: SourceTensor) -> str:
+    """The files a tensor's slices are read from, each once, for a difference's ``file``."""
+    return ", ".join(dict.fromkeys(str(ref.file) for ref in tensor.refs))
+
+
 def check_files(ckpt: Path, manifest: Manifest) -> list[Difference]:
     """Missing rank folders, files an index names that are absent, folders without weights, duplicates, for a
     layout whose folders can be checked file by file (others are checked by reading them)."""
@@ -55,6 +62,10 @@ def value_difference(a: torch.Tensor, b: torch.Tensor, *, atol: float = 0.0, rto
     NaN equals NaN here (a NaN on one side only counts as an infinite difference). Values are widened to
     float64 (complex128) a block at a time, so the extra memory stays bounded whatever the tensor's size.
     """
+    import torch
+
+    from reshard.slicing import bitwise_equal
+
     if atol == 0 and rtol == 0 and a.dtype == b.dtype and bitwise_equal(a, b):
         return None
     wide = torch.complex128 if a.is_complex() or b.is_complex() else torch.float64

@@ -183,16 +183,26 @@ def test_a_flipped_bit_in_one_ranks_row_parallel_slice_fails_verify(cli, tmp_pat
     assert [(d["kind"], d["tensor"]) for d in checks["manifest"]["differences"]] == [("blake3", name)]
 
 
-MODULES_AFTER_CONVERT = """
+MODULES_AFTER = """
 import json, sys
 from reshard.cli.main import main
-sys.argv = ["reshard", "convert", *sys.argv[1:]]
+sys.argv = ["reshard", *sys.argv[1:]]
 try:
     main()
 except SystemExit as done:
-    assert not done.code, done.code
-print(json.dumps(sorted(name for name in sys.modules if name.split(".")[0] == "torch")))
+    code = done.code or 0
+print(json.dumps([code, sorted(name for name in sys.modules if name.split(".")[0] == "torch")]))
 """
+
+
+def _modules_after(*args: object) -> tuple[int, list[str]]:
+    """The exit code of a ``reshard`` command run in a fresh interpreter, and the torch modules it imported."""
+    done = subprocess.run(
+        [sys.executable, "-c", MODULES_AFTER, *map(str, args)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    code, imported = json.loads(done.stdout.splitlines()[-1])
+    return code, imported
 
 
 @pytest.mark.parametrize("target", [["--tp", "1"], ["--tp", "4"], ["--tp", "1", "--dtype", "bfloat16"]])
@@ -200,20 +210,29 @@ def test_a_conversion_that_only_moves_bytes_never_imports_torch(tmp_path: Path, 
     """On a disk, without any patching: when every unit streams, torch is not imported (its import costs more
     than moving a small model's bytes); a cast needs it. The bytes are the gather's."""
     out = tmp_path / "out"
-    done = subprocess.run(
-        [sys.executable, "-c", MODULES_AFTER_CONVERT, str(TP2), *target, "-o", str(out), "-q"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
-    imported = json.loads(done.stdout.splitlines()[-1])
+    code, imported = _modules_after("convert", TP2, *target, "-o", out, "-q")
+    assert code == 0
     assert bool(imported) == ("--dtype" in target), imported[:5]
     options = ConvertOptions(tp=int(target[1]), dtype="bfloat16" if "--dtype" in target else None, progress=False)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(execute, "streams_to", lambda writer: False)
         convert(TP2, tmp_path / "gathered", options)
     _same_files(out, tmp_path / "gathered")
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_verify_of_an_output_that_streams_never_imports_torch(tmp_path: Path, tp: int) -> None:
+    """The manifest's digests stream, each rank's slice is its piece by the numbers or a copy compared block by block:
+    no byte needs torch. A flipped bit is still found, and the error's max difference then imports it."""
+    out = tmp_path / "out"
+    _convert(TP2, out, tp)
+    assert _modules_after("verify", out, "-q") == (0, [])
+    path = out / ("model.safetensors" if tp == 1 else "rank_01/model.safetensors")
+    raw = bytearray(path.read_bytes())
+    raw[-5] ^= 0x01
+    path.write_bytes(bytes(raw))
+    code, _ = _modules_after("verify", out, "-q")
+    assert code == 1
 
 
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")

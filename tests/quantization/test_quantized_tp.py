@@ -246,19 +246,23 @@ def test_gptq_every_rank_dequantizes_to_its_slice(cli, gptq, tmp_path, act_order
 
 
 def test_the_rank_check_gathers_each_tensor_once(cli, fp8, tmp_path, monkeypatch) -> None:
-    """A quantized linear's tensors serve both the slice check and the dequantized check from one gather."""
+    """A quantized linear's tensors serve both the slice check and the dequantized check from one gather; the
+    others are proven by the numbers or their copies streamed, never gathered."""
     import reshard.commands.verify_ranks as verify_ranks
+    import reshard.commands.verify_slices as verify_slices
 
     out = tmp_path / "tp2"
     convert(cli, fp8, out, 2)
     gathered: list[str] = []
-    real = verify_ranks.gather_canonical
+    real = verify_slices.gather_canonical
 
     def counted(tensor, **kwargs):
         gathered.append(tensor.name)
         return real(tensor, **kwargs)
 
-    monkeypatch.setattr(verify_ranks, "gather_canonical", counted)
+    monkeypatch.setattr(verify_slices, "gather_canonical", counted)
     checked, diffs = verify_ranks.check_ranks(out, ReadOptions())
-    assert diffs == [] and checked == len(gathered) == len(set(gathered))
+    names = json.loads((out / "reshard.json").read_text())["tensors"]
+    assert diffs == [] and checked == len(names) and len(gathered) == len(set(gathered))
     assert sum(name.endswith("weight_scale_inv") for name in gathered) == 14
+    assert all(name.rsplit(".", 1)[1] in ("weight", "weight_scale_inv") for name in gathered)

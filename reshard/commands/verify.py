@@ -20,8 +20,9 @@ from tqdm.auto import tqdm
 from reshard.commands.verify_checks import Difference, check_files, files_of, value_difference
 from reshard.commands.verify_ranks import check_ranks
 from reshard.dtypes import name_of
-from reshard.engine.digest import algorithm_of, all_finite_in_blocks, digest_of
+from reshard.engine.digest import ALGORITHM, algorithm_of, all_finite_in_blocks, digest_of
 from reshard.engine.open import OpenedCheckpoint, open_checkpoint
+from reshard.engine.planner import SourceTensor
 from reshard.engine.run import open_for_conversion, run_conversion
 from reshard.engine.stream import canonical_digest
 from reshard.errors import DivergentReplicaError, PlanError, ReshardError, ShapeMismatchError
@@ -313,12 +314,17 @@ def _compare(a: OpenedCheckpoint, b: OpenedCheckpoint, options: VerifyOptions, r
             diffs.append(Difference("dtype", name, f"{name_of(ta.code)} vs {name_of(tb.code)}", files_of(tb)))
         else:
             common.append(name)
-    for name, left in _gathered(a, common, options.progress, diffs):
-        right = dict(_gathered(b, [name], False, diffs))  # one tensor of each side at a time
+    bar = tqdm(common, desc="verify", unit="tensor", file=sys.stderr, leave=False, **quiet_unless(options.progress))
+    for name in bar:
+        if _same_bytes(ours[name], theirs[name], uneven=(a.uneven, b.uneven)):
+            report.tensors += 1
+            continue
+        left = dict(_gathered(a, [name], False, diffs))  # one tensor of each side at a time
+        right = dict(_gathered(b, [name], False, diffs)) if name in left else {}
         if name not in right:
             continue
         report.tensors += 1
-        difference = value_difference(left, right.pop(name), atol=options.atol, rtol=options.rtol)
+        difference = value_difference(left.pop(name), right.pop(name), atol=options.atol, rtol=options.rtol)
         if difference is not None:
             what = "bytes differ" if options.exact else f"outside atol={options.atol}, rtol={options.rtol}"
             diffs.append(
@@ -330,6 +336,21 @@ def _compare(a: OpenedCheckpoint, b: OpenedCheckpoint, options: VerifyOptions, r
                     difference,
                 )
             )
+
+
+def _same_bytes(ours: SourceTensor, theirs: SourceTensor, *, uneven: tuple[bool, bool]) -> bool:
+    """Whether two tensors of one dtype hold the same canonical bytes, by their digests (BLAKE3) streamed from the
+    slices (:func:`~reshard.engine.stream.canonical_digest`), with no gather and no torch: equal bytes are equal
+    values at any tolerance. False when they differ, either does not stream, or its copies differ: then both are
+    gathered, and compared (and reported) in torch."""
+    if ours.problem or theirs.problem or ours.code != theirs.code:
+        return False
+    try:
+        left = canonical_digest(ours, uneven=uneven[0], finite=False, algorithm=ALGORITHM)
+        right = canonical_digest(theirs, uneven=uneven[1], finite=False, algorithm=ALGORITHM) if left else None
+    except DivergentReplicaError:
+        return False
+    return left is not None and left == right
 
 
 def roundtrip(ckpt: Path, tp: int, options: VerifyOptions) -> VerifyReport:

@@ -1,7 +1,8 @@
 """The ``reshard`` command line: parse, call the library, print. No logic lives here.
 
-Each command imports its library module when it runs: ``convert``, ``fix`` and ``verify`` need torch,
-whose import takes longer than ``reshard check`` needs for a whole 9B model's headers.
+Each command imports its library module when it runs: ``convert``, ``fix`` and ``verify`` may need torch (only
+when a byte has to go through it), whose import takes longer than ``reshard check`` needs for a whole 9B model's
+headers.
 """
 
 from __future__ import annotations

@@ -314,8 +314,9 @@ def _compare(a: OpenedCheckpoint, b: OpenedCheckpoint, options: VerifyOptions, r
             diffs.append(Difference("dtype", name, f"{name_of(ta.code)} vs {name_of(tb.code)}", files_of(tb)))
         else:
             common.append(name)
-    bar = tqdm(common, desc="verify", unit="tensor", file=sys.stderr, leave=False, **quiet_unless(options.progress))
-    for name in bar:
+    for name in tqdm(
+        common, desc="verify", unit="tensor", file=sys.stderr, leave=False, **quiet_unless(options.progress)
+    ):
         if _same_bytes(ours[name], theirs[name], uneven=(a.uneven, b.uneven)):
             report.tensors += 1
             continue

@@ -81,10 +81,10 @@ def check_ranks(path: Path, read: ReadOptions) -> tuple[int, list[Difference]] |
 
 def _own_rows(tensor: SourceTensor, uneven: bool) -> bool:
     """Whether the tensor's recorded cut gives every rank exactly the rows the gather places from its own slice (the
-    gather's :func:`~reshard.engine.work.copy_plan` against the split's :func:`~reshard.partition.rank_rows`, with
-    :func:`_pieces`'s padding and sizes, every other dim the canonical one's): then each rank's piece is its own
-    slice's bytes (a vocab's pad rows are not data, and not compared either way). Not for a replicated tensor or
-    replicated heads: their copies are compared."""
+    gather's :func:`~reshard.engine.work.copy_plan` against the split's :func:`~reshard.partition.rank_rows`, padded
+    and sized as :mod:`~reshard.commands.verify_slices` cuts, every other dim the canonical one's): then each rank's
+    piece is its own slice's bytes (a vocab's pad rows are not data, and not compared either way). Not for a
+    replicated tensor or replicated heads: their copies are compared."""
     partition, shapes = tensor.partition, [tuple(ref.shape) for ref in tensor.refs]
     if tensor.problem is not None or isinstance(partition, Replicate) or not shapes:
         return False

@@ -369,7 +369,8 @@ def canonical_digest(
     """The digest (by ``algorithm``) of a source tensor's canonical bytes and, when ``finite``, whether every value
     is finite, streamed from its slices as a conversion to one rank would stream them (:func:`stream`), without a
     buffer of its size or torch; None when it does not stream (:func:`stream_plan`), to be gathered instead.
-    ``verify`` checks a manifest with it: the same bytes and the same per-block digest as the conversion's.
+    ``verify`` checks a manifest's digests with it (the same bytes and per-block digest as the conversion's), and
+    compares two checkpoints' tensors and a replicated tensor's copies.
 
     Raises:
         DivergentReplicaError: copies of a replicated tensor differ.

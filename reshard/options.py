@@ -25,6 +25,11 @@ def check_tp(tp: int, *, what: str = "--tp") -> int:
     return count
 
 
+def cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def default_jobs() -> int:
     """Twice the cores this process may run on.
 
@@ -32,8 +37,7 @@ def default_jobs() -> int:
     :mod:`reshard.io.direct`), so with one job per core the disk idles while every job hashes; memory does not
     grow with jobs (see :mod:`reshard.engine.execute`). Measurements: docs/performance.md.
     """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return 2 * cores
+    return 2 * cores()
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from tqdm.auto import tqdm
 
@@ -37,6 +37,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["Difference", "VerifyOptions", "VerifyReport", "VerifyResult", "verify"]
+
+_Result = TypeVar("_Result")
 
 
 @dataclass(frozen=True)
@@ -257,31 +259,40 @@ def _digests(
             tensor, uneven=opened.uneven, finite=entry.finite, algorithm=algorithm_of(entry.digest)
         )
 
-    names = list(entries)
+    for name, future in _on_threads(streamed, list(entries), progress):
+        tensor, entry = tensors[name], entries[name]
+        try:
+            result = future.result()
+        except DivergentReplicaError as err:
+            diffs.append(Difference("inconsistent", name, err.detail, files_of(tensor)))
+            continue
+        if result is not None:
+            yield name, *result
+            continue
+        for _, full in _gathered(opened, [name], False, diffs):  # a problem is reported here
+            finite = all_finite_in_blocks(full) if entry.finite else None
+            yield name, digest_of(full, algorithm_of(entry.digest)), finite
+
+
+def _on_threads(
+    work: Callable[[str], _Result], names: list[str], progress: bool
+) -> Iterator[tuple[str, Future[_Result]]]:
+    """``work(name)`` of every name on a thread per core, yielded in the order of ``names`` with a progress bar; on
+    leaving (a file that cannot be read ends a check) the names not started are not."""
     pool = ThreadPoolExecutor(max_workers=cores(), thread_name_prefix="reshard-verify")
     bar = tqdm(total=len(names), desc="verify", unit="tensor", file=sys.stderr, leave=False, **quiet_unless(progress))
     try:
-        for name, future in zip(names, [pool.submit(streamed, name) for name in names], strict=True):
-            tensor, entry = tensors[name], entries[name]
+        for name, future in zip(names, [pool.submit(work, name) for name in names], strict=True):
             bar.update()
-            try:
-                result = future.result()
-            except DivergentReplicaError as err:
-                diffs.append(Difference("inconsistent", name, err.detail, files_of(tensor)))
-                continue
-            if result is not None:
-                yield name, *result
-                continue
-            for _, full in _gathered(opened, [name], False, diffs):  # a problem is reported here
-                finite = all_finite_in_blocks(full) if entry.finite else None
-                yield name, digest_of(full, algorithm_of(entry.digest)), finite
-    finally:  # a file that cannot be read ends the check: the tensors not started are not read
+            yield name, future
+    finally:
         pool.shutdown(wait=True, cancel_futures=True)
         bar.close()
 
 
 def compare_checkpoints(ckpt: Path, other: Path, options: VerifyOptions) -> VerifyReport:
-    """Compare two checkpoints of any layouts and tp sizes tensor by tensor, after gathering each.
+    """Compare two checkpoints of any layouts and tp sizes tensor by tensor: by the digests of their canonical bytes,
+    streamed on a thread per core (:func:`_same_bytes`), and value by value for tensors those do not show equal.
 
     Bit-exact unless ``options.atol`` / ``options.rtol`` are set; with a tolerance, tensors of different
     dtypes are compared by value (in float64) instead of being reported as a dtype difference.
@@ -330,10 +341,12 @@ def _compare(a: OpenedCheckpoint, b: OpenedCheckpoint, options: VerifyOptions, r
             diffs.append(Difference("dtype", name, f"{name_of(ta.code)} vs {name_of(tb.code)}", files_of(tb)))
         else:
             common.append(name)
-    for name in tqdm(
-        common, desc="verify", unit="tensor", file=sys.stderr, leave=False, **quiet_unless(options.progress)
-    ):
-        if _same_bytes(ours[name], theirs[name], uneven=(a.uneven, b.uneven)):
+
+    def same(name: str) -> bool:
+        return _same_bytes(ours[name], theirs[name], uneven=(a.uneven, b.uneven))
+
+    for name, equal in _on_threads(same, common, options.progress):
+        if equal.result():
             report.tensors += 1
             continue
         left = dict(_gathered(a, [name], False, diffs))  # one tensor of each side at a time

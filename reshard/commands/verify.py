@@ -170,26 +170,12 @@ def _open(path: Path, options: ReadOptions) -> OpenedCheckpoint:
     return open_checkpoint(path, options, target_tp=1, recorded_plan=True)
 
 
-def _gathered(
-    opened: OpenedCheckpoint, names: list[str], progress: bool, diffs: list[Difference]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, canonical tensor)`` one at a time; tensors that cannot be gathered become differences. Imports
-    torch (a manifest check whose every tensor streams never does)."""
-    import torch
+def _gather(tensor: SourceTensor, opened: OpenedCheckpoint, diffs: list[Difference]) -> torch.Tensor | None:
+    """One canonical tensor gathered whole (:func:`reshard.commands.verify_slices.gather`: a tensor that cannot be
+    becomes a difference); imports torch, which a check whose every tensor streams never does."""
+    from reshard.commands.verify_slices import gather
 
-    from reshard.engine.gather import gather_canonical
-
-    tensors = opened.by_name()
-    with torch.inference_mode():
-        for name in tqdm(names, desc="verify", unit="tensor", file=sys.stderr, leave=False, **quiet_unless(progress)):
-            tensor = tensors[name]
-            if tensor.problem is not None:
-                diffs.append(Difference("inconsistent", name, tensor.problem.detail, files_of(tensor)))
-                continue
-            try:
-                yield name, gather_canonical(tensor, uneven=opened.uneven)
-            except (DivergentReplicaError, ShapeMismatchError) as err:
-                diffs.append(Difference("inconsistent", name, err.detail, files_of(tensor)))
+    return gather(tensor, opened, diffs)
 
 
 def check_manifest(ckpt: Path, options: VerifyOptions) -> VerifyReport:
@@ -269,7 +255,8 @@ def _digests(
         if result is not None:
             yield name, *result
             continue
-        for _, full in _gathered(opened, [name], False, diffs):  # a problem is reported here
+        full = _gather(tensor, opened, diffs)  # a problem is reported here
+        if full is not None:
             finite = all_finite_in_blocks(full) if entry.finite else None
             yield name, digest_of(full, algorithm_of(entry.digest)), finite
 
@@ -334,7 +321,7 @@ def _compare(a: OpenedCheckpoint, b: OpenedCheckpoint, options: VerifyOptions, r
     for name in (n for n in ours if n in theirs):
         ta, tb = ours[name], theirs[name]
         if ta.problem or tb.problem:
-            common.append(name)  # reported as inconsistent by _gathered
+            common.append(name)  # reported as inconsistent by _gather
         elif ta.shape != tb.shape:
             diffs.append(Difference("reshaped", name, f"{list(ta.shape)} vs {list(tb.shape)}", files_of(tb)))
         elif ta.code != tb.code and options.exact:
@@ -349,12 +336,12 @@ def _compare(a: OpenedCheckpoint, b: OpenedCheckpoint, options: VerifyOptions, r
         if equal.result():
             report.tensors += 1
             continue
-        left = dict(_gathered(a, [name], False, diffs))  # one tensor of each side at a time
-        right = dict(_gathered(b, [name], False, diffs)) if name in left else {}
-        if name not in right:
+        left = _gather(ours[name], a, diffs)  # one tensor of each side at a time
+        right = _gather(theirs[name], b, diffs) if left is not None else None
+        if right is None:
             continue
         report.tensors += 1
-        difference = value_difference(left.pop(name), right.pop(name), atol=options.atol, rtol=options.rtol)
+        difference = value_difference(left, right, atol=options.atol, rtol=options.rtol)
         if difference is not None:
             what = "bytes differ" if options.exact else f"outside atol={options.atol}, rtol={options.rtol}"
             diffs.append(

@@ -21,6 +21,8 @@ from reshard.slicing import bitwise_equal, split
 
 
 def gather(tensor: SourceTensor, written: OpenedCheckpoint, diffs: list[Difference]) -> torch.Tensor | None:
+    """The canonical tensor as ``written`` records it; None, with an ``inconsistent`` difference, when its slices do
+    not gather (a problem found while planning, copies that differ, shapes that do not fit)."""
     if tensor.problem is not None:
         diffs.append(Difference("inconsistent", tensor.name, tensor.problem.detail, files_of(tensor)))
         return None

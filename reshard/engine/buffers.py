@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from reshard.io.direct import ALIGN
+from reshard.io.memory import huge_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -58,7 +59,7 @@ class BufferPool:
         if raw is None:
             import torch
 
-            raw = torch.empty(nbytes, dtype=torch.uint8)
+            raw = torch.from_numpy(huge_bytes(nbytes))  # in 2 MB pages: a direct read into it goes out whole
         start = (phase - raw.data_ptr()) % ALIGN
         return raw, raw[start : start + nbytes - ALIGN].view(dtype).view(shape)
 

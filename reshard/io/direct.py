@@ -52,6 +52,7 @@ from pathlib import Path
 from types import TracebackType
 
 from reshard.errors import CorruptFileError
+from reshard.io.memory import HUGE_PAGE, huge_bytes
 from reshard.io.vectored import pwrite_all, read_all
 
 logger = logging.getLogger(__name__)
@@ -531,11 +532,12 @@ def _threads() -> ThreadPoolExecutor:
 
 
 def _staging(size: int) -> memoryview:
-    """The first ``size`` bytes of this I/O thread's staging buffer (anonymous mappings start on a page
-    boundary, so it is aligned)."""
+    """The first ``size`` bytes of this I/O thread's staging buffer (on a 2 MB boundary, so aligned; in 2 MB pages
+    where the kernel has them, so that a request goes to the device whole: :mod:`reshard.io.memory`)."""
     buffer = getattr(_io_thread, "staging", None)
     if buffer is None or len(buffer) < size:
-        buffer = _io_thread.staging = memoryview(mmap.mmap(-1, max(size, STAGING_BYTES)))
+        # At least a huge page, so that the buffer is one of huge_bytes's mappings, aligned, whatever the block size.
+        buffer = _io_thread.staging = memoryview(huge_bytes(max(size, STAGING_BYTES, HUGE_PAGE)))
     return buffer[:size]
 
 

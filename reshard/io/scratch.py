@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from reshard.io.direct import ALIGN
+from reshard.io.memory import huge_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -34,7 +35,7 @@ def scratch_bytes(nbytes: int, *, phase: int = 0) -> Iterator[np.ndarray]:
     buffer = getattr(_local, "free", None)
     _local.free = None
     if buffer is None or buffer.size < nbytes + ALIGN:
-        buffer = np.empty(nbytes + ALIGN, dtype=np.uint8)
+        buffer = huge_bytes(nbytes + ALIGN)
     start = (phase - buffer.ctypes.data) % ALIGN
     try:
         yield buffer[start : start + nbytes]

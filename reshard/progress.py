@@ -2,8 +2,36 @@
 
 from __future__ import annotations
 
+import sys
+from types import TracebackType
+from typing import Any
 
-def quiet_unless(progress: bool) -> dict[str, bool]:
-    """tqdm keyword arguments: off when ``progress`` is False, else tqdm's defaults, so that the
-    ``TQDM_DISABLE`` environment variable (which tqdm only applies to arguments not passed) still works."""
-    return {} if progress else {"disable": True}
+
+class _NoBar:
+    """What a run without a bar updates: nothing."""
+
+    def update(self, n: float = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> _NoBar:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        pass
+
+
+def progress_bar(progress: bool, **options: Any) -> Any:
+    """A tqdm bar on stderr with ``options`` when ``progress``, else one that shows nothing. tqdm is imported only
+    for a bar shown: ``tqdm.auto`` brings asyncio and ``importlib.metadata``, 30-60 ms of a quiet run's start-up
+    (a 2.8 GB ZeRO-2 conversion takes 1.6 s here). Shown bars keep tqdm's defaults, so that ``TQDM_DISABLE``
+    (which tqdm applies only to arguments not passed) still turns them off."""
+    if not progress:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(file=sys.stderr, **options)

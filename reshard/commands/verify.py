@@ -9,14 +9,11 @@ result (exit 1); a file that cannot be read at all is a :class:`~reshard.errors.
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
-
-from tqdm.auto import tqdm
 
 from reshard.commands.verify_checks import Difference, check_files, files_of, value_difference
 from reshard.commands.verify_ranks import check_ranks
@@ -31,7 +28,7 @@ from reshard.io.staging import temporary_folder
 from reshard.manifest import TensorEntry, find_manifest
 from reshard.mappings import HF, naming_of
 from reshard.options import ConvertOptions, ReadOptions, check_tp, cores
-from reshard.progress import quiet_unless
+from reshard.progress import progress_bar
 
 if TYPE_CHECKING:
     import torch
@@ -267,7 +264,7 @@ def _on_threads(
     """``work(name)`` of every name on a thread per core, yielded in the order of ``names`` with a progress bar; on
     leaving (a file that cannot be read ends a check) the names not started are not."""
     pool = ThreadPoolExecutor(max_workers=cores(), thread_name_prefix="reshard-verify")
-    bar = tqdm(total=len(names), desc="verify", unit="tensor", file=sys.stderr, leave=False, **quiet_unless(progress))
+    bar = progress_bar(progress, total=len(names), desc="verify", unit="tensor", leave=False)
     try:
         for name, future in zip(names, [pool.submit(work, name) for name in names], strict=True):
             bar.update()

@@ -35,20 +35,17 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from tqdm.auto import tqdm
-
 from reshard.engine.buffers import Budget, budget_for
 from reshard.engine.stream import RowBlocks, Streamed, in_memory_unit, stream, stream_plan, streams_to
 from reshard.engine.work import Work, check_fits, plan_work
 from reshard.layouts.base import CheckpointWriter, TensorRef
-from reshard.progress import quiet_unless
+from reshard.progress import progress_bar
 
 if TYPE_CHECKING:
     from reshard.engine.gathered import GatherJobs, Written
@@ -182,15 +179,7 @@ def execute(
     with (
         _frozen_gc(),
         ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="reshard-read") as pool,
-        tqdm(
-            total=total,
-            unit="B",
-            unit_scale=True,
-            desc="tensors",
-            file=sys.stderr,
-            leave=False,
-            **quiet_unless(progress),
-        ) as bar,
+        progress_bar(progress, total=total, unit="B", unit_scale=True, desc="tensors", leave=False) as bar,
         gathers.mode() if gathers is not None else contextlib.nullcontext(),
         ReadAhead(works, budget.limit) as read_ahead,
     ):

@@ -28,7 +28,7 @@ from reshard.io.interrupts import Interrupted, handled
 from reshard.io.staging import KEPT, describe_left, remove_leftovers
 from reshard.io.vectored import return_large_frees_to_os
 from reshard.layouts import writable_layouts
-from reshard.options import ConvertOptions, default_jobs
+from reshard.options import ConvertOptions
 from reshard.plans import TRANSFORMERS
 from reshard.version import __version__
 
@@ -236,8 +236,8 @@ def inspect_command(
 @click.option(
     "--jobs",
     type=click.IntRange(min=1),
-    default=default_jobs,
-    show_default="twice the number of cores",
+    default=None,
+    show_default="twice the number of cores; the cores when checkpoint and output are both in tmpfs",
     help="Tensors read, hashed and written at once (threads; memory stays bounded).",
 )
 @click.option(

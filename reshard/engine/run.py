@@ -27,10 +27,11 @@ from reshard.engine.tokenizer import carried_tokenizer, has_tokenizer, runtime_f
 from reshard.engine.warmup import import_torch_in_background, wait_for_torch
 from reshard.engine.worker_shares import share_of
 from reshard.engine.workers import Group, join, together
+from reshard.io.direct import in_memory
 from reshard.io.journal import Resumed
 from reshard.io.staging import check_output
 from reshard.manifest import MANIFEST_NAME, write_manifest
-from reshard.options import ConvertOptions
+from reshard.options import ConvertOptions, default_jobs
 from reshard.plans import built_family
 
 
@@ -140,7 +141,7 @@ def run_conversion(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
                 divergent=divergent,
                 progress=options.progress and first,
                 finite=finite,
-                jobs=options.jobs,
+                jobs=options.jobs or default_jobs(in_memory=in_memory(opened.path) and in_memory(staging)),
                 on_hashed=journaled if journal is not None else None,
             )
             files = tuple(str(p) for p in writer.close())

@@ -4,6 +4,9 @@ at once within its budget, and leaves no descriptor open, whether a conversion e
 from __future__ import annotations
 
 import gc
+import os
+import shutil
+import tempfile
 import threading
 import weakref
 from pathlib import Path
@@ -14,7 +17,7 @@ from fixtures import SAMPLES
 from fixtures.hf import load_folder, load_rank
 
 from reshard import convert
-from reshard.engine import buffers, gathered
+from reshard.engine import buffers, gathered, run
 from reshard.engine import execute as stream
 from reshard.engine import gather as engine_gather
 from reshard.engine.digest import digest_of
@@ -22,8 +25,8 @@ from reshard.engine.open import open_checkpoint
 from reshard.engine.target import plan_target
 from reshard.engine.work import Work
 from reshard.errors import ReshardError
-from reshard.io.direct import ALIGN
-from reshard.options import ConvertOptions
+from reshard.io.direct import ALIGN, in_memory
+from reshard.options import ConvertOptions, cores
 
 SAMPLE = SAMPLES / "tiny-llama-tp2"
 
@@ -163,3 +166,25 @@ def test_concurrent_writers_get_the_largest_tensors_first(concurrent: bool) -> N
     largest = [name for name in names if size[name] == max(size.values())]
     assert names[-1] == "output_layer.weight" and names[-1] in largest  # where plan order puts the largest
     assert writer.order == ([*largest, *(name for name in names if name not in largest)] if concurrent else names)
+
+
+def test_jobs_default_to_the_cores_in_memory_and_to_twice_them_on_a_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No job waits for a device when checkpoint and output are in tmpfs: one a core there, two a core elsewhere."""
+    memory_root = Path("/dev/shm")
+    if not (memory_root.is_dir() and os.access(memory_root, os.W_OK) and in_memory(memory_root)):
+        pytest.skip("no writable tmpfs at /dev/shm")
+    jobs: list[int] = []
+    real = run.execute
+    monkeypatch.setattr(
+        run, "execute", lambda *args, **options: jobs.append(options["jobs"]) or real(*args, **options)
+    )
+    with tempfile.TemporaryDirectory(dir=memory_root) as folder:
+        source = Path(folder) / "source"
+        shutil.copytree(SAMPLE, source)
+        convert(source, Path(folder) / "out", ConvertOptions(tp=2, progress=False))
+        convert(source, tmp_path / "out", ConvertOptions(tp=2, progress=False))
+        convert(source, Path(folder) / "three", ConvertOptions(tp=2, jobs=3, progress=False))
+    on_disk = cores() if in_memory(tmp_path) else 2 * cores()
+    assert jobs == [cores(), on_disk, 3]

@@ -4,7 +4,8 @@ Why: on tmpfs a conversion's bytes cost CPU only, and most of it is the kernel's
 machine at hand, what each way of getting the source bytes to the hash and the write costs per GB, so a change to
 ``reshard/engine/stream.py`` can be judged against it (docs/performance.md, "CPU per byte"):
 
-* ``pread``: ``preadv`` into one reused buffer, hash it, ``pwrite`` it (what ``engine/stream.py`` does);
+* ``pread``: ``preadv`` into one reused buffer, hash it, ``pwrite`` it (what ``engine/stream.py`` did);
+* ``pread-huge``: the same with the buffer in 2 MB pages (:func:`reshard.io.memory.huge_bytes`, what it does now);
 * ``mmap``: the source mapped, hashed and written from the mapping (no read copy; page-table set-up and teardown);
 * ``mmap-populate``: the same with ``MAP_POPULATE`` (the page tables filled in one call);
 * ``fallocate``: ``pread`` with the output's pages allocated up front (``posix_fallocate``);
@@ -27,8 +28,10 @@ from pathlib import Path
 
 import blake3
 
+from reshard.io.memory import huge_bytes
+
 BLOCK = 4 << 20
-WAYS = ("pread", "mmap", "mmap-populate", "fallocate", "copy_file_range", "pwrite-only")
+WAYS = ("pread", "pread-huge", "mmap", "mmap-populate", "fallocate", "copy_file_range", "pwrite-only")
 
 
 def _cpu() -> tuple[float, float]:
@@ -57,8 +60,8 @@ def run(way: str, source: Path, out: Path) -> tuple[float, float]:
         view = memoryview(bytearray(BLOCK))
         for at in range(0, size, BLOCK):
             os.pwrite(target, view[: min(BLOCK, size - at)], at)
-    elif way in ("pread", "fallocate"):
-        view = memoryview(bytearray(BLOCK))
+    elif way in ("pread", "pread-huge", "fallocate"):
+        view = memoryview(huge_bytes(BLOCK) if way == "pread-huge" else bytearray(BLOCK))
         for at in range(0, size, BLOCK):
             count = os.preadv(fd, [view[: min(BLOCK, size - at)]], at)
             hasher.update(view[:count])

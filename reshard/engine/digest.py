@@ -63,7 +63,6 @@ class RunningDigest:
         self._algorithm = algorithm
         self._code = code
         self._finite: bool | None = True if finite else None
-        self._masked = np.empty(FINITE_BLOCK, dtype=EXPONENT_BITS[code][0]) if code in EXPONENT_BITS else None
 
     def update(self, block: memoryview) -> None:
         """Hash the next bytes and, while no NaN/Inf has been met, check them."""
@@ -71,7 +70,7 @@ class RunningDigest:
         if self._finite and len(block) and self._code not in NEVER_NAN:
             if self._code in EXPONENT_BITS:
                 bits, mask = EXPONENT_BITS[self._code]
-                self._finite = _no_exponent_all_ones(np.frombuffer(block, dtype=bits), bits, mask, out=self._masked)
+                self._finite = _no_exponent_all_ones(np.frombuffer(block, dtype=bits), bits, mask)
             else:
                 import torch
 
@@ -112,15 +111,13 @@ EXPONENT_BITS: dict[str, tuple[type[np.integer], int]] = {
 }
 # Dtype codes with no NaN or Inf to look for.
 NEVER_NAN = frozenset({"BOOL", "U8", "I8", "I16", "U16", "I32", "U32", "I64", "U64"})
-# Values per block of the exponent check: its one temporary stays in a core's cache.
-FINITE_BLOCK = 1 << 18
 
 
 def all_finite_in_blocks(tensor: torch.Tensor) -> bool:
     """:func:`all_finite` without a mask of the whole tensor.
 
-    A contiguous tensor of a common float type is checked on its bits, block by block: NaN and Inf are the
-    values whose exponent bits are all ones (faster than ``aminmax``, which widens bf16 to float). Others take
+    A contiguous tensor of a common float type is checked on its bits, with two maxima and no temporary: NaN and Inf
+    are the values whose exponent bits are all ones (faster than ``aminmax``, which widens bf16 to float). Others take
     one ``aminmax`` pass: it propagates NaN, and a tensor is finite when its min and max are (far faster than
     ``isfinite(t).all()``, which builds a mask). Measurements: docs/performance.md.
     """
@@ -151,15 +148,13 @@ def _code_of(dtype: torch.dtype) -> str | None:
         return None
 
 
-def _no_exponent_all_ones(
-    values: np.ndarray, bits: type[np.integer], mask: int, *, out: np.ndarray | None = None
-) -> bool:
-    """No value whose exponent bits are all ones; ``out``: room for :data:`FINITE_BLOCK` masked values to reuse
-    (a fresh one per call is faulted in again once glibc has trimmed the heap after the last)."""
-    masked = out if out is not None else np.empty(min(FINITE_BLOCK, values.size), dtype=bits)
-    for start in range(0, values.size, FINITE_BLOCK):
-        block = masked[: min(FINITE_BLOCK, values.size - start)]
-        np.bitwise_and(values[start : start + len(block)], bits(mask), out=block)
-        if block.max() == mask:
-            return False
-    return True
+def _no_exponent_all_ones(values: np.ndarray, bits: type[np.integer], mask: int) -> bool:
+    """No value whose ``mask`` bits are all ones, i.e. none whose bits without the sign reach ``mask`` (the mask is the
+    highest bits under the sign). Two maxima and no temporary: a positive value reaches it as a signed integer, a
+    negative one reaches ``sign | mask`` as an unsigned integer, and neither reaches the other's bound. Masking first
+    wrote every value once more: twice the time of the two maxima on the bench VM (0.043 against 0.023 s a GB)."""
+    if not values.size:
+        return True
+    sign = 1 << (8 * values.itemsize - 1)
+    unsigned = values.view(np.dtype(bits).str.replace("i", "u"))
+    return int(values.max()) < mask and int(unsigned.max()) < sign | mask

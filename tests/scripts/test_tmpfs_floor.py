@@ -18,5 +18,5 @@ def test_every_way_runs_and_cleans_up(tmp_path: Path) -> None:
         [sys.executable, str(SCRIPT), str(source), str(out), "1"], capture_output=True, text=True, check=True
     )
     ways = [line.split()[0] for line in result.stdout.splitlines()]
-    assert ways == ["pread", "mmap", "mmap-populate", "fallocate", "copy_file_range", "pwrite-only"]
+    assert ways == ["pread", "pread-huge", "mmap", "mmap-populate", "fallocate", "copy_file_range", "pwrite-only"]
     assert list(out.iterdir()) == []

@@ -15,7 +15,10 @@ from reshard.io import direct as direct_io
 from reshard.io.memory import HUGE_PAGE, huge_bytes
 from reshard.io.scratch import scratch_bytes
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not Path("/sys/kernel/mm/transparent_hugepage").is_dir(),
+    reason="a kernel without transparent huge pages",
+)
 
 
 def vm_flags(address: int) -> set[str]:

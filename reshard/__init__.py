@@ -18,28 +18,28 @@ _EXPORTS = {
     "ConvertOptions": "reshard.options",
     "ConvertReport": "reshard.commands.convert",
     "FixReport": "reshard.commands.fix",
-    "Grouped": "reshard.partition",
-    "Heads": "reshard.partition",
+    "Grouped": "reshard.geometry",
+    "Heads": "reshard.geometry",
     "InspectReport": "reshard.commands.inspect",
     "Manifest": "reshard.manifest",
-    "Packed": "reshard.partition",
-    "Partition": "reshard.partition",
+    "Packed": "reshard.geometry",
+    "Partition": "reshard.geometry",
     "Plan": "reshard.plans",
-    "Replicate": "reshard.partition",
-    "ReplicatedHeads": "reshard.partition",
+    "Replicate": "reshard.geometry",
+    "ReplicatedHeads": "reshard.geometry",
     "ReshardError": "reshard.errors",
     "Rule": "reshard.plans",
-    "Shard": "reshard.partition",
+    "Shard": "reshard.geometry",
     "VerifyOptions": "reshard.commands.verify",
     "VerifyResult": "reshard.commands.verify",
-    "Vocab": "reshard.partition",
+    "Vocab": "reshard.geometry",
     "check": "reshard.commands.check",
     "convert": "reshard.commands.convert",
     "fix": "reshard.commands.fix",
-    "gather": "reshard.slicing",
+    "gather": "reshard.geometry.tensors",
     "inspect_checkpoint": "reshard.commands.inspect",
     "read_manifest": "reshard.manifest",
-    "split": "reshard.slicing",
+    "split": "reshard.geometry.tensors",
     "verify": "reshard.commands.verify",
 }
 
@@ -50,11 +50,11 @@ if TYPE_CHECKING:
     from reshard.commands.inspect import InspectReport, inspect_checkpoint
     from reshard.commands.verify import VerifyOptions, VerifyResult, verify
     from reshard.errors import ReshardError
+    from reshard.geometry import Grouped, Heads, Packed, Partition, Replicate, ReplicatedHeads, Shard, Vocab
+    from reshard.geometry.tensors import gather, split
     from reshard.manifest import Manifest, read_manifest
     from reshard.options import ConvertOptions
-    from reshard.partition import Grouped, Heads, Packed, Partition, Replicate, ReplicatedHeads, Shard, Vocab
     from reshard.plans import Plan, Rule
-    from reshard.slicing import gather, split
 
 
 def __getattr__(name: str) -> Any:

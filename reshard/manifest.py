@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.errors import CorruptFileError
-from reshard.partition import Partition, partition_from_dict, partition_to_dict
+from reshard.geometry import Partition, partition_from_dict, partition_to_dict
 from reshard.schema import DIGESTS, check_manifest_data
 from reshard.version import __version__
 

@@ -15,8 +15,8 @@ from typing import Any
 
 from reshard.dtypes import code_from_name
 from reshard.errors import CorruptFileError, shown
+from reshard.geometry import partition_from_dict
 from reshard.options import MAX_RANKS
-from reshard.partition import partition_from_dict
 
 MAX_SIZE = 1 << 48  # no dimension of a real tensor comes near it; a bigger one is damage, not a model
 MAX_NDIM = 64

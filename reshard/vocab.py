@@ -5,10 +5,8 @@ Everything vocab-specific is here, so that "where is the vocab unpadded" has one
 * **The true size** (:func:`resolve_vocab`): ``--vocab``, else the ``reshard.json`` beside the checkpoint,
   else the config. Never guessed from padded rows: frameworks pad the embedding and output tables at
   the tail (Megatron to ``make_vocab_size_divisible_by * tp``, ColossalAI to ``64 * tp``, reshard to tp).
-* **Padded sizes** (:func:`padded_size`, :func:`megatron_pad_multiple`): the rows a target tp needs.
-* **Pad rows** (:func:`cut_pad_rows`): the one place rows past the true size are dropped when a vocab
-  tensor is gathered; whatever they hold is not data.
-* **The pad limit** (:func:`is_padded_vocab`): how many rows past the vocab can still be padding.
+* **Padded sizes and pad rows**: the arithmetic is :mod:`reshard.geometry.padding` (one geometry for every cut);
+  :func:`megatron_pad_multiple` is the multiple Megatron pads to.
 * **The short-slice diagnosis** (:func:`check_vocab_rows`), the field case of ColossalAI#6108 / #6167: a
   trainer pads the vocab to a multiple of ``m * tp`` and one rank's slice is saved as if it were the
   whole tensor, e.g. 32768 rows for a vocab of 65535 at tp 2, or 16064 rows for 128256 at tp 8 with
@@ -24,10 +22,11 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol
 
 from reshard.errors import MissingRankError, ReshardError, ShapeMismatchError
-from reshard.partition import MAX_VOCAB_PAD_PER_RANK, Partition, Vocab
+from reshard.geometry import Partition, Vocab
+from reshard.geometry.padding import MAX_VOCAB_PAD_PER_RANK, round_up
 
 if TYPE_CHECKING:
     from reshard.config import ModelConfig
@@ -73,7 +72,6 @@ PAD_MULTIPLES = (1, 2, 4, 8, 16, 32, 64, 128)
 MAX_TP = 64
 DEFAULT_MEGATRON_MULTIPLE = 128  # Megatron's --make-vocab-size-divisible-by default
 
-Rows = TypeVar("Rows")
 
 
 @dataclass(frozen=True)
@@ -178,16 +176,6 @@ def require_vocab(vocab: VocabPlan, *, path: Any, config: ModelConfig | None) ->
     )
 
 
-def round_up(size: int, multiple: int) -> int:
-    """Smallest multiple of ``multiple`` that is >= ``size``."""
-    return -(-size // multiple) * multiple
-
-
-def padded_size(size: int, multiple: int, *, uneven: bool = False) -> int:
-    """Rows a vocab of ``size`` is padded to: a multiple of ``multiple``, or none at all when split ``uneven``."""
-    return size if uneven else round_up(size, multiple)
-
-
 def megatron_pad_multiple(divisible_by: int | None, tp: int) -> int:
     """Megatron pads the vocab to ``make_vocab_size_divisible_by * tp`` rows (128 * tp by default)."""
     return int(divisible_by or DEFAULT_MEGATRON_MULTIPLE) * tp
@@ -205,21 +193,6 @@ def padded_sizes_possible(rows: int, source_multiple: int, target_multiple: int)
     for size in range(max(1, rows - source_multiple + 1), rows + 1):
         out.setdefault(round_up(size, target_multiple), []).append(size)
     return {padded: range(sizes[0], sizes[-1] + 1) for padded, sizes in sorted(out.items())}
-
-
-def is_padded_vocab(size: int, vocab_size: int | None, tp: int) -> bool:
-    """``size`` is the vocab, or the vocab padded the way TP frameworks pad it."""
-    return vocab_size is not None and vocab_size <= size < vocab_size + MAX_VOCAB_PAD_PER_RANK * max(tp, 1)
-
-
-def cut_pad_rows(tensor: Rows, dim: int, vocab_size: int) -> Rows:
-    """The first ``vocab_size`` entries of a gathered vocab tensor along ``dim`` (a view): the pad rows go.
-
-    Works on any tensor-like with ``narrow`` and ``shape`` (torch tensors), so this module needs no torch.
-    """
-    if vocab_size > tensor.shape[dim]:
-        raise ShapeMismatchError(f"cannot unpad dim {dim} of size {tensor.shape[dim]} up to {vocab_size}")
-    return tensor.narrow(dim, 0, vocab_size)
 
 
 def source_padded_rows(tensors: Sequence[PlannedTensor]) -> int | None:

@@ -7,11 +7,11 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "reshard"
 # docs/ARCHITECTURE.md, "Layers", top to bottom.
-LAYERS = ["domain", "slicing", "io", "formats", "layouts", "hub", "plans", "mappings", "engine", "commands", "front"]
+LAYERS = ["domain", "io", "formats", "layouts", "hub", "plans", "mappings", "engine", "commands", "front"]
 DOMAIN = {
     "errors",
     "dtypes",
-    "partition",
+    "geometry",
     "config",
     "manifest",
     "vocab",
@@ -34,7 +34,7 @@ PACKAGES = {
     "mappings": "mappings",
 }
 PACKAGES |= {"engine": "engine"}
-PACKAGES |= {"commands": "commands", "cli": "front", "testing": "front", "__main__": "front", "slicing": "slicing"}
+PACKAGES |= {"commands": "commands", "cli": "front", "testing": "front", "__main__": "front"}
 
 
 def layer_of(module: str) -> str | None:

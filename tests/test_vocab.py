@@ -11,14 +11,8 @@ from fixtures.tp import arange
 from reshard.config import ModelConfig
 from reshard.errors import ShapeMismatchError
 from reshard.manifest import Manifest, VocabRecord
-from reshard.vocab import (
-    cut_pad_rows,
-    explain,
-    is_padded_vocab,
-    megatron_pad_multiple,
-    padded_size,
-    resolve_vocab,
-)
+from reshard.geometry import cut_pad_rows, is_padded_vocab, padded_size
+from reshard.vocab import explain, megatron_pad_multiple, resolve_vocab
 
 
 def test_explain_the_colossalai_6108_shape():

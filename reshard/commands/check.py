@@ -35,9 +35,9 @@ from reshard.commands.check_findings import (
 from reshard.config import ModelConfig, load_config
 from reshard.engine.open import OpenedCheckpoint, open_checkpoint
 from reshard.errors import AmbiguousPartitionError, ReshardError, ShapeMismatchError
+from reshard.geometry import Partition, Replicate, at_tp, partition_to_dict, rank_shapes
 from reshard.hub.source import HubCheckpoint
 from reshard.options import ReadOptions, check_tp
-from reshard.partition import Partition, Replicate, at_tp, partition_to_dict, rank_shapes
 from reshard.plans import FAMILIES, TRANSFORMERS, Plan, Rule, select_plan
 from reshard.plans.lora import with_lora
 from reshard.plans.skeleton import ModelSkeleton, build_skeleton

@@ -12,10 +12,9 @@ import re
 from dataclasses import dataclass, field
 
 from reshard.config import ModelConfig
-from reshard.partition import Partition, Replicate, Vocab, head_replicas, rank_shapes
+from reshard.geometry import Partition, Replicate, Vocab, head_replicas, padded_size, rank_shapes
 from reshard.plans import Rule
 from reshard.quantization import QuantScheme
-from reshard.vocab import padded_size
 
 Shape = tuple[int, ...]
 ERROR, WARNING, NOTE = "error", "warning", "note"

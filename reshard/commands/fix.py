@@ -24,13 +24,13 @@ from reshard.engine.route import Route
 from reshard.engine.run import run_conversion
 from reshard.engine.tokenizer import no_tokenizer_warning
 from reshard.engine.warmup import import_torch_in_background
+from reshard.geometry import Vocab, rank_shapes
 from reshard.hub.source import hub_origin
 from reshard.io.staging import check_output, write_error
 from reshard.layouts import layout
 from reshard.layouts.base import SourceCheckpoint
 from reshard.manifest import find_manifest
 from reshard.options import ConvertOptions
-from reshard.partition import Vocab, rank_shapes
 from reshard.vocab import check_vocab_rows, require_vocab, source_padded_rows
 
 logger = logging.getLogger(__name__)

@@ -9,10 +9,10 @@ from typing import Any
 from reshard.dtypes import name_of
 from reshard.engine.open import open_checkpoint
 from reshard.engine.target import preview_mapping
+from reshard.geometry import at_tp, partition_to_dict
 from reshard.hub.source import HubCheckpoint
 from reshard.layouts import SourceCheckpoint
 from reshard.options import ConvertOptions, ReadOptions
-from reshard.partition import at_tp, partition_to_dict
 from reshard.vocab import source_padded_rows
 
 

@@ -167,12 +167,12 @@ def _open(path: Path, options: ReadOptions) -> OpenedCheckpoint:
     return open_checkpoint(path, options, target_tp=1, recorded_plan=True)
 
 
-def _gather(tensor: SourceTensor, opened: OpenedCheckpoint, diffs: list[Difference]) -> torch.Tensor | None:
+def _gather(tensor: SourceTensor, diffs: list[Difference]) -> torch.Tensor | None:
     """One canonical tensor gathered whole (:func:`reshard.commands.verify_slices.gather`: a tensor that cannot be
     becomes a difference); imports torch, which a check whose every tensor streams never does."""
     from reshard.commands.verify_slices import gather
 
-    return gather(tensor, opened, diffs)
+    return gather(tensor, diffs)
 
 
 def check_manifest(ckpt: Path, options: VerifyOptions) -> VerifyReport:
@@ -238,9 +238,7 @@ def _digests(
         tensor, entry = tensors[name], entries[name]
         if tensor.problem is not None:
             return None
-        return canonical_digest(
-            tensor, uneven=opened.uneven, finite=entry.finite, algorithm=algorithm_of(entry.digest)
-        )
+        return canonical_digest(tensor, finite=entry.finite, algorithm=algorithm_of(entry.digest))
 
     for name, future in _on_threads(streamed, list(entries), progress):
         tensor, entry = tensors[name], entries[name]
@@ -252,7 +250,7 @@ def _digests(
         if result is not None:
             yield name, *result
             continue
-        full = _gather(tensor, opened, diffs)  # a problem is reported here
+        full = _gather(tensor, diffs)  # a problem is reported here
         if full is not None:
             finite = all_finite_in_blocks(full) if entry.finite else None
             yield name, digest_of(full, algorithm_of(entry.digest)), finite
@@ -327,14 +325,14 @@ def _compare(a: OpenedCheckpoint, b: OpenedCheckpoint, options: VerifyOptions, r
             common.append(name)
 
     def same(name: str) -> bool:
-        return _same_bytes(ours[name], theirs[name], uneven=(a.uneven, b.uneven))
+        return _same_bytes(ours[name], theirs[name])
 
     for name, equal in _on_threads(same, common, options.progress):
         if equal.result():
             report.tensors += 1
             continue
-        left = _gather(ours[name], a, diffs)  # one tensor of each side at a time
-        right = _gather(theirs[name], b, diffs) if left is not None else None
+        left = _gather(ours[name], diffs)  # one tensor of each side at a time
+        right = _gather(theirs[name], diffs) if left is not None else None
         if right is None:
             continue
         report.tensors += 1
@@ -352,7 +350,7 @@ def _compare(a: OpenedCheckpoint, b: OpenedCheckpoint, options: VerifyOptions, r
             )
 
 
-def _same_bytes(ours: SourceTensor, theirs: SourceTensor, *, uneven: tuple[bool, bool]) -> bool:
+def _same_bytes(ours: SourceTensor, theirs: SourceTensor) -> bool:
     """Whether two tensors of one dtype hold the same canonical bytes, by their digests (BLAKE3) streamed from the
     slices (:func:`~reshard.engine.stream.canonical_digest`), with no gather and no torch: equal bytes are equal
     values at any tolerance. False when they differ, either does not stream, or its copies differ: then both are
@@ -360,8 +358,8 @@ def _same_bytes(ours: SourceTensor, theirs: SourceTensor, *, uneven: tuple[bool,
     if ours.problem or theirs.problem or ours.code != theirs.code:
         return False
     try:
-        left = canonical_digest(ours, uneven=uneven[0], finite=False, algorithm=ALGORITHM)
-        right = canonical_digest(theirs, uneven=uneven[1], finite=False, algorithm=ALGORITHM) if left else None
+        left = canonical_digest(ours, finite=False, algorithm=ALGORITHM)
+        right = canonical_digest(theirs, finite=False, algorithm=ALGORITHM) if left else None
     except DivergentReplicaError:
         return False
     return left is not None and left == right

@@ -64,7 +64,7 @@ def value_difference(a: torch.Tensor, b: torch.Tensor, *, atol: float = 0.0, rto
     """
     import torch
 
-    from reshard.slicing import bitwise_equal
+    from reshard.geometry.tensors import bitwise_equal
 
     if atol == 0 and rtol == 0 and a.dtype == b.dtype and bitwise_equal(a, b):
         return None

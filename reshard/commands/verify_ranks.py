@@ -25,10 +25,9 @@ from reshard.engine.digest import ALGORITHM
 from reshard.engine.open import open_checkpoint
 from reshard.engine.planner import SourceTensor
 from reshard.engine.stream import canonical_digest
-from reshard.engine.work import copy_plan
 from reshard.errors import AmbiguousPartitionError, DivergentReplicaError, ReshardError
+from reshard.geometry import Partition, Replicate
 from reshard.options import ReadOptions
-from reshard.partition import Partition, Replicate, Vocab, norm_dim, rank_rows
 from reshard.plans import Plan
 from reshard.quantization import QuantizedTensors, quantized_tensors
 from reshard.quantization.plan import companion_partition, split_name
@@ -58,7 +57,7 @@ def check_ranks(path: Path, read: ReadOptions) -> tuple[int, list[Difference]] |
     tensors = written.by_name()
     for unit, names in units.items():
         if unit not in linears:
-            proven = _own_rows(tensors[unit], written.uneven) or _same_copies(tensors[unit], written.uneven, diffs)
+            proven = _own_rows(tensors[unit]) or _same_copies(tensors[unit], diffs)
             if proven is not None:
                 checked += proven
                 continue
@@ -70,7 +69,7 @@ def check_ranks(path: Path, read: ReadOptions) -> tuple[int, list[Difference]] |
             expected: tuple[Partition | None, str] = (tensor.partition, tensor.reason)
             if unit in linears:
                 expected = _quantized_cut(quantized, name, runtime, config, diffs) or expected
-            full = slices.gather(tensor, written, diffs)
+            full = slices.gather(tensor, diffs)
             if full is not None and slices.same_slices(full, tensor, expected, diffs):
                 checked += 1
             whole[split_name(name)[1]] = full
@@ -79,55 +78,33 @@ def check_ranks(path: Path, read: ReadOptions) -> tuple[int, list[Difference]] |
     return checked, diffs
 
 
-def _own_rows(tensor: SourceTensor, uneven: bool) -> bool:
-    """Whether the tensor's recorded cut gives every rank exactly the rows the gather places from its own slice (the
-    gather's :func:`~reshard.engine.work.copy_plan` against the split's :func:`~reshard.partition.rank_rows`, padded
-    and sized as :mod:`~reshard.commands.verify_slices` cuts, every other dim the canonical one's): then each rank's
-    piece is its own slice's bytes (a vocab's pad rows are not data, and not compared either way). Not for a
-    replicated tensor or replicated heads: their copies are compared."""
-    partition, shapes = tensor.partition, [tuple(ref.shape) for ref in tensor.refs]
-    if tensor.problem is not None or isinstance(partition, Replicate) or not shapes:
+def _own_rows(tensor: SourceTensor) -> bool:
+    """Whether the tensor's recorded cut gives every rank exactly its own slice, each row once: a tensor split along
+    a dim without copies. Its slices gathered by their cut and cut again by the same cut (as
+    :mod:`~reshard.commands.verify_slices` would) give each rank its own bytes back, so there is nothing to read
+    (a vocab's pad rows are not data, and not compared either way). Not for a replicated tensor or replicated heads:
+    their copies are compared. The shapes are checked against the cut when it is made
+    (:func:`~reshard.geometry.slices_cut`); slices that are not such a cut are read and reported."""
+    if tensor.problem is not None or isinstance(tensor.partition, Replicate) or not tensor.refs:
         return False
-    dim = norm_dim(partition.dim, len(tensor.shape))
-    if any(len(shape) != len(tensor.shape) or _without(shape, dim) != _without(tensor.shape, dim) for shape in shapes):
-        return False
-    padded = sum(shape[dim] for shape in shapes) if isinstance(partition, Vocab) else None
     try:
-        runs = rank_rows(partition, tensor.shape, len(shapes), padded=padded, uneven=len(set(shapes)) > 1)
-        copies, _ = copy_plan(partition, shapes, uneven=uneven)
+        return tensor.cut.own_slices()
     except (ReshardError, ValueError):
         return False
-    placed: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
-    for copy in copies:
-        if copy.length:
-            placed[copy.rank].append((copy.src, copy.dst, copy.length))
-    for rank, shape in enumerate(shapes):
-        mine = sorted(placed[rank])
-        sources = [src for src, _, _ in mine]
-        lengths = [length for _, _, length in mine]
-        if sources != [sum(lengths[:i]) for i in range(len(mine))] or sum(lengths) != shape[dim]:
-            return False  # the gather does not take the whole slice, in order
-        if [(dst, length) for _, dst, length in mine] != [run for run in runs[rank] if run[1]]:
-            return False
-    return True
 
 
-def _same_copies(tensor: SourceTensor, uneven: bool, diffs: list[Difference]) -> bool | None:
+def _same_copies(tensor: SourceTensor, diffs: list[Difference]) -> bool | None:
     """For a replicated tensor, whether every rank's copy (its piece of the cut) is the first one's, compared block
     by block as the manifest check streams them (:func:`~reshard.engine.stream.canonical_digest`), a difference
     recorded if not; None for any other tensor, or one that does not stream: it is read and compared in torch."""
     if tensor.problem is not None or not isinstance(tensor.partition, Replicate):
         return None
     try:
-        streamed = canonical_digest(tensor, uneven=uneven, finite=False, algorithm=ALGORITHM)
+        streamed = canonical_digest(tensor, finite=False, algorithm=ALGORITHM)
     except DivergentReplicaError as err:
         diffs.append(Difference("inconsistent", tensor.name, err.detail, files_of(tensor)))
         return False
     return None if streamed is None else True
-
-
-def _without(shape: tuple[int, ...], dim: int) -> tuple[int, ...]:
-    return shape[:dim] + shape[dim + 1 :]
 
 
 def _quantized_cut(

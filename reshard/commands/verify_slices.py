@@ -13,22 +13,22 @@ from reshard.engine.gather import gather_canonical
 from reshard.engine.open import OpenedCheckpoint
 from reshard.engine.planner import SourceTensor
 from reshard.errors import DivergentReplicaError, ReshardError, ShapeMismatchError
-from reshard.partition import Partition, Replicate, Vocab, norm_dim
+from reshard.geometry import Partition, Replicate, Vocab, norm_dim
+from reshard.geometry.tensors import bitwise_equal, split
 from reshard.plans import Plan
 from reshard.quantization import QuantizedTensors
 from reshard.quantization.plan import linear_partition, split_name
-from reshard.slicing import bitwise_equal, split
 
 
-def gather(tensor: SourceTensor, written: OpenedCheckpoint, diffs: list[Difference]) -> torch.Tensor | None:
-    """The canonical tensor as ``written`` records it; None, with an ``inconsistent`` difference, when its slices do
+def gather(tensor: SourceTensor, diffs: list[Difference]) -> torch.Tensor | None:
+    """The canonical tensor as its checkpoint records it; None, with an ``inconsistent`` difference, when its slices do
     not gather (a problem found while planning, copies that differ, shapes that do not fit)."""
     if tensor.problem is not None:
         diffs.append(Difference("inconsistent", tensor.name, tensor.problem.detail, files_of(tensor)))
         return None
     try:
         with torch.inference_mode():
-            return gather_canonical(tensor, uneven=written.uneven)
+            return gather_canonical(tensor)
     except (DivergentReplicaError, ShapeMismatchError) as err:
         diffs.append(Difference("inconsistent", tensor.name, err.detail, files_of(tensor)))
         return None

@@ -9,9 +9,9 @@ from typing import Any
 
 from reshard.dtypes import name_of
 from reshard.engine.target import TargetPlan
+from reshard.geometry import at_tp
 from reshard.hub.source import source_record
 from reshard.manifest import Manifest, TensorEntry, VocabRecord
-from reshard.partition import at_tp
 
 
 def conversion_manifest(

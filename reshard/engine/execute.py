@@ -149,7 +149,7 @@ def execute(
         largest = max((work.tensor.nbytes for work in works), default=0)
         works.sort(key=lambda work: work.tensor.nbytes != largest)
     budget = budget or Budget(budget_for(works))
-    streamed = _streamed(works, writer, target_tp=conversion.target_tp, uneven=conversion.uneven)
+    streamed = _streamed(works, writer)
     gathers = None
     if any(plan is None for plan in streamed):
         from reshard.engine.gathered import GatherJobs  # imports torch
@@ -157,8 +157,6 @@ def execute(
         gathers = GatherJobs(
             writer,
             budget.limit,
-            target_tp=conversion.target_tp,
-            uneven=conversion.uneven,
             allow_divergent=allow_divergent,
             divergent=divergent,
             finite=finite is not None,
@@ -167,7 +165,6 @@ def execute(
     moves = {
         "writer": writer,
         "gathers": gathers,
-        "uneven": conversion.uneven,
         "finite": finite is not None,
         "allow_divergent": allow_divergent,
         "divergent": divergent,
@@ -218,7 +215,6 @@ def move_unit(
     *,
     writer: CheckpointWriter,
     gathers: GatherJobs | None,
-    uneven: bool,
     finite: bool,
     allow_divergent: bool,
     divergent: set[str] | None,
@@ -227,9 +223,7 @@ def move_unit(
     (name, digest, finite, slices still to write) and the gather buffers to give back once they are written."""
     if plan is None:
         return gathers.run(work)
-    digest, is_finite = stream(
-        work, plan, writer, uneven=uneven, finite=finite, allow_divergent=allow_divergent, divergent=divergent
-    )
+    digest, is_finite = stream(work, plan, writer, finite=finite, allow_divergent=allow_divergent, divergent=divergent)
     for ref in _refs(work):  # read through the page cache where direct reads are refused: not needed again
         ref.evict()
     return [(work.tensor.targets[0].name, digest, is_finite, [])], []
@@ -238,22 +232,14 @@ def move_unit(
 def streams(conversion: ConversionPlan) -> bool:
     """Whether every unit of ``conversion`` can stream (into a writer that takes byte ranges): then moving its bytes
     never imports torch. Pure; the engine starts torch's import early only when this is False."""
-    return all(
-        stream_plan(
-            plan_work(t, target_tp=conversion.target_tp), target_tp=conversion.target_tp, uneven=conversion.uneven
-        )
-        is not None
-        for t in conversion.tensors
-    )
+    return all(stream_plan(plan_work(t, target_tp=conversion.target_tp)) is not None for t in conversion.tensors)
 
 
-def _streamed(
-    works: Sequence[Work], writer: CheckpointWriter, *, target_tp: int, uneven: bool
-) -> list[Streamed | RowBlocks | None]:
+def _streamed(works: Sequence[Work], writer: CheckpointWriter) -> list[Streamed | RowBlocks | None]:
     """Per unit, its stream (None: gathered): every unit's when all of them stream, else those in memory."""
     if not streams_to(writer):
         return [None] * len(works)
-    plans = [stream_plan(work, target_tp=target_tp, uneven=uneven) for work in works]
+    plans = [stream_plan(work) for work in works]
     if all(plan is not None for plan in plans):
         return plans
     return [

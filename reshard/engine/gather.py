@@ -6,10 +6,11 @@
   temporary. The canonical tensor, and every target piece of a ``shard``/``grouped``/``vocab``/
   ``replicate`` tensor, is then a view of that buffer, written from its rows: nothing is gathered twice.
   Pad rows for a bigger target vocab are zeroed in the buffer, not concatenated; pad rows of the source
-  are cut by :func:`reshard.vocab.cut_pad_rows`.
+  are cut by :func:`reshard.geometry.cut_pad_rows`; where each rank's rows go is the tensors' cut
+  (:class:`reshard.geometry.Cut`), read here as by every byte path.
 * **Replicated KV heads** (``replicated_heads`` at a tp above the head count): the first copy of every head is
   read into its place, every other copy into one slice-sized temporary and compared with it, bit for bit.
-* **Same bytes as the reference.** The gather here is :func:`reshard.slicing.gather` done in place;
+* **Same bytes as the reference.** The gather here is :func:`reshard.geometry.tensors.gather` done in place;
   ``tests/engine/test_gather.py`` checks both agree on every partition kind.
 """
 
@@ -22,20 +23,13 @@ from dataclasses import replace
 import torch
 
 from reshard.engine.planner import SourceTensor, TargetTensor, TensorPlan, identity_plan
-from reshard.engine.work import Work, check_fits, copy_plan, joins, plan_work
+from reshard.engine.work import Work, check_fits, joins, plan_work
 from reshard.errors import ReshardError
+from reshard.geometry import Cut, Packed, Replicate, Vocab, cut_pad_rows
+from reshard.geometry.tensors import bitwise_equal, check_replica, cut_parts, cut_slices
 from reshard.io.direct import Batch
 from reshard.io.joined import Joined
 from reshard.layouts.base import TensorRef
-from reshard.partition import (
-    Packed,
-    Replicate,
-    ReplicatedHeads,
-    Vocab,
-    head_replicas,
-)
-from reshard.slicing import bitwise_equal, check_replica, packed_parts, split
-from reshard.vocab import cut_pad_rows
 
 Shape = tuple[int, ...]
 
@@ -44,7 +38,6 @@ def gather_into(
     source: SourceTensor,
     buffer: torch.Tensor,
     *,
-    uneven: bool,
     allow_divergent: bool,
     divergent: set[str] | None = None,
 ) -> torch.Tensor:
@@ -69,54 +62,52 @@ def gather_into(
                     divergent.add(source.name)
                     break
         return buffer
-    dim = partition.dim % buffer.dim()
-    copies, _ = copy_plan(partition, [ref.shape for ref in refs], uneven=uneven)
-    contiguous = math.prod(buffer.shape[:dim]) == 1  # pieces along dim are contiguous in file and buffer
+    cut = source.cut
+    dim = cut.dim
+    contiguous = cut.rows_contiguous()  # pieces along dim are contiguous in file and buffer
+    placed = cut.placed()
     with Batch():  # every rank's blocks in flight at once
         for rank, ref in enumerate(refs):
-            mine = [c for c in copies if c.rank == rank and c.length]
+            mine = [run for run in placed if run.rank == rank]
             if contiguous:
                 row_bytes = math.prod(ref.shape[dim + 1 :]) * buffer.element_size()
-                for c in mine:
-                    ref.read_into(buffer.narrow(dim, c.dst, c.length), start=c.src * row_bytes)
+                for run in mine:
+                    ref.read_into(buffer.narrow(dim, run.at, run.length), start=run.start * row_bytes)
                 continue
             if not mine:
                 continue
             if len(mine) == 1 and mine[0].length == ref.shape[dim]:  # the whole slice: read into its block
-                ref.read_into(buffer.narrow(dim, mine[0].dst, mine[0].length))
+                ref.read_into(buffer.narrow(dim, mine[0].at, mine[0].length))
                 continue
             whole = torch.empty(ref.shape, dtype=buffer.dtype)
             with Batch():
                 ref.read_into(whole)
-            for c in mine:
-                buffer.narrow(dim, c.dst, c.length).copy_(whole.narrow(dim, c.src, c.length))
+            for run in mine:
+                buffer.narrow(dim, run.at, run.length).copy_(whole.narrow(dim, run.start, run.length))
             del whole
-    if head_replicas(partition, len(refs)) > 1 and not (allow_divergent and divergent is None):
-        _compare_head_copies(source.name, refs, partition, buffer, allow_divergent, divergent)
+    if cut.replicas > 1 and not (allow_divergent and divergent is None):
+        _compare_head_copies(source.name, refs, cut, buffer, allow_divergent, divergent)
     return buffer
 
 
 def _compare_head_copies(
     name: str,
     refs: Sequence[TensorRef],
-    partition: ReplicatedHeads,
+    cut: Cut,
     buffer: torch.Tensor,
     allow_divergent: bool,
     divergent: set[str] | None,
 ) -> None:
     """Every copy of a replicated head against the first one, already in ``buffer``; raise naming both ranks
     (or, with ``allow_divergent``, add ``name`` to ``divergent`` and keep the first copies)."""
-    dim, replicas = partition.dim % buffer.dim(), head_replicas(partition, len(refs))
     other = torch.empty(refs[0].shape, dtype=buffer.dtype)
-    for rank, ref in enumerate(refs):
-        first = rank - rank % replicas
-        if rank == first:
-            continue
+    for rank, first in cut.copies():
         with Batch():
-            ref.read_into(other)
-        head = buffer.narrow(dim, (rank // replicas) * other.shape[dim], other.shape[dim])
+            refs[rank].read_into(other)
+        ((at, length),) = cut.rank_rows(rank)
+        head = buffer.narrow(cut.dim, at, length)
         if not allow_divergent:
-            check_replica(head, other, rank, first_rank=first, what=f"replicated KV head {rank // replicas}")
+            check_replica(head, other, rank, first_rank=first, what=f"replicated KV head {rank // cut.replicas}")
         elif not bitwise_equal(head, other):
             divergent.add(name)
             return
@@ -128,8 +119,6 @@ Piece = tuple[str, "torch.Tensor", list["torch.Tensor | Joined"]]
 def gather_and_split(
     work: Work,
     *,
-    target_tp: int,
-    uneven: bool,
     allow_divergent: bool,
     divergent: set[str] | None = None,
     buffers: Sequence[torch.Tensor] | None = None,
@@ -152,12 +141,12 @@ def gather_and_split(
         ]
     with torch.inference_mode():
         canonicals = [
-            _gathered(source, buffer, uneven=uneven, allow_divergent=allow_divergent, divergent=divergent)
+            _gathered(source, buffer, allow_divergent=allow_divergent, divergent=divergent)
             for source, buffer in zip(tensor.sources, buffers, strict=True)
         ]
         if tensor.transform is None:
-            (source,), (buffer,), (target,) = tensor.sources, canonicals, tensor.targets
-            return [(target.name, *kept_slices(source, buffer, target, target_tp, uneven=uneven))]
+            (buffer,), (target,) = canonicals, tensor.targets
+            return [(target.name, *kept_slices(buffer, target))]
         inputs = [c for c, _ in canonicals]
         if outputs:
             finite: list[bool] = []
@@ -166,10 +155,8 @@ def gather_and_split(
                 known_finite.update(t.name for t, known in zip(tensor.targets, finite, strict=True) if known)
         else:
             outputs = tensor.transform.apply(inputs)
-        return [
-            (target.name, out, _split_target(out, target, target_tp, uneven=uneven))
-            for target, out in zip(tensor.targets, outputs, strict=True)
-        ]
+        targets = zip(tensor.targets, outputs, strict=True)
+        return [(target.name, out, cut_slices(out, target.cut)) for target, out in targets]
 
 
 def writes_into(tensor: TensorPlan) -> bool:
@@ -180,11 +167,11 @@ def writes_into(tensor: TensorPlan) -> bool:
 
 
 def _gathered(
-    source: SourceTensor, buffer: torch.Tensor, *, uneven: bool, allow_divergent: bool, divergent: set[str] | None
+    source: SourceTensor, buffer: torch.Tensor, *, allow_divergent: bool, divergent: set[str] | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(canonical view, whole buffer)`` of one source tensor gathered into ``buffer``."""
     try:
-        buffer = gather_into(source, buffer, uneven=uneven, allow_divergent=allow_divergent, divergent=divergent)
+        buffer = gather_into(source, buffer, allow_divergent=allow_divergent, divergent=divergent)
     except ReshardError as err:
         if err.path:
             raise
@@ -196,42 +183,28 @@ def _gathered(
 
 
 def kept_slices(
-    source: SourceTensor,
-    gathered: tuple[torch.Tensor, torch.Tensor],
-    target: TargetTensor,
-    target_tp: int,
-    *,
-    uneven: bool,
+    gathered: tuple[torch.Tensor, torch.Tensor], target: TargetTensor
 ) -> tuple[torch.Tensor, list[torch.Tensor | Joined]]:
-    """A tensor kept as it is: its target slices are views of the buffer (pad rows zeroed in place)."""
+    """A tensor kept as it is: its target slices, by the target's cut, are views of the buffer (pad rows zeroed in
+    place; a ``packed`` target's slices :class:`Joined` views of its parts, unless packed off dim 0)."""
     canonical, buffer = gathered
-    partition = source.partition
-    if isinstance(partition, Replicate):
-        return buffer, [buffer] * target_tp
-    if target_tp > 1 and isinstance(partition, Packed) and joins(partition, buffer.dim()):
-        return buffer, [Joined(tuple(parts)) for parts in packed_parts(buffer, partition, target_tp, uneven=uneven)]
-    if not isinstance(partition, Vocab):
-        return buffer, split(buffer, partition, target_tp, uneven=uneven)
-    dim = partition.dim % buffer.dim()
-    sizes = [s[dim] for s in target.rank_shapes]
-    rows = sum(sizes)
-    if rows > source.shape[dim]:
-        buffer.narrow(dim, source.shape[dim], rows - source.shape[dim]).zero_()
-    return canonical, list(torch.split(buffer.narrow(dim, 0, rows), sizes, dim=dim))
+    cut = target.cut
+    if cut.dim is None:
+        return buffer, [buffer] * cut.tp
+    if cut.tp > 1 and isinstance(cut.partition, Packed) and joins(cut.partition, buffer.dim()):
+        return buffer, [Joined(tuple(parts)) for parts in cut_parts(buffer, cut)]
+    if not isinstance(cut.partition, Vocab):
+        return buffer, cut_slices(buffer, cut)
+    if cut.rows > cut.data_rows:
+        buffer.narrow(cut.dim, cut.data_rows, cut.rows - cut.data_rows).zero_()
+    return canonical, cut_slices(buffer, cut)
 
 
-def _split_target(tensor: torch.Tensor, target: TargetTensor, target_tp: int, *, uneven: bool) -> list[torch.Tensor]:
-    """A transform's output split for the target (a vocab padded to the rows its rank shapes add up to)."""
-    partition = target.partition
-    padded = sum(s[partition.dim] for s in target.rank_shapes) if isinstance(partition, Vocab) else None
-    return split(tensor, partition, target_tp, padded=padded, uneven=uneven)
-
-
-def gather_canonical(tensor: SourceTensor, *, uneven: bool, allow_divergent: bool = False) -> torch.Tensor:
+def gather_canonical(tensor: SourceTensor, *, allow_divergent: bool = False) -> torch.Tensor:
     """Read one tensor's rank slices and join them into the canonical tensor, as a conversion does."""
     plan = identity_plan(tensor)
     plan = TensorPlan(plan.sources, (replace(plan.targets[0], rank_shapes=(tuple(tensor.shape),)),))
     work = plan_work(plan, target_tp=1)
     check_fits([work])
-    ((_, canonical, _),) = gather_and_split(work, target_tp=1, uneven=uneven, allow_divergent=allow_divergent)
+    ((_, canonical, _),) = gather_and_split(work, allow_divergent=allow_divergent)
     return canonical

@@ -37,22 +37,14 @@ class GatherJobs:
         writer: CheckpointWriter,
         limit: int,
         *,
-        target_tp: int,
-        uneven: bool,
         allow_divergent: bool,
         divergent: set[str] | None,
         finite: bool,
     ) -> None:
         self._writer = writer
         self._buffers = BufferPool(limit)
-        self._uneven = uneven
         self._finite = finite
-        self._options = {
-            "target_tp": target_tp,
-            "uneven": uneven,
-            "allow_divergent": allow_divergent,
-            "divergent": divergent,
-        }
+        self._options = {"allow_divergent": allow_divergent, "divergent": divergent}
 
     @contextlib.contextmanager
     def mode(self) -> Iterator[None]:
@@ -65,7 +57,7 @@ class GatherJobs:
         that is not concurrent) and the raw buffers to :meth:`release` once those are written."""
         writer, buffers = self._writer, self._buffers
         held = [
-            buffers.get(shape, source.dtype, phase=read_phase(source, uneven=self._uneven))
+            buffers.get(shape, source.dtype, phase=read_phase(source))
             for shape, source in zip(work.buffer_shapes, work.tensor.sources, strict=True)
         ]
         into = writes_into(work.tensor)  # the transform's output in pooled memory too

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 
 from reshard.dtypes import TensorHeader
 from reshard.errors import DivergentReplicaError, PlanError, ReshardError, ShapeMismatchError
+from reshard.geometry import Replicate
 from reshard.layouts.base import SourceCheckpoint, TensorRef
 from reshard.layouts.readers import FileReader
-from reshard.partition import Replicate
 from reshard.plans.lora import BASE, A, B, parse_lora_name
 
 if TYPE_CHECKING:
@@ -175,7 +175,7 @@ def check_lora_replicas(tensors: Sequence[SourceTensor]) -> None:
         refs = tensor.refs
         if lora is None or lora.role == BASE or not isinstance(tensor.partition, Replicate) or len(refs) < 2:
             continue
-        from reshard.slicing import bitwise_equal  # imports torch: only with LoRA replicas to compare
+        from reshard.geometry.tensors import bitwise_equal  # imports torch: only with LoRA replicas to compare
 
         first = refs[0].read()
         for ref in refs[1:]:

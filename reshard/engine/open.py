@@ -124,7 +124,7 @@ def open_checkpoint(
 
 
 def _replicas_equal(refs: Sequence[TensorRef]) -> bool:
-    from reshard.slicing import bitwise_equal
+    from reshard.geometry.tensors import bitwise_equal
 
     first = refs[0].read()
     return all(bitwise_equal(first, ref.read()) for ref in refs[1:])

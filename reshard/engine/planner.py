@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from reshard.config import ModelConfig
 from reshard.dtypes import TensorHeader, safetensors_order
 from reshard.errors import AmbiguousPartitionError, PlanError, ReshardError, ShapeMismatchError
-from reshard.layouts.base import SourceCheckpoint, TensorRef
-from reshard.partition import (
+from reshard.geometry import (
+    Cut,
     Heads,
     Packed,
     Partition,
@@ -25,11 +26,14 @@ from reshard.partition import (
     ReplicatedHeads,
     Shard,
     canonical_shape,
+    padded_size,
     rank_shapes,
+    slices_cut,
 )
+from reshard.layouts.base import SourceCheckpoint, TensorRef
 from reshard.plans import Plan, infer_partition
 from reshard.quantization import QuantizedTensors, quantized_tensors
-from reshard.vocab import VocabPlan, padded_size, source_padded_rows
+from reshard.vocab import VocabPlan, source_padded_rows
 
 if TYPE_CHECKING:
     import torch
@@ -61,6 +65,12 @@ class SourceTensor:
         """The safetensors dtype code, e.g. ``"BF16"``."""
         return self.refs[0].code
 
+    @cached_property
+    def cut(self) -> Cut:
+        """Where each rank slice's rows go in the canonical tensor: what the gather places, the stream reads and
+        ``verify`` proves (only for a tensor planned without a problem)."""
+        return slices_cut(self.partition, self.shape, [ref.shape for ref in self.refs])
+
     @property
     def dtype(self) -> torch.dtype:
         return self.refs[0].dtype
@@ -79,6 +89,12 @@ class TargetTensor:
     @property
     def nbytes(self) -> int:
         return TensorHeader(self.shape, self.code).nbytes
+
+    @cached_property
+    def cut(self) -> Cut:
+        """Which canonical rows each target rank's slice holds (a vocab padded to the rows its rank shapes add up
+        to): what the gather's split, the stream's writes and a transform's output split all follow."""
+        return slices_cut(self.partition, self.shape, self.rank_shapes)
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,9 @@ conversion drops from ~800 to ~280 MB.
 All of it is numpy and byte views, no torch: a conversion whose every unit streams never imports torch (1.7-2.0
 CPU-s on the bench VM), so it streams on a disk too, each block on the 4 KB phase of where it is written, ending at
 that file's page boundary (written with ``O_DIRECT`` straight from memory). Beside gathered units it streams only in
-memory (:func:`in_memory_unit`). The byte ranges come from the same functions as the gather's
-(:func:`~reshard.engine.work.copy_plan` for the sources, :func:`~reshard.partition.rank_rows`, by which
-:func:`reshard.slicing.split` cuts, for the targets), so both paths write the same bytes;
+memory (:func:`in_memory_unit`). The byte ranges come from the same record as the gather's, each
+tensor's :class:`~reshard.geometry.Cut` (the source's placed runs, the target's runs), so both paths write the same
+bytes;
 ``tests/engine/test_stream.py`` checks them against each other.
 """
 
@@ -41,12 +41,11 @@ import numpy as np
 from reshard.dtypes import itemsize_of
 from reshard.engine.digest import ALGORITHM, RunningDigest, checked_without_torch
 from reshard.engine.planner import SourceTensor, TargetTensor, TensorPlan
-from reshard.engine.work import Work, copy_plan, plan_work
+from reshard.engine.work import Work, plan_work
 from reshard.errors import ReshardError
 from reshard.io.direct import ALIGN, Batch, in_memory
 from reshard.io.scratch import scratch_bytes
 from reshard.layouts.base import CheckpointWriter, TensorRef
-from reshard.partition import Partition, Replicate, Vocab, head_replicas, rank_rows
 
 # Bytes per block: small enough to stay in a core's cache between the read, the hash, the check and the writes,
 # large enough that the Python calls per block are few (paired runs of a 4.17 GB tp 8 -> 4 in tmpfs on the bench
@@ -81,8 +80,8 @@ class Streamed:
 class RowBlocks:
     """A unit split after its first dim (the row-parallel weights), moved ``rows`` rows of that first dim at a
     time: those rows of each source slice are one run of its bytes, gathered into a small buffer as the gather
-    places them (:func:`copy_plan`), hashed and checked there, then cut as the gather splits (``targets``: each
-    target rank's runs along the split dim, :func:`~reshard.partition.rank_rows`) and written."""
+    places them (the source's cut), hashed and checked there, then cut as the gather splits (``targets``: each
+    target rank's runs along the split dim, the target's cut) and written."""
 
     rows: int
     targets: tuple[Runs, ...]
@@ -100,7 +99,7 @@ def in_memory_unit(work: Work, writer: CheckpointWriter) -> bool:
     return in_memory(writer.out_dir) and all(in_memory(ref.file) for ref in work.tensor.sources[0].refs)
 
 
-def stream_plan(work: Work, *, target_tp: int, uneven: bool) -> Streamed | RowBlocks | None:
+def stream_plan(work: Work) -> Streamed | RowBlocks | None:
     """The runs of a unit that can be streamed (see the module's docstring); None for any other unit (a
     transform, copies of a replicated head to compare, pad rows to add along a later dim, a source not read
     straight from its file, a dtype whose NaN/Inf check needs torch), which is gathered."""
@@ -111,23 +110,21 @@ def stream_plan(work: Work, *, target_tp: int, uneven: bool) -> Streamed | RowBl
     refs = source.refs
     if not refs or any(ref.position is None for ref in refs) or not checked_without_torch(source.code):
         return None
-    partition, shape = source.partition, tuple(source.shape)
-    if isinstance(partition, Replicate):
+    (target,) = tensor.targets
+    cut, shape = source.cut, tuple(source.shape)
+    if cut.dim is None:
         whole = ((0, refs[0].header.nbytes),)
-        return Streamed((Run(refs[0], 0, refs[0].header.nbytes),), (whole,) * target_tp, refs[1:])
-    dim = partition.dim % len(shape)
-    if head_replicas(partition, len(refs)) > 1:  # copies of a head are compared (gather_into)
+        return Streamed((Run(refs[0], 0, refs[0].header.nbytes),), (whole,) * target.cut.tp, refs[1:])
+    if cut.replicas > 1:  # copies of a head are compared (gather_into)
         return None
-    targets = _target_runs(work, dim, target_tp, uneven=uneven)
-    if targets is None:
-        return None
-    if math.prod(shape[:dim]) != 1:
-        return _row_blocks(work, dim, targets)
-    row = math.prod(shape[dim + 1 :]) * itemsize_of(source.code)
-    runs = _source_runs(source.refs, partition, shape[dim], row, uneven=uneven)
+    targets = tuple(target.cut.rank_rows(rank) for rank in range(target.cut.tp))
+    if not cut.rows_contiguous():
+        return _row_blocks(work, cut.dim, targets)
+    row = cut.row_bytes(itemsize_of(source.code))
+    runs = _source_runs(source, row)
     if runs is None:
         return None
-    rows = shape[dim]
+    rows = shape[cut.dim]
     ranges = tuple(
         tuple((start * row, min(start + length, rows) * row) for start, length in rank if start < rows and length)
         for rank in targets
@@ -153,38 +150,19 @@ def _row_blocks(work: Work, dim: int, targets: tuple[Runs, ...]) -> RowBlocks | 
     return RowBlocks(max(1, BLOCK_BYTES // max(1, row)), targets)
 
 
-def _source_runs(
-    refs: Sequence[TensorRef], partition: Partition, rows: int, row: int, *, uneven: bool
-) -> tuple[Run, ...] | None:
-    """The canonical tensor's ``rows`` rows (of ``row`` bytes) as runs of the rank slices, in order (the gather's
-    own placement, :func:`copy_plan`; pad rows past ``rows`` left out)."""
-    copies, _ = copy_plan(partition, [ref.shape for ref in refs], uneven=uneven)
-    runs, at = [], 0
-    for copy in sorted((c for c in copies if c.length), key=lambda c: c.dst):
+def _source_runs(source: SourceTensor, row: int) -> tuple[Run, ...] | None:
+    """The canonical tensor's rows (of ``row`` bytes) as runs of the rank slices, in order: the gather's own
+    placement (its cut's :meth:`~reshard.geometry.Cut.placed`), pad rows past the canonical rows left out."""
+    rows, runs, at = source.shape[source.cut.dim], [], 0
+    for run in sorted(source.cut.placed(), key=lambda run: run.at):
         if at == rows:
             break
-        if copy.dst != at:
+        if run.at != at:
             return None
-        length = min(copy.length, rows - at)
-        runs.append(Run(refs[copy.rank], copy.src * row, length * row))
+        length = min(run.length, rows - at)
+        runs.append(Run(source.refs[run.rank], run.start * row, length * row))
         at += length
     return tuple(runs) if at == rows else None
-
-
-def _target_runs(work: Work, dim: int, target_tp: int, *, uneven: bool) -> tuple[Runs, ...] | None:
-    """Each target rank's slice as runs ``(start, length)`` of canonical rows along ``dim``: the gather's split
-    (:func:`~reshard.engine.gather.kept_slices`: a vocab cut by the target's rank shapes, every other partition by
-    :func:`~reshard.partition.rank_rows`; a vocab's runs may reach past the canonical rows into zero rows to add);
-    None when the split does not give the planned slices."""
-    (source,), (target,) = work.tensor.sources, work.tensor.targets
-    partition = source.partition
-    sizes = [shape[dim] for shape in target.rank_shapes]
-    if isinstance(partition, Vocab):
-        return tuple(((sum(sizes[:rank]), size),) for rank, size in enumerate(sizes))
-    runs = tuple(rank_rows(partition, source.shape, target_tp, uneven=uneven))
-    if [sum(length for _, length in rank) for rank in runs] != sizes:
-        return None
-    return runs
 
 
 def stream(
@@ -192,7 +170,6 @@ def stream(
     streamed: Streamed | RowBlocks,
     writer: CheckpointWriter,
     *,
-    uneven: bool,
     finite: bool,
     allow_divergent: bool = False,
     divergent: set[str] | None = None,
@@ -203,7 +180,7 @@ def stream(
     first as the gather compares them (:func:`~reshard.engine.gather.gather_into`): ``allow_divergent`` and
     ``divergent`` alike."""
     if isinstance(streamed, RowBlocks):
-        return _stream_rows(work, streamed, writer, uneven=uneven, finite=finite, algorithm=algorithm)
+        return _stream_rows(work, streamed, writer, finite=finite, algorithm=algorithm)
     (source,), (target,) = work.tensor.sources, work.tensor.targets
     copies = Copies(source, streamed.copies, allow_divergent=allow_divergent, divergent=divergent)
     digest = RunningDigest(source.code, finite=finite, algorithm=algorithm)
@@ -293,9 +270,9 @@ class Copies:
 
 
 def _raise_divergent(source: SourceTensor, other: TensorRef) -> None:
-    """The gather's error for a copy that differs from the first (:func:`reshard.slicing.check_replica`, with the
-    rank's place among the source's slices), naming the first copy's file as the gather does."""
-    from reshard.slicing import check_replica
+    """The gather's error for a copy that differs from the first (:func:`reshard.geometry.tensors.check_replica`, with
+    the rank's place among the source's slices), naming the first copy's file as the gather does."""
+    from reshard.geometry.tensors import check_replica
 
     first = source.refs[0]
     try:
@@ -305,7 +282,7 @@ def _raise_divergent(source: SourceTensor, other: TensorRef) -> None:
 
 
 def _stream_rows(
-    work: Work, blocks: RowBlocks, writer: CheckpointWriter, *, uneven: bool, finite: bool, algorithm: str
+    work: Work, blocks: RowBlocks, writer: CheckpointWriter, *, finite: bool, algorithm: str
 ) -> tuple[str, bool | None]:
     """:func:`stream` of a :class:`RowBlocks` unit: one area of this thread's scratch holds a block of every source
     slice, the gathered block and one target slice's block cut out of it, as arrays of the dtype's width (the
@@ -313,9 +290,8 @@ def _stream_rows(
     (source,), (target,) = work.tensor.sources, work.tensor.targets
     refs, rows, itemsize = source.refs, blocks.rows, itemsize_of(source.code)
     width = np.dtype(f"u{itemsize}")
-    dim = source.partition.dim % len(source.shape)
-    copies, _ = copy_plan(source.partition, [ref.shape for ref in refs], uneven=uneven)
-    copies = [c for c in copies if c.length]
+    dim = source.cut.dim
+    copies = source.cut.placed()
     needed = sorted({c.rank for c in copies})
     tail = tuple(work.buffer_shapes[0][1:])
     source_row = [math.prod(ref.shape[1:]) * itemsize for ref in refs]
@@ -340,7 +316,7 @@ def _stream_rows(
                 slices[rank] = area[start : start + size].view(width).reshape(count, *refs[rank].shape[1:])
             block = area[block_at : block_at + count * block_row].view(width).reshape(count, *tail)
             for c in copies:
-                block[_along(dim, c.dst, c.length)] = slices[c.rank][_along(dim, c.src, c.length)]
+                block[_along(dim, c.at, c.length)] = slices[c.rank][_along(dim, c.start, c.length)]
             digest.update(view[block_at : block_at + count * block_row])
             for rank, runs in enumerate(blocks.targets):
                 size = count * target_row[rank]
@@ -363,9 +339,7 @@ def _along(dim: int, start: int, length: int) -> tuple[slice, ...]:
     return (slice(None),) * dim + (slice(start, start + length),)
 
 
-def canonical_digest(
-    source: SourceTensor, *, uneven: bool, finite: bool, algorithm: str
-) -> tuple[str, bool | None] | None:
+def canonical_digest(source: SourceTensor, *, finite: bool, algorithm: str) -> tuple[str, bool | None] | None:
     """The digest (by ``algorithm``) of a source tensor's canonical bytes and, when ``finite``, whether every value
     is finite, streamed from its slices as a conversion to one rank would stream them (:func:`stream`), without a
     buffer of its size or torch; None when it does not stream (:func:`stream_plan`), to be gathered instead.
@@ -377,10 +351,10 @@ def canonical_digest(
     """
     whole = TargetTensor(source.name, source.shape, source.code, source.partition, (tuple(source.shape),))
     work = plan_work(TensorPlan((source,), (whole,)), target_tp=1)
-    plan = stream_plan(work, target_tp=1, uneven=uneven)
+    plan = stream_plan(work)
     if plan is None:
         return None
-    return stream(work, plan, _Discard(), uneven=uneven, finite=finite, algorithm=algorithm)
+    return stream(work, plan, _Discard(), finite=finite, algorithm=algorithm)
 
 
 class _Discard(CheckpointWriter):

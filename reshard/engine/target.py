@@ -21,12 +21,12 @@ from reshard.engine.planner import (
     tps_that_split,
 )
 from reshard.errors import AmbiguousPartitionError, MappingError, PlanError, ReshardError
+from reshard.geometry import Partition, Replicate, Vocab, head_replicas
 from reshard.layouts import LayoutSpec, SourceCheckpoint, TargetSpec, layout, target_layout
 from reshard.mappings import HF, MappingChoice, choose_mapping, naming_of, require_true_vocab, sizing_config
 from reshard.mappings.megatron_gpt import MEGATRON
 from reshard.mappings.torchtitan_llama import TORCHTITAN
 from reshard.options import ConvertOptions
-from reshard.partition import Partition, Replicate, Vocab, head_replicas
 from reshard.plans import select_plan
 from reshard.quantization import read_scheme
 from reshard.quantization.dequant_plan import COMPANIONS, dequantized_config, recast

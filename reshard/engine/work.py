@@ -1,6 +1,7 @@
-"""One unit of a conversion before any byte moves: where each rank slice lands in the gathered tensor, the
-buffers it needs and the memory it may hold. Pure and torch-free: the byte stream (:mod:`reshard.engine.stream`)
-plans from it without importing torch, the gather (:mod:`reshard.engine.gather`) fills the buffers it sizes.
+"""One unit of a conversion before any byte moves: the buffers it needs, where they start in a page, and the memory
+it may hold. Pure and torch-free: where each rank slice lands is its tensors' :class:`~reshard.geometry.Cut`; the
+byte stream (:mod:`reshard.engine.stream`) plans from this without importing torch, the gather
+(:mod:`reshard.engine.gather`) fills the buffers it sizes.
 """
 
 from __future__ import annotations
@@ -13,63 +14,13 @@ from dataclasses import dataclass
 from reshard.dtypes import itemsize_of
 from reshard.engine.planner import SourceTensor, TargetTensor, TensorPlan
 from reshard.errors import ReshardError
+from reshard.geometry import Packed, Replicate, Vocab
 from reshard.io.direct import ALIGN
-from reshard.partition import (
-    Grouped,
-    Heads,
-    Packed,
-    Replicate,
-    ReplicatedHeads,
-    Shard,
-    Vocab,
-    head_replicas,
-    split_sizes,
-)
 
 Shape = tuple[int, ...]
 
 
-@dataclass(frozen=True)
-class Copy:
-    """Rows ``[src, src + length)`` along the split dim of rank ``rank``'s slice go to ``[dst, dst + length)``."""
-
-    rank: int
-    src: int
-    dst: int
-    length: int
-
-
-def copy_plan(
-    partition: Shard | Grouped | Vocab | Packed | Heads | ReplicatedHeads, shapes: Sequence[Shape], *, uneven: bool
-) -> tuple[list[Copy], int]:
-    """Where every piece of every rank slice lands in the gathered buffer, and the buffer's size along dim.
-
-    Pure: the in-place equivalent of the ``cat`` in :func:`reshard.slicing.gather`. Of replicated heads only
-    the first copy of each head is placed (the others are compared with it, see :func:`gather_into`).
-    """
-    dim = partition.dim % len(shapes[0])
-    sizes = [shape[dim] for shape in shapes]
-    replicas = head_replicas(partition, len(shapes))
-    if replicas > 1:
-        firsts = range(0, len(shapes), replicas)
-        return [Copy(r, 0, (r // replicas) * sizes[r], sizes[r]) for r in firsts], partition.heads * sizes[0]
-    if isinstance(partition, Packed):
-        per_part = [split_sizes(part, len(shapes), uneven=uneven) for part in partition.parts]
-        copies, part_start = [], 0
-        src = [0] * len(shapes)
-        for part, pieces in zip(partition.parts, per_part, strict=True):
-            dst = part_start
-            for rank, length in enumerate(pieces):
-                copies.append(Copy(rank, src[rank], dst, length))
-                src[rank] += length
-                dst += length
-            part_start += part
-        return copies, part_start
-    offsets = [sum(sizes[:r]) for r in range(len(sizes))]
-    return [Copy(r, 0, offsets[r], sizes[r]) for r in range(len(sizes))], sum(sizes)
-
-
-def read_phase(source: SourceTensor, *, uneven: bool) -> int:
+def read_phase(source: SourceTensor) -> int:
     """Where in a 4 KB page the gather buffer of ``source`` should start so that its first rank slice's
     whole blocks are read straight into it (:meth:`reshard.io.direct.DirectSource.read`): the phase of that
     slice's file offset less its place in the buffer. Rank files written alike put every slice of a dim-0
@@ -77,18 +28,15 @@ def read_phase(source: SourceTensor, *, uneven: bool) -> int:
     ref = source.refs[0]
     if ref.position is None or not ref.shape:
         return 0
-    partition = source.partition
     place = 0
-    if not isinstance(partition, Replicate):
-        dim = partition.dim % len(ref.shape)
-        if math.prod(ref.shape[:dim]) != 1:
+    cut = source.cut
+    if cut.dim is not None:
+        if not cut.rows_contiguous():
             return 0
-        copies, _ = copy_plan(partition, [r.shape for r in source.refs], uneven=uneven)
-        first = next((c for c in copies if c.rank == 0 and c.length), None)
+        first = next((run for run in cut.placed() if run.rank == 0), None)
         if first is None:
             return 0
-        row_bytes = math.prod(ref.shape[dim + 1 :]) * itemsize_of(source.code)
-        place = (first.dst - first.src) * row_bytes
+        place = (first.at - first.start) * cut.row_bytes(itemsize_of(source.code))
     phase = (ref.position - place) % ALIGN
     return phase if phase % itemsize_of(source.code) == 0 else 0
 
@@ -166,22 +114,20 @@ def plan_work(tensor: TensorPlan, *, target_tp: int) -> Work:
 def _buffer(source: SourceTensor, target_shapes: Sequence[Shape], target_tp: int) -> tuple[Shape, int]:
     """The gather buffer of one source tensor (room for the target's pad rows when it is kept as it is) and
     the bytes it costs."""
-    partition = source.partition
+    partition, cut = source.partition, source.cut
     itemsize = itemsize_of(source.code)
     shape = tuple(source.shape)
     nbytes = math.prod(shape) * itemsize
     slice_bytes = max(ref.header.nbytes for ref in source.refs)
-    if isinstance(partition, Replicate):
+    if cut.dim is None:
         return shape, ALIGN + (2 * nbytes if len(source.refs) > 1 else nbytes)
-    dim = partition.dim % len(shape)
-    rows = sum(ref.shape[dim] for ref in source.refs)
-    if head_replicas(partition, len(source.refs)) > 1:
-        rows = shape[dim]  # one copy of each head; the others go through one slice-sized temporary
+    dim = cut.dim
+    rows = cut.rows  # every slice's rows; of copied heads one copy each, the others through one temporary
     if isinstance(partition, Vocab) and target_shapes:
         rows = max(rows, sum(s[dim] for s in target_shapes))
     buffer_shape = shape[:dim] + (max(rows, shape[dim]),) + shape[dim + 1 :]
     cost = math.prod(buffer_shape) * itemsize + ALIGN  # and the slack for its phase (BufferPool.get)
-    if math.prod(shape[:dim]) != 1 or head_replicas(partition, len(source.refs)) > 1:
+    if not cut.rows_contiguous() or cut.replicas > 1:
         cost += slice_bytes  # packed parts, short rows or copies of a head go through one slice-sized temporary
     if target_tp > 1 and isinstance(partition, Packed) and not (target_shapes and joins(partition, len(shape))):
         cost += nbytes  # split() concatenates each target rank's parts

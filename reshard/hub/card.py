@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from reshard.geometry import Vocab
 from reshard.layouts import find_layout
 from reshard.manifest import Manifest
-from reshard.partition import Vocab
 from reshard.version import __version__
 
 CARRIED = ("license", "license_name", "license_link", "language", "pipeline_tag")  # from the source's card

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from reshard.config import ModelConfig
-from reshard.partition import Partition
+from reshard.geometry import Partition
 
 PartitionFactory = Callable[[ModelConfig | None], Partition]
 

@@ -13,7 +13,7 @@ transformers' own plan differs: V3's leaves the whole attention replicated, V2's
 from __future__ import annotations
 
 from reshard.config import ModelConfig
-from reshard.partition import Replicate, Shard, Vocab
+from reshard.geometry import Replicate, Shard, Vocab
 from reshard.plans.base import Plan, Rule
 from reshard.plans.llama import LLAMA_PLAN
 from reshard.plans.moe import EXPERT_RULES

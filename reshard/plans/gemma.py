@@ -7,7 +7,7 @@ language model come from ``text_config``.
 
 from __future__ import annotations
 
-from reshard.partition import Replicate
+from reshard.geometry import Replicate
 from reshard.plans.base import Plan, Rule
 from reshard.plans.llama import LLAMA_PLAN
 

@@ -11,8 +11,7 @@ from collections.abc import Callable, Sequence
 
 from reshard.config import ModelConfig
 from reshard.errors import AmbiguousPartitionError
-from reshard.partition import Partition, Replicate, Shard, Vocab
-from reshard.vocab import is_padded_vocab
+from reshard.geometry import Partition, Replicate, Shard, Vocab, is_padded_vocab
 
 Shape = tuple[int, ...]
 

@@ -10,7 +10,7 @@ never cut; k/v are the KV heads, copied onto several ranks when the tp is a larg
 from __future__ import annotations
 
 from reshard.config import ModelConfig
-from reshard.partition import Replicate, ReplicatedHeads, Shard, Vocab
+from reshard.geometry import Replicate, ReplicatedHeads, Shard, Vocab
 from reshard.plans.base import Plan, Rule
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")

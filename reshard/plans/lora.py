@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from reshard.config import ModelConfig
 from reshard.errors import AmbiguousPartitionError
-from reshard.partition import Packed, Partition, Replicate, ReplicatedHeads, Shard
+from reshard.geometry import Packed, Partition, Replicate, ReplicatedHeads, Shard
 from reshard.plans.base import Plan, Rule
 
 BASE, A, B = "base", "A", "B"

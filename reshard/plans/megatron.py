@@ -4,7 +4,7 @@
 * Fused QKV (``linear_qkv`` / ``query_key_value``): rows interleaved per query group,
   ``[q heads of group g | k_g | v_g]`` for g in order. Ranks hold contiguous row chunks, so a tp change
   is a plain concatenate / re-chunk, allowed while every rank holds whole groups or every group is
-  spread evenly over ``tp / groups`` ranks (:class:`~reshard.partition.Grouped`).
+  spread evenly over ``tp / groups`` ranks (:class:`~reshard.geometry.Grouped`).
 * ``linear_fc1`` / ``dense_h_to_4h`` with SwiGLU: each rank holds ``[gate_r; up_r]``, so it is
   ``Packed(0, (F, F))`` (re-pairs the halves; plain concatenation would mix gate and up rows).
 * Multi-latent attention (DeepSeek-V3): ``linear_q_proj``, ``linear_q_up_proj``, ``linear_kv_up_proj`` in whole
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from reshard.config import ModelConfig
 from reshard.errors import AmbiguousPartitionError
-from reshard.partition import Grouped, Packed, Partition, Replicate, Shard, Vocab
+from reshard.geometry import Grouped, Packed, Partition, Replicate, Shard, Vocab
 from reshard.plans.base import Plan, Rule
 
 MODEL_TYPES = ("megatron",)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from reshard.config import ModelConfig
 from reshard.errors import AmbiguousPartitionError
-from reshard.partition import Packed, Replicate, Shard
+from reshard.geometry import Packed, Replicate, Shard
 from reshard.plans.base import Plan, Rule
 from reshard.plans.llama import LLAMA_PLAN
 

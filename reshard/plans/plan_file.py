@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.errors import ReshardError
-from reshard.partition import partition_from_dict
+from reshard.geometry import partition_from_dict
 from reshard.plans.base import Plan, Rule
 from reshard.schema import check_partition
 

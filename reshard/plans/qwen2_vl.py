@@ -10,7 +10,7 @@ by suffix, so both ``visual.`` (saved files) and ``model.visual.`` (transformers
 from __future__ import annotations
 
 from reshard.config import ModelConfig
-from reshard.partition import Packed, Replicate, Shard
+from reshard.geometry import Packed, Replicate, Shard
 from reshard.plans.base import Plan, Rule
 from reshard.plans.llama import LLAMA_PLAN
 

@@ -20,7 +20,7 @@ The vision tower of ``Qwen3_5ForConditionalGeneration`` follows the Qwen2-VL vis
 from __future__ import annotations
 
 from reshard.config import ModelConfig
-from reshard.partition import Packed, Replicate, Shard, Vocab
+from reshard.geometry import Packed, Replicate, Shard, Vocab
 from reshard.plans.base import Plan, Rule
 from reshard.plans.llama import kv_heads
 from reshard.plans.qwen2_vl import VISION_RULES

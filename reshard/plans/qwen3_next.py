@@ -10,7 +10,7 @@ and is packed exactly as in Qwen3.5. Everything else follows the Qwen3.5 plan.
 from __future__ import annotations
 
 from reshard.config import ModelConfig
-from reshard.partition import Shard
+from reshard.geometry import Shard
 from reshard.plans.base import Plan, Rule
 from reshard.plans.qwen3_5 import QWEN3_5_PLAN, config_int, linear_sizes
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from reshard.config import ModelConfig
 from reshard.errors import AmbiguousPartitionError
-from reshard.partition import Packed, Partition, Replicate, Shard
+from reshard.geometry import Packed, Partition, Replicate, Shard
 from reshard.plans.base import Plan, Rule
 
 # A name every SAT transformer has (also when LoRA wraps it as ``.original`` / ``.matrix_A.0``).

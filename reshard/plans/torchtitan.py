@@ -15,7 +15,7 @@ select another plan for them (``Family.own_names``).
 
 from __future__ import annotations
 
-from reshard.partition import Replicate, Shard, Vocab
+from reshard.geometry import Replicate, Shard, Vocab
 from reshard.plans.base import Plan, Rule
 from reshard.plans.llama import by_heads
 

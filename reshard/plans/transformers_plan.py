@@ -28,7 +28,7 @@ from typing import Any
 
 from reshard.config import ModelConfig
 from reshard.errors import AmbiguousPartitionError
-from reshard.partition import Heads, Packed, Partition, Replicate, Shard, Vocab
+from reshard.geometry import Heads, Packed, Partition, Replicate, Shard, Vocab
 from reshard.plans.base import Plan, Rule
 from reshard.plans.llama import by_heads
 from reshard.plans.skeleton import ModelSkeleton, build_skeleton

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from reshard.config import ModelConfig
-from reshard.partition import Partition
+from reshard.geometry import Partition
 from reshard.plans.base import Plan
 from reshard.plans.recorded import RecordedPlan
 from reshard.quantization.plan import QuantizedLinear, companion_partition, quantized_linears

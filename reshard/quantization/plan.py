@@ -17,7 +17,7 @@ from math import lcm
 
 from reshard.config import ModelConfig
 from reshard.errors import AmbiguousPartitionError
-from reshard.partition import Heads, Packed, Partition, Replicate, ReplicatedHeads, Shard, norm_dim
+from reshard.geometry import Heads, Packed, Partition, Replicate, ReplicatedHeads, Shard, norm_dim
 from reshard.plans.base import Plan
 from reshard.quantization.rules import (
     IN,

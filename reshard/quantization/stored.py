@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 from reshard.config import ModelConfig
 from reshard.errors import AmbiguousPartitionError
-from reshard.partition import Heads, Packed, ReplicatedHeads, Shard
+from reshard.geometry import Heads, Packed, ReplicatedHeads, Shard
 from reshard.plans.base import Plan
 from reshard.quantization.rules import companions, per_element
 from reshard.quantization.scheme import QuantScheme

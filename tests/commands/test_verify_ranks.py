@@ -15,8 +15,8 @@ from reshard.commands import verify_ranks, verify_slices
 from reshard.engine.gather import gather_canonical
 from reshard.engine.open import open_checkpoint
 from reshard.engine.planner import SourceTensor
+from reshard.geometry import Packed, Replicate, Shard, Vocab
 from reshard.options import ReadOptions
-from reshard.partition import Packed, Replicate, Shard, Vocab
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -25,10 +25,10 @@ def test_own_rows_hold_exactly_where_each_ranks_piece_is_its_slice(tmp_path: Pat
     opened = open_checkpoint(tmp_path / "out", ReadOptions(), target_tp=1, recorded_plan=True)
     proven = []
     for tensor in opened.tensors:
-        if not verify_ranks._own_rows(tensor, opened.uneven):
+        if not verify_ranks._own_rows(tensor):
             continue
         proven.append(tensor.name)
-        whole = gather_canonical(tensor, uneven=opened.uneven)
+        whole = gather_canonical(tensor)
         diffs: list = []  # what the check read and compared before
         assert verify_slices.same_slices(whole, tensor, (tensor.partition, tensor.reason), diffs), tensor.name
         assert diffs == []
@@ -45,20 +45,21 @@ def _tensor(partition: object, shape: tuple[int, ...], *shapes: tuple[int, ...])
 
 
 @pytest.mark.parametrize(
-    ("tensor", "uneven", "own"),
+    ("tensor", "own"),
     [
-        (_tensor(Shard(0), (8, 4), (4, 4), (4, 4)), False, True),
-        (_tensor(Shard(1), (4, 8), (4, 4), (4, 4)), False, True),
-        (_tensor(Packed(0, (4, 2)), (6, 3), (3, 3), (3, 3)), False, True),  # two runs a rank
-        (_tensor(Shard(0), (8, 4), (3, 4), (5, 4)), True, False),  # sizes the split rule would not give
-        (_tensor(Shard(0), (8, 4), (4, 4), (4, 5)), False, False),  # another dim differs
-        (_tensor(Replicate(), (4,), (4,), (4,)), False, False),
-        (_tensor(Vocab(0), (6, 4), (4, 4), (4, 4)), False, True),  # two pad rows on the last rank
-        (_tensor(Vocab(0), (6, 4), (3, 4), (5, 4)), False, False),  # not the sizes the padded split gives
+        (_tensor(Shard(0), (8, 4), (4, 4), (4, 4)), True),
+        (_tensor(Shard(1), (4, 8), (4, 4), (4, 4)), True),
+        (_tensor(Packed(0, (4, 2)), (6, 3), (3, 3), (3, 3)), True),  # two runs a rank
+        (_tensor(Shard(0), (8, 4), (3, 4), (5, 4)), False),  # sizes neither split rule gives
+        (_tensor(Shard(0), (10, 4), (4, 4), (4, 4), (2, 4)), True),  # torch.chunk's uneven sizes
+        (_tensor(Shard(0), (8, 4), (4, 4), (4, 5)), False),  # another dim differs
+        (_tensor(Replicate(), (4,), (4,), (4,)), False),
+        (_tensor(Vocab(0), (6, 4), (4, 4), (4, 4)), True),  # two pad rows on the last rank
+        (_tensor(Vocab(0), (6, 4), (3, 4), (5, 4)), False),  # not the sizes the padded split gives
     ],
 )
-def test_own_rows_by_the_numbers(tensor: SourceTensor, uneven: bool, own: bool) -> None:
-    assert verify_ranks._own_rows(tensor, uneven) is own
+def test_own_rows_by_the_numbers(tensor: SourceTensor, own: bool) -> None:
+    assert verify_ranks._own_rows(tensor) is own
 
 
 def test_a_copy_that_differs_is_found_block_by_block(tmp_path: Path) -> None:

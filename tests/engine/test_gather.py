@@ -1,5 +1,5 @@
 """``reshard.engine.gather``: the in-place gather and split of rank slices read from files agrees with the plain
-``reshard.slicing`` gather / split on every partition kind, and names a divergent replica's rank and file."""
+``reshard.geometry.tensors`` gather / split on every partition kind, and names a divergent replica's rank and file."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ from reshard.engine.planner import SourceTensor, TargetTensor, TensorPlan
 from reshard.engine.work import plan_work, read_phase
 from reshard.errors import DivergentReplicaError
 from reshard.formats.safetensors.writer import byte_chunks, tensor_bytes
+from reshard.geometry import Packed, Replicate, Shard, Vocab, rank_shapes
+from reshard.geometry.tensors import gather, split
 from reshard.io import direct as direct_io
 from reshard.layouts.base import TensorRef
 from reshard.layouts.readers import SafetensorsReader, TorchReader
-from reshard.partition import Packed, Replicate, Shard, Vocab, rank_shapes
-from reshard.slicing import gather, split
 
 
 def one_tensor(source: SourceTensor, rank_shapes: tuple) -> TensorPlan:
@@ -86,9 +86,7 @@ def test_prepare_matches_gather_then_split(tmp_path: Path, case: str, fmt: str) 
     plan = one_tensor(SourceTensor("w", refs, partition, "test", tuple(full.shape)), targets)
 
     work = plan_work(plan, target_tp=target_tp)
-    ((name, canonical, pieces),) = engine_gather.gather_and_split(
-        work, target_tp=target_tp, uneven=uneven, allow_divergent=False
-    )
+    ((name, canonical, pieces),) = engine_gather.gather_and_split(work, allow_divergent=False)
 
     expected_full = gather([s.contiguous() for s in slices], partition, vocab_size=vocab, uneven=uneven)
     assert name == "w"
@@ -112,8 +110,8 @@ def test_divergent_replica_names_the_rank_and_file(tmp_path: Path) -> None:
     plan = one_tensor(SourceTensor("w", refs, Replicate(), "test", (4, 3)), ((4, 3),))
     work = plan_work(plan, target_tp=1)
     with pytest.raises(DivergentReplicaError, match=r"rank0\.safetensors.*w.*between rank 0 and rank 2.*0\.5"):
-        engine_gather.gather_and_split(work, target_tp=1, uneven=False, allow_divergent=False)
-    ((_, canonical, _),) = engine_gather.gather_and_split(work, target_tp=1, uneven=False, allow_divergent=True)
+        engine_gather.gather_and_split(work, allow_divergent=False)
+    ((_, canonical, _),) = engine_gather.gather_and_split(work, allow_divergent=True)
     assert torch.equal(canonical, same)
 
 
@@ -134,8 +132,8 @@ def test_slices_are_read_into_a_buffer_on_their_files_phase(
     real = direct_io.copy_bytes
     monkeypatch.setattr(direct_io, "copy_bytes", lambda to, what: copied.append(len(what)) or real(to, what))
     pool = BufferPool(1 << 30)
-    _, buffer = pool.get(full.shape, full.dtype, phase=read_phase(source, uneven=False))
-    gathered = engine_gather.gather_into(source, buffer, uneven=False, allow_divergent=True)
+    _, buffer = pool.get(full.shape, full.dtype, phase=read_phase(source))
+    gathered = engine_gather.gather_into(source, buffer, allow_divergent=True)
     assert torch.equal(gathered, full)
     if not (isinstance(partition, Shard) and partition.dim == 1):  # column blocks: each block on its own phase
         assert (buffer.data_ptr() - source.refs[0].position) % direct_io.ALIGN == 0

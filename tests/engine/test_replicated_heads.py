@@ -25,10 +25,7 @@ from reshard.engine.planner import SourceTensor, TargetTensor, TensorPlan
 from reshard.engine.work import plan_work
 from reshard.errors import DivergentReplicaError, ShapeMismatchError
 from reshard.formats.safetensors.writer import tensor_bytes
-from reshard.io.direct import ALIGN
-from reshard.layouts.base import TensorRef
-from reshard.layouts.readers import SafetensorsReader, TorchReader
-from reshard.partition import (
+from reshard.geometry import (
     ReplicatedHeads,
     Shard,
     at_tp,
@@ -38,8 +35,11 @@ from reshard.partition import (
     partition_to_dict,
     rank_shapes,
 )
+from reshard.geometry.tensors import gather, split
+from reshard.io.direct import ALIGN
+from reshard.layouts.base import TensorRef
+from reshard.layouts.readers import SafetensorsReader, TorchReader
 from reshard.plans.lora import lora_partition, parse_lora_name
-from reshard.slicing import gather, split
 
 
 def arange(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -173,9 +173,7 @@ def test_engine_gathers_and_splits_as_slicing_does(tmp_path, case, fmt):
     slice_bytes = max(ref.header.nbytes for ref in plan.sources[0].refs)
     # near one tensor: the buffer (with its phase slack) and one slice-sized temporary
     assert work.cost <= full.nbytes + ALIGN + slice_bytes
-    ((_, canonical, pieces),) = engine_gather.gather_and_split(
-        work, target_tp=target_tp, uneven=False, allow_divergent=False
-    )
+    ((_, canonical, pieces),) = engine_gather.gather_and_split(work, allow_divergent=False)
     assert torch.equal(canonical, full) and torch.equal(gather([s.clone() for s in slices], kv), full)
     expected = split(full, kv, target_tp)
     assert [bytes(tensor_bytes(p)) for p in pieces] == [bytes(tensor_bytes(e)) for e in expected]
@@ -191,11 +189,9 @@ def test_engine_names_the_file_and_ranks_of_a_differing_copy(tmp_path):
     with pytest.raises(
         DivergentReplicaError, match=r"rank0\.safetensors: w: replicated KV head 0 differs between rank 0 and rank 3"
     ):
-        engine_gather.gather_and_split(work, target_tp=1, uneven=False, allow_divergent=False)
+        engine_gather.gather_and_split(work, allow_divergent=False)
     divergent: set[str] = set()
-    ((_, canonical, _),) = engine_gather.gather_and_split(
-        work, target_tp=1, uneven=False, allow_divergent=True, divergent=divergent
-    )
+    ((_, canonical, _),) = engine_gather.gather_and_split(work, allow_divergent=True, divergent=divergent)
     assert torch.equal(canonical, full) and divergent == {"w"}
 
 

@@ -124,12 +124,12 @@ def _as_sha256(manifest: dict, folder: Path) -> dict:
     if not any("blake3" in entry for entry in entries.values()):
         return manifest
     tensors = open_checkpoint(folder, ReadOptions(), target_tp=1, recorded_plan=True)
-    by_name, uneven = tensors.by_name(), tensors.uneven
+    by_name = tensors.by_name()
     with torch.inference_mode():
         for name, entry in entries.items():
             if "blake3" not in entry or name not in by_name:
                 continue
-            raw = gather_canonical(by_name[name], uneven=uneven).contiguous().reshape(-1).view(torch.uint8)
+            raw = gather_canonical(by_name[name]).contiguous().reshape(-1).view(torch.uint8)
             data = raw.numpy().tobytes()
             if blake3.blake3(data).hexdigest() == entry["blake3"]:
                 del entry["blake3"]

@@ -8,7 +8,7 @@ from fixtures.shapes import llama_config
 
 from reshard.config import ModelConfig
 from reshard.errors import AmbiguousPartitionError
-from reshard.partition import Replicate, Shard, Vocab
+from reshard.geometry import Replicate, Shard, Vocab
 from reshard.plans import infer_partition
 
 CONFIG = ModelConfig(llama_config(num_key_value_heads=2))  # hidden 64, 8 heads of 8, 2 KV heads, vocab 1001

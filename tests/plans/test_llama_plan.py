@@ -6,7 +6,7 @@ import pytest
 from fixtures.shapes import llama_config
 
 from reshard.config import ModelConfig
-from reshard.partition import Replicate, ReplicatedHeads, Shard, Vocab
+from reshard.geometry import Replicate, ReplicatedHeads, Shard, Vocab
 from reshard.plans.llama import LLAMA_PLAN
 
 CONFIG = ModelConfig(llama_config(num_key_value_heads=2))  # hidden 64, 8 heads of 8, 2 KV heads, vocab 1001

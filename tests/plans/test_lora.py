@@ -14,7 +14,7 @@ from fixtures.tp import rank_piece
 from reshard import ConvertOptions, convert
 from reshard.config import ModelConfig
 from reshard.errors import AmbiguousPartitionError
-from reshard.partition import Packed, Replicate, Shard, Vocab
+from reshard.geometry import Packed, Replicate, Shard, Vocab
 from reshard.plans import select_plan
 from reshard.plans.lora import LoraName, lora_partition, parse_lora_name
 

@@ -8,7 +8,7 @@ import pytest
 from fixtures.models import tiny_qwen3_5
 
 from reshard.errors import ReshardError
-from reshard.partition import Replicate, Vocab
+from reshard.geometry import Replicate, Vocab
 from reshard.plans import load_plan_file, select_plan
 
 

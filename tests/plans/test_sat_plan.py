@@ -7,7 +7,7 @@ from fixtures.sat import sat_config
 
 from reshard.config import ModelConfig
 from reshard.errors import AmbiguousPartitionError
-from reshard.partition import Packed, Replicate, Shard
+from reshard.geometry import Packed, Replicate, Shard
 from reshard.plans import detect_family, select_plan
 
 L = "transformer.layers.3."

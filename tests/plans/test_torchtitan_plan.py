@@ -7,7 +7,7 @@ import pytest
 from fixtures.shapes import llama_config
 
 from reshard.config import ModelConfig
-from reshard.partition import Replicate, Shard, Vocab
+from reshard.geometry import Replicate, Shard, Vocab
 from reshard.plans import detect_family, select_plan
 
 NAMES = [

@@ -13,7 +13,7 @@ from fixtures.models import tiny_qwen3_5
 from reshard.commands.check import check_model
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
-from reshard.partition import Heads, Shard, Vocab
+from reshard.geometry import Heads, Shard, Vocab
 from reshard.plans.skeleton import ModelSkeleton, _loaded_as
 from reshard.plans.transformers_plan import plan_from_skeleton, plan_from_tp_plan
 

@@ -134,7 +134,7 @@ def test_int4_tensors_cut_on_their_layers_axis(cli, tmp_path, quant, column, row
 
 def test_whole_units_are_never_cut() -> None:
     from reshard.errors import ShapeMismatchError
-    from reshard.partition import Packed, Shard, partition_from_dict, partition_to_dict, rank_shapes
+    from reshard.geometry import Packed, Shard, partition_from_dict, partition_to_dict, rank_shapes
 
     block = Shard(0, 128, whole=True)
     assert rank_shapes(block, (256, 8), 2) == [(128, 8)] * 2

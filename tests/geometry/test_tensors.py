@@ -1,4 +1,5 @@
-"""``reshard.slicing``: split then gather is the identity, for every partition kind, dtype, dim and dividing tp."""
+"""``reshard.geometry.tensors``: split then gather is the identity, for every partition kind, dtype, dim and
+dividing tp."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reshard.errors import DivergentReplicaError
-from reshard.partition import Grouped, Heads, Packed, Replicate, Shard, Vocab, rank_shapes
-from reshard.slicing import bitwise_equal, gather, pad, split, unpad
+from reshard.geometry import Grouped, Heads, Packed, Replicate, Shard, Vocab, rank_shapes
+from reshard.geometry.tensors import bitwise_equal, gather, pad, split, unpad
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool]
 TPS = [1, 2, 4, 8]

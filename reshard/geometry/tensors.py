@@ -1,7 +1,9 @@
-"""The pure tensor functions of the partitions: split a canonical tensor into rank slices, gather rank
-slices back (unpadding the vocab), pad and unpad, and the bitwise replica check.
+"""The tensor functions of the geometry: split a canonical tensor into rank slices by its
+:class:`~reshard.geometry.Cut`, gather rank slices back (unpadding the vocab), pad and unpad, and the bitwise
+replica check.
 
-Tensors in, tensors out; no file is opened. Shapes are validated by :mod:`reshard.partition` first.
+Tensors in, tensors out; no file is opened. Shapes are validated by :mod:`reshard.geometry.partition` first, and
+which rows go where is the cut's (:mod:`reshard.geometry.cut`), as for every byte path.
 """
 
 from __future__ import annotations
@@ -13,24 +15,9 @@ import numpy as np
 import torch
 
 from reshard.errors import DivergentReplicaError, ShapeMismatchError
-from reshard.partition import (
-    Grouped,
-    Heads,
-    Packed,
-    Partition,
-    Replicate,
-    ReplicatedHeads,
-    Shard,
-    Vocab,
-    canonical_shape,
-    head_replicas,
-    norm_dim,
-    packed_piece_sizes,
-    rank_rows,
-    rank_shapes,
-    with_size,
-)
-from reshard.vocab import cut_pad_rows
+from reshard.geometry.cut import Cut, Run, slices_cut, split_cut
+from reshard.geometry.padding import cut_pad_rows
+from reshard.geometry.partition import Partition, Replicate, Vocab, canonical_shape, norm_dim, with_size
 
 
 def pad(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
@@ -56,35 +43,26 @@ def split(
     """Cut a canonical tensor into ``tp`` rank slices (views where the layout allows).
 
     Example:
+        >>> from reshard.geometry import Packed
         >>> [t.tolist() for t in split(torch.arange(4), Packed(0, (2, 2)), 2)]
         [[0, 2], [1, 3]]
     """
-    if isinstance(partition, Replicate):
-        return [full] * tp
-    if isinstance(partition, Packed) and tp == 1:  # one rank holds every part whole, in order: the tensor itself
-        rank_shapes(partition, full.shape, tp, uneven=uneven)  # validates
-        return [full]
-    rows = rank_rows(partition, full.shape, tp, padded=padded, uneven=uneven)
-    if isinstance(partition, Vocab):
-        full = pad(full, partition.dim, sum(length for ((_, length),) in rows))
-    dim = norm_dim(partition.dim, full.dim())
-    return [_joined(full, dim, runs) for runs in rows]
+    return cut_slices(full, split_cut(partition, full.shape, tp, padded=padded, uneven=uneven))
 
 
-def _joined(full: torch.Tensor, dim: int, runs: Sequence[tuple[int, int]]) -> torch.Tensor:
-    """Rows ``runs`` of ``full`` along ``dim``: a view when they are one run, else their concatenation."""
-    if len(runs) == 1:
-        return full.narrow(dim, *runs[0])
-    return torch.cat([full.narrow(dim, start, length) for start, length in runs], dim=dim)
+def cut_slices(full: torch.Tensor, cut: Cut) -> list[torch.Tensor]:
+    """Each rank's slice of ``full`` by ``cut`` (pad rows added as zeros): a view when it is one run of rows,
+    else the concatenation of its runs."""
+    return [parts[0] if len(parts) == 1 else torch.cat(parts, dim=cut.dim) for parts in cut_parts(full, cut)]
 
 
-def packed_parts(full: torch.Tensor, partition: Packed, tp: int, *, uneven: bool = False) -> list[list[torch.Tensor]]:
-    """Per rank, the views of a packed tensor's parts that its slice joins along ``partition.dim``, in order."""
-    dim = norm_dim(partition.dim, full.dim())
-    return [
-        [full.narrow(dim, start, length) for start, length in runs]
-        for runs in rank_rows(partition, full.shape, tp, uneven=uneven)
-    ]
+def cut_parts(full: torch.Tensor, cut: Cut) -> list[list[torch.Tensor]]:
+    """Per rank, the views of ``full`` its slice joins along the cut's dim, in order (``[full]`` when replicated;
+    ``full`` padded with zero rows first when the cut covers more rows than it has)."""
+    if cut.dim is None:
+        return [[full]] * cut.tp
+    full = pad(full, cut.dim, max(cut.rows, full.shape[cut.dim]))
+    return [[full.narrow(cut.dim, run.at, run.length) for run in runs] for runs in cut.runs]
 
 
 def gather(
@@ -111,37 +89,27 @@ def gather(
             gives the max absolute difference and the ranks).
 
     Example:
+        >>> from reshard.geometry import Packed
         >>> gather([torch.tensor([0, 2]), torch.tensor([1, 3])], Packed(0, (2, 2))).tolist()
         [0, 1, 2, 3]
     """
     full_shape = canonical_shape(partition, [s.shape for s in slices], vocab_size=vocab_size, uneven=uneven)
-    match partition:
-        case Replicate():
-            if not allow_divergent:
-                check_replicas(slices)
-            return slices[0]
-        case Shard(dim, _) | Grouped(dim, _) | Heads(dim, _):
-            return slices[0] if len(slices) == 1 else torch.cat(list(slices), dim=dim)
-        case Vocab(dim):
-            joined = slices[0] if len(slices) == 1 else torch.cat(list(slices), dim=dim)
-            return unpad(joined, dim, full_shape[dim])
-        case Packed(dim, _, _):
-            per_part = packed_piece_sizes(partition, len(slices), uneven=uneven)
-            rank_pieces = [torch.split(s, [sizes[r] for sizes in per_part], dim=dim) for r, s in enumerate(slices)]
-            return torch.cat(
-                [torch.cat([pieces[i] for pieces in rank_pieces], dim=dim) for i in range(len(per_part))], dim=dim
-            )
-        case ReplicatedHeads(dim, heads):
-            replicas = head_replicas(partition, len(slices))
-            if replicas == 1:
-                return slices[0] if len(slices) == 1 else torch.cat(list(slices), dim=dim)
-            if not allow_divergent:
-                for rank, other in enumerate(slices):
-                    first, what = rank - rank % replicas, f"replicated KV head {rank // replicas}"
-                    if rank != first:
-                        check_replica(slices[first], other, rank, first_rank=first, what=what)
-            return torch.cat([slices[h * replicas] for h in range(heads)], dim=dim)
-    raise TypeError(f"not a partition: {partition!r}")
+    if isinstance(partition, Replicate):
+        if not allow_divergent:
+            check_replicas(slices)
+        return slices[0]
+    cut = slices_cut(partition, full_shape, [s.shape for s in slices])
+    if not allow_divergent:
+        for rank, first in cut.copies():
+            what = f"replicated KV head {rank // cut.replicas}"
+            check_replica(slices[first], slices[rank], rank, first_rank=first, what=what)
+    pieces = [slices[run.rank].narrow(cut.dim, run.start, run.length) for run in sorted(cut.placed(), key=_at)]
+    joined = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=cut.dim)
+    return unpad(joined, cut.dim, full_shape[cut.dim]) if isinstance(partition, Vocab) else joined
+
+
+def _at(run: Run) -> int:
+    return run.at
 
 
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

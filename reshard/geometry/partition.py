@@ -16,9 +16,9 @@ A :data:`Partition` says how the full (canonical) tensor ``T`` relates to the ``
   split in whole heads while ``tp`` divides them, and when ``tp`` is a multiple of them each head is copied onto
   the ``tp / heads`` ranks whose query heads use it (vLLM's ``QKVParallelLinear``).
 
-Pure shape arithmetic (no torch, no file: ``check`` plans from headers with it); the tensor functions are in
-:mod:`reshard.slicing`. Validation raises :class:`~reshard.errors.ShapeMismatchError` saying what does not add
-up; callers add the file and tensor name.
+Pure shape arithmetic (no torch, no file: ``check`` plans from headers with it); which rows of the canonical tensor
+each rank holds is :mod:`reshard.geometry.cut`, the tensor functions are :mod:`reshard.geometry.tensors`. Validation
+raises :class:`~reshard.errors.ShapeMismatchError` saying what does not add up; callers add the file and tensor name.
 """
 
 from __future__ import annotations
@@ -28,10 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from reshard.errors import ShapeMismatchError
+from reshard.geometry.padding import MAX_VOCAB_PAD_PER_RANK
 
 Shape = tuple[int, ...]
-# Frameworks pad the vocab to multiples of at most this many rows per rank (Megatron: 128).
-MAX_VOCAB_PAD_PER_RANK = 1024
 
 
 @dataclass(frozen=True)
@@ -333,33 +332,6 @@ def rank_shapes(
                 )
             return rank_shapes(Shard(dim, unit), full_shape, tp, uneven=uneven)
     raise TypeError(f"not a partition: {partition!r}")
-
-
-def rank_rows(
-    partition: Partition, full_shape: Sequence[int], tp: int, *, padded: int | None = None, uneven: bool = False
-) -> list[tuple[tuple[int, int], ...]]:
-    """Per rank, the runs ``(start, length)`` along the partition's dim of the (``padded``) canonical tensor that
-    its slice joins, in order: what :func:`reshard.slicing.split` cuts, as numbers, so that byte paths can cut
-    without torch (:mod:`reshard.engine.stream`). Not for :class:`Replicate`, which has no dim.
-
-    Example:
-        >>> rank_rows(Packed(0, (4, 2)), (6, 3), 2)
-        [((0, 2), (4, 1)), ((2, 2), (5, 1))]
-    """
-    shapes = rank_shapes(partition, full_shape, tp, padded=padded, uneven=uneven)  # validates
-    dim = norm_dim(partition.dim, len(full_shape))
-    sizes = [shape[dim] for shape in shapes]
-    if isinstance(partition, Packed) and tp > 1:
-        pieces = packed_piece_sizes(partition, tp, uneven=uneven)
-        starts = [sum(partition.parts[:i]) for i in range(len(partition.parts))]
-        return [
-            tuple((start + sum(part[:r]), part[r]) for start, part in zip(starts, pieces, strict=True))
-            for r in range(tp)
-        ]
-    replicas = head_replicas(partition, tp)
-    if replicas > 1:  # every copy of a head is the same rows
-        return [(((r // replicas) * sizes[r], sizes[r]),) for r in range(tp)]
-    return [((sum(sizes[:r]), sizes[r]),) for r in range(tp)]
 
 
 def packed_piece_sizes(partition: Packed, tp: int, *, uneven: bool) -> list[list[int]]:

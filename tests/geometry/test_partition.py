@@ -1,11 +1,11 @@
-"""``reshard.partition``: rank shapes and full shapes of every partition kind, and their dict form."""
+"""``reshard.geometry``: rank shapes and full shapes of every partition kind, and their dict form."""
 
 from __future__ import annotations
 
 import pytest
 
 from reshard.errors import ShapeMismatchError
-from reshard.partition import (
+from reshard.geometry import (
     Grouped,
     Heads,
     Packed,

@@ -35,7 +35,7 @@ from reshard.commands.check_findings import (
 from reshard.config import ModelConfig, load_config
 from reshard.engine.open import OpenedCheckpoint, open_checkpoint
 from reshard.errors import AmbiguousPartitionError, ReshardError, ShapeMismatchError
-from reshard.geometry import Partition, Replicate, at_tp, partition_to_dict, rank_shapes
+from reshard.geometry import Partition, Replicate, Vocab, at_tp, partition_to_dict, rank_shapes, tps_that_split
 from reshard.hub.source import HubCheckpoint
 from reshard.options import ReadOptions, check_tp
 from reshard.plans import FAMILIES, TRANSFORMERS, Plan, Rule, select_plan
@@ -159,29 +159,17 @@ def check_model(
     model_class = skeleton.model_class if skeleton is not None else None
     report = CheckReport(source, kind, model_type, plan.name, tp, uneven, tensors, problems, model_class)
     if not report.ok and any(row.rank_shape is None for row in tensors if row.name in partitions):
-        report.tp_sizes_that_work = _tps_that_split(partitions, shapes, vocab, pad_multiple, uneven)
+        planned = [(partition, shapes[name]) for name, (_, partition) in partitions.items()]
+        report.tp_sizes_that_work = tps_that_split(
+            planned, vocab_rows=_vocab_rows(planned, vocab), pad_multiple=pad_multiple, uneven=uneven
+        )
     return report
 
 
-def _tps_that_split(
-    partitions: dict[str, tuple[Rule, Partition]],
-    shapes: dict[str, Shape],
-    vocab: int | None,
-    pad_multiple: int | None,
-    uneven: bool,
-    limit: int = 64,
-) -> list[int]:
-    """Every tp up to ``limit`` at which each planned tensor splits (the vocab padded to ``pad_multiple`` or tp)."""
-    works = []
-    for tp in range(1, limit + 1):
-        try:
-            for name, (_, partition) in partitions.items():
-                padded = padded_vocab(partition, shapes[name], vocab, pad_multiple or tp, uneven)
-                rank_shapes(partition, shapes[name], tp, padded=padded, uneven=uneven)
-        except ShapeMismatchError:
-            continue
-        works.append(tp)
-    return works
+def _vocab_rows(planned: list[tuple[Partition, Shape]], vocab: int | None) -> int:
+    """The rows a vocab is padded from: the vocab, or a table already longer than it (:func:`padded_vocab`)."""
+    rows = [shape[p.dim] for p, shape in planned if isinstance(p, Vocab)]
+    return max([vocab or 0, *rows])
 
 
 def _where(name: str, scoped: ModelConfig | None, skeleton: ModelSkeleton | None) -> str:

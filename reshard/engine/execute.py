@@ -52,6 +52,8 @@ if TYPE_CHECKING:
     from reshard.engine.planner import ConversionPlan, TensorPlan
 
 MAX_PENDING = 256
+# Each unit's buffers and stream plan (None: gathered), by the unit's name: planned once a conversion (plan_moves).
+Moves = dict[str, tuple[Work, Streamed | RowBlocks | None]]
 
 
 class ReadAhead:
@@ -131,6 +133,7 @@ def execute(
     progress: bool = True,
     budget: Budget | None = None,
     on_hashed: Callable[[TensorPlan, str, str, bool | None], None] | None = None,
+    moves: Moves | None = None,
 ) -> dict[str, str]:
     """Stream every tensor through gather -> hash -> split -> writer; returns ``{name: digest}``
     (``"blake3:<hex>"``, :func:`~reshard.engine.digest.digest_of`).
@@ -141,15 +144,18 @@ def execute(
     ``allow_divergent``, replicated tensors that differ between ranks are taken from rank 0 and, when
     ``divergent`` is given, named in it (the manifest records them). ``on_hashed(plan, name, digest, finite)``
     is called, in this thread, for every target tensor once it is hashed and handed to the writer (a resumable
-    run journals it). Torch is imported only when a unit is gathered (see the module's docstring).
+    run journals it). Torch is imported only when a unit is gathered (see the module's docstring). ``moves``: the
+    units' buffers and streams as :func:`plan_moves` planned them for the whole conversion (``conversion`` may be the
+    part of it this process writes); planned here when not given.
     """
-    works = [plan_work(t, target_tp=conversion.target_tp) for t in conversion.tensors]
+    moves = moves if moves is not None else plan_moves(conversion)
+    works = [moves[t.name][0] for t in conversion.tensors]
     check_fits(works)  # before the first buffer: a declared size larger than memory is one line, not the allocator's
     if writer.concurrent:  # the largest first (see above); the others' write() calls follow plan order
         largest = max((work.tensor.nbytes for work in works), default=0)
         works.sort(key=lambda work: work.tensor.nbytes != largest)
     budget = budget or Budget(budget_for(works))
-    streamed = _streamed(works, writer)
+    streamed = _streamed(works, [moves[work.tensor.name][1] for work in works], writer)
     gathers = None
     if any(plan is None for plan in streamed):
         from reshard.engine.gathered import GatherJobs  # imports torch
@@ -229,17 +235,27 @@ def move_unit(
     return [(work.tensor.targets[0].name, digest, is_finite, [])], []
 
 
-def streams(conversion: ConversionPlan) -> bool:
-    """Whether every unit of ``conversion`` can stream (into a writer that takes byte ranges): then moving its bytes
-    never imports torch. Pure; the engine starts torch's import early only when this is False."""
-    return all(stream_plan(plan_work(t, target_tp=conversion.target_tp)) is not None for t in conversion.tensors)
+def plan_moves(conversion: ConversionPlan) -> Moves:
+    """Each unit's buffers and, when it can stream (into a writer that takes byte ranges), its stream plan, by the
+    unit's name: planned once per conversion, before staging (:func:`needs_torch`) and for :func:`execute`."""
+    moves = {}
+    for tensor in conversion.tensors:
+        work = plan_work(tensor, target_tp=conversion.target_tp)
+        moves[tensor.name] = (work, stream_plan(work))
+    return moves
 
 
-def _streamed(works: Sequence[Work], writer: CheckpointWriter) -> list[Streamed | RowBlocks | None]:
+def needs_torch(moves: Moves) -> bool:
+    """Whether some unit must be gathered, which imports torch (the engine starts its import early then). Pure."""
+    return any(streamed is None for _, streamed in moves.values())
+
+
+def _streamed(
+    works: Sequence[Work], plans: Sequence[Streamed | RowBlocks | None], writer: CheckpointWriter
+) -> list[Streamed | RowBlocks | None]:
     """Per unit, its stream (None: gathered): every unit's when all of them stream, else those in memory."""
     if not streams_to(writer):
         return [None] * len(works)
-    plans = [stream_plan(work) for work in works]
     if all(plan is not None for plan in plans):
         return plans
     return [

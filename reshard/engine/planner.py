@@ -384,34 +384,6 @@ def mixed_runs(source: SourceCheckpoint, tensors: Sequence[SourceTensor]) -> Res
     )
 
 
-def tps_that_split(
-    groups: Sequence[TensorPlan],
-    *,
-    vocab_size: int | None,
-    source_padded: int | None,
-    pad_multiple: int | None = None,
-    uneven: bool = False,
-    limit: int = 64,
-) -> list[int]:
-    """Every tp up to ``limit`` that splits each target tensor of ``groups`` (for the message of a tp that does not):
-    the same shape arithmetic as :func:`plan_conversion`, the vocab padded to ``pad_multiple`` (default: the tp)."""
-    works = []
-    for tp in range(1, limit + 1):
-        padded = None
-        if source_padded is not None:
-            padded = padded_size(vocab_size or source_padded, pad_multiple or tp, uneven=uneven)
-            if padded % tp and not uneven:
-                continue
-        try:
-            for group in groups:
-                for target in group.targets:
-                    rank_shapes(target.partition, target.shape, tp, padded=padded, uneven=uneven)
-        except ShapeMismatchError:
-            continue
-        works.append(tp)
-    return works
-
-
 def _tp_hint(partition: Partition) -> str:
     if _whole_units(partition):
         return "a quantized layer's blocks, groups and packed words are never cut, --uneven or not: choose a tp"

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.engine.conversion_manifest import conversion_manifest
-from reshard.engine.execute import execute, streams
+from reshard.engine.execute import execute, needs_torch, plan_moves
 from reshard.engine.group_staging import staged
 from reshard.engine.lora_merge import check_lora_replicas
 from reshard.engine.open import OpenedCheckpoint, open_checkpoint
@@ -94,7 +94,8 @@ def run_conversion(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
             ``out`` then; with ``--resume``, the partial output is kept to resume from).
     """
     target = plan_target(opened, options)
-    if not streams(target.conversion):  # the bytes need torch: imported while the rest is checked and staged
+    moves = plan_moves(target.conversion)  # once; execute moves this process's part by it
+    if needs_torch(moves):  # the bytes need torch: imported while the rest is checked and staged
         import_torch_in_background()
     built_family.check_counts(opened.source.config, opened.source.names())  # every worker, no import
     tokenizer = carried_tokenizer(opened.tokenizer, target.layout)
@@ -143,6 +144,7 @@ def run_conversion(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
                 finite=finite,
                 jobs=options.jobs or default_jobs(in_memory=in_memory(opened.path) and in_memory(staging)),
                 on_hashed=journaled if journal is not None else None,
+                moves=moves,
             )
             files = tuple(str(p) for p in writer.close())
             if family is not None:

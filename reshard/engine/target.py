@@ -18,10 +18,9 @@ from reshard.engine.planner import (
     identity_plan,
     mapped_plans,
     plan_conversion,
-    tps_that_split,
 )
 from reshard.errors import AmbiguousPartitionError, MappingError, PlanError, ReshardError
-from reshard.geometry import Partition, Replicate, Vocab, head_replicas
+from reshard.geometry import Partition, Replicate, Vocab, head_replicas, tps_that_split
 from reshard.layouts import LayoutSpec, SourceCheckpoint, TargetSpec, layout, target_layout
 from reshard.mappings import HF, MappingChoice, choose_mapping, naming_of, require_true_vocab, sizing_config
 from reshard.mappings.megatron_gpt import MEGATRON
@@ -125,10 +124,10 @@ def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> TargetPlan
         if not err.unsplit:
             raise
         plans = groups if groups is not None else [identity_plan(t) for t in opened.tensors if not t.problem]
+        source_padded = source_padded_rows(opened.tensors)
         works = tps_that_split(
-            plans,
-            vocab_size=vocab.original,
-            source_padded=source_padded_rows(opened.tensors),
+            [(t.partition, t.shape) for plan in plans for t in plan.targets],
+            vocab_rows=None if source_padded is None else vocab.original or source_padded,
             pad_multiple=options.pad_multiple,
             uneven=opened.uneven,
         )

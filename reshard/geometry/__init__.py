@@ -31,6 +31,7 @@ from reshard.geometry.partition import (
     partition_to_dict,
     rank_shapes,
     split_sizes,
+    tps_that_split,
     with_size,
 )
 
@@ -61,5 +62,6 @@ __all__ = [
     "slices_cut",
     "split_cut",
     "split_sizes",
+    "tps_that_split",
     "with_size",
 ]

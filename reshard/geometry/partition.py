@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from reshard.errors import ShapeMismatchError
-from reshard.geometry.padding import MAX_VOCAB_PAD_PER_RANK
+from reshard.geometry.padding import MAX_VOCAB_PAD_PER_RANK, padded_size
 
 Shape = tuple[int, ...]
 
@@ -414,3 +414,34 @@ def canonical_shape(
     if expected != shapes:
         raise ShapeMismatchError(f"{what} (expected {[e[dim] for e in expected]})")
     return full
+
+
+def tps_that_split(
+    tensors: Sequence[tuple[Partition, Sequence[int]]],
+    *,
+    vocab_rows: int | None,
+    pad_multiple: int | None = None,
+    uneven: bool = False,
+    limit: int = 64,
+) -> list[int]:
+    """Every tp up to ``limit`` that splits each ``(partition, canonical shape)`` of ``tensors``: the one search for
+    the tp sizes that work, for ``check`` and for a conversion's refusal alike. A vocab is padded from
+    ``vocab_rows`` (None: its own rows) to a multiple of ``pad_multiple`` (default: the tp), as a target would be.
+
+    Example:
+        >>> tps_that_split([(Shard(0), (12, 4)), (Vocab(0), (10, 4))], vocab_rows=10, limit=6)
+        [1, 2, 3, 4, 6]
+    """
+    works = []
+    for tp in range(1, limit + 1):
+        try:
+            for partition, shape in tensors:
+                padded = None
+                if isinstance(partition, Vocab):
+                    rows = shape[norm_dim(partition.dim, len(shape))] if vocab_rows is None else vocab_rows
+                    padded = padded_size(rows, pad_multiple or tp, uneven=uneven)
+                rank_shapes(partition, shape, tp, padded=padded, uneven=uneven)
+        except ShapeMismatchError:
+            continue
+        works.append(tp)
+    return works

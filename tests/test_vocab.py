@@ -10,8 +10,8 @@ from fixtures.tp import arange
 
 from reshard.config import ModelConfig
 from reshard.errors import ShapeMismatchError
-from reshard.manifest import Manifest, VocabRecord
 from reshard.geometry import cut_pad_rows, is_padded_vocab, padded_size
+from reshard.manifest import Manifest, VocabRecord
 from reshard.vocab import explain, megatron_pad_multiple, resolve_vocab
 
 

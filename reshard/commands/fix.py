@@ -18,16 +18,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from reshard.engine.open import OpenedCheckpoint, open_checkpoint
+from reshard.engine.open import OpenedCheckpoint
 from reshard.engine.planner import SourceTensor
 from reshard.engine.route import Route
-from reshard.engine.run import run_conversion
+from reshard.engine.run import open_for_conversion, run_conversion
 from reshard.engine.tokenizer import no_tokenizer_warning
 from reshard.engine.warmup import import_torch_in_background
 from reshard.geometry import Vocab, rank_shapes
 from reshard.hub.source import hub_origin
-from reshard.io.staging import check_output, write_error
-from reshard.layouts import layout
+from reshard.io.staging import write_error
+from reshard.layouts import canonical_layout, layout
 from reshard.layouts.base import SourceCheckpoint
 from reshard.manifest import find_manifest
 from reshard.options import ConvertOptions
@@ -96,12 +96,11 @@ def fix(ckpt: Path, out: Path | None = None, options: ConvertOptions | None = No
     """
     options = options or ConvertOptions()
     if options.layout is None and options.tp == 1:  # a canonical hf folder, also from a Megatron or SAT source
-        options = replace(options, layout="hf")
+        options = replace(options, layout=canonical_layout().name)
     ckpt = Path(ckpt)
     import_torch_in_background()
     out = Path(out) if out is not None else default_output(ckpt)
-    check_output(out, source=ckpt, overwrite=options.overwrite)
-    opened = open_checkpoint(ckpt, options.read, target_tp=options.tp)
+    opened = open_for_conversion(ckpt, out, options)
     source, vocab = opened.source, opened.vocab
     require_vocab(vocab, path=source.path, config=source.config)
     check_vocab_rows(
@@ -168,7 +167,7 @@ def needs_nothing(opened: OpenedCheckpoint, options: ConvertOptions) -> bool:
     source, vocab = opened.source, opened.vocab
     config_vocab = source.config.vocab_size if source.config else None
     return (
-        source.layout == "hf"
+        source.layout == canonical_layout().name
         and source.tp == options.tp == 1
         and options.config is None
         and options.tokenizer is None

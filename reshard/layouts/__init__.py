@@ -159,6 +159,11 @@ def writable_layouts() -> list[str]:
     return sorted(spec.name for spec in LAYOUTS if spec.writer is not None)
 
 
+def canonical_layout() -> LayoutSpec:
+    """Transformers' one folder: what ``fix`` writes at tp 1 from any source, and the form it leaves as it is."""
+    return HF
+
+
 def target_layout(name: str | None, source: SourceCheckpoint, tp: int) -> LayoutSpec:
     """The layout a conversion writes: the one named, else the source's own when it is ``kept`` (Megatron, SAT),
     else transformers' folders (``hf`` at tp 1, ``hf-ranks`` above).

@@ -10,7 +10,6 @@ device) and never tensor data.
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from reshard.commands.check_findings import (
 )
 from reshard.config import ModelConfig, load_config
 from reshard.engine.open import OpenedCheckpoint, open_checkpoint
+from reshard.engine.planner import matched_rule
 from reshard.errors import AmbiguousPartitionError, ReshardError, ShapeMismatchError
 from reshard.geometry import Partition, Replicate, Vocab, at_tp, partition_to_dict, rank_shapes, tps_that_split
 from reshard.hub.source import HubCheckpoint
@@ -116,13 +116,14 @@ def check_model(
     for name, shape in shapes.items():
         scoped = config.for_tensor(name) if config is not None else None
         try:
-            companion = quantized.partition(name, plan, scoped) if quantized is not None else None
+            matched = matched_rule(name, plan, scoped, quantized)
         except AmbiguousPartitionError as err:
             tensors.append(CheckedTensor(name, list(shape), None, None, None, [err.detail]))
             continue
-        rule = plan.match(name) if companion is None else Rule(f"^{re.escape(name)}$", companion[0])
+        rule = matched.rule if matched is not None else None
         label = None if rule is None else "(not in the plan: replicated)" if rule.implicit else rule.pattern
-        row = CheckedTensor(name, list(shape), label if companion is None else companion[1], None, None)
+        companion = matched is not None and matched.quantized
+        row = CheckedTensor(name, list(shape), matched.reason if companion else label, None, None)
         tensors.append(row)
         if rule is None:
             if plan.rules:
@@ -142,7 +143,7 @@ def check_model(
         try:
             row.rank_shape = list(rank_shapes(partition, shape, tp, padded=padded, uneven=uneven)[0])
         except ShapeMismatchError as err:
-            why = f"{runtime_rule(quantized.scheme)}: " if companion is not None and quantized is not None else ""
+            why = f"{runtime_rule(quantized.scheme)}: " if companion and quantized is not None else ""
             row.problems.append(f"{why}{partition.describe()} cannot be split {tp} ways: {err.detail}")
         if not isinstance(partition, Replicate) and not rule.gathered:  # gathered: computed whole after
             for key in head_keys(name):

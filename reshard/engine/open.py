@@ -114,6 +114,7 @@ def open_checkpoint(
         target_tp=source.tp if target_tp is None else target_tp,
         uneven=uneven,
         replicas_equal=_replicas_equal if read_bytes else None,
+        dequantize=options.dequantize,
     )
     mixed = mixed_runs(source, tensors)
     if mixed is not None:

@@ -9,6 +9,7 @@ cannot be planned carries its problem instead of raising, so ``inspect`` can sho
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -31,8 +32,9 @@ from reshard.geometry import (
     slices_cut,
 )
 from reshard.layouts.base import SourceCheckpoint, TensorRef
-from reshard.plans import Plan, infer_partition
+from reshard.plans import Plan, Rule, infer_partition
 from reshard.quantization import QuantizedTensors, quantized_tensors
+from reshard.quantization.dequant_plan import COMPANIONS
 from reshard.vocab import VocabPlan, source_padded_rows
 
 if TYPE_CHECKING:
@@ -145,8 +147,13 @@ def plan_sources(
     target_tp: int = 1,
     uneven: bool = False,
     replicas_equal: ReplicaCheck | None = None,
+    dequantize: bool = False,
 ) -> list[SourceTensor]:
     """Decide, for every tensor, its partition (plan rule, else inference) and canonical shape.
+
+    ``dequantize`` (``--dtype``): a quantization scale of a one-rank source is read whole as stored, consumed by its
+    weight's dequantization or dropped, never split (the cut its name or shape would get, a padded vocab's, say,
+    does not apply).
 
     ``replicas_equal`` reads bytes when shapes alone cannot tell a replicated tensor from a split one;
     without it (``reshard check`` reads headers only) such a tensor gets a problem instead.
@@ -166,10 +173,45 @@ def plan_sources(
             )
             out.append(SourceTensor(name, present, None, "", None, problem))
             continue
+        if dequantize and len(refs) == 1 and name.rpartition(".")[2] in COMPANIONS:
+            out.append(SourceTensor(name, tuple(refs), Replicate(), "read with its FP8 weight", refs[0].shape))
+            continue
         out.append(
             _plan_one(name, tuple(refs), plan, source.config, vocab_size, target_tp, uneven, replicas_equal, quantized)
         )
     return out
+
+
+@dataclass(frozen=True)
+class Matched:
+    """The rule that cuts a tensor and why; ``quantized``: a stored tensor of a quantized linear, whose rule (for its
+    own name) the format's table made from the linear's weight's cut."""
+
+    rule: Rule
+    reason: str
+    quantized: bool = False
+
+
+def matched_rule(
+    name: str,
+    plan: Plan,
+    config: ModelConfig | None,
+    quantized: QuantizedTensors | None,
+    *,
+    whole_at_tp1: bool = False,
+) -> Matched | None:
+    """The one decision of which rule cuts ``name`` (for a conversion and for ``check`` alike): a stored tensor of a
+    quantized linear is cut with the linear's weight, any other by the plan's first matching rule; None when no rule
+    covers it (inference's turn in a conversion, a finding in ``check``). ``config``: the sub-config that sizes it.
+
+    Raises:
+        AmbiguousPartitionError: a quantized linear's tensor that no table covers, and that would be cut.
+    """
+    companion = _quantized_partition(quantized, name, plan, config, whole_at_tp1=whole_at_tp1)
+    if companion is not None:
+        return Matched(Rule(f"^{re.escape(name)}$", companion[0]), companion[1], quantized=True)
+    rule = plan.match(name)
+    return None if rule is None else Matched(rule, f"rule '{rule.pattern}' ({plan.name})")
 
 
 def _quantized_partition(
@@ -207,11 +249,9 @@ def _plan_one(
     rule = plan.match(name)
     config = config.for_tensor(name) if config is not None else None  # a composite's sub-model sizes it
     try:
-        companion = _quantized_partition(quantized, name, plan, config, whole_at_tp1=target_tp == 1 and len(refs) == 1)
-        if companion is not None:  # a stored tensor of a quantized linear: cut with the linear's weight
-            partition, reason = companion
-        elif rule is not None:
-            partition, reason = rule.resolve(config), f"rule '{rule.pattern}' ({plan.name})"
+        matched = matched_rule(name, plan, config, quantized, whole_at_tp1=target_tp == 1 and len(refs) == 1)
+        if matched is not None:
+            partition, reason = matched.rule.resolve(config), matched.reason
         else:
             partition, reason = infer_partition(
                 shapes,

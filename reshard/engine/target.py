@@ -20,7 +20,7 @@ from reshard.engine.planner import (
     plan_conversion,
 )
 from reshard.errors import AmbiguousPartitionError, MappingError, PlanError, ReshardError
-from reshard.geometry import Partition, Replicate, Vocab, head_replicas, tps_that_split
+from reshard.geometry import Partition, Vocab, head_replicas, tps_that_split
 from reshard.layouts import LayoutSpec, SourceCheckpoint, TargetSpec, layout, target_layout
 from reshard.mappings import HF, MappingChoice, choose_mapping, naming_of, require_true_vocab, sizing_config
 from reshard.mappings.megatron_gpt import MEGATRON
@@ -28,7 +28,7 @@ from reshard.mappings.torchtitan_llama import TORCHTITAN
 from reshard.options import ConvertOptions
 from reshard.plans import select_plan
 from reshard.quantization import read_scheme
-from reshard.quantization.dequant_plan import COMPANIONS, dequantized_config, recast
+from reshard.quantization.dequant_plan import dequantized_config, recast
 from reshard.quantization.plan import linear_partition
 from reshard.vocab import source_padded_rows
 
@@ -228,10 +228,9 @@ def _recast(
     opened: OpenedCheckpoint, dtype: str
 ) -> tuple[tuple[SourceTensor, ...], list[TensorPlan], tuple[str, ...], list[ReshardError], tuple[str, ...]]:
     """``--dtype``: every tensor's unit (FP8 weights dequantized with their scale, floats cast, the rest kept), the
-    source tensors (a scale of a tp=1 source read whole, whatever its name would be split as), the companions
-    dropped, the problems, the note for the report."""
-    source = opened.source
-    tensors = tuple(_whole(t) if t.name.rpartition(".")[2] in COMPANIONS else t for t in opened.tensors)
+    source tensors (a scale of a tp=1 source read whole: :func:`~reshard.engine.planner.plan_sources`), the
+    companions dropped, the problems, the note for the report."""
+    source, tensors = opened.source, opened.tensors
     headers = {t.name: TensorHeader(t.shape, t.code) for t in tensors if t.shape is not None}
     config = source.config
     scheme = read_scheme(config.raw if config else None, path=config.path if config else None)
@@ -266,16 +265,6 @@ def _dequantized_partition(opened: OpenedCheckpoint, weight: SourceTensor) -> Pa
         return linear_partition(opened.plan, weight.name.rpartition(".")[0], config)
     except AmbiguousPartitionError:
         return weight.partition
-
-
-def _whole(tensor: SourceTensor) -> SourceTensor:
-    """A quantization scale of a tp=1 source, read whole as stored: it is consumed by its weight's dequantization
-    or dropped, never split (the partition its name or shape would get, a padded vocab's, say, does not apply)."""
-    if len(tensor.refs) != 1:
-        return tensor
-    return replace(
-        tensor, partition=Replicate(), reason="read with its FP8 weight", shape=tensor.refs[0].shape, problem=None
-    )
 
 
 def _target_names(opened: OpenedCheckpoint, groups: list[TensorPlan] | None) -> list[str]:

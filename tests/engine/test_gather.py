@@ -16,10 +16,10 @@ from reshard.engine.digest import digest_of
 from reshard.engine.planner import SourceTensor, TargetTensor, TensorPlan
 from reshard.engine.work import plan_work, read_phase
 from reshard.errors import DivergentReplicaError
+from reshard.formats.readers import SafetensorsReader, TorchReader
 from reshard.formats.safetensors.writer import byte_chunks, tensor_bytes
 from reshard.io import direct as direct_io
 from reshard.layouts.base import TensorRef
-from reshard.layouts.readers import SafetensorsReader, TorchReader
 from reshard.partition import Packed, Replicate, Shard, Vocab, rank_shapes
 from reshard.slicing import gather, split
 

@@ -24,10 +24,10 @@ from reshard.engine import gather as engine_gather
 from reshard.engine.planner import SourceTensor, TargetTensor, TensorPlan
 from reshard.engine.work import plan_work
 from reshard.errors import DivergentReplicaError, ShapeMismatchError
+from reshard.formats.readers import SafetensorsReader, TorchReader
 from reshard.formats.safetensors.writer import tensor_bytes
 from reshard.io.direct import ALIGN
 from reshard.layouts.base import TensorRef
-from reshard.layouts.readers import SafetensorsReader, TorchReader
 from reshard.partition import (
     ReplicatedHeads,
     Shard,

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.errors import CorruptFileError, ReshardError, shown
-from reshard.tokenizer import GENERATION_CONFIG, NamedTokenizer
+from reshard.formats.tokenizer import GENERATION_CONFIG, NamedTokenizer
 
 NEMO_WEIGHTS = "weights"
 # NeMo's PEFT checkpoint IO writes it beside an adapter-only save (nemo/lightning/pytorch/callbacks/peft.py).

@@ -38,12 +38,12 @@ from huggingface_hub import split_state_dict_into_shards_factory
 
 from reshard.dtypes import TensorHeader, name_of
 from reshard.formats.dcp_metadata import write as dcp
+from reshard.formats.file_plan import FilePlan
 from reshard.formats.torch_zip.writer import Region, TensorSlot, TorchZipWriter
 from reshard.io.direct import DirectFile
 from reshard.layouts.base import CheckpointWriter, SourceCheckpoint, TargetSpec
 from reshard.layouts.dcp.torch_dist_keys import GlobalPlan, plan_global
 from reshard.layouts.dcp.torch_dist_keys import check_names as check_global_names
-from reshard.layouts.file_plan import FilePlan
 from reshard.layouts.megatron.args import PICKLE_MODULE, retarget_args
 from reshard.layouts.megatron.facts import MegatronFacts
 from reshard.layouts.megatron.reader import TRACKER

@@ -218,7 +218,7 @@ def _model_yaml(checkpoint: Path) -> Any:
     path = checkpoint / MODEL_YAML
     if not path.is_file():
         return None
-    import yaml  # here, not at the top: every command imports this module, few read a NeMo checkpoint (~14 ms)
+    import yaml  # here, not at the top: every command imports this module, few read a NeMo checkpoint
 
     try:
         return yaml.safe_load(path.read_text())

@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the te
 from fixtures.shapes import qwen3_5_shapes  # noqa: E402
 
 from reshard.commands.check import CheckOptions, check  # noqa: E402
+from reshard.formats.readers import TensorHeader  # noqa: E402
 from reshard.formats.safetensors.writer import header_bytes  # noqa: E402
-from reshard.layouts.readers import TensorHeader  # noqa: E402
 
 CONFIG = {
     "architectures": ["Qwen3_5ForCausalLM"],

@@ -40,8 +40,8 @@ from fixtures.megatron import Sizes, megatron_args, part_shapes, rank_state  # n
 from fixtures.shapes import llama_7b_config, llama_shapes  # noqa: E402
 from fixtures.trainer import rank_states  # noqa: E402
 
+from reshard.formats.readers import TensorHeader  # noqa: E402
 from reshard.formats.safetensors.writer import FORMAT_METADATA, header_bytes, ordered  # noqa: E402
-from reshard.layouts.readers import TensorHeader  # noqa: E402
 
 LLAMA_7B = llama_7b_config(1)
 HIDDEN, INTERMEDIATE = LLAMA_7B["hidden_size"], LLAMA_7B["intermediate_size"]

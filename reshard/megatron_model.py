@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from reshard.config import ModelConfig
+from reshard.formats.tokenizer import HF_TOKENIZER, NamedTokenizer
 from reshard.schema import check_ints
-from reshard.tokenizer import HF_TOKENIZER, NamedTokenizer
 from reshard.vocab import DEFAULT_MEGATRON_MULTIPLE
 
 __all__ = [

@@ -27,8 +27,8 @@ class _NoBar:
 
 def progress_bar(progress: bool, **options: Any) -> Any:
     """A tqdm bar on stderr with ``options`` when ``progress``, else one that shows nothing. tqdm is imported only
-    for a bar shown: ``tqdm.auto`` brings asyncio and ``importlib.metadata``, 30-60 ms of a quiet run's start-up
-    (a 2.8 GB ZeRO-2 conversion takes 1.6 s here). Shown bars keep tqdm's defaults, so that ``TQDM_DISABLE``
+    for a bar shown: ``tqdm.auto`` brings asyncio and ``importlib.metadata``, a visible share of a quiet run's
+    start-up (measured: docs/performance.md). Shown bars keep tqdm's defaults, so that ``TQDM_DISABLE``
     (which tqdm applies only to arguments not passed) still turns them off."""
     if not progress:
         return _NoBar()

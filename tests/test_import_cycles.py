@@ -80,3 +80,85 @@ def test_the_scan_sees_every_kind_of_import(tmp_path: Path) -> None:
 
 def test_no_two_modules_import_each_other() -> None:
     assert mutual_pairs(PACKAGE) == []
+
+
+def packages_read(path: Path, package: Path, packages: set[str]) -> set[str]:
+    """The packages whose own namespace (their ``__init__``) the file at ``path`` reads: ``from reshard.x import y``
+    and ``from . import y`` read ``reshard.x`` even when ``y`` is a submodule (Python looks it up on the package,
+    half-initialised if the package is still importing), as does ``import reshard.x``. ``from reshard.x.y import z``
+    and ``import reshard.x.y as y`` name the module ``reshard.x.y`` and read no package of their own."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name in packages}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package_of(path, package).split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            if base in packages:
+                found.add(base)
+    return found - {module_name(path, package)}
+
+
+def packages_imported_back(package: Path) -> list[str]:
+    """Each package whose ``__init__`` imports (directly or through other modules) a module that reads the package
+    back, as ``"pkg: pkg -> pkg.a -> pkg"``: the module then runs while the package is half-initialised, and only
+    works as long as it needs nothing the ``__init__`` defines after that import line."""
+    modules = known_modules(package)
+    packages = {module_name(path, package) for path in package.rglob("__init__.py")}
+    graph = {
+        module_name(path, package): imported_modules(path, package, modules) | packages_read(path, package, packages)
+        for path in package.rglob("*.py")
+    }
+    found = []
+    for pkg in sorted(packages):
+        came_from: dict[str, str] = {}
+        todo = [(pkg, name) for name in sorted(graph[pkg]) if name != pkg]
+        while todo:
+            parent, name = todo.pop()
+            if name in came_from or name == pkg:
+                continue
+            came_from[name] = parent
+            if pkg in graph.get(name, set()):
+                chain = [name]
+                while chain[-1] != pkg:
+                    chain.append(came_from[chain[-1]])
+                found.append(f"{pkg}: {' -> '.join([*reversed(chain), pkg])}")
+            todo += [(name, other) for other in sorted(graph.get(name, set()))]
+    return found
+
+
+def test_the_package_scan_sees_a_package_read_back(tmp_path: Path) -> None:
+    """The checker on a tiny package: ``p/__init__`` imports ``p.a``, which reads ``p`` back with ``from p import``
+    (the pattern ``layouts/dcp`` and ``layouts/deepspeed`` had, issue 43); ``q``'s module reads ``q`` back through
+    another module and a relative import; ``r`` imports its siblings by their full names and is clean."""
+    root = tmp_path / "reshard"
+    for folder in ("p", "q", "r"):
+        (root / folder).mkdir(parents=True)
+    files = {
+        "__init__.py": "",
+        "p/__init__.py": "from reshard.p import a\n",  # the package naming its own submodule: fine
+        "p/a.py": "from reshard.p import b\n",  # reads reshard.p while it is importing
+        "p/b.py": "",
+        "q/__init__.py": "from reshard.q.c import C\n",
+        "q/c.py": "from reshard.q.d import D\nC = 1\n",
+        "q/d.py": "from . import e\nD = 1\n",
+        "q/e.py": "",
+        "r/__init__.py": "from reshard.r.f import F\n",
+        "r/f.py": "import reshard.r.g as g\nfrom reshard.r.g import G\nF = 1\n",
+        "r/g.py": "G = 1\n",
+    }
+    for name, text in files.items():
+        (root / name).write_text(text)
+    assert packages_imported_back(root) == [
+        "reshard.p: reshard.p -> reshard.p.a -> reshard.p",
+        "reshard.q: reshard.q -> reshard.q.c -> reshard.q.d -> reshard.q",
+    ]
+
+
+def test_no_package_init_imports_a_module_that_imports_the_package_back() -> None:
+    """House rule (issue 43): a package's ``__init__`` may import its submodules, but none of those (nor what they
+    import) may read the package back; siblings import each other by their full module names."""
+    assert packages_imported_back(PACKAGE) == []

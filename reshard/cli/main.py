@@ -436,8 +436,8 @@ def run() -> None:
 
     The cyclic collector runs less often (:data:`GC_YOUNG`): importing torch (and, for the config-family
     check, transformers) makes millions of objects that live to the end, and with the default threshold
-    every 700 of them start a collection; the full ones walk all of them again (0.5-0.6 s of a 4 GB
-    conversion's CPU on the bench VM, docs/performance.md). Cycles are still collected.
+    every 700 of them start a collection; the full ones walk all of them again (measured: docs/performance.md).
+    Cycles are still collected.
     """
     gc.set_threshold(GC_YOUNG, *gc.get_threshold()[1:])
     try:

@@ -229,8 +229,8 @@ def _digests(
     """Yield ``(name, digest, finite)`` of each canonical tensor in order, by the algorithm its manifest entry names
     (finite only when the entry records it). A tensor kept as its slices' bytes streams through a small buffer, as
     the conversion wrote it (:func:`~reshard.engine.stream.canonical_digest`), on a thread per core (the reads, the
-    hash and the check release the interpreter; twice as many threads cost 40 % more CPU on the 2-core bench VM for
-    a wall 10 % shorter); any other is gathered here, one at a time. Tensors that cannot be read whole become
+    hash and the check release the interpreter; twice as many threads cost more CPU than the wall they save,
+    measured: docs/performance.md); any other is gathered here, one at a time. Tensors that cannot be read whole become
     differences."""
     tensors = opened.by_name()
 

@@ -1,8 +1,8 @@
 """What the manifest records of every canonical tensor: a digest of its bytes and whether it is finite.
 
-A digest is spelled ``"<algorithm>:<hex>"``. New manifests use BLAKE3 (:data:`ALGORITHM`): a tree hash, about
-3 x cheaper than sha256 per core on the bench VM (0.24-0.26 against 0.68-0.73 CPU-s a GB, sha256 with SHA-NI),
-and one tensor's chunks can be hashed on several cores at once; Hugging Face's Xet storage hashes with it too.
+A digest is spelled ``"<algorithm>:<hex>"``. New manifests use BLAKE3 (:data:`ALGORITHM`): a tree hash, several
+times cheaper than sha256 per core (measured: docs/performance.md), and one tensor's chunks can be hashed on several
+cores at once; Hugging Face's Xet storage hashes with it too.
 Manifests written before it record sha256, which :func:`digest_of` still computes, so ``verify`` checks either.
 """
 
@@ -54,7 +54,7 @@ class RunningDigest:
     """:func:`digest_of` and :func:`all_finite_in_blocks` of a tensor fed its bytes in C order, block by block.
 
     Each block is checked for NaN/Inf right after it is hashed, while it is still in the core's cache: one pass
-    over memory instead of two (the check alone reads memory at ~11 GB/s on the bench VM, ~0.09 CPU-s a GB).
+    over memory instead of two (the check alone costs a memory read; measured: docs/performance.md).
     Blocks hold whole values. Torch-free for the dtypes :func:`checked_without_torch` names.
     """
 
@@ -152,7 +152,7 @@ def _no_exponent_all_ones(values: np.ndarray, bits: type[np.integer], mask: int)
     """No value whose ``mask`` bits are all ones, i.e. none whose bits without the sign reach ``mask`` (the mask is the
     highest bits under the sign). Two maxima and no temporary: a positive value reaches it as a signed integer, a
     negative one reaches ``sign | mask`` as an unsigned integer, and neither reaches the other's bound. Masking first
-    wrote every value once more: twice the time of the two maxima on the bench VM (0.043 against 0.023 s a GB)."""
+    wrote every value once more, and took longer (measured: docs/performance.md)."""
     if not values.size:
         return True
     sign = 1 << (8 * values.itemsize - 1)

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 
 from reshard.dtypes import TensorHeader
 from reshard.errors import DivergentReplicaError, PlanError, ReshardError, ShapeMismatchError
+from reshard.formats.readers import FileReader
 from reshard.geometry import Replicate
 from reshard.layouts.base import SourceCheckpoint, TensorRef
-from reshard.layouts.readers import FileReader
 from reshard.plans.lora import BASE, A, B, parse_lora_name
 
 if TYPE_CHECKING:

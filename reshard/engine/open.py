@@ -18,13 +18,13 @@ from reshard.engine.lora_merge import merge_lora_source
 from reshard.engine.planner import SourceTensor, mixed_runs, plan_sources
 from reshard.engine.tokenizer import choose_tokenizer, with_tokenizer_vocab
 from reshard.errors import ReshardError
+from reshard.formats.tokenizer import Tokenizer
 from reshard.hub.source import HubCheckpoint
 from reshard.layouts import SourceCheckpoint, TensorRef, check_manifest, discover
 from reshard.manifest import Manifest, find_manifest, written_uneven
 from reshard.options import ReadOptions
 from reshard.plans import Plan, check_family, select_plan
 from reshard.plans.recorded import RecordedPlan
-from reshard.tokenizer import Tokenizer
 from reshard.vocab import VocabPlan, check_vocab_shrink, resolve_vocab
 
 

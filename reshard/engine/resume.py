@@ -16,8 +16,8 @@ from typing import Any
 from reshard.engine.planner import ConversionPlan, TensorPlan
 from reshard.engine.workers import Group
 from reshard.errors import ReshardError
+from reshard.formats.file_plan import FilePlan
 from reshard.io.journal import Journal, Resumed
-from reshard.layouts.file_plan import FilePlan
 from reshard.options import ConvertOptions
 
 # Options that change no byte of the output: a resumed run may differ in them.

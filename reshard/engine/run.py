@@ -3,7 +3,7 @@ trip): plan the target and its files, stage the output, keep the resume journal,
 move the bytes, write the manifest and the side files, publish.
 
 The order is fixed: everything that can be refused is planned before the staged folder exists (the target, the
-writer's :class:`~reshard.layouts.file_plan.FilePlan`); resume and a worker's share are filters of that plan; only
+writer's :class:`~reshard.formats.file_plan.FilePlan`); resume and a worker's share are filters of that plan; only
 :func:`~reshard.engine.execute.execute` moves bytes; rank 0 alone writes the manifest and publishes.
 """
 

@@ -20,9 +20,7 @@ from typing import Any
 
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
-from reshard.layouts import LayoutSpec, SourceCheckpoint
-from reshard.megatron_model import arg, true_vocab_size
-from reshard.tokenizer import (
+from reshard.formats.tokenizer import (
     GENERATION_CONFIG,
     HF_TOKENIZER,
     TOKENIZER_FILES,
@@ -30,6 +28,8 @@ from reshard.tokenizer import (
     generation_config,
     read_tokenizer,
 )
+from reshard.layouts import LayoutSpec, SourceCheckpoint
+from reshard.megatron_model import arg, true_vocab_size
 from reshard.vocab import tokenizer_disagreement
 
 logger = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ def import_torch_in_background() -> None:
 def wait_for_torch() -> None:
     """Wait for the background import to end. Called where the next step needs torch anyway and needs this process
     to run one thread: the config-family check forks its child only then (``plans/built_family.py``); on a thread,
-    it held the interpreter lock against the import and the bytes (2-3 s of pure-Python import)."""
+    it held the interpreter lock against the import and the bytes (seconds of pure-Python import)."""
     if _thread is not None:
         _thread.join()
 

@@ -1,5 +1,5 @@
 """One worker's share of a conversion that several processes run together (:mod:`reshard.engine.workers`): pure
-filters of the output's :class:`~reshard.layouts.file_plan.FilePlan`, the same on every worker.
+filters of the output's :class:`~reshard.formats.file_plan.FilePlan`, the same on every worker.
 
 The output's data files are shared out by bytes; a worker converts every tensor that has a piece in one of its
 files (a tensor split over files of two workers is read by both, and each writes its own pieces), and leaves
@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 from reshard.engine.planner import ConversionPlan
 from reshard.engine.workers import Group
-from reshard.layouts.file_plan import FilePlan
+from reshard.formats.file_plan import FilePlan
 
 
 def assign(files: Mapping[str, int], workers: int) -> list[frozenset[str]]:

@@ -17,8 +17,8 @@ from reshard.errors import CorruptFileError
 
 __all__ = ["MAX_SENTENCEPIECE_BYTES", "SentencePieceModel", "read_sentencepiece"]
 
-# The largest model read: Gemma's 256k pieces take 4.2 MB; read here at about 2.7 MB/s (a 5 MB model of 256k
-# pieces in 1.9 s), so a hostile file costs at most ~12 s.
+# The largest model read: Gemma's 256k pieces take 4.2 MB. The bound keeps what a hostile file can cost in parsing
+# time to seconds (measured: docs/performance.md).
 MAX_SENTENCEPIECE_BYTES = 32 << 20
 
 _DEFAULT_IDS = {40: 0, 41: 1, 42: 2, 43: -1}  # unk, bos, eos, pad (proto2 defaults)

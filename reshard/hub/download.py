@@ -15,10 +15,10 @@ import posixpath
 from pathlib import Path
 
 from reshard.errors import HubError
+from reshard.formats.tokenizer import TOKENIZER_FILES
 from reshard.hub.api import hub_errors, progress_bars
 from reshard.hub.select import literal, plan_patterns, side_patterns, weight_files
 from reshard.hub.source import HubCheckpoint, resolve
-from reshard.tokenizer import TOKENIZER_FILES
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def download_checkpoint(ckpt: HubCheckpoint, *, progress: bool = True) -> Path:
 
 
 def download_tokenizer(ckpt: HubCheckpoint) -> Path:
-    """The local folder of the tokenizer files (:data:`reshard.tokenizer.TOKENIZER_FILES`, nothing else) of
+    """The local folder of the tokenizer files (:data:`reshard.formats.tokenizer.TOKENIZER_FILES`, nothing else) of
     ``ckpt``'s folder, in the cache (``--tokenizer REPO``).
 
     Raises:

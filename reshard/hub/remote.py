@@ -23,13 +23,13 @@ from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE
 
 from reshard.config import ModelConfig
 from reshard.errors import CorruptFileError, HubError, ReshardError
+from reshard.formats.readers import FileReader, TensorHeader
 from reshard.hub.api import counting, hub_api, hub_errors, progress_bars
 from reshard.hub.download import download_checkpoint, snapshot
 from reshard.hub.select import plan_patterns, weight_files
 from reshard.hub.source import HubCheckpoint, resolve
 from reshard.io.staging import temporary_folder
 from reshard.layouts import SourceCheckpoint, discover
-from reshard.layouts.readers import FileReader, TensorHeader
 from reshard.manifest import Manifest, find_manifest
 from reshard.options import ReadOptions
 

@@ -351,8 +351,8 @@ class DirectFile:
 
     def _write_buffered(self, views: Sequence[memoryview], position: int) -> None:
         """Write through the page cache, one thread at a time: the kernel holds the file's inode lock for a buffered
-        write anyway, and a thread waiting for it there spins on a core (tmpfs 4.17 GB tp 8 -> 4 with two jobs on the
-        bench VM: ``rwsem_spin_on_owner`` 4 % of the samples); here it sleeps."""
+        write anyway, and a thread waiting for it there spins on a core (``rwsem_spin_on_owner``; measured:
+        docs/performance.md); here it sleeps."""
         if views:
             with self._buffered:
                 pwrite_all(self._fd, views, position)
@@ -495,8 +495,7 @@ def in_memory(path: Path) -> bool:
 
     Since Linux 6.6 tmpfs takes ``O_DIRECT`` but carries it out as a buffered copy, so the direct path only
     adds its costs: every write whose memory is off the file range's 4 KB phase is copied into staging first,
-    and every 8 MB block is a task for an I/O thread. A 4.17 GB tp 8 -> 4 from tmpfs to tmpfs on the 2-core
-    bench VM: the staging copies were 0.4 of its 7.6 CPU-s (docs/performance.md).
+    and every 8 MB block is a task for an I/O thread (measured: docs/performance.md).
     """
     if _LIBC is None:
         return False

@@ -1,10 +1,10 @@
 """Buffers for direct I/O backed by 2 MB pages where the kernel has them.
 
 Why: a direct request is cut into segments of physically contiguous memory, and a virtio disk takes only so many
-segments a request (254 on the bench VM: ~1 MB of 4 KB pages). From memory of 4 KB pages an 8 MB direct read goes
-to the device as eight requests of 1 MB; from 2 MB pages as two of 4 MB (its ``max_sectors_kb``). On the bench VM
-that is the difference between 0.77-0.80 and 1.84-1.90 GB/s for a cold read of 436 MB with 8 MB requests, the
-speed the page cache's read-ahead reaches (docs/performance.md). Transparent huge pages in the ``madvise`` mode
+segments a request (``max_segments``; about 1 MB of 4 KB pages on a common virtio disk). From memory of 4 KB pages
+an 8 MB direct read then goes to the device as eight requests of 1 MB; from 2 MB pages as two of 4 MB (its
+``max_sectors_kb``), which more than doubles a cold read and reaches the speed of the page cache's read-ahead
+(measured: docs/performance.md). Transparent huge pages in the ``madvise`` mode
 (the common default) back only memory that asks for them, private and anonymous, on 2 MB boundaries: so the
 buffers are mapped here, not taken from ``malloc`` or a shared mapping.
 """

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 from reshard.config import ModelConfig
 from reshard.dtypes import TensorHeader
 from reshard.errors import ReshardError
+from reshard.formats.file_plan import FilePlan
+from reshard.formats.readers import FileReader
 from reshard.formats.safetensors.writer import FileHooks
-from reshard.layouts.file_plan import FilePlan
-from reshard.layouts.readers import FileReader
-from reshard.tokenizer import NamedTokenizer
+from reshard.formats.tokenizer import NamedTokenizer
 
 if TYPE_CHECKING:
     import torch

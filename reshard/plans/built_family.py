@@ -3,7 +3,7 @@ config, on the ``meta`` device (no memory), must find every one of its tensors i
 is one transformers would initialise at random in the published model.
 
 :func:`reshard.plans.check_family` (names' signatures and the tensors that tell model types apart) judges while
-planning, with no import; this check needs transformers, whose import costs about 2.5 s of CPU, so a conversion
+planning, with no import; this check needs transformers, whose import costs seconds of CPU, so a conversion
 starts it in a child process (or on a thread) when planning ends (:func:`start`) and hears its answer before
 publishing (:meth:`FamilyCheck.result`): the bytes move meanwhile, and a refusal still leaves nothing behind. The
 build's answer is the same every time for the same config and code, and kept in reshard's cache
@@ -151,9 +151,9 @@ class FamilyCheck:
     :meth:`result` waits for it and raises its refusal.
 
     Where the platform forks (Linux) and no other thread runs, the check runs in a child process forked from this
-    one: it shares the torch already imported, and its 2-3 s of pure-Python import and build then take another core
-    instead of holding the interpreter lock that the thread moving bytes needs between its reads (on a thread, the
-    check lengthened the conversion by about its own time; measured, bench/RESULTS.md). Elsewhere it runs on a
+    one: it shares the torch already imported, and its pure-Python import and build then take another core instead
+    of holding the interpreter lock that the thread moving bytes needs between its reads (on a thread, the check
+    lengthened the conversion by about its own time; measured: docs/performance.md). Elsewhere it runs on a
     thread. A child that dies without answering is not taken as a pass: the check then runs here.
     """
 

@@ -6,9 +6,10 @@ The class is the one ``architectures`` names, else the auto class for the config
 multimodal first (a composite config builds its whole model, towers included), then causal LM, then the
 bare model. A model without a plan (``_tp_plan`` None, as Qwen2.5-Omni had) has an empty one.
 
-Importing transformers and building costs ~2.8 CPU-s and ~116 MB, the same every time for the same config and the
-same code, so the answer is kept in reshard's cache (``io/user_cache.py``) under a key of everything it depends on
-(``plans/skeleton_key.py``); an entry is checked field by field before it is trusted.
+Importing transformers and building costs seconds of CPU and 100 MB or more (measured: docs/performance.md), the
+same every time for the same config and the same code, so the answer is kept in reshard's cache
+(``io/user_cache.py``) under a key of everything it depends on (``plans/skeleton_key.py``); an entry is checked field
+by field before it is trusted.
 """
 
 from __future__ import annotations
@@ -187,7 +188,7 @@ def _torch_cache_in_a_temporary_folder() -> Iterator[None]:
 
 
 def _build(config: ModelConfig) -> ModelSkeleton:
-    """The meta build itself: imports transformers (~2.8 CPU-s) and builds the model."""
+    """The meta build itself: imports transformers (the costly part) and builds the model."""
     try:
         import torch
         import transformers

@@ -18,7 +18,7 @@ timm), the interpreter, and reshard's own reading of the model. The key holds ea
 - transformers' own source by (path, size, mtime) of the modules a model's class is made of (the package's top
   level, ``utils/``, ``distributed/``, ``integrations/``, ``generation/``, ``loss/``, ``models/auto/`` and the
   folders of the config's model types, its sub-configs' too), so that an editable install changed under one version
-  string misses. About 200 files: 1-2 ms.
+  string misses. A few hundred ``stat`` calls, cheap beside the build they save (measured: docs/performance.md).
 
 Not covered, and a reason to turn the cache off (``RESHARD_CACHE_DIR=``) while editing them: an editable torch, an
 editable optional package, or an edit in another folder of an editable transformers (a model folder that the

@@ -16,8 +16,8 @@ The arithmetic is the libraries' own, bit for bit:
   target dtype, as compressed-tensors' ``dequantize``: the product is rounded to the scale's dtype first.
 
 The product is made a strip of rows at a time, so the float32 temporaries stay at :data:`STRIP` elements whatever
-the weight's size; FP8 becomes float32 through float16's bit layout (:func:`float32_of`), a fifth of the CPU of
-torch's own conversion, which is most of the work.
+the weight's size; FP8 becomes float32 through float16's bit layout (:func:`float32_of`), far cheaper than torch's
+own conversion, which is most of the work (measured: docs/quantization-dequant.md).
 """
 
 from __future__ import annotations
@@ -226,7 +226,7 @@ def _one_thread() -> Iterator[None]:
 
     The engine already runs one unit per worker thread (``--jobs``); each of them starting a team of OpenMP
     threads for every strip's operations oversubscribes the cores, and the teams' waiting costs more CPU than the
-    work on a loaded machine (1 thread: 0.7 ns a weight element; 2 per caller: 7-9 ns under load 10). OpenMP's
+    work on a loaded machine (measured: docs/performance.md). OpenMP's
     thread count is a per-thread setting, so other threads keep theirs."""
     import torch
 
@@ -242,7 +242,7 @@ def _one_thread() -> Iterator[None]:
 
 
 def float32_of(fp8: torch.Tensor) -> torch.Tensor:
-    """The float32 values of an FP8 tensor, the same as ``fp8.float()``, NaN bits included, for a fifth of the CPU."""
+    """The float32 values of an FP8 tensor, the same as ``fp8.float()``, NaN bits included, for less CPU."""
     import torch
 
     bits, values = torch.empty(fp8.shape, dtype=torch.int16), torch.empty(fp8.shape, dtype=torch.float32)
@@ -293,7 +293,7 @@ E4M3_FACTOR = 256.0
 def _float32_into(fp8: torch.Tensor, bits: torch.Tensor, values: torch.Tensor, *, nan: bool) -> torch.Tensor:
     """The float32 values of FP8 in ``values`` through ``bits`` (int16, of its shape; float8_e4m3fn: the values
     times 2^-8, exact), with integer
-    shifts (vectorised) where torch converts FP8 element by element (five times the CPU).
+    shifts (vectorised) where torch converts FP8 element by element (docs/quantization-dequant.md).
 
     Both FP8 kinds are exact in float16's bit layout: float8_e5m2 is float16's high byte; float8_e4m3fn's sign goes
     to bit 15 and its exponent and mantissa to bits 7-13, where its exponent bias of 7 reads as float16's 15, so

@@ -16,12 +16,12 @@ from reshard.engine.digest import digest_of
 from reshard.engine.planner import SourceTensor, TargetTensor, TensorPlan
 from reshard.engine.work import plan_work, read_phase
 from reshard.errors import DivergentReplicaError
+from reshard.formats.readers import SafetensorsReader, TorchReader
 from reshard.formats.safetensors.writer import byte_chunks, tensor_bytes
 from reshard.geometry import Packed, Replicate, Shard, Vocab, rank_shapes
 from reshard.geometry.tensors import gather, split
 from reshard.io import direct as direct_io
 from reshard.layouts.base import TensorRef
-from reshard.layouts.readers import SafetensorsReader, TorchReader
 
 
 def one_tensor(source: SourceTensor, rank_shapes: tuple) -> TensorPlan:

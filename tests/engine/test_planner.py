@@ -24,9 +24,9 @@ from reshard.engine.planner import (
     plan_sources,
 )
 from reshard.errors import AmbiguousPartitionError, PlanError, ReshardError, ShapeMismatchError
+from reshard.formats.readers import FileReader
 from reshard.geometry import Replicate, ReplicatedHeads, Shard, Vocab
 from reshard.layouts.base import SourceCheckpoint, TensorRef
-from reshard.layouts.readers import FileReader
 from reshard.plans.llama import LLAMA_PLAN
 from reshard.vocab import VocabPlan
 

@@ -24,6 +24,7 @@ from reshard.engine import gather as engine_gather
 from reshard.engine.planner import SourceTensor, TargetTensor, TensorPlan
 from reshard.engine.work import plan_work
 from reshard.errors import DivergentReplicaError, ShapeMismatchError
+from reshard.formats.readers import SafetensorsReader, TorchReader
 from reshard.formats.safetensors.writer import tensor_bytes
 from reshard.geometry import (
     ReplicatedHeads,
@@ -38,7 +39,6 @@ from reshard.geometry import (
 from reshard.geometry.tensors import gather, split
 from reshard.io.direct import ALIGN
 from reshard.layouts.base import TensorRef
-from reshard.layouts.readers import SafetensorsReader, TorchReader
 from reshard.plans.lora import lora_partition, parse_lora_name
 
 

@@ -16,10 +16,10 @@ import pytest
 
 from reshard.engine.planner import ConversionPlan, TargetTensor, TensorPlan
 from reshard.engine.resume import fingerprint, still_to_do
+from reshard.formats.file_plan import FilePlan
 from reshard.geometry import Replicate, Shard
 from reshard.io.journal import Resumed, TensorRecord
 from reshard.layouts.base import SourceCheckpoint
-from reshard.layouts.file_plan import FilePlan
 from reshard.options import ConvertOptions
 from reshard.vocab import VocabPlan
 

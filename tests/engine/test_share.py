@@ -14,9 +14,9 @@ import pytest
 from reshard.engine.planner import ConversionPlan, TargetTensor, TensorPlan
 from reshard.engine.worker_shares import assign, file_bytes, share_of, tensors_for
 from reshard.engine.workers import Group
+from reshard.formats.file_plan import FilePlan
 from reshard.geometry import Replicate
 from reshard.layouts.base import SourceCheckpoint
-from reshard.layouts.file_plan import FilePlan
 from reshard.vocab import VocabPlan
 
 

@@ -11,6 +11,7 @@ from fixtures.tp import arange
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from reshard.formats.readers import TensorHeader
 from reshard.formats.safetensors.writer import (
     SafetensorsFileWriter,
     ShardedSafetensorsWriter,
@@ -18,7 +19,6 @@ from reshard.formats.safetensors.writer import (
     ordered,
     plan_shards,
 )
-from reshard.layouts.readers import TensorHeader
 
 
 def headers_of(tensors: dict[str, torch.Tensor]) -> dict[str, TensorHeader]:

@@ -20,12 +20,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from reshard.formats.readers import TensorHeader
 from reshard.formats.torch_zip import layout as zip_layout
 from reshard.formats.torch_zip import writer as torch_zip
 from reshard.formats.torch_zip.writer import TensorSlot, TorchZipWriter, archive_name
 from reshard.io import direct as direct_io
 from reshard.layouts.megatron.args import PICKLE_MODULE, SAFE_GLOBALS, PickledEnum
-from reshard.layouts.readers import TensorHeader
 
 DTYPES = [
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.complex64, torch.int8, torch.int16,

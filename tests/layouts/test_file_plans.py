@@ -20,9 +20,9 @@ from reshard.dtypes import TensorHeader
 from reshard.engine.open import open_checkpoint
 from reshard.engine.target import plan_target, target_spec
 from reshard.errors import ReshardError
+from reshard.formats.file_plan import FilePlan
 from reshard.layouts.base import SourceCheckpoint, SourceFacts, TargetSpec
 from reshard.layouts.dcp.torch_dist_writer import TorchDistWriter
-from reshard.layouts.file_plan import FilePlan
 from reshard.layouts.hf.folder import HFWriter
 from reshard.layouts.hf.ranks import HFRanksWriter
 from reshard.layouts.megatron.facts import MegatronFacts

@@ -83,8 +83,8 @@ def torch_edit(path: Path, change: Callable[[Any], Any], *, megatron: bool = Fal
     same globals (Megatron is kept out of the tests' process).
     """
     if megatron:
+        from reshard.formats.readers import load_torch_file
         from reshard.layouts.megatron.args import PICKLE_MODULE, SAFE_GLOBALS
-        from reshard.layouts.readers import load_torch_file
 
         obj = load_torch_file(path, trust_pickle=True, notes=[], allowed=SAFE_GLOBALS)
         save = {"pickle_module": PICKLE_MODULE, **save}

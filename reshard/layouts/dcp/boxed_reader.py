@@ -21,9 +21,9 @@ from reshard.errors import CorruptFileError
 from reshard.formats.boxes import Box, Shape, c_strides, contiguous_pieces, runs
 from reshard.formats.chunks import ChunkLayout, torch_archive_layout
 from reshard.formats.dcp_metadata.read import StoredChunk, StoredTensor
+from reshard.formats.readers import ReadIntoReader, TensorHeader
 from reshard.io.direct import Batch, OpenSources
 from reshard.io.vectored import row_views
-from reshard.layouts.readers import ReadIntoReader, TensorHeader
 
 if TYPE_CHECKING:
     import torch

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.errors import CorruptFileError, ReshardError, shown
-from reshard.tokenizer import GENERATION_CONFIG, NamedTokenizer
+from reshard.formats.tokenizer import GENERATION_CONFIG, NamedTokenizer
 
 NEMO_WEIGHTS = "weights"
 # NeMo's PEFT checkpoint IO writes it beside an adapter-only save (nemo/lightning/pytorch/callbacks/peft.py).
@@ -218,7 +218,7 @@ def _model_yaml(checkpoint: Path) -> Any:
     path = checkpoint / MODEL_YAML
     if not path.is_file():
         return None
-    import yaml  # here, not at the top: every command imports this module, few read a NeMo checkpoint (~14 ms)
+    import yaml  # here, not at the top: every command imports this module, few read a NeMo checkpoint
 
     try:
         return yaml.safe_load(path.read_text())

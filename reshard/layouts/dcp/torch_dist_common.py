@@ -20,8 +20,8 @@ from typing import Any
 
 from reshard.errors import CorruptFileError, ReshardError
 from reshard.formats.dcp_metadata.read import DcpIndex, StoredValue
+from reshard.formats.readers import load_torch_file
 from reshard.layouts.megatron.args import SAFE_GLOBALS
-from reshard.layouts.readers import load_torch_file
 from reshard.options import ReadOptions
 from reshard.sizes import human_bytes
 

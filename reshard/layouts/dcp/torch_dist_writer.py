@@ -38,12 +38,12 @@ from huggingface_hub import split_state_dict_into_shards_factory
 
 from reshard.dtypes import TensorHeader, name_of
 from reshard.formats.dcp_metadata import write as dcp
+from reshard.formats.file_plan import FilePlan
 from reshard.formats.torch_zip.writer import Region, TensorSlot, TorchZipWriter
 from reshard.io.direct import DirectFile
 from reshard.layouts.base import CheckpointWriter, SourceCheckpoint, TargetSpec
-from reshard.layouts.dcp import torch_dist_keys
 from reshard.layouts.dcp.torch_dist_keys import GlobalPlan, plan_global
-from reshard.layouts.file_plan import FilePlan
+from reshard.layouts.dcp.torch_dist_keys import check_names as check_global_names
 from reshard.layouts.megatron.args import PICKLE_MODULE, retarget_args
 from reshard.layouts.megatron.facts import MegatronFacts
 from reshard.layouts.megatron.reader import TRACKER
@@ -113,7 +113,7 @@ class TorchDistWriter(CheckpointWriter):
         if spec.tp != 1:
             raise ValueError(f"torch_dist holds global tensors: plan the conversion at tp 1, not {spec.tp}")
         source, headers = spec.source, spec.rank_headers[0]
-        torch_dist_keys.check_names(list(headers), source.path)
+        check_global_names(list(headers), source.path)
         args = megatron_args_of(source, spec.megatron_args)
         plan = plan_global(
             headers,
@@ -165,7 +165,7 @@ class TorchDistWriter(CheckpointWriter):
         ``torch_dist.py`` gives the stored norms back), so the manifest and ``verify`` agree with the reader; the
         writer stores them under Transformer Engine's names (``torch_dist_keys.plan_global``), and refuses those
         Megatron-Core's ``torch_dist`` cannot hold (legacy, grouped GEMM) before any output exists."""
-        torch_dist_keys.check_names(names, source.path)
+        check_global_names(names, source.path)
 
     @classmethod
     def pad_multiple(cls, tp: int, source: SourceCheckpoint, megatron_args: Any) -> int | None:

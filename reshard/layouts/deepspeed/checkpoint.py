@@ -32,8 +32,8 @@ from reshard.dtypes import TensorHeader, code_from_name
 from reshard.errors import CorruptFileError, MissingRankError, ReshardError
 from reshard.formats.torch_zip.structure import TensorRecord, read_structure
 from reshard.layouts.base import SourceCheckpoint, TensorRef
-from reshard.layouts.deepspeed import pickles
 from reshard.layouts.deepspeed.pickles import Pickled
+from reshard.layouts.deepspeed.pickles import read as read_pickled
 from reshard.layouts.deepspeed.pieces import Piece, PiecesReader
 from reshard.layouts.deepspeed.zero import Flat, Segment, zero2_pieces, zero3_pieces
 from reshard.options import MAX_RANKS, ReadOptions
@@ -174,7 +174,7 @@ def _refuse_other_features(folder: Path, model: dict, zero3: dict, optim: dict) 
 
 def _load(file: Path, options: ReadOptions) -> Pickled:
     """A DeepSpeed file's pickled dict, read structurally (:mod:`reshard.layouts.deepspeed.pickles`)."""
-    pickled = pickles.read(file, trust_pickle=options.trust_pickle)
+    pickled = read_pickled(file, trust_pickle=options.trust_pickle)
     if not isinstance(pickled.obj, Mapping):
         raise CorruptFileError(f"holds a {type(pickled.obj).__name__}, not a DeepSpeed checkpoint dict", path=file)
     return pickled
@@ -410,7 +410,7 @@ def _universal(
         file = zero / name / "fp32.pt"
         if not file.is_file():
             raise MissingRankError("no fp32.pt for this parameter in the universal checkpoint", path=file, tensor=name)
-        stored = pickles.read(file, trust_pickle=options.trust_pickle)
+        stored = read_pickled(file, trust_pickle=options.trust_pickle)
         tensor = stored.obj.get("param") if isinstance(stored.obj, Mapping) else stored.obj
         numel = math.prod(shape)
         if not isinstance(tensor, TensorRecord) or tensor.dtype != "float32" or math.prod(tensor.sizes) != numel:

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from reshard.dtypes import dtype_from_code, itemsize_of
 from reshard.errors import CorruptFileError
+from reshard.formats.readers import ReadIntoReader, TensorHeader
 from reshard.io.direct import Batch, OpenSources
-from reshard.layouts.readers import ReadIntoReader, TensorHeader
 
 if TYPE_CHECKING:
     import torch

@@ -13,6 +13,8 @@ from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE
 
 from reshard.config import CONFIG_NAME, find_config
 from reshard.errors import CorruptFileError, MissingRankError, ReshardError
+from reshard.formats.file_plan import FilePlan
+from reshard.formats.readers import FileReader, open_tensor_file, read_safetensors_header
 from reshard.formats.safetensors.writer import ShardedSafetensorsWriter, ShardPlan, plan_shards
 from reshard.layouts.base import (
     RankFilesWriter,
@@ -21,8 +23,6 @@ from reshard.layouts.base import (
     TensorRef,
     refs_from_readers,
 )
-from reshard.layouts.file_plan import FilePlan
-from reshard.layouts.readers import FileReader, open_tensor_file, read_safetensors_header
 from reshard.layouts.spec import FileProblem
 from reshard.options import ReadOptions
 

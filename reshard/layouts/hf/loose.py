@@ -18,6 +18,7 @@ from pathlib import Path
 
 from reshard.config import find_config
 from reshard.errors import CorruptFileError, MissingRankError, ReshardError
+from reshard.formats.readers import open_tensor_file
 from reshard.layouts.base import SourceCheckpoint, SourceFacts, refs_from_readers
 from reshard.layouts.hf.folder import (
     OPTIMIZER,
@@ -29,7 +30,6 @@ from reshard.layouts.hf.folder import (
     read_index,
     side_files,
 )
-from reshard.layouts.readers import open_tensor_file
 from reshard.options import ReadOptions
 from reshard.ranks import SHOWN, listed, missing_count, rank_count
 

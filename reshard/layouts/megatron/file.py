@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from reshard.errors import CorruptFileError
+from reshard.formats.readers import DirectReader, TensorHeader, load_torch_file, offsets_in_file, torch_header
 from reshard.layouts.megatron.args import SAFE_GLOBALS
-from reshard.layouts.readers import DirectReader, TensorHeader, load_torch_file, offsets_in_file, torch_header
 
 if TYPE_CHECKING:
     import torch
@@ -25,7 +25,7 @@ CHUNK_KEY = re.compile(r"^model(\d+)$")
 @dataclass
 class MegatronFile(DirectReader):
     """One ``model_optim_rng.pt``: its model chunk(s) flattened to dotted names, the rest kept aside; tensors are
-    read from their places in the file (:class:`~reshard.layouts.readers.DirectReader`).
+    read from their places in the file (:class:`~reshard.formats.readers.DirectReader`).
 
     ``_extra_state`` entries (Transformer Engine's per-rank FP8 metadata: BytesIO, None, or a byte
     tensor that may differ between ranks) are never resharded, only carried: they go to ``extras``

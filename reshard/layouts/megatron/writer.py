@@ -16,11 +16,11 @@ from typing import Any
 
 from reshard.errors import ReshardError
 from reshard.layouts.base import SourceCheckpoint, TargetSpec
+from reshard.layouts.common.torch_rank_writer import RankFilePlan, TorchRanksWriter
 from reshard.layouts.megatron.args import PICKLE_MODULE, retarget_args
 from reshard.layouts.megatron.facts import MegatronFacts
 from reshard.layouts.megatron.reader import FILE_NAME, TRACKER
 from reshard.layouts.megatron.stages import LAYER, layer_of, stage_of, stage_of_layers, with_layer
-from reshard.layouts.torch_rank_writer import RankFilePlan, TorchRanksWriter
 from reshard.megatron_model import arg
 from reshard.vocab import megatron_pad_multiple, padded_sizes_possible
 

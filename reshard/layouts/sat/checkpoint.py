@@ -20,11 +20,11 @@ from typing import Any
 
 from reshard.config import ModelConfig, load_config
 from reshard.errors import CorruptFileError, MissingRankError, ReshardError
+from reshard.formats.readers import TorchReader
 from reshard.layouts.base import SourceCheckpoint, SourceFacts, TargetSpec, numbered_children, refs_from_readers
+from reshard.layouts.common.torch_rank_writer import RankFilePlan, TorchRanksWriter
 from reshard.layouts.hf.folder import OPTIMIZER
 from reshard.layouts.hf.loose import check_archive_rank
-from reshard.layouts.readers import TorchReader
-from reshard.layouts.torch_rank_writer import RankFilePlan, TorchRanksWriter
 from reshard.options import MAX_RANKS, ReadOptions
 from reshard.ranks import listed, missing_count, rank_count
 

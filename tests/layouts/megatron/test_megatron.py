@@ -300,8 +300,8 @@ def test_pipeline_stages_merge_into_global_layers(cli, full: Full, tmp_path: Pat
 
 def _load(path: Path) -> dict:
     """A Megatron rank file, unpickled with reshard's allow-list (Megatron itself is not installed)."""
+    from reshard.formats.readers import load_torch_file
     from reshard.layouts.megatron.args import SAFE_GLOBALS
-    from reshard.layouts.readers import load_torch_file
 
     return load_torch_file(path, trust_pickle=False, notes=[], allowed=SAFE_GLOBALS)
 

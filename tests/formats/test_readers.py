@@ -1,4 +1,4 @@
-"""``reshard.layouts.readers``: a file cut after it was opened is a named error; reading a torch file into a
+"""``reshard.formats.readers``: a file cut after it was opened is a named error; reading a torch file into a
 buffer reads its bytes from their place in the file, or (a strided tensor) lets go of the pages its memory map
 brought in; short strided rows are read in blocks of rows."""
 
@@ -12,9 +12,9 @@ from fixtures.tp import arange
 from safetensors.torch import save_file
 
 from reshard.errors import CorruptFileError
+from reshard.formats import readers
+from reshard.formats.readers import SafetensorsReader, TorchReader
 from reshard.io.vectored import release_mapped
-from reshard.layouts import readers
-from reshard.layouts.readers import SafetensorsReader, TorchReader
 
 
 def test_read_into_a_file_cut_after_opening_is_a_corrupt_file_error(tmp_path: Path) -> None:

@@ -11,8 +11,8 @@ import torch
 from fixtures.megatron import TINY, full_model, write_megatron
 from fixtures.sat import full_tensors, sat_config, write_sat
 
+from reshard.formats.readers import load_torch_file
 from reshard.layouts.megatron.args import PICKLE_MODULE, SAFE_GLOBALS
-from reshard.layouts.readers import load_torch_file
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
+from reshard.formats.file_plan import FilePlan
 from reshard.formats.torch_zip.writer import TensorSlot, TorchZipWriter
 from reshard.layouts.base import RankFilesWriter, TargetSpec
-from reshard.layouts.file_plan import FilePlan
 
 if TYPE_CHECKING:
     import torch

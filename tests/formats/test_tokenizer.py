@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from fixtures.tokenizer import tiny_tokenizer
 
-from reshard import tokenizer as tokenizer_module
 from reshard.errors import CorruptFileError, ReshardError
-from reshard.tokenizer import generation_config, read_tokenizer
+from reshard.formats import tokenizer as tokenizer_module
+from reshard.formats.tokenizer import generation_config, read_tokenizer
 
 
 @pytest.mark.parametrize("extra", [(), ("<tool>",), ("<tool>", "cat", "<call>")], ids=["none", "one", "in-vocab"])

@@ -206,8 +206,8 @@ class DirectReader(FileReader):
 class SafetensorsReader(ReadIntoReader, DirectReader):
     """A ``.safetensors`` file; the header is parsed and checked against the file size up front, and tensors
     are read around the page cache (:class:`DirectReader`), :meth:`get` too: through ``safe_open`` the file would
-    be mapped, and every page read stays resident for as long as the handle lives (``verify``'s rank check of a
-    4.17 GB tp 4 output in tmpfs peaked at 4.3 GB, the files' size)."""
+    be mapped, and every page read stays resident for as long as the handle lives (``verify``'s rank check then
+    peaked at the files' size; measured: docs/performance.md)."""
 
     path: Path
     headers: dict[str, TensorHeader] = field(init=False)

@@ -5,8 +5,8 @@ Why it is shaped like this (the gather itself is :mod:`reshard.engine.gather`):
 * **The disk busy, the page cache left alone.** Reads and writes go through :mod:`reshard.io.direct`:
   ``O_DIRECT`` in 8 MB blocks, every block of a tensor (all its rank slices, all its target pieces)
   in flight at once. A conversion does not fill the page cache with a checkpoint it will not read
-  again, and does not pay for fresh page-cache pages, which cost the most on a VM (4 GB, tp 8 -> 4,
-  on the 2-core bench machine: sys time 10-13 s with buffered reads and writes, 2-3 s with neither).
+  again, and does not pay for fresh page-cache pages, which cost the most on a VM (measured:
+  docs/performance.md).
   Where a file system refuses ``O_DIRECT``, reads go through the page cache; then a :class:`ReadAhead`
   thread asks the OS for the coming slices, and each slice's pages are dropped once read (``evict``).
 * **Overlap, bounded by bytes.** ``jobs`` threads prepare tensors (read, gather, hash, finite check:
@@ -18,17 +18,16 @@ Why it is shaped like this (the gather itself is :mod:`reshard.engine.gather`):
 * **No gather, no torch, where bytes are only moved.** A tensor kept as it is can skip the gather buffer: it
   streams through a small one, block by block (:mod:`reshard.engine.stream`). When every unit of a conversion
   streams (re-slicing safetensors, DeepSpeed's fp32 masters to safetensors), torch is never imported: its import
-  alone costs 1.7-2.0 CPU-s on the bench VM, more than the bytes of a small model. When the source files and the
+  alone costs more than moving a small model's bytes (docs/performance.md). When the source files and the
   output live in memory (tmpfs), the units that stream do so beside the gathered ones (a transform, copies of a
   replicated head to compare, :mod:`reshard.engine.gathered`); on a disk, a conversion with one gathered unit
   gathers all of them, as the gather's direct reads of a whole tensor keep more of the disk busy.
 * **The largest tensors first.** A tensor is hashed while its slices are written, so the last one's hash
   ends after every byte has gone to the disk. Plan order is by name, which ends a Megatron checkpoint on
-  ``output_layer.weight``: 0.24 s of hashing 262 MB with the disk idle, at the end of a 4 GB tp 8 -> 4 on
-  the bench VM. Concurrent writers get the tensors of the largest size first, then the rest in plan order
-  (which repeats each layer's sizes, so the pooled buffers are reused): the run then ends 0.05-0.08 s after
-  its last direct write. Sorting every tensor by size ends it 0.02 s after, but each size class then needs
-  fresh buffers: 517,000 minor faults instead of 344,000, 100 MB more memory.
+  ``output_layer.weight``, hashed with the disk idle. Concurrent writers get the tensors of the largest size
+  first, then the rest in plan order (which repeats each layer's sizes, so the pooled buffers are reused);
+  sorting every tensor by size would end the run a little sooner but needs fresh buffers for each size class
+  (measured: docs/performance.md).
 """
 
 from __future__ import annotations

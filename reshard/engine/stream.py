@@ -3,8 +3,7 @@
 Why: with the checkpoint and the output in memory (tmpfs), what a conversion costs is CPU, and gathering a
 tensor into a buffer of its own size costs it three times over: the buffer's fresh pages are faulted in and
 zeroed, the buffer is read from memory again to be hashed and checked for NaN/Inf, and again to be written
-(4.17 GB hf-ranks tp 8 -> 4 on the 2-core bench VM: 0.46 CPU-s of faults, 1.0 of BLAKE3 and 0.36 of the check
-reading cold memory; docs/performance.md). A tensor kept as it is (no transform) need not be gathered whole:
+(measured: docs/performance.md). A tensor kept as it is (no transform) need not be gathered whole:
 
 * split along its first dim (the column-parallel weights, the embedding, the head: three quarters of a Llama's
   bytes), or held whole by one source rank, its canonical bytes are byte ranges of its source slices one after
@@ -17,16 +16,15 @@ reading cold memory; docs/performance.md). A tensor kept as it is (no transform)
 Such a unit is moved block by block: each block (about :data:`BLOCK_BYTES`) is read into this thread's reusable
 buffer, hashed and checked for NaN/Inf while it is in the cache (:class:`~reshard.engine.digest.RunningDigest`),
 and its bytes written to each target slice (:meth:`~reshard.layouts.base.CheckpointWriter.write_part`). No
-buffer the size of the tensor, no fresh page, every byte read from memory once; the peak memory of a 4.17 GB
-conversion drops from ~800 to ~280 MB.
+buffer the size of the tensor, no fresh page, every byte read from memory once, and a peak memory of a few
+blocks instead of a tensor (docs/performance.md).
 
-All of it is numpy and byte views, no torch: a conversion whose every unit streams never imports torch (1.7-2.0
-CPU-s on the bench VM), so it streams on a disk too, each block on the 4 KB phase of where it is written, ending at
-that file's page boundary (written with ``O_DIRECT`` straight from memory). Beside gathered units it streams only in
-memory (:func:`in_memory_unit`). The byte ranges come from the same record as the gather's, each
-tensor's :class:`~reshard.geometry.Cut` (the source's placed runs, the target's runs), so both paths write the same
-bytes;
-``tests/engine/test_stream.py`` checks them against each other.
+All of it is numpy and byte views, no torch: a conversion whose every unit streams never imports torch (an import
+that costs more than a small model's bytes), so it streams on a disk too, each block on the 4 KB phase of where it
+is written, ending at that file's page boundary (written with ``O_DIRECT`` straight from memory). Beside gathered
+units it streams only in memory (:func:`in_memory_unit`). The byte ranges come from the same record as the gather's,
+each tensor's :class:`~reshard.geometry.Cut` (the source's placed runs, the target's runs), so both paths write the
+same bytes; ``tests/engine/test_stream.py`` checks them against each other.
 """
 
 from __future__ import annotations
@@ -48,8 +46,7 @@ from reshard.io.scratch import scratch_bytes
 from reshard.layouts.base import CheckpointWriter, TensorRef
 
 # Bytes per block: small enough to stay in a core's cache between the read, the hash, the check and the writes,
-# large enough that the Python calls per block are few (paired runs of a 4.17 GB tp 8 -> 4 in tmpfs on the bench
-# VM: 4 MB blocks took 0.95 x the CPU of 1 MB ones, user 0.91 x).
+# large enough that the Python calls per block are few (4 MB against 1 MB: docs/performance.md).
 BLOCK_BYTES = 4 << 20
 Range = tuple[int, int]
 Runs = tuple[tuple[int, int], ...]

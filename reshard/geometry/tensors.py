@@ -120,8 +120,7 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
         return True
     left, right = (t.contiguous().reshape(-1).view(torch.uint8).numpy() for t in (a, b))
     # compared as the widest integers that tile the bytes, on one core: torch.equal of bytes compares one byte at a
-    # time on every core (64 MB on the bench VM: 64 CPU-ms, and its OpenMP threads spin after each call; numpy on
-    # 8-byte words: 9 CPU-ms)
+    # time on every core, and its OpenMP threads spin after each call (measured: docs/performance.md)
     width = next(w for w in (8, 4, 2, 1) if len(left) % w == 0)
     return bool(np.array_equal(left.view(f"i{width}"), right.view(f"i{width}")))
 

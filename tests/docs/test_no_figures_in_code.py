@@ -37,28 +37,6 @@ FIGURES = re.compile(
     )
 )
 
-# Lines still in modules other branches of issue 43 are rewriting (engine/execute.py, engine/stream.py,
-# engine/gather.py, slicing.py, commands/verify_ranks.py), matched by their text wherever the rewrite moves them.
-# Their figures are in docs/performance.md already ("Moved out of the code"); drop each line here as it goes.
-NOT_YET_REWRITTEN = {
-    "on the 2-core bench machine: sys time 10-13 s with buffered reads and writes, 2-3 s with neither).",
-    "alone costs 1.7-2.0 CPU-s on the bench VM, more than the bytes of a small model. When the source files and the",
-    "``output_layer.weight``: 0.24 s of hashing 262 MB with the disk idle, at the end of a 4 GB tp 8 -> 4 on",
-    "the bench VM. Concurrent writers get the tensors of the largest size first, then the rest in plan order",
-    "(which repeats each layer's sizes, so the pooled buffers are reused): the run then ends 0.05-0.08 s after",
-    "its last direct write. Sorting every tensor by size ends it 0.02 s after, but each size class then needs",
-    "fresh buffers: 517,000 minor faults instead of 344,000, 100 MB more memory.",
-    "(4.17 GB hf-ranks tp 8 -> 4 on the 2-core bench VM: 0.46 CPU-s of faults, 1.0 of BLAKE3 and 0.36 of the check",
-    "conversion drops from ~800 to ~280 MB.",
-    "CPU-s on the bench VM), so it streams on a disk too, each block on the 4 KB phase of where it is written, ending at",  # noqa: E501
-    "# large enough that the Python calls per block are few (paired runs of a 4.17 GB tp 8 -> 4 in tmpfs on the bench",
-    "# VM: 4 MB blocks took 0.95 x the CPU of 1 MB ones, user 0.91 x).",
-    "# time on every core (64 MB on the bench VM: 64 CPU-ms, and its OpenMP threads spin after each call; numpy on",
-    "# 8-byte words: 9 CPU-ms)",
-    "for both checks. A 4.17 GB tp 4 output in tmpfs: 8.4 CPU-s and 4.3 GB before, 0.04 CPU-s and no torch now.",
-}
-
-
 def prose_lines(source: str) -> list[tuple[int, str]]:
     """``(line number, text)`` of every comment and docstring line of a module's source."""
     lines: list[tuple[int, str]] = []
@@ -126,16 +104,10 @@ def test_the_scan_reads_comments_and_docstrings_not_code() -> None:
     assert figures_in(source) == []
 
 
-def test_each_line_left_for_the_rewrite_is_one_the_scan_flags() -> None:
-    """The list holds figures only: a line there that the scan would pass anyway is a typo or a stale copy."""
-    assert [line for line in sorted(NOT_YET_REWRITTEN) if not figures_in(f"# {line}\n")] == []
-
-
 def test_no_benchmark_figure_in_the_code() -> None:
     found = [
         f"{path.relative_to(PACKAGE.parent)}:{number}: {text}"
         for path in sorted(PACKAGE.rglob("*.py"))
         for number, text in figures_in(path.read_text(encoding="utf-8"))
-        if text not in NOT_YET_REWRITTEN
     ]
     assert found == [], "say why in one line and point to docs/performance.md, where the figure lives with its command"

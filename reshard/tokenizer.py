@@ -73,7 +73,7 @@ class NamedTokenizer:
         origin: which field names it (``the args' tokenizer_model``).
         folder: a Hugging Face tokenizer's folder, when it is on this machine.
         kind: :data:`HF_TOKENIZER`, or the Megatron-LM tokenizer whose ids a transformers tokenizer made from
-            ``files`` gives (see :mod:`reshard.mappings.megatron_tokenizer`).
+            ``files`` gives (see :mod:`reshard.mappings.megatron.tokenizer`).
         files: a Megatron tokenizer's files, when they are on this machine (``vocab_file`` and ``merge_file``, or
             ``tokenizer_model``).
         refused: why no transformers tokenizer gives this one's ids (None: it can be carried).

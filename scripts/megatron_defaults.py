@@ -1,4 +1,4 @@
-"""Write ``reshard/mappings/megatron_defaults.py``: Megatron-LM's argument defaults, read from its source with ``ast``.
+"""Write ``reshard/megatron/defaults.py``: Megatron-LM's argument defaults, read from its source with ``ast``.
 
 reshard refuses a Megatron argument its table does not know unless it is at its default; this script records
 what "its default" is, per Megatron-LM release, without importing Megatron-LM (its ``arguments.py`` imports
@@ -18,7 +18,7 @@ Regenerate (Megatron-LM mirrored as a bare git repository, e.g. by ``git clone -
 
     python scripts/megatron_defaults.py /path/to/Megatron-LM.git core_v0.16.1 core_v0.19.0
 
-and commit the rewritten ``reshard/mappings/megatron_defaults.py`` with the tags named in the commit message.
+and commit the rewritten ``reshard/megatron/defaults.py`` with the tags named in the commit message.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 ARGUMENTS = "megatron/training/arguments.py"
-OUT = Path(__file__).resolve().parents[1] / "reshard" / "mappings" / "megatron_defaults.py"
+OUT = Path(__file__).resolve().parents[1] / "reshard" / "megatron" / "defaults.py"
 _UNKNOWN = object()  # a default that is not a literal
 
 

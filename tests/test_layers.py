@@ -20,11 +20,11 @@ DOMAIN = {
     "sizes",
     "schema",
     "ranks",
-    "megatron_model",
     "version",
     "tokenizer",
 }
 PACKAGES = {
+    "megatron": "domain",  # reshard/megatron/: Megatron's pure knowledge (the name table is mappings/megatron/)
     "io": "io",
     "formats": "formats",
     "layouts": "layouts",

@@ -23,7 +23,7 @@ from reshard.engine.planner import (
 from reshard.errors import AmbiguousPartitionError, MappingError, PlanError, ReshardError
 from reshard.layouts import LayoutSpec, SourceCheckpoint, TargetSpec, layout, target_layout
 from reshard.mappings import HF, MappingChoice, choose_mapping, naming_of, require_true_vocab, sizing_config
-from reshard.mappings.megatron_gpt import MEGATRON
+from reshard.mappings.megatron.gpt import MEGATRON
 from reshard.mappings.torchtitan_llama import TORCHTITAN
 from reshard.options import ConvertOptions
 from reshard.partition import Partition, Replicate, Vocab, head_replicas

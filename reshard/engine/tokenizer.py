@@ -21,7 +21,7 @@ from typing import Any
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
 from reshard.layouts import LayoutSpec, SourceCheckpoint
-from reshard.megatron_model import arg, true_vocab_size
+from reshard.megatron.model import arg, true_vocab_size
 from reshard.tokenizer import (
     GENERATION_CONFIG,
     HF_TOKENIZER,
@@ -48,7 +48,7 @@ __all__ = [
 def choose_tokenizer(source: SourceCheckpoint, option: Path | str | None) -> Tokenizer | None:
     """``--tokenizer`` (a folder, else a Hub repo), else the tokenizer the source names when its files are here: a
     Hugging Face folder as it is, a Megatron tokenizer made into the transformers tokenizer of the same ids
-    (:mod:`reshard.mappings.megatron_tokenizer`). One that cannot be had exactly is said in the notes, never guessed.
+    (:mod:`reshard.mappings.megatron.tokenizer`). One that cannot be had exactly is said in the notes, never guessed.
 
     Raises:
         ReshardError: ``--tokenizer`` names no tokenizer, or a repo that cannot be fetched.
@@ -72,7 +72,7 @@ def choose_tokenizer(source: SourceCheckpoint, option: Path | str | None) -> Tok
     try:
         if named.folder is not None:
             return read_tokenizer(named.folder, f"{named.origin} {named.folder}")
-        from reshard.mappings.megatron_tokenizer import megatron_tokenizer
+        from reshard.mappings.megatron.tokenizer import megatron_tokenizer
 
         return megatron_tokenizer(named)
     except ReshardError as err:  # the files the args name do not make the tokenizer: said, not fatal

@@ -4,8 +4,8 @@
 renamed (and fused tensors split or merged) on the way, and what the target's config is: the target
 layout decides the names (``hf`` and ``hf-ranks`` mean transformers' names, loadable by
 ``from_pretrained``; ``megatron`` means Megatron's), and ``--keep-names`` keeps the source's. Each family
-pair is a table in its own module (``megatron_gpt.py``, ``torchtitan_llama.py``); configs are translated in
-``megatron_config.py`` and ``torchtitan_config.py``.
+pair is a table in its own module (``megatron/gpt.py``, ``torchtitan_llama.py``); configs are translated in
+:mod:`reshard.megatron.config` and ``torchtitan_config.py``.
 
 torchtitan's names are mapped to transformers' only: no target layout means torchtitan's (the ``dcp`` layout is
 read, not written), and torchtitan reads transformers' checkpoints itself (``initial_load_in_hf``, through the
@@ -23,7 +23,11 @@ from reshard.config import ModelConfig
 from reshard.errors import MappingError
 from reshard.layouts import SourceCheckpoint, find_layout
 from reshard.mappings.base import Entry, MappedGroup, Mapping
-from reshard.mappings.megatron_config import (
+from reshard.mappings.megatron.gpt import DENSE_FAMILIES, MEGATRON, MLA_FAMILIES, MOE_FAMILIES, megatron_to_hf
+from reshard.mappings.torchtitan_config import llama_config, titan_model
+from reshard.mappings.torchtitan_llama import SIGNATURE as TORCHTITAN_SIGNATURE
+from reshard.mappings.torchtitan_llama import TORCHTITAN, torchtitan_to_hf
+from reshard.megatron.config import (
     config_disagreements,
     gpt_shape_from_args,
     gpt_shape_from_hf,
@@ -31,11 +35,7 @@ from reshard.mappings.megatron_config import (
     hf_family,
     megatron_args,
 )
-from reshard.mappings.megatron_gpt import DENSE_FAMILIES, MEGATRON, MLA_FAMILIES, MOE_FAMILIES, megatron_to_hf
-from reshard.mappings.torchtitan_config import llama_config, titan_model
-from reshard.mappings.torchtitan_llama import SIGNATURE as TORCHTITAN_SIGNATURE
-from reshard.mappings.torchtitan_llama import TORCHTITAN, torchtitan_to_hf
-from reshard.megatron_model import config_from_args
+from reshard.megatron.model import config_from_args
 from reshard.plans.megatron import SIGNATURE as MEGATRON_SIGNATURE
 
 __all__ = [

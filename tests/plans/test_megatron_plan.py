@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from fixtures.megatron import TINY, megatron_args
 
-from reshard.megatron_model import config_from_args
+from reshard.megatron.model import config_from_args
 from reshard.partition import Grouped, Packed, Replicate, Shard, Vocab
 from reshard.plans import detect_family
 from reshard.plans.megatron import MEGATRON_PLAN

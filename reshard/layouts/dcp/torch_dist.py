@@ -39,7 +39,7 @@ from reshard.layouts.dcp.nemo import NEMO_WEIGHTS, nemo_args, nemo_side_files, n
 from reshard.layouts.dcp.torch_dist_common import read_common
 from reshard.layouts.megatron.facts import MegatronFacts
 from reshard.layouts.megatron.reader import read_tracker
-from reshard.megatron_model import arg, config_from_args, count_problems, named_tokenizer
+from reshard.megatron.model import arg, config_from_args, count_problems, named_tokenizer
 from reshard.options import ReadOptions
 from reshard.sizes import human_bytes
 

@@ -26,7 +26,7 @@ from reshard.layouts.base import NoteScope, SourceCheckpoint
 from reshard.layouts.megatron.facts import MegatronFacts
 from reshard.layouts.megatron.file import MegatronFile
 from reshard.layouts.megatron.merge import merge_stages
-from reshard.megatron_model import (
+from reshard.megatron.model import (
     arg,
     config_from_args,
     count_problems,

@@ -41,7 +41,7 @@ ARGS_SIZES = (
     "tensor_model_parallel_size",
     "pipeline_model_parallel_size",
 )
-# Megatron-LM's tokenizer types carried into a transformers tokenizer (reshard.mappings.megatron_tokenizer).
+# Megatron-LM's tokenizer types carried into a transformers tokenizer (reshard.mappings.megatron.tokenizer).
 GPT2_BPE = "GPT2BPETokenizer"
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 

@@ -5,7 +5,8 @@ Everything vocab-specific is here, so that "where is the vocab unpadded" has one
 * **The true size** (:func:`resolve_vocab`): ``--vocab``, else the ``reshard.json`` beside the checkpoint,
   else the config. Never guessed from padded rows: frameworks pad the embedding and output tables at
   the tail (Megatron to ``make_vocab_size_divisible_by * tp``, ColossalAI to ``64 * tp``, reshard to tp).
-* **Padded sizes** (:func:`padded_size`, :func:`megatron_pad_multiple`): the rows a target tp needs.
+* **Padded sizes** (:func:`padded_size`; Megatron's multiple is :mod:`reshard.megatron.vocab`): the rows a target tp
+  needs.
 * **Pad rows** (:func:`cut_pad_rows`): the one place rows past the true size are dropped when a vocab
   tensor is gathered; whatever they hold is not data.
 * **The pad limit** (:func:`is_padded_vocab`): how many rows past the vocab can still be padding.
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from reshard.errors import MissingRankError, ReshardError, ShapeMismatchError
+from reshard.megatron.vocab import megatron_pad_multiple
 from reshard.partition import MAX_VOCAB_PAD_PER_RANK, Partition, Vocab
 
 if TYPE_CHECKING:
@@ -71,7 +73,6 @@ VOCAB_NAME = re.compile(
 # Per-rank pad multiples frameworks use (ColossalAI make_vocab_size_divisible_by 64, Megatron 128).
 PAD_MULTIPLES = (1, 2, 4, 8, 16, 32, 64, 128)
 MAX_TP = 64
-DEFAULT_MEGATRON_MULTIPLE = 128  # Megatron's --make-vocab-size-divisible-by default
 
 Rows = TypeVar("Rows")
 
@@ -186,11 +187,6 @@ def round_up(size: int, multiple: int) -> int:
 def padded_size(size: int, multiple: int, *, uneven: bool = False) -> int:
     """Rows a vocab of ``size`` is padded to: a multiple of ``multiple``, or none at all when split ``uneven``."""
     return size if uneven else round_up(size, multiple)
-
-
-def megatron_pad_multiple(divisible_by: int | None, tp: int) -> int:
-    """Megatron pads the vocab to ``make_vocab_size_divisible_by * tp`` rows (128 * tp by default)."""
-    return int(divisible_by or DEFAULT_MEGATRON_MULTIPLE) * tp
 
 
 def padded_sizes_possible(rows: int, source_multiple: int, target_multiple: int) -> dict[int, range]:
@@ -416,7 +412,7 @@ def tokenizer_disagreement(
     if recorded is not None and recorded != size:
         return f"the args say vocab_size={recorded}, but {said}"
     if padded is not None and tp is not None:
-        step = int(multiple or DEFAULT_MEGATRON_MULTIPLE) * tp
+        step = megatron_pad_multiple(multiple, tp)
         if round_up(size, step) != padded:
             return (
                 f"the args say padded_vocab_size={padded}, but {said}, which Megatron-LM pads to "

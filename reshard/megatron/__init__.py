@@ -3,6 +3,7 @@ read it here.
 
 * :mod:`~reshard.megatron.model`: what Megatron's pickled ``args`` say of the model (its shape as a
   :class:`~reshard.config.ModelConfig`, its true vocab size, the tokenizer they name, layer and expert counts).
+* :mod:`~reshard.megatron.vocab`: the multiple Megatron pads its vocab to.
 * :mod:`~reshard.megatron.args`: every Megatron-LM argument classified (carried, irrelevant or refused), against
   :mod:`~reshard.megatron.defaults` (Megatron-LM's defaults per release, written by ``scripts/megatron_defaults.py``).
 * :mod:`~reshard.megatron.config`: a Megatron GPT's architecture and the ``config.json`` of the same model.

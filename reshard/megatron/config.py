@@ -28,7 +28,7 @@ from reshard.config import ModelConfig
 from reshard.errors import MappingError
 from reshard.megatron.args import args_problems, check_args
 from reshard.megatron.model import arg
-from reshard.vocab import DEFAULT_MEGATRON_MULTIPLE
+from reshard.megatron.vocab import DEFAULT_MEGATRON_MULTIPLE
 
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from reshard.config import ModelConfig
+from reshard.megatron.vocab import DEFAULT_MEGATRON_MULTIPLE
 from reshard.schema import check_ints
 from reshard.tokenizer import HF_TOKENIZER, NamedTokenizer
-from reshard.vocab import DEFAULT_MEGATRON_MULTIPLE
 
 __all__ = [
     "ARGS_SIZES",

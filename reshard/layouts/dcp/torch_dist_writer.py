@@ -49,7 +49,7 @@ from reshard.layouts.megatron.facts import MegatronFacts
 from reshard.layouts.megatron.reader import TRACKER
 from reshard.layouts.megatron.writer import CHECKPOINT_VERSION, megatron_args_of, megatron_facts
 from reshard.megatron.model import arg
-from reshard.vocab import megatron_pad_multiple
+from reshard.megatron.vocab import megatron_pad_multiple
 
 if TYPE_CHECKING:
     import torch

@@ -22,7 +22,8 @@ from reshard.layouts.megatron.reader import FILE_NAME, TRACKER
 from reshard.layouts.megatron.stages import LAYER, layer_of, stage_of, stage_of_layers, with_layer
 from reshard.layouts.torch_rank_writer import RankFilePlan, TorchRanksWriter
 from reshard.megatron.model import arg
-from reshard.vocab import megatron_pad_multiple, padded_sizes_possible
+from reshard.megatron.vocab import megatron_pad_multiple
+from reshard.vocab import padded_sizes_possible
 
 CHECKPOINT_VERSION = 3.0  # what Megatron-LM writes today (QKV interleaved per query group)
 EMBEDDING = ("embedding.word_embeddings.weight", "language_model.embedding.word_embeddings.weight")

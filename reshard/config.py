@@ -1,4 +1,5 @@
-"""The model's dimensions, read from ``config.json`` (or built by a layout from its own metadata).
+"""The model's dimensions, read from ``config.json`` (or built by a layout from its own metadata), and the base of the
+typed facts a layout reads beside it (:class:`SourceFacts`).
 
 Plans and inference ask this object for sizes by name (``hidden_size``, ``head_dim``, ...) so that no
 part size is a literal in the code.
@@ -220,3 +221,11 @@ def find_config(ckpt: Path, explicit: Path | None = None, *, levels: int = 3) ->
         if (candidate / CONFIG_NAME).is_file():
             return load_config(candidate / CONFIG_NAME)
     return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SourceFacts:
+    """What a layout read beside the tensors and the config that a writer or a mapping uses; each layout that
+    reads more (an iteration, a tracker, rank file names, a framework's arguments) subclasses it. It lives in the
+    domain, not with the layouts, so that a family's facts (:class:`reshard.megatron.facts.MegatronFacts`) can be
+    read and made by the mappings and the engine, which import no layout package."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from reshard.config import ModelConfig
+from reshard.config import ModelConfig, SourceFacts
 from reshard.dtypes import TensorHeader, name_of
 from reshard.engine.open import OpenedCheckpoint
 from reshard.engine.planner import (
@@ -57,9 +57,9 @@ class TargetPlan:
     notes: tuple[str, ...] = ()
 
     @property
-    def megatron_args(self) -> Any:
-        """The Megatron args the mapping made for a Megatron target whose source has none."""
-        return self.mapping.args if self.mapping is not None else None
+    def layout_facts(self) -> SourceFacts | None:
+        """The facts the mapping made for the target (a Megatron target's args when its source has none)."""
+        return self.mapping.layout_facts if self.mapping is not None else None
 
 
 def planned_tp(name: str | None, tp: int) -> int:
@@ -105,8 +105,8 @@ def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> TargetPlan
         tensors, groups, dropped, problems, notes = _recast(opened, options.dtype)
     writer = spec.writer
     writer.check_names(_target_names(opened, groups), source)
-    args = choice.args if choice is not None else None
-    pad_multiple = options.pad_multiple or writer.pad_multiple(options.tp, source, args)
+    facts = choice.layout_facts if choice is not None else None
+    pad_multiple = options.pad_multiple or writer.pad_multiple(options.tp, source, facts)
     if opened.vocab.original is None:
         rows = source_padded_rows(opened.tensors)
         problems += writer.vocab_problems(source, padded_rows=rows, pad_multiple=pad_multiple or options.tp)
@@ -159,7 +159,7 @@ def target_spec(target: TargetPlan, options: ConvertOptions) -> TargetSpec:
         padded_vocab_size=vocab.target_padded,
         max_shard_size=options.max_shard_size,
         source=conversion.source,
-        megatron_args=target.megatron_args,
+        layout_facts=target.layout_facts,
         requested_tp=options.tp,
         pp=options.pp,
     )

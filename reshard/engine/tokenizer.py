@@ -21,6 +21,7 @@ from typing import Any
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
 from reshard.layouts import LayoutSpec, SourceCheckpoint
+from reshard.megatron.facts import args_of
 from reshard.megatron.model import arg, true_vocab_size
 from reshard.tokenizer import (
     GENERATION_CONFIG,
@@ -97,7 +98,7 @@ def with_tokenizer_vocab(source: SourceCheckpoint, tokenizer: Tokenizer, explici
     Raises:
         ReshardError: the tokenizer's size disagrees with ``--vocab``, Megatron's args, or the embedding.
     """
-    config, args = source.config, source.facts.megatron_args
+    config, args = source.config, args_of(source.facts)
     if tokenizer.size is None:
         return config
     from_args = config is not None and config.raw.get("model_type") == "megatron"

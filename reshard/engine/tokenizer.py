@@ -22,7 +22,7 @@ from reshard.config import ModelConfig
 from reshard.errors import ReshardError
 from reshard.layouts import LayoutSpec, SourceCheckpoint
 from reshard.megatron.facts import args_of
-from reshard.megatron.model import arg, true_vocab_size
+from reshard.megatron.model import MODEL_TYPE, arg, true_vocab_size
 from reshard.tokenizer import (
     GENERATION_CONFIG,
     HF_TOKENIZER,
@@ -101,7 +101,7 @@ def with_tokenizer_vocab(source: SourceCheckpoint, tokenizer: Tokenizer, explici
     config, args = source.config, args_of(source.facts)
     if tokenizer.size is None:
         return config
-    from_args = config is not None and config.raw.get("model_type") == "megatron"
+    from_args = config is not None and config.raw.get("model_type") == MODEL_TYPE
     problem = tokenizer_disagreement(
         tokenizer.size,
         tokenizer.origin,

@@ -19,6 +19,7 @@ from reshard.tokenizer import HF_TOKENIZER, NamedTokenizer
 __all__ = [
     "ARGS_SIZES",
     "GPT2_BPE",
+    "MODEL_TYPE",
     "SENTENCEPIECE_TYPES",
     "arg",
     "config_from_args",
@@ -28,6 +29,8 @@ __all__ = [
     "vocab_from_tokenizer_files",
 ]
 
+# The model_type of the config the args give (:func:`config_from_args`): what plans and checks know it by.
+MODEL_TYPE = "megatron"
 # Args that size the model: positive integers when set (checked before any arithmetic on them).
 ARGS_SIZES = (
     "hidden_size",
@@ -163,7 +166,7 @@ def config_from_args(args: Any, path: Path) -> ModelConfig | None:
     check_ints(((f"args.{key}", arg(args, key)) for key in ARGS_SIZES), path=path)
     groups = arg(args, "num_query_groups") if arg(args, "group_query_attention", False) else None
     raw: dict[str, Any] = {
-        "model_type": "megatron",
+        "model_type": MODEL_TYPE,
         "hidden_size": hidden,
         "num_attention_heads": heads,
         "num_key_value_heads": groups or heads,

@@ -1,4 +1,6 @@
-"""The model's dimensions, read from ``config.json`` (or built by a layout from its own metadata).
+"""The model's dimensions, read from ``config.json`` (or built by a layout from its own metadata), the base of the
+typed facts a layout reads beside it (:class:`SourceFacts`), and the tokenizer a source names
+(:class:`NamedTokenizer`; its files are read by :mod:`reshard.formats.tokenizer`).
 
 Plans and inference ask this object for sizes by name (``hidden_size``, ``head_dim``, ...) so that no
 part size is a literal in the code.
@@ -220,3 +222,43 @@ def find_config(ckpt: Path, explicit: Path | None = None, *, levels: int = 3) ->
         if (candidate / CONFIG_NAME).is_file():
             return load_config(candidate / CONFIG_NAME)
     return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SourceFacts:
+    """What a layout read beside the tensors and the config that a writer or a mapping uses; each layout that
+    reads more (an iteration, a tracker, rank file names, a framework's arguments) subclasses it. It lives in the
+    domain, not with the layouts, so that a family's facts (:class:`reshard.megatron.facts.MegatronFacts`) can be
+    read and made by the mappings and the engine, which import no layout package."""
+
+
+# NamedTokenizer.kind of a Hugging Face tokenizer folder (Megatron's HuggingFaceTokenizer, NeMo's context).
+HF_TOKENIZER = "HuggingFaceTokenizer"
+
+
+@dataclass(frozen=True)
+class NamedTokenizer:
+    """The tokenizer a source names (Megatron's args, NeMo's context).
+
+    Attributes:
+        name: as the source names it (a path, a Hub id, a Megatron tokenizer's files), for messages; "" when the
+            args name a Megatron tokenizer's type but not its files.
+        origin: which field names it (``the args' tokenizer_model``).
+        folder: a Hugging Face tokenizer's folder, when it is on this machine.
+        kind: :data:`HF_TOKENIZER`, or the Megatron-LM tokenizer whose ids a transformers tokenizer made from
+            ``files`` gives (see :mod:`reshard.mappings.megatron.tokenizer`).
+        files: a Megatron tokenizer's files, when they are on this machine (``vocab_file`` and ``merge_file``, or
+            ``tokenizer_model``).
+        refused: why no transformers tokenizer gives this one's ids (None: it can be carried).
+        extra_ids: Megatron's ``vocab_extra_ids`` (``<extra_id_N>`` tokens its SentencePieceTokenizer appends).
+        core: Megatron-Core's tokenizer system made the ids, not Megatron-LM's legacy tokenizers.
+    """
+
+    name: str
+    origin: str
+    folder: Path | None = None
+    kind: str = HF_TOKENIZER
+    files: tuple[Path, ...] = ()
+    refused: str | None = None
+    extra_ids: int = 0
+    core: bool = False

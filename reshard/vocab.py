@@ -6,7 +6,7 @@ Everything vocab-specific is here, so that "where is the vocab unpadded" has one
   else the config. Never guessed from padded rows: frameworks pad the embedding and output tables at
   the tail (Megatron to ``make_vocab_size_divisible_by * tp``, ColossalAI to ``64 * tp``, reshard to tp).
 * **Padded sizes and pad rows**: the arithmetic is :mod:`reshard.geometry.padding` (one geometry for every cut);
-  :func:`megatron_pad_multiple` is the multiple Megatron pads to.
+  Megatron's multiple is :mod:`reshard.megatron.vocab`.
 * **The short-slice diagnosis** (:func:`check_vocab_rows`), the field case of ColossalAI#6108 / #6167: a
   trainer pads the vocab to a multiple of ``m * tp`` and one rank's slice is saved as if it were the
   whole tensor, e.g. 32768 rows for a vocab of 65535 at tp 2, or 16064 rows for 128256 at tp 8 with
@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from reshard.errors import MissingRankError, ReshardError, ShapeMismatchError
 from reshard.geometry import Partition, Vocab
 from reshard.geometry.padding import MAX_VOCAB_PAD_PER_RANK, round_up
+from reshard.megatron.vocab import megatron_pad_multiple
 
 if TYPE_CHECKING:
     from reshard.config import ModelConfig
@@ -70,7 +71,6 @@ VOCAB_NAME = re.compile(
 # Per-rank pad multiples frameworks use (ColossalAI make_vocab_size_divisible_by 64, Megatron 128).
 PAD_MULTIPLES = (1, 2, 4, 8, 16, 32, 64, 128)
 MAX_TP = 64
-DEFAULT_MEGATRON_MULTIPLE = 128  # Megatron's --make-vocab-size-divisible-by default
 
 
 
@@ -176,9 +176,6 @@ def require_vocab(vocab: VocabPlan, *, path: Any, config: ModelConfig | None) ->
     )
 
 
-def megatron_pad_multiple(divisible_by: int | None, tp: int) -> int:
-    """Megatron pads the vocab to ``make_vocab_size_divisible_by * tp`` rows (128 * tp by default)."""
-    return int(divisible_by or DEFAULT_MEGATRON_MULTIPLE) * tp
 
 
 def padded_sizes_possible(rows: int, source_multiple: int, target_multiple: int) -> dict[int, range]:
@@ -389,7 +386,7 @@ def tokenizer_disagreement(
     if recorded is not None and recorded != size:
         return f"the args say vocab_size={recorded}, but {said}"
     if padded is not None and tp is not None:
-        step = int(multiple or DEFAULT_MEGATRON_MULTIPLE) * tp
+        step = megatron_pad_multiple(multiple, tp)
         if round_up(size, step) != padded:
             return (
                 f"the args say padded_vocab_size={padded}, but {said}, which Megatron-LM pads to "

@@ -16,13 +16,13 @@ DOMAIN = {
     "manifest",
     "vocab",
     "options",
-    "progress",
     "sizes",
     "schema",
     "ranks",
     "version",
 }
 PACKAGES = {
+    "megatron": "domain",  # reshard/megatron/: Megatron's pure knowledge (the name table is mappings/megatron/)
     "io": "io",
     "formats": "formats",
     "layouts": "layouts",
@@ -32,9 +32,6 @@ PACKAGES = {
     "mappings": "mappings",
 }
 PACKAGES |= {"engine": "engine"}
-# Not domain since tokenizer.py moved into formats/ (issue 43): it builds formats.tokenizer's NamedTokenizer, and only
-# layouts/, mappings/ and engine/ import it. It leaves the top of reshard/ with the rest of Megatron's knowledge.
-PACKAGES |= {"megatron_model": "formats"}
 PACKAGES |= {"commands": "commands", "cli": "front", "testing": "front", "__main__": "front"}
 
 

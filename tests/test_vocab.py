@@ -12,7 +12,7 @@ from reshard.config import ModelConfig
 from reshard.errors import ShapeMismatchError
 from reshard.geometry import cut_pad_rows, is_padded_vocab, padded_size
 from reshard.manifest import Manifest, VocabRecord
-from reshard.vocab import explain, megatron_pad_multiple, resolve_vocab
+from reshard.vocab import explain, resolve_vocab
 
 
 def test_explain_the_colossalai_6108_shape():
@@ -38,7 +38,6 @@ def test_the_true_vocab_comes_from_the_flag_then_the_manifest_then_the_config():
 
 def test_padded_sizes():
     assert padded_size(65535, 2) == 65536 and padded_size(65535, 2, uneven=True) == 65535
-    assert megatron_pad_multiple(None, 8) == 1024 and megatron_pad_multiple(64, 8) == 512
     assert is_padded_vocab(65536, 65535, 2) and is_padded_vocab(65535, 65535, 1)
     assert not is_padded_vocab(65534, 65535, 2) and not is_padded_vocab(65535 + 2048, 65535, 2)
     assert not is_padded_vocab(65536, None, 2)

@@ -24,11 +24,11 @@ from reshard.engine.planner import SourceTensor
 from reshard.engine.run import open_for_conversion, run_conversion
 from reshard.engine.stream import canonical_digest
 from reshard.errors import DivergentReplicaError, PlanError, ReshardError, ShapeMismatchError
+from reshard.io.progress import progress_bar
 from reshard.io.staging import temporary_folder
 from reshard.manifest import TensorEntry, find_manifest
 from reshard.mappings import HF, naming_of
 from reshard.options import ConvertOptions, ReadOptions, check_tp, cores
-from reshard.progress import progress_bar
 
 if TYPE_CHECKING:
     import torch

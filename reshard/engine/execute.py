@@ -43,8 +43,8 @@ from typing import TYPE_CHECKING, Any
 from reshard.engine.buffers import Budget, budget_for
 from reshard.engine.stream import RowBlocks, Streamed, in_memory_unit, stream, stream_plan, streams_to
 from reshard.engine.work import Work, check_fits, plan_work
+from reshard.io.progress import progress_bar
 from reshard.layouts.base import CheckpointWriter, TensorRef
-from reshard.progress import progress_bar
 
 if TYPE_CHECKING:
     from reshard.engine.gathered import GatherJobs, Written

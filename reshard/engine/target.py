@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from reshard.config import ModelConfig
+from reshard.config import ModelConfig, SourceFacts
 from reshard.dtypes import TensorHeader, name_of
 from reshard.engine.open import OpenedCheckpoint
 from reshard.engine.planner import (
@@ -23,7 +23,7 @@ from reshard.errors import AmbiguousPartitionError, MappingError, PlanError, Res
 from reshard.geometry import Partition, Vocab, head_replicas, tps_that_split
 from reshard.layouts import LayoutSpec, SourceCheckpoint, TargetSpec, layout, target_layout
 from reshard.mappings import HF, MappingChoice, choose_mapping, naming_of, require_true_vocab, sizing_config
-from reshard.mappings.megatron_gpt import MEGATRON
+from reshard.mappings.megatron.gpt import MEGATRON
 from reshard.mappings.torchtitan_llama import TORCHTITAN
 from reshard.options import ConvertOptions
 from reshard.plans import select_plan
@@ -56,9 +56,9 @@ class TargetPlan:
     notes: tuple[str, ...] = ()
 
     @property
-    def megatron_args(self) -> Any:
-        """The Megatron args the mapping made for a Megatron target whose source has none."""
-        return self.mapping.args if self.mapping is not None else None
+    def layout_facts(self) -> SourceFacts | None:
+        """The facts the mapping made for the target (a Megatron target's args when its source has none)."""
+        return self.mapping.layout_facts if self.mapping is not None else None
 
 
 def planned_tp(name: str | None, tp: int) -> int:
@@ -104,8 +104,8 @@ def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> TargetPlan
         tensors, groups, dropped, problems, notes = _recast(opened, options.dtype)
     writer = spec.writer
     writer.check_names(_target_names(opened, groups), source)
-    args = choice.args if choice is not None else None
-    pad_multiple = options.pad_multiple or writer.pad_multiple(options.tp, source, args)
+    facts = choice.layout_facts if choice is not None else None
+    pad_multiple = options.pad_multiple or writer.pad_multiple(options.tp, source, facts)
     if opened.vocab.original is None:
         rows = source_padded_rows(opened.tensors)
         problems += writer.vocab_problems(source, padded_rows=rows, pad_multiple=pad_multiple or options.tp)
@@ -158,7 +158,7 @@ def target_spec(target: TargetPlan, options: ConvertOptions) -> TargetSpec:
         padded_vocab_size=vocab.target_padded,
         max_shard_size=options.max_shard_size,
         source=conversion.source,
-        megatron_args=target.megatron_args,
+        layout_facts=target.layout_facts,
         requested_tp=options.tp,
         pp=options.pp,
     )

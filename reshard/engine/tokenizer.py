@@ -29,7 +29,8 @@ from reshard.formats.tokenizer import (
     read_tokenizer,
 )
 from reshard.layouts import LayoutSpec, SourceCheckpoint
-from reshard.megatron_model import arg, true_vocab_size
+from reshard.megatron.facts import args_of
+from reshard.megatron.model import MODEL_TYPE, arg, true_vocab_size
 from reshard.vocab import tokenizer_disagreement
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ __all__ = [
 def choose_tokenizer(source: SourceCheckpoint, option: Path | str | None) -> Tokenizer | None:
     """``--tokenizer`` (a folder, else a Hub repo), else the tokenizer the source names when its files are here: a
     Hugging Face folder as it is, a Megatron tokenizer made into the transformers tokenizer of the same ids
-    (:mod:`reshard.mappings.megatron_tokenizer`). One that cannot be had exactly is said in the notes, never guessed.
+    (:mod:`reshard.mappings.megatron.tokenizer`). One that cannot be had exactly is said in the notes, never guessed.
 
     Raises:
         ReshardError: ``--tokenizer`` names no tokenizer, or a repo that cannot be fetched.
@@ -72,7 +73,7 @@ def choose_tokenizer(source: SourceCheckpoint, option: Path | str | None) -> Tok
     try:
         if named.folder is not None:
             return read_tokenizer(named.folder, f"{named.origin} {named.folder}")
-        from reshard.mappings.megatron_tokenizer import megatron_tokenizer
+        from reshard.mappings.megatron.tokenizer import megatron_tokenizer
 
         return megatron_tokenizer(named)
     except ReshardError as err:  # the files the args name do not make the tokenizer: said, not fatal
@@ -97,10 +98,10 @@ def with_tokenizer_vocab(source: SourceCheckpoint, tokenizer: Tokenizer, explici
     Raises:
         ReshardError: the tokenizer's size disagrees with ``--vocab``, Megatron's args, or the embedding.
     """
-    config, args = source.config, source.facts.megatron_args
+    config, args = source.config, args_of(source.facts)
     if tokenizer.size is None:
         return config
-    from_args = config is not None and config.raw.get("model_type") == "megatron"
+    from_args = config is not None and config.raw.get("model_type") == MODEL_TYPE
     problem = tokenizer_disagreement(
         tokenizer.size,
         tokenizer.origin,

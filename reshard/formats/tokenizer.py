@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from reshard.config import HF_TOKENIZER, NamedTokenizer
 from reshard.errors import CorruptFileError, ReshardError, shown
 
 __all__ = [
@@ -59,36 +60,6 @@ MAX_FILE_BYTES = 256 << 20
 _VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "tiktoken.model")
 
 
-# NamedTokenizer.kind of a Hugging Face tokenizer folder (Megatron's HuggingFaceTokenizer, NeMo's context).
-HF_TOKENIZER = "HuggingFaceTokenizer"
-
-
-@dataclass(frozen=True)
-class NamedTokenizer:
-    """The tokenizer a source names (Megatron's args, NeMo's context).
-
-    Attributes:
-        name: as the source names it (a path, a Hub id, a Megatron tokenizer's files), for messages; "" when the
-            args name a Megatron tokenizer's type but not its files.
-        origin: which field names it (``the args' tokenizer_model``).
-        folder: a Hugging Face tokenizer's folder, when it is on this machine.
-        kind: :data:`HF_TOKENIZER`, or the Megatron-LM tokenizer whose ids a transformers tokenizer made from
-            ``files`` gives (see :mod:`reshard.mappings.megatron_tokenizer`).
-        files: a Megatron tokenizer's files, when they are on this machine (``vocab_file`` and ``merge_file``, or
-            ``tokenizer_model``).
-        refused: why no transformers tokenizer gives this one's ids (None: it can be carried).
-        extra_ids: Megatron's ``vocab_extra_ids`` (``<extra_id_N>`` tokens its SentencePieceTokenizer appends).
-        core: Megatron-Core's tokenizer system made the ids, not Megatron-LM's legacy tokenizers.
-    """
-
-    name: str
-    origin: str
-    folder: Path | None = None
-    kind: str = HF_TOKENIZER
-    files: tuple[Path, ...] = ()
-    refused: str | None = None
-    extra_ids: int = 0
-    core: bool = False
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from reshard.config import ModelConfig
+from reshard.config import ModelConfig, SourceFacts
 from reshard.dtypes import TensorHeader
 from reshard.errors import ReshardError
 from reshard.formats.file_plan import FilePlan
@@ -77,19 +77,6 @@ class TensorRef:
     def evict(self) -> None:
         """Let the OS drop this slice's pages from its cache (once read, a conversion needs them no more)."""
         self.reader.evict(self.key)
-
-
-@dataclass(frozen=True, kw_only=True)
-class SourceFacts:
-    """What a layout read beside the tensors and the config that a writer or a mapping uses; each layout that
-    reads more (an iteration, a tracker, rank file names) subclasses it in its own package.
-
-    Attributes:
-        megatron_args: Megatron-LM's ``args`` namespace when the checkpoint records one (Megatron's ``torch``
-            format, ``torch_dist``, NeMo 2): the model's shape and the arguments a Megatron target keeps.
-    """
-
-    megatron_args: Any = None
 
 
 class NoteScope(Enum):
@@ -205,7 +192,8 @@ class TargetSpec:
         padded_vocab_size: the vocab size the vocab tensors are padded to at the target tp.
         max_shard_size: for safetensors outputs, the largest file before a new shard starts.
         source: the checkpoint being converted (layout writers read its ``facts``, ``extras``, ``top_level``).
-        megatron_args: the Megatron args a mapping made for a Megatron target whose source has none.
+        layout_facts: the facts a mapping made for the target (its layout's :class:`SourceFacts` subclass), which
+            its writer reads before the source's: a Megatron target's args when the source has none.
         requested_tp: the tp asked for (``--tp``); a layout of global tensors records it and writes ``tp`` 1.
         pp: pipeline stages to write (layouts without stages refuse more than one).
         done_files: data files (paths relative to the output folder) that a resumed run found complete: the
@@ -222,7 +210,7 @@ class TargetSpec:
     padded_vocab_size: int | None
     max_shard_size: int | str
     source: SourceCheckpoint
-    megatron_args: Any = None
+    layout_facts: SourceFacts | None = None
     requested_tp: int = 1
     pp: int = 1
     done_files: frozenset[str] = frozenset()
@@ -265,9 +253,9 @@ class CheckpointWriter:
         raise NotImplementedError
 
     @classmethod
-    def pad_multiple(cls, tp: int, source: SourceCheckpoint, megatron_args: Any) -> int | None:
+    def pad_multiple(cls, tp: int, source: SourceCheckpoint, layout_facts: SourceFacts | None) -> int | None:
         """The multiple the vocab is padded to for ``tp`` ranks when the user does not say (None: tp);
-        ``megatron_args`` are those a mapping made for the target, if any."""
+        ``layout_facts`` are those a mapping made for the target, if any (:attr:`TargetSpec.layout_facts`)."""
         return None
 
     @classmethod

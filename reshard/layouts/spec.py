@@ -6,7 +6,7 @@ reads and lists it in :data:`reshard.layouts.LAYOUTS`. The calls happen in this 
 
 0. ``detect(path)``: the registry tries the specs in their order; the first that says yes reads the folder;
 1. ``open(path, options)``: headers only, a :class:`~reshard.layouts.base.SourceCheckpoint` whose ``facts`` are
-   the layout's own :class:`~reshard.layouts.base.SourceFacts` subclass;
+   the layout's own :class:`~reshard.config.SourceFacts` subclass;
 2. for a conversion into it: ``writer`` (its class methods while planning: ``pad_multiple``, ``check_names``,
    ``vocab_problems``, ``replicated_heads_refusal``, then ``file_plan``; then an instance built from that file
    plan that receives the tensors);

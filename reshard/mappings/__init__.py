@@ -4,8 +4,8 @@
 renamed (and fused tensors split or merged) on the way, and what the target's config is: the target
 layout decides the names (``hf`` and ``hf-ranks`` mean transformers' names, loadable by
 ``from_pretrained``; ``megatron`` means Megatron's), and ``--keep-names`` keeps the source's. Each family
-pair is a table in its own module (``megatron_gpt.py``, ``torchtitan_llama.py``); configs are translated in
-``megatron_config.py`` and ``torchtitan_config.py``.
+pair is a table in its own module (``megatron/gpt.py``, ``torchtitan_llama.py``); configs are translated in
+:mod:`reshard.megatron.config` and ``torchtitan_config.py``.
 
 torchtitan's names are mapped to transformers' only: no target layout means torchtitan's (the ``dcp`` layout is
 read, not written), and torchtitan reads transformers' checkpoints itself (``initial_load_in_hf``, through the
@@ -19,11 +19,15 @@ from collections.abc import Mapping as MappingType
 from dataclasses import dataclass
 from typing import Any
 
-from reshard.config import ModelConfig
+from reshard.config import ModelConfig, SourceFacts
 from reshard.errors import MappingError
 from reshard.layouts import SourceCheckpoint, find_layout
 from reshard.mappings.base import Entry, MappedGroup, Mapping
-from reshard.mappings.megatron_config import (
+from reshard.mappings.megatron.gpt import DENSE_FAMILIES, MEGATRON, MLA_FAMILIES, MOE_FAMILIES, megatron_to_hf
+from reshard.mappings.torchtitan_config import llama_config, titan_model
+from reshard.mappings.torchtitan_llama import SIGNATURE as TORCHTITAN_SIGNATURE
+from reshard.mappings.torchtitan_llama import TORCHTITAN, torchtitan_to_hf
+from reshard.megatron.config import (
     config_disagreements,
     gpt_shape_from_args,
     gpt_shape_from_hf,
@@ -31,11 +35,8 @@ from reshard.mappings.megatron_config import (
     hf_family,
     megatron_args,
 )
-from reshard.mappings.megatron_gpt import DENSE_FAMILIES, MEGATRON, MLA_FAMILIES, MOE_FAMILIES, megatron_to_hf
-from reshard.mappings.torchtitan_config import llama_config, titan_model
-from reshard.mappings.torchtitan_llama import SIGNATURE as TORCHTITAN_SIGNATURE
-from reshard.mappings.torchtitan_llama import TORCHTITAN, torchtitan_to_hf
-from reshard.megatron_model import config_from_args
+from reshard.megatron.facts import MegatronFacts, args_of
+from reshard.megatron.model import config_from_args
 from reshard.plans.megatron import SIGNATURE as MEGATRON_SIGNATURE
 
 __all__ = [
@@ -55,11 +56,12 @@ HF = "hf"  # transformers' names (a layout's ``naming``)
 
 @dataclass(frozen=True)
 class MappingChoice:
-    """The mapping to apply and what the target needs to be written: its config and, for Megatron, its args."""
+    """The mapping to apply and what the target needs to be written: its config and the facts its layout's writer
+    reads (:attr:`reshard.layouts.base.TargetSpec.layout_facts`: for Megatron, the args made for the target)."""
 
     mapping: Mapping
     config: dict[str, Any] | None = None
-    args: Any = None
+    layout_facts: SourceFacts | None = None
 
     @property
     def target_config(self) -> ModelConfig | None:
@@ -116,7 +118,8 @@ def sizing_config(choice: MappingChoice, target_naming: str | None, source: Sour
     """The config the target's names are sized by: Megatron's names by the args (the mapping's, else the source's
     own), transformers' by the mapping's config."""
     if target_naming == MEGATRON:
-        return config_from_args(choice.args, None) if choice.args is not None else source.config
+        args = args_of(choice.layout_facts)
+        return config_from_args(args, None) if args is not None else source.config
     return choice.target_config
 
 
@@ -140,7 +143,7 @@ def _megatron_to_hf(source: SourceCheckpoint, *, vocab_size: int | None, dtype: 
     describe the model (a folder written with ``--keep-names``): its names stay.
     """
     config = source.config
-    args = source.facts.megatron_args
+    args = args_of(source.facts)
     if (
         config is not None and config.model_type in DENSE_FAMILIES + MOE_FAMILIES + MLA_FAMILIES
     ):  # --config gave the target's
@@ -196,4 +199,5 @@ def _hf_to_megatron(source: SourceCheckpoint, *, vocab_size: int | None) -> Mapp
     config = source.config
     family = config.model_type if config else None
     shape = gpt_shape_from_hf(config)
-    return MappingChoice(megatron_to_hf(family).inverse(), None, megatron_args(shape, vocab_size=vocab_size))
+    facts = MegatronFacts(args=megatron_args(shape, vocab_size=vocab_size))
+    return MappingChoice(megatron_to_hf(family).inverse(), None, facts)

@@ -27,8 +27,8 @@ from typing import Any
 
 from reshard.config import ModelConfig
 from reshard.errors import MappingError, shown
-from reshard.mappings.megatron_config import GPTShape, hf_config
 from reshard.mappings.torchtitan_flavors import FLAVORS, MAX_SEQ_LEN, NORM_EPS, ROPE_THETA, flavor
+from reshard.megatron.config import GPTShape, hf_config
 
 Shape = tuple[int, ...]
 _LAYER = re.compile(r"^layers\.(\d+)\.")

@@ -16,6 +16,10 @@
   the router and the shared-expert gate replicated.
 * Replicated: norms (``*.layer_norm_weight`` fused by Transformer Engine included), row-parallel biases,
   position embeddings, tensor-valued ``_extra_state``.
+
+The table stays here rather than in :mod:`reshard.megatron` because it is one of the plans' ``FAMILIES`` (one
+module per family, listed in ``plans/__init__.py``) and is built of :mod:`reshard.plans.base` rules, a layer the
+domain package may not import; what it knows of Megatron's args (the config's ``model_type``) comes from there.
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ from __future__ import annotations
 from reshard.config import ModelConfig
 from reshard.errors import AmbiguousPartitionError
 from reshard.geometry import Grouped, Packed, Partition, Replicate, Shard, Vocab
+from reshard.megatron.model import MODEL_TYPE
 from reshard.plans.base import Plan, Rule
 
-MODEL_TYPES = ("megatron",)
+MODEL_TYPES = (MODEL_TYPE,)
 SIGNATURE = (
     r"(^|\.)(decoder|encoder|transformer)\.layers\.\d+\.self_attention\."
     r"(linear_qkv|query_key_value|linear_q_proj|linear_q_down_proj|linear_kv_down_proj)\.weight$"

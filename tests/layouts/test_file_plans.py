@@ -25,9 +25,9 @@ from reshard.layouts.base import SourceCheckpoint, SourceFacts, TargetSpec
 from reshard.layouts.dcp.torch_dist_writer import TorchDistWriter
 from reshard.layouts.hf.folder import HFWriter
 from reshard.layouts.hf.ranks import HFRanksWriter
-from reshard.layouts.megatron.facts import MegatronFacts
 from reshard.layouts.megatron.writer import MegatronWriter
 from reshard.layouts.sat.checkpoint import SatFacts, SatWriter
+from reshard.megatron.facts import MegatronFacts
 
 SAMPLES = Path(__file__).resolve().parents[2] / "sample_ckpts"
 Shape = tuple[int, ...]
@@ -41,7 +41,8 @@ def spec(
     pp: int = 1,
     megatron_args: Any = None,
 ) -> TargetSpec:
-    """A spec of F32 tensors (4 bytes a value) with per-rank ``ranks`` shapes; the source is never read."""
+    """A spec of F32 tensors (4 bytes a value) with per-rank ``ranks`` shapes; the source is never read;
+    ``megatron_args`` as a mapping makes them for a Megatron target."""
     source = SourceCheckpoint(Path("/nowhere"), "test", [{}], facts=facts or SourceFacts())
     return TargetSpec(
         tp=len(ranks),
@@ -51,7 +52,7 @@ def spec(
         padded_vocab_size=None,
         max_shard_size=max_shard_size,
         source=source,
-        megatron_args=megatron_args,
+        layout_facts=None if megatron_args is None else MegatronFacts(args=megatron_args),
         pp=pp,
     )
 

@@ -6,7 +6,7 @@ import pytest
 
 from reshard.config import ModelConfig
 from reshard.errors import PlanError
-from reshard.mappings.megatron_gpt import megatron_to_hf
+from reshard.mappings.megatron.gpt import megatron_to_hf
 from reshard.mappings.transforms import Chunk, FuseGroupedQKV, Rename, SplitGroupedQKV
 
 CONFIG = ModelConfig({"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 4})

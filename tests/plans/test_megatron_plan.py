@@ -10,7 +10,7 @@ import pytest
 from fixtures.megatron import TINY, megatron_args
 
 from reshard.geometry import Grouped, Packed, Replicate, Shard, Vocab
-from reshard.megatron_model import config_from_args
+from reshard.megatron.model import config_from_args
 from reshard.plans import detect_family
 from reshard.plans.megatron import MEGATRON_PLAN
 

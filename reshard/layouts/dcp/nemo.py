@@ -26,7 +26,7 @@ MODEL_YAML = Path("context") / "model.yaml"
 NEMO_TOKENIZER = "nemo_tokenizer"  # where NeMo's import (save_hf_tokenizer_assets) puts a Hugging Face tokenizer
 # Megatron-Core TransformerConfig / NeMo GPTConfig names -> Megatron-LM args names (same meaning). Every other
 # field of ``config`` keeps its name (Megatron-Core's config and Megatron-LM's args share them) and meets the
-# closed table of :mod:`reshard.mappings.megatron_args` like a Megatron-LM argument: carried, irrelevant, or
+# closed table of :mod:`reshard.megatron.args` like a Megatron-LM argument: carried, irrelevant, or
 # refused when set (an unknown field included).
 RENAMED = {
     "layernorm_epsilon": "norm_epsilon",
@@ -73,7 +73,7 @@ STANDARD_SPECS = frozenset(
     "default_layer_spec transformer_engine_layer_spec transformer_engine_full_layer_spec local_layer_spec "
     "get_gpt_layer_with_transformer_engine_spec get_gpt_layer_local_spec".split()
 )
-# The carried arguments (``mappings/megatron_args.CARRIED``) reshard's readers take as one value: a list or a
+# The carried arguments (``megatron/args.CARRIED``) reshard's readers take as one value: a list or a
 # mapping there (a YAML alias bomb) is refused here, by name. ``moe_layer_freq`` may be a flat list.
 SINGLE = frozenset(
     (

@@ -37,9 +37,9 @@ from reshard.layouts.dcp.boxed_reader import BoxedReader, BoxView, StackedView
 from reshard.layouts.dcp.dcp import checked
 from reshard.layouts.dcp.nemo import NEMO_WEIGHTS, nemo_args, nemo_side_files, nemo_tokenizer, refuse_adapters
 from reshard.layouts.dcp.torch_dist_common import read_common
-from reshard.layouts.megatron.facts import MegatronFacts
 from reshard.layouts.megatron.reader import read_tracker
-from reshard.megatron_model import arg, config_from_args, count_problems, named_tokenizer
+from reshard.megatron.facts import MegatronFacts
+from reshard.megatron.model import arg, config_from_args, count_problems, named_tokenizer
 from reshard.options import ReadOptions
 from reshard.sizes import human_bytes
 
@@ -121,7 +121,7 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
     elif args is not None:
         source.tokenizer = named_tokenizer(args)
     source.facts = MegatronFacts(
-        megatron_args=args,
+        args=args,
         iteration=common.get("iteration"),
         checkpoint_version=common.get("checkpoint_version"),
         release=folder.name == "release",

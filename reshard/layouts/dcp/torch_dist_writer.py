@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from huggingface_hub import split_state_dict_into_shards_factory
 
+from reshard.config import SourceFacts
 from reshard.dtypes import TensorHeader, name_of
 from reshard.formats.dcp_metadata import write as dcp
 from reshard.formats.file_plan import FilePlan
@@ -45,11 +46,11 @@ from reshard.layouts.base import CheckpointWriter, SourceCheckpoint, TargetSpec
 from reshard.layouts.dcp.torch_dist_keys import GlobalPlan, plan_global
 from reshard.layouts.dcp.torch_dist_keys import check_names as check_global_names
 from reshard.layouts.megatron.args import PICKLE_MODULE, retarget_args
-from reshard.layouts.megatron.facts import MegatronFacts
 from reshard.layouts.megatron.reader import TRACKER
 from reshard.layouts.megatron.writer import CHECKPOINT_VERSION, megatron_args_of, megatron_facts
-from reshard.megatron_model import arg
-from reshard.vocab import megatron_pad_multiple
+from reshard.megatron.facts import MegatronFacts
+from reshard.megatron.model import arg
+from reshard.megatron.vocab import megatron_pad_multiple
 
 if TYPE_CHECKING:
     import torch
@@ -114,7 +115,7 @@ class TorchDistWriter(CheckpointWriter):
             raise ValueError(f"torch_dist holds global tensors: plan the conversion at tp 1, not {spec.tp}")
         source, headers = spec.source, spec.rank_headers[0]
         check_global_names(list(headers), source.path)
-        args = megatron_args_of(source, spec.megatron_args)
+        args = megatron_args_of(source, spec.layout_facts)
         plan = plan_global(
             headers,
             source.extras[0] if isinstance(source.facts, MegatronFacts) and source.extras else {},
@@ -168,9 +169,9 @@ class TorchDistWriter(CheckpointWriter):
         check_global_names(names, source.path)
 
     @classmethod
-    def pad_multiple(cls, tp: int, source: SourceCheckpoint, megatron_args: Any) -> int | None:
+    def pad_multiple(cls, tp: int, source: SourceCheckpoint, layout_facts: SourceFacts | None) -> int | None:
         """As Megatron pads the vocab at tp ``tp``: ``make_vocab_size_divisible_by * tp`` (128 * tp by default)."""
-        return megatron_pad_multiple(arg(megatron_args_of(source, megatron_args), "make_vocab_size_divisible_by"), tp)
+        return megatron_pad_multiple(arg(megatron_args_of(source, layout_facts), "make_vocab_size_divisible_by"), tp)
 
     def _open(self) -> None:
         """Open the data files the plan places (a kept file of a resumed run stays as it is), write the objects."""

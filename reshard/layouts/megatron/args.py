@@ -1,5 +1,5 @@
 """Megatron's pickled ``args``: reading them safely and writing them back (what they say of the model is
-:mod:`reshard.megatron_model`).
+:mod:`reshard.megatron.model`).
 
 Megatron pickles an ``argparse.Namespace`` of every training argument next to the weights, and a few
 of its values are Megatron enums (``args.model_type = ModelType.encoder_or_decoder``,

@@ -23,10 +23,10 @@ from pathlib import Path
 from reshard.config import ModelConfig
 from reshard.errors import CorruptFileError, MissingRankError, ReshardError
 from reshard.layouts.base import NoteScope, SourceCheckpoint
-from reshard.layouts.megatron.facts import MegatronFacts
 from reshard.layouts.megatron.file import MegatronFile
 from reshard.layouts.megatron.merge import merge_stages
-from reshard.megatron_model import (
+from reshard.megatron.facts import MegatronFacts
+from reshard.megatron.model import (
     arg,
     config_from_args,
     count_problems,
@@ -203,7 +203,7 @@ def _describe(
     source.tokenizer = named_tokenizer(args) if args is not None else None
     version = top.get("checkpoint_version")
     source.facts = MegatronFacts(
-        megatron_args=args,
+        args=args,
         iteration=top.get("iteration"),
         checkpoint_version=version,
         release=folder.name == "release",

@@ -14,15 +14,17 @@ from __future__ import annotations
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from reshard.config import SourceFacts
 from reshard.errors import ReshardError
 from reshard.layouts.base import SourceCheckpoint, TargetSpec
 from reshard.layouts.common.torch_rank_writer import RankFilePlan, TorchRanksWriter
 from reshard.layouts.megatron.args import PICKLE_MODULE, retarget_args
-from reshard.layouts.megatron.facts import MegatronFacts
 from reshard.layouts.megatron.reader import FILE_NAME, TRACKER
 from reshard.layouts.megatron.stages import LAYER, layer_of, stage_of, stage_of_layers, with_layer
-from reshard.megatron_model import arg
-from reshard.vocab import megatron_pad_multiple, padded_sizes_possible
+from reshard.megatron.facts import MegatronFacts, args_of
+from reshard.megatron.model import arg
+from reshard.megatron.vocab import megatron_pad_multiple
+from reshard.vocab import padded_sizes_possible
 
 CHECKPOINT_VERSION = 3.0  # what Megatron-LM writes today (QKV interleaved per query group)
 EMBEDDING = ("embedding.word_embeddings.weight", "language_model.embedding.word_embeddings.weight")
@@ -74,9 +76,9 @@ class MegatronWriter(TorchRanksWriter):
         return files
 
     @classmethod
-    def pad_multiple(cls, tp: int, source: SourceCheckpoint, megatron_args: Any) -> int | None:
+    def pad_multiple(cls, tp: int, source: SourceCheckpoint, layout_facts: SourceFacts | None) -> int | None:
         """Megatron pads the vocab to ``make_vocab_size_divisible_by * tp`` (128 * tp by default)."""
-        return megatron_pad_multiple(arg(megatron_args_of(source, megatron_args), "make_vocab_size_divisible_by"), tp)
+        return megatron_pad_multiple(arg(megatron_args_of(source, layout_facts), "make_vocab_size_divisible_by"), tp)
 
     @classmethod
     def vocab_problems(
@@ -87,7 +89,7 @@ class MegatronWriter(TorchRanksWriter):
         output would not load (``size mismatch for embedding.word_embeddings.weight``). Refuse, saying which."""
         if padded_rows is None or not isinstance(source.facts, MegatronFacts):
             return []
-        divisible_by = arg(source.facts.megatron_args, "make_vocab_size_divisible_by")
+        divisible_by = arg(source.facts.args, "make_vocab_size_divisible_by")
         possible = padded_sizes_possible(padded_rows, megatron_pad_multiple(divisible_by, source.tp), pad_multiple)
         if len(possible) <= 1:
             return []
@@ -126,7 +128,7 @@ class MegatronWriter(TorchRanksWriter):
 
 def _args_and_stages(spec: TargetSpec) -> tuple[Any, list[range]]:
     """The args to write and the layers of each pipeline stage (``spec.pp`` of them, split as Megatron-LM does)."""
-    args = megatron_args_of(spec.source, spec.megatron_args)
+    args = megatron_args_of(spec.source, spec.layout_facts)
     return args, stage_of_layers(int(arg(args, "num_layers", 0) or _layers(spec)), spec.pp)
 
 
@@ -183,9 +185,10 @@ def megatron_facts(source: SourceCheckpoint) -> MegatronFacts:
     return MegatronFacts(iteration=0, checkpoint_version=CHECKPOINT_VERSION, release=True)
 
 
-def megatron_args_of(source: SourceCheckpoint, mapped_args: Any) -> Any:
-    """The args to write: the plan's (a checkpoint of another framework mapped to Megatron), else the source's."""
-    args = mapped_args or (source.facts.megatron_args if isinstance(source.facts, MegatronFacts) else None)
+def megatron_args_of(source: SourceCheckpoint, layout_facts: SourceFacts | None) -> Any:
+    """The args to write: those the mapping made for the target (``layout_facts``: a checkpoint of another framework
+    mapped to Megatron), else the source's."""
+    args = args_of(layout_facts) or args_of(source.facts)
     if args is None:
         raise ReshardError(
             "the megatron layout needs Megatron args: from a Megatron source, or a transformers model reshard maps",

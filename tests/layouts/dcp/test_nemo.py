@@ -9,7 +9,7 @@ import pytest
 
 from reshard.errors import CorruptFileError, ReshardError
 from reshard.layouts.dcp.nemo import LISTS, SINGLE, nemo_args
-from reshard.mappings.megatron_args import CARRIED, args_problems
+from reshard.megatron.args import CARRIED, args_problems
 
 BASE = """\
 config:

@@ -32,9 +32,9 @@ from fixtures.megatron import (
 from safetensors.torch import load_file
 
 from reshard.layouts.base import SourceCheckpoint
-from reshard.layouts.megatron.facts import MegatronFacts
 from reshard.layouts.megatron.file import MegatronFile
 from reshard.layouts.megatron.writer import MegatronWriter
+from reshard.megatron.facts import MegatronFacts
 
 V = TINY.vocab
 Full = dict[str, torch.Tensor]
@@ -469,6 +469,6 @@ def test_the_true_vocab_comes_from_the_tokenizer_s_vocab_file(cli, full: Full, t
 
 def test_pad_multiple_is_megatron_s() -> None:
     args = megatron_args(replace(TINY, multiple=128), 8)
-    source = SourceCheckpoint(Path("x"), "megatron", [], facts=MegatronFacts(megatron_args=args))
+    source = SourceCheckpoint(Path("x"), "megatron", [], facts=MegatronFacts(args=args))
     assert MegatronWriter.pad_multiple(4, source, None) == 512
     assert MegatronWriter.pad_multiple(1, source, None) == 128

@@ -1,4 +1,4 @@
-"""``reshard.megatron_model``: the model's shape read from Megatron's pickled ``args``."""
+"""``reshard.megatron.model``: the model's shape read from Megatron's pickled ``args``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from fixtures.megatron import TINY, megatron_args
 
-from reshard.megatron_model import config_from_args
+from reshard.megatron.model import config_from_args
 
 ARGS = megatron_args(replace(TINY, multiple=128), 8)  # hidden 32, 8 heads of 4 in 2 groups, ffn 48, vocab 50
 CONFIG = config_from_args(ARGS, Path("model_optim_rng.pt"))

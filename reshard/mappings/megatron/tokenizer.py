@@ -29,7 +29,7 @@ from typing import Any
 from reshard.errors import ReshardError
 from reshard.formats.sentencepiece import SentencePieceModel, read_sentencepiece
 from reshard.formats.tokenizer import MAX_FILE_BYTES, NamedTokenizer, Tokenizer, vocab_json
-from reshard.megatron_model import GPT2_BPE
+from reshard.megatron.model import GPT2_BPE
 
 __all__ = ["megatron_tokenizer"]
 

@@ -6,7 +6,7 @@ field) or refused by name (:data:`REFUSED`: the values transformers' Llama-like 
 others are not). The rest change how a model is trained, logged, stored or split over devices, never what it
 computes (:data:`IRRELEVANT`, with the reason per group). The world is closed: an argument none of the three
 tables knows is refused unless it is at its default: the value Megatron-LM's parser gives it in one of the
-releases :data:`~reshard.mappings.megatron_defaults.DEFAULTS` records (generated from Megatron-LM's source by
+releases :data:`~reshard.megatron.defaults.DEFAULTS` records (generated from Megatron-LM's source by
 ``scripts/megatron_defaults.py``), or ``None`` for an argument with no recorded default. A newer Megatron's
 argument is never dropped silently, nor a flag that defaults to True found False.
 
@@ -16,7 +16,7 @@ The table follows Megatron-Core 0.16.1's ``TransformerConfig`` / ``ModelParallel
 DeepSeek-V3's arguments (multi-latent attention, YaRN, the sigmoid router with its expert bias, group-limited
 routing, scaled top-k: :data:`DEEPSEEK_V3`) are carried into transformers' ``deepseek_v3`` family, the one family
 that computes them, which a model with ``multi_latent_attention`` becomes; any other model refuses them by value,
-as :data:`REFUSED` does (``megatron_config`` refuses the DeepSeek-V3 settings transformers cannot express).
+as :data:`REFUSED` does (:mod:`reshard.megatron.config` refuses the DeepSeek-V3 settings transformers cannot express).
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ import re
 from typing import Any
 
 from reshard.errors import MappingError
-from reshard.mappings.megatron_defaults import DEFAULTS, RELEASES
+from reshard.megatron.defaults import DEFAULTS, RELEASES
 
 __all__ = ["CARRIED", "DEEPSEEK_V3", "IRRELEVANT", "REFUSED", "RELEASES", "args_problems", "check_args", "classify"]
 
-# Argument -> where it goes in the transformers config (read by ``megatron_config.gpt_shape_from_args``, which
+# Argument -> where it goes in the transformers config (read by ``config.gpt_shape_from_args``, which
 # also refuses the values the families cannot compute: LayerNorm, GeLU, learned positions, partial rotary...).
 CARRIED: dict[str, str] = {
     "num_layers": "num_hidden_layers",
@@ -85,7 +85,7 @@ CARRIED: dict[str, str] = {
 
 _OFF = (None, False)
 # Argument -> (values any family but DeepSeek-V3 computes, what another value does): carried into deepseek_v3
-# (``megatron_config.hf_config``) when ``multi_latent_attention`` is on, refused by value otherwise.
+# (``config.hf_config``) when ``multi_latent_attention`` is on, refused by value otherwise.
 DEEPSEEK_V3: dict[str, tuple[tuple[Any, ...], str]] = {
     "multi_latent_attention": (_OFF, "multi-latent attention (DeepSeek-V3's q_lora_rank, kv_lora_rank)"),
     "rope_type": ((None, "rope"), "YaRN RoPE (DeepSeek-V3's rope_parameters yarn, with multi-latent attention)"),

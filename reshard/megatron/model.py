@@ -11,14 +11,14 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from reshard.config import ModelConfig
-from reshard.formats.tokenizer import HF_TOKENIZER, NamedTokenizer
+from reshard.config import HF_TOKENIZER, ModelConfig, NamedTokenizer
+from reshard.megatron.vocab import DEFAULT_MEGATRON_MULTIPLE
 from reshard.schema import check_ints
-from reshard.vocab import DEFAULT_MEGATRON_MULTIPLE
 
 __all__ = [
     "ARGS_SIZES",
     "GPT2_BPE",
+    "MODEL_TYPE",
     "SENTENCEPIECE_TYPES",
     "arg",
     "config_from_args",
@@ -28,6 +28,8 @@ __all__ = [
     "vocab_from_tokenizer_files",
 ]
 
+# The model_type of the config the args give (:func:`config_from_args`): what plans and checks know it by.
+MODEL_TYPE = "megatron"
 # Args that size the model: positive integers when set (checked before any arithmetic on them).
 ARGS_SIZES = (
     "hidden_size",
@@ -41,7 +43,7 @@ ARGS_SIZES = (
     "tensor_model_parallel_size",
     "pipeline_model_parallel_size",
 )
-# Megatron-LM's tokenizer types carried into a transformers tokenizer (reshard.mappings.megatron_tokenizer).
+# Megatron-LM's tokenizer types carried into a transformers tokenizer (reshard.mappings.megatron.tokenizer).
 GPT2_BPE = "GPT2BPETokenizer"
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 
@@ -163,7 +165,7 @@ def config_from_args(args: Any, path: Path) -> ModelConfig | None:
     check_ints(((f"args.{key}", arg(args, key)) for key in ARGS_SIZES), path=path)
     groups = arg(args, "num_query_groups") if arg(args, "group_query_attention", False) else None
     raw: dict[str, Any] = {
-        "model_type": "megatron",
+        "model_type": MODEL_TYPE,
         "hidden_size": hidden,
         "num_attention_heads": heads,
         "num_key_value_heads": groups or heads,

@@ -26,9 +26,9 @@ from typing import Any
 
 from reshard.config import ModelConfig
 from reshard.errors import MappingError
-from reshard.mappings.megatron_args import args_problems, check_args
-from reshard.megatron_model import arg
-from reshard.vocab import DEFAULT_MEGATRON_MULTIPLE
+from reshard.megatron.args import args_problems, check_args
+from reshard.megatron.model import arg
+from reshard.megatron.vocab import DEFAULT_MEGATRON_MULTIPLE
 
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",

@@ -16,8 +16,8 @@ from fixtures.megatron import TINY, full_model, megatron_args, write_megatron
 from reshard.errors import MappingError, ReshardError
 from reshard.layouts.dcp.torch_dist import _stack_problems
 from reshard.layouts.megatron.stages import stage_of, stage_of_layers
-from reshard.mappings.megatron_args import args_problems, check_args, classify
-from reshard.megatron_model import count_problems
+from reshard.megatron.args import args_problems, check_args, classify
+from reshard.megatron.model import count_problems
 
 Full = dict[str, torch.Tensor]
 
@@ -191,7 +191,7 @@ DSV3 = dict(
     ],
 )
 def test_deepseek_v3_settings_transformers_does_not_compute_are_refused_by_name(change: dict, named: str) -> None:
-    from reshard.mappings.megatron_config import gpt_shape_from_args, hf_family
+    from reshard.megatron.config import gpt_shape_from_args, hf_family
 
     assert hf_family(gpt_shape_from_args(DSV3)) == "deepseek_v3"
     with pytest.raises(MappingError, match=re.escape(named)):
@@ -201,8 +201,8 @@ def test_deepseek_v3_settings_transformers_does_not_compute_are_refused_by_name(
 def test_a_sigmoid_router_without_expert_bias_is_deepseek_v3_with_a_zero_bias() -> None:
     """Megatron's sigmoid router without ``expert_bias`` chooses experts by the scores alone: DeepseekV3's router with
     ``e_score_correction_bias`` zero, which the mapping writes (proven by logits in ``test_megatron_oracle.py``)."""
-    from reshard.mappings.megatron_config import gpt_shape_from_args, hf_family
-    from reshard.mappings.megatron_gpt import megatron_to_hf
+    from reshard.mappings.megatron.gpt import megatron_to_hf
+    from reshard.megatron.config import gpt_shape_from_args, hf_family
 
     assert hf_family(gpt_shape_from_args(DSV3 | {"moe_router_enable_expert_bias": False})) == "deepseek_v3"
     names = {"decoder.layers.1.mlp.router.weight": (4, 64)}
@@ -229,7 +229,7 @@ def test_an_unknown_argument_away_from_its_default_is_refused(name: str, value: 
 
 def test_the_defaults_are_megatron_lms() -> None:
     """Spot checks of the generated table against Megatron-LM's source (scripts/megatron_defaults.py)."""
-    from reshard.mappings.megatron_defaults import DEFAULTS, RELEASES
+    from reshard.megatron.defaults import DEFAULTS, RELEASES
 
     assert RELEASES == ("core_v0.16.1", "core_v0.19.0")
     assert DEFAULTS["bias_gelu_fusion"] == DEFAULTS["add_bias_linear"] == DEFAULTS["masked_softmax_fusion"] == (True,)

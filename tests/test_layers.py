@@ -23,6 +23,7 @@ DOMAIN = {
     "megatron_model",
     "version",
     "tokenizer",
+    "transform",
 }
 PACKAGES = {
     "io": "io",

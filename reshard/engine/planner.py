@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     import torch
 
     from reshard.mappings.base import MappedGroup
-    from reshard.mappings.transforms import Transform
+    from reshard.transform import Transform
 
 Shape = tuple[int, ...]
 # Reads the rank slices of one tensor and says whether they are bitwise equal (None: headers only).

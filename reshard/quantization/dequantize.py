@@ -252,6 +252,9 @@ def float32_of(fp8: torch.Tensor) -> torch.Tensor:
     return values.mul_(E4M3_FACTOR) if e4m3 else values
 
 
+_Kept = tuple["torch.Tensor", "torch.Tensor", dict["torch.dtype", "torch.Tensor"]]  # a thread's bits, values, via
+
+
 class _Strips:
     """This thread's reusable temporaries for ``rows`` rows of ``cols`` columns at a time: the FP8 bits widened to
     int16, their float32 values, and the product rounded to the scale's dtype. Fresh pages for every strip cost
@@ -261,7 +264,9 @@ class _Strips:
         import torch
 
         self.rows, self.cols = rows, cols
-        kept = getattr(_local, "strips", None)
+        kept: tuple[torch.Tensor, torch.Tensor, dict[torch.dtype, torch.Tensor]] | None = getattr(
+            _local, "strips", None
+        )
         elements = rows * cols
         if kept is None or kept[0].numel() < elements:
             kept = _local.strips = (

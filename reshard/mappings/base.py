@@ -126,7 +126,8 @@ class Mapping:
                     hint="keep the source's names with --keep-names, or give the model's config with --config",
                 )
             )
-        groups, targets_seen = [], {}
+        groups: list[MappedGroup] = []
+        targets_seen: dict[str, str] = {}
         for (index, bindings), slots in found.items():
             entry = self.entries[index]
             fill = dict(bindings)

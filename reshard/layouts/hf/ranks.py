@@ -91,7 +91,7 @@ class HFRanksWriter(RankFilesWriter):
         return safetensors_plan(spec, [rank_dir(rank) for rank in range(spec.tp)])
 
     def close(self) -> list[Path]:
-        written = []
+        written: list[Path] = []
         for rank, writer in enumerate(self.rank_writers):
             writer.close(index=self.spec.writes_shared)
             written.extend(Path(rank_dir(rank)) / f for f in writer.filenames)

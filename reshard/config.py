@@ -9,6 +9,7 @@ part size is a literal in the code.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,7 +107,8 @@ class ModelConfig:
         """The sub-config at ``scope`` (a :attr:`scope` that :meth:`for_tensor` gave); the whole one for ""."""
         if not scope or self.scope:
             return self
-        raw, parents = self.raw, []
+        raw = self.raw
+        parents: list[dict[str, Any]] = []
         for key in scope.split("."):
             parents.insert(0, raw)
             raw = raw[key]
@@ -182,7 +184,7 @@ class ModelConfig:
 def _text_chain(raw: dict[str, Any]) -> list[dict[str, Any]]:
     """The language model's configs inside ``raw``, innermost first (``thinker_config.text_config``, then
     ``thinker_config``), for a whole composite config; empty when ``raw`` holds no ``text_config``."""
-    chain = []
+    chain: list[dict[str, Any]] = []
     if isinstance(raw.get("thinker_config"), dict):
         raw = raw["thinker_config"]
         chain.insert(0, raw)
@@ -206,9 +208,9 @@ def load_config(path: Path) -> ModelConfig:
 
 
 def _toml_loads(text: str) -> dict[str, Any]:
-    try:
+    if sys.version_info >= (3, 11):
         import tomllib
-    except ModuleNotFoundError:  # Python 3.10
+    else:
         import tomli as tomllib
     return tomllib.loads(text)
 

@@ -56,7 +56,8 @@ def _shown(value: Any, depth: int, budget: list[int], limit: int, as_json: bool)
     if isinstance(value, (bytes, bytearray)):
         return repr(bytes(value[:limit])) + ("..." if len(value) > limit else "")
     if isinstance(value, (list, tuple, dict, set, frozenset)):
-        opening, closing = {list: "[]", tuple: "()", dict: "{}"}.get(type(value), "{}")  # type: ignore[call-overload]
+        brackets: dict[type, tuple[str, str]] = {list: ("[", "]"), tuple: ("(", ")"), dict: ("{", "}")}
+        opening, closing = brackets.get(type(value), ("{", "}"))
         if isinstance(value, list) or (as_json and isinstance(value, tuple)):
             opening, closing = "[", "]"
         if depth >= SHOWN_DEPTH:

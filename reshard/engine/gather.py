@@ -163,7 +163,7 @@ def writes_into(tensor: TensorPlan) -> bool:
     """Whether the unit's transform writes its targets into tensors it is given (``apply(..., out=)``), so the
     engine can hand it pooled buffers instead of fresh memory (dequantizing and casting: a new tensor per weight
     costs its page faults and zeroing, a sixth of an FP8 -> bf16 conversion's CPU)."""
-    return getattr(tensor.transform, "writes_into", False)
+    return tensor.transform is not None and tensor.transform.writes_into
 
 
 def _gathered(

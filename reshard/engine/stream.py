@@ -86,7 +86,7 @@ class RowBlocks:
 
 def streams_to(writer: CheckpointWriter) -> bool:
     """Whether units may be streamed into ``writer``: it writes byte ranges, from worker threads."""
-    return writer.concurrent and getattr(writer, "takes_parts", False)
+    return writer.concurrent and writer.takes_parts
 
 
 def in_memory_unit(work: Work, writer: CheckpointWriter) -> bool:

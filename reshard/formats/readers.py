@@ -379,7 +379,8 @@ def _rng_state_globals() -> tuple[Any, ...]:
         try:
             from numpy._core.multiarray import _reconstruct
         except ImportError:  # numpy < 2
-            from numpy.core.multiarray import _reconstruct
+            # The same function under numpy 1's module name (numpy 2's stubs declare it once).
+            from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
     except ImportError:
         return ()
     uint32 = getattr(getattr(np, "dtypes", None), "UInt32DType", None)
@@ -401,7 +402,7 @@ def _trusting(allowed: Sequence[Any]) -> ModuleType:
 
     trusting = ModuleType("reshard_trusting_pickle")
     trusting.__dict__.update({k: v for k, v in vars(pickle).items() if not k.startswith("__")})
-    trusting.Unpickler = Unpickler
+    trusting.__dict__["Unpickler"] = Unpickler
     return trusting
 
 

@@ -12,8 +12,8 @@ the torch dtype names, and the hint shown when a pickle is refused.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar
 
 TRUST_HINT = "pass --trust-pickle to unpickle it fully, only if you trust the file"
 
@@ -76,10 +76,26 @@ class PickleInput:
         return line
 
 
+if TYPE_CHECKING:
+
+    class PurePickler(pickle._Pickler):
+        """Python's pure-Python pickler as it is: typeshed's stub of it leaves out the methods a subclass calls."""
+
+        proto: int
+
+        def save(self, obj: Any, save_persistent_id: bool = True) -> None: ...
+        def write(self, data: bytes) -> None: ...
+        def memoize(self, obj: Any) -> None: ...
+        def save_global(self, obj: Any, name: str | None = None) -> None: ...
+
+else:
+    PurePickler = pickle._Pickler  # the pure-Python pickler, whose methods (save_global, batching) can be overridden
+
+
 class _PurePython(pickle._Unpickler):
     """Python's own (pure-Python) unpickler, without ``BYTEARRAY8``, which no format reshard reads pickles."""
 
-    dispatch = dict(pickle._Unpickler.dispatch)
+    dispatch: ClassVar[dict[int, Callable[[Any], None]]] = dict(pickle._Unpickler.dispatch)
 
     def _no_bytearray(self) -> None:
         raise pickle.UnpicklingError("a bytearray (BYTEARRAY8) is not part of this format")
@@ -102,8 +118,9 @@ def load_restricted(unpickler: pickle.Unpickler, data: bytes) -> Any:
     ):
         return unpickler.load()
     pure = _PurePython(PickleInput(data))
-    pure.find_class = unpickler.find_class  # type: ignore[method-assign]
-    pure.persistent_load = unpickler.persistent_load  # type: ignore[method-assign]
+    # The restricted unpickler's own hooks, bound to it (mypy takes an instance's method for an unbound one).
+    pure.find_class = unpickler.find_class  # type: ignore[method-assign,assignment]
+    pure.persistent_load = unpickler.persistent_load  # type: ignore[method-assign,assignment]
     return pure.load()
 
 

@@ -79,6 +79,7 @@ def _fields(data: bytes, path: Path):
     while at < end:
         key, at = _varint(data, at, path)
         field, wire = key >> 3, key & 7
+        value: int | bytes
         if wire == 0:
             value, at = _varint(data, at, path)
         elif wire in (1, 5):

@@ -118,13 +118,13 @@ def read_tokenizer(folder: Path, origin: str) -> Tokenizer:
     special = _json(by_name.get("special_tokens_map.json"), dict) or {}
     added |= _decoder(config, by_name.get("tokenizer_config.json"))
     ids = {**vocab, **added}
-    size = len(set(vocab) | set(added)) if vocab else None
+    count = len(set(vocab) | set(added)) if vocab else None
 
     def token_id(key: str) -> int | None:
         token = _content(config.get(key)) or _content(special.get(key))
         return ids.get(token) if token is not None else None
 
-    return Tokenizer(tuple(files), origin, size, token_id("bos_token"), token_id("eos_token"))
+    return Tokenizer(tuple(files), origin, count, token_id("bos_token"), token_id("eos_token"))
 
 
 def vocab_json(path: Path) -> dict[str, int]:
@@ -142,8 +142,8 @@ def vocab_json(path: Path) -> dict[str, int]:
 
 def generation_config(tokenizer: Tokenizer) -> dict[str, int] | None:
     """The ``generation_config.json`` of a model with this tokenizer: its bos and eos ids (None: it names neither)."""
-    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
-    ids = {key: value for key, value in ids.items() if value is not None}
+    named = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    ids = {key: value for key, value in named.items() if value is not None}
     return ids or None
 
 

@@ -222,7 +222,7 @@ class DirectSource:
         while count < len(staging):
             got = self._pread_direct(staging[count:], position + count) if self.direct else None
             direct = got is not None
-            if not direct:
+            if got is None:
                 got = os.preadv(self._fd, [staging[count:]], position + count)
             if got == 0:
                 break
@@ -240,7 +240,7 @@ class DirectSource:
         start its read-ahead. The count is rounded down to the block grid, where the direct read of the rest must
         start (at the file's end, its last partial block is read again, directly)."""
         held = cached_prefix(self._fd, position, len(view)) if _NOWAIT is not None else 0
-        if not held:
+        if not held or _NOWAIT is None:
             return 0
         try:
             got = os.preadv(self._fd, [view[:held]], position, _NOWAIT)
@@ -250,8 +250,10 @@ class DirectSource:
 
     def _pread_direct(self, view: memoryview, position: int) -> int | None:
         """One direct read; None (and no more direct reads of this file) if it was refused."""
+        fd = self._direct_fd
+        assert fd is not None  # only while self.direct: opened with O_DIRECT
         try:
-            return os.preadv(self._direct_fd, [view], position)
+            return os.preadv(fd, [view], position)
         except OSError as err:
             if err.errno not in _REFUSED:
                 raise
@@ -269,7 +271,7 @@ class DirectSource:
     def close(self) -> None:
         """Close the descriptors now (else they close when this object is collected)."""
         self._closer()
-        self._fd = self._direct_fd = None
+        self._fd = self._direct_fd = None  # type: ignore[assignment]  # closed: a late use fails loudly
 
 
 class OpenSources:
@@ -389,8 +391,10 @@ class DirectFile:
 
     def _pwrite_direct(self, view: memoryview, position: int) -> int | None:
         """One direct write; None (and no more direct writes to this file) if it was refused."""
+        fd = self._direct_fd
+        assert fd is not None  # only while self._direct: opened with O_DIRECT
         try:
-            count = os.pwrite(self._direct_fd, view, position)
+            count = os.pwrite(fd, view, position)
         except OSError as err:
             if err.errno not in _REFUSED:
                 raise
@@ -409,7 +413,7 @@ class DirectFile:
         with self._settled:
             self._settled.wait_for(lambda: self._in_flight == 0)
         self._closer()
-        self._fd = self._direct_fd = None
+        self._fd = self._direct_fd = None  # type: ignore[assignment]  # closed: a late use fails loudly
 
 
 def copy_bytes(destination: memoryview, source: memoryview) -> None:
@@ -536,7 +540,7 @@ def _staging(size: int) -> memoryview:
     buffer = getattr(_io_thread, "staging", None)
     if buffer is None or len(buffer) < size:
         # At least a huge page, so that the buffer is one of huge_bytes's mappings, aligned, whatever the block size.
-        buffer = _io_thread.staging = memoryview(huge_bytes(max(size, STAGING_BYTES, HUGE_PAGE)))
+        buffer = _io_thread.staging = huge_bytes(max(size, STAGING_BYTES, HUGE_PAGE)).data
     return buffer[:size]
 
 

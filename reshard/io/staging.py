@@ -99,13 +99,14 @@ def write_error(err: OSError, out: Path, staging: Path | None = None, *, kept: b
     if staging is not None:
         name = name.replace(str(staging), str(out))
     why = err.strerror or str(err)
-    hint = {
+    hints: dict[int | None, str] = {
         errno.ENOSPC: "free some space or write elsewhere",
         errno.EDQUOT: "free some space or write elsewhere",
         errno.EROFS: "write to a writable folder",
         errno.EACCES: "write to a folder you may write to",
         errno.EPERM: "write to a folder you may write to",
-    }.get(err.errno)
+    }
+    hint = hints.get(err.errno)
     if kept:
         left = ""
     else:  # looked for, not assumed: a removal that failed is named

@@ -38,7 +38,8 @@ def row_views(tensor: torch.Tensor | Joined, *, min_row: int = MIN_ROW_BYTES) ->
     shorter than ``min_row`` bytes or the last dim is strided."""
     if isinstance(tensor, Joined):
         runs = [row_views(part, min_row=min_row) for part in tensor.parts]
-        return None if None in runs else [view for views in runs for view in views]
+        found = [views for views in runs if views is not None]
+        return None if len(found) < len(runs) else [view for views in found for view in views]
     if tensor.numel() == 0:
         return []
     if tensor.is_contiguous():
@@ -59,7 +60,7 @@ def row_views(tensor: torch.Tensor | Joined, *, min_row: int = MIN_ROW_BYTES) ->
     for size, stride in zip(tensor.shape[:first], tensor.stride()[:first], strict=True):
         offsets = offsets[..., None] + np.arange(size, dtype=np.int64) * stride
     whole = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
-    base = memoryview(whole.numpy())
+    base = whole.numpy().data
     start = tensor.storage_offset() * itemsize
     return [base[start + o : start + o + run] for o in (offsets.reshape(-1) * itemsize).tolist()]
 
@@ -67,7 +68,7 @@ def row_views(tensor: torch.Tensor | Joined, *, min_row: int = MIN_ROW_BYTES) ->
 def _bytes_of(flat: torch.Tensor) -> memoryview:
     import torch
 
-    return memoryview(flat.view(torch.uint8).numpy())
+    return flat.view(torch.uint8).numpy().data
 
 
 def pwrite_all(fd: int, views: Sequence[memoryview], position: int) -> None:
@@ -77,7 +78,8 @@ def pwrite_all(fd: int, views: Sequence[memoryview], position: int) -> None:
     views = [view[o : o + WRITE_BYTES] for view in views for o in range(0, len(view), WRITE_BYTES)]
     index = 0
     while index < len(views):
-        batch, size = [], 0
+        batch: list[memoryview] = []
+        size = 0
         for view in views[index : index + IOV_MAX]:
             if batch and size + len(view) > WRITE_BYTES:
                 break

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from reshard.config import ModelConfig, SourceFacts
 from reshard.dtypes import TensorHeader
@@ -228,6 +228,34 @@ class TargetSpec:
         return hooks
 
 
+@runtime_checkable
+class PartsWriter(Protocol):
+    """One rank's file writer that knows where each tensor lands before its bytes arrive, and takes them as byte
+    ranges (the safetensors writers of :mod:`reshard.formats.safetensors.writer`; a torch zip record is not one: its
+    CRC-32 needs the whole slice). A :class:`RankFilesWriter` whose every rank writer is one :attr:`takes_parts`.
+
+    The calls for one tensor happen in this order: 1) :meth:`position` (any time); 2) :meth:`begin_parts`;
+    3) :meth:`write_part`, any number of times, ranges in any order, from the thread that began it;
+    4) :meth:`end_parts`. Other tensors may be written meanwhile, from other threads.
+    """
+
+    def position(self, name: str) -> int | None:
+        """Where ``name``'s bytes start in its file (None when it is not this writer's)."""
+        ...
+
+    def begin_parts(self, name: str, shape: tuple[int, ...], code: str) -> None:
+        """Announce that tensor ``name``'s bytes (of ``shape`` and dtype ``code``) come in parts."""
+        ...
+
+    def write_part(self, name: str, views: Sequence[memoryview], start: int) -> None:
+        """Write bytes ``[start, start + len)`` of tensor ``name``; the views may be reused once this returns."""
+        ...
+
+    def end_parts(self, name: str) -> None:
+        """Every byte of ``name`` is written."""
+        ...
+
+
 class CheckpointWriter:
     """Receives, tensor by tensor, the target rank slices and lays them out on disk.
 
@@ -295,8 +323,8 @@ class CheckpointWriter:
     @property
     def takes_parts(self) -> bool:
         """Whether a tensor's slices may be written in byte ranges instead (:meth:`begin_parts`, :meth:`write_part`,
-        :meth:`end_parts`), as they stream through a small buffer: only writers that need no whole slice (a
-        torch zip record's CRC-32 does)."""
+        :meth:`end_parts`, the calls of a :class:`PartsWriter` with a rank), as they stream through a small buffer:
+        only writers that need no whole slice (a torch zip record's CRC-32 does)."""
         return False
 
     def begin_parts(self, name: str, shapes: Sequence[tuple[int, ...]], code: str) -> None:
@@ -340,12 +368,13 @@ class RankFilesWriter(CheckpointWriter):
 
     def position(self, name: str, rank: int = 0) -> int | None:
         """Rank ``rank``'s file writer's offset of ``name``, for writers that know it up front (safetensors)."""
-        find = getattr(self.rank_writers[rank], "position", None) if rank < len(self.rank_writers) else None
-        return None if find is None else find(name)
+        writer = self.rank_writers[rank] if rank < len(self.rank_writers) else None
+        return writer.position(name) if isinstance(writer, PartsWriter) else None
 
     @property
     def takes_parts(self) -> bool:
-        return all(hasattr(writer, "write_part") for writer in self.rank_writers)
+        """Whether every rank's writer is a :class:`PartsWriter`."""
+        return all(isinstance(writer, PartsWriter) for writer in self.rank_writers)
 
     def begin_parts(self, name: str, shapes: Sequence[tuple[int, ...]], code: str) -> None:
         for writer, shape in zip(self.rank_writers, shapes, strict=True):

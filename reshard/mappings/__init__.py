@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping as MappingType
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from reshard.config import ModelConfig, SourceFacts
 from reshard.errors import MappingError
@@ -44,7 +44,9 @@ __all__ = [
     "Entry",
     "MappedGroup",
     "Mapping",
+    "MAPPINGS",
     "MappingChoice",
+    "MappingSpec",
     "choose_mapping",
     "naming_of",
     "require_true_vocab",
@@ -66,6 +68,28 @@ class MappingChoice:
     @property
     def target_config(self) -> ModelConfig | None:
         return ModelConfig(self.config) if self.config is not None else None
+
+
+class Chooser(Protocol):
+    """How a mapping is chosen for a checkpoint: its table and the target's config, or None when the names stay."""
+
+    def __call__(
+        self,
+        source: SourceCheckpoint,
+        *,
+        vocab_size: int | None,
+        dtype: str,
+        shapes: MappingType[str, tuple[int, ...]] | None,
+    ) -> MappingChoice | None: ...
+
+
+@dataclass(frozen=True)
+class MappingSpec:
+    """One entry of :data:`MAPPINGS`: a mapping from the names of one naming to those of another, and its chooser."""
+
+    source: str
+    target: str
+    choose: Chooser
 
 
 def naming_of(source: SourceCheckpoint) -> str | None:
@@ -101,17 +125,15 @@ def choose_mapping(
     source_naming = naming_of(source)
     if source_naming is None or target_naming is None or source_naming == target_naming:
         return None
-    if source_naming == MEGATRON:
-        return _megatron_to_hf(source, vocab_size=vocab_size, dtype=dtype)
-    if source_naming == TORCHTITAN:
-        if target_naming != HF:
-            raise MappingError(
-                f"no mapping from torchtitan's names to {target_naming}'s",
-                path=source.path,
-                hint="convert to hf first",
-            )
-        return _torchtitan_to_hf(source, vocab_size=vocab_size, dtype=dtype, shapes=shapes)
-    return _hf_to_megatron(source, vocab_size=vocab_size)
+    spec = next((m for m in MAPPINGS if (m.source, m.target) == (source_naming, target_naming)), None)
+    if spec is None:
+        reached = [m.target for m in MAPPINGS if m.source == source_naming]
+        raise MappingError(
+            f"no mapping from {source_naming}'s names to {target_naming}'s",
+            path=source.path,
+            hint=f"convert to {' or '.join(reached)} first" if reached else None,
+        )
+    return spec.choose(source, vocab_size=vocab_size, dtype=dtype, shapes=shapes)
 
 
 def sizing_config(choice: MappingChoice, target_naming: str | None, source: SourceCheckpoint) -> ModelConfig | None:
@@ -136,7 +158,13 @@ def require_true_vocab(source: SourceCheckpoint, vocab_size: int | None) -> int:
     )
 
 
-def _megatron_to_hf(source: SourceCheckpoint, *, vocab_size: int | None, dtype: str) -> MappingChoice | None:
+def _megatron_to_hf(
+    source: SourceCheckpoint,
+    *,
+    vocab_size: int | None,
+    dtype: str,
+    shapes: MappingType[str, tuple[int, ...]] | None,
+) -> MappingChoice | None:
     """The mapping to transformers; its config states ``vocab_size`` (None until the true size is known).
 
     None for Megatron names outside a Megatron checkpoint with neither args nor a transformers config to
@@ -195,9 +223,25 @@ def _torchtitan_to_hf(
     return MappingChoice(mapping, llama_config(model, vocab_size=vocab, dtype=dtype))
 
 
-def _hf_to_megatron(source: SourceCheckpoint, *, vocab_size: int | None) -> MappingChoice:
+def _hf_to_megatron(
+    source: SourceCheckpoint,
+    *,
+    vocab_size: int | None,
+    dtype: str,
+    shapes: MappingType[str, tuple[int, ...]] | None,
+) -> MappingChoice:
+    """The mapping to Megatron's names (the Megatron table backwards) and the Megatron args of the target."""
     config = source.config
     family = config.model_type if config else None
     shape = gpt_shape_from_hf(config)
     facts = MegatronFacts(args=megatron_args(shape, vocab_size=vocab_size))
     return MappingChoice(megatron_to_hf(family).inverse(), None, facts)
+
+
+# Every mapping reshard applies, as LAYOUTS lists the layouts: choose_mapping asks this table, by the source's naming
+# (naming_of) and the target layout's. A new pair of namings is a table module in mappings/ and one line here.
+MAPPINGS: tuple[MappingSpec, ...] = (
+    MappingSpec(MEGATRON, HF, _megatron_to_hf),
+    MappingSpec(HF, MEGATRON, _hf_to_megatron),
+    MappingSpec(TORCHTITAN, HF, _torchtitan_to_hf),
+)

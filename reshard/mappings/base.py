@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 
 from reshard.config import ModelConfig
 from reshard.errors import MappingError, ReshardError, ShapeMismatchError
-from reshard.mappings.transforms import Rename, Transform
+from reshard.mappings.transforms import Invertible, Rename
 
 Shape = tuple[int, ...]
-TransformFactory = Callable[[ModelConfig | None], Transform]
+TransformFactory = Callable[[ModelConfig | None], Invertible]
 _PLACEHOLDER = re.compile(r"\{([A-Z])\}")
 
 
@@ -43,14 +43,14 @@ class Entry:
 
     sources: tuple[str, ...]
     targets: tuple[str, ...]
-    transform: Transform | TransformFactory = field(default_factory=Rename)
+    transform: Invertible | TransformFactory = field(default_factory=Rename)
     alternative: bool = False
 
-    def resolve(self, config: ModelConfig | None) -> Transform:
+    def resolve(self, config: ModelConfig | None) -> Invertible:
         return self.transform(config) if callable(self.transform) else self.transform
 
     def inverse(self) -> Entry:
-        def inverted(config: ModelConfig | None) -> Transform:
+        def inverted(config: ModelConfig | None) -> Invertible:
             return self.resolve(config).inverse()
 
         return Entry(self.targets, self.sources, inverted)
@@ -68,7 +68,7 @@ class MappedGroup:
     sources: tuple[str, ...]
     targets: tuple[str, ...]
     shapes: tuple[Shape, ...]
-    transform: Transform
+    transform: Invertible
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,8 @@ class Mapping:
                     hint="keep the source's names with --keep-names, or give the model's config with --config",
                 )
             )
-        groups, targets_seen = [], {}
+        groups: list[MappedGroup] = []
+        targets_seen: dict[str, str] = {}
         for (index, bindings), slots in found.items():
             entry = self.entries[index]
             fill = dict(bindings)

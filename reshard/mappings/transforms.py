@@ -1,8 +1,13 @@
 """How source tensors become target tensors when names change between frameworks: renames, fused splits, merges.
 
 Each transform states its shapes from headers (:meth:`target_shapes`, pure) and moves bytes only in
-:meth:`apply` (torch, run by the engine on the gathered canonical tensors of one group). Each has an
-inverse, so a mapping table written one way (say Megatron -> transformers) also maps back.
+:meth:`apply` (torch, run by the engine on the gathered canonical tensors of one group): the engine's
+:class:`Transform`, the protocol defined here. ``convert --dtype``'s dequantize and cast
+(:mod:`reshard.quantization.dequantize`) implement it too, structurally: the quantization layer sits above the
+mappings and imports nothing of them; the engine holds both as a ``Transform``. The engine calls
+:meth:`Transform.target_shapes` while planning (pure, from headers), then :meth:`Transform.apply` once per unit, with
+``out`` only when :attr:`Transform.writes_into`. Each mapping transform has an inverse (:class:`Invertible`), so a
+mapping table written one way (say Megatron -> transformers) also maps back.
 
 * :class:`Rename` - one tensor, same bytes, another name.
 * :class:`SplitGroupedQKV` / :class:`FuseGroupedQKV` - Megatron's fused QKV ``[ng, q/ng + 2, d, h]``
@@ -22,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from reshard.errors import MappingError, ShapeMismatchError
 
@@ -32,8 +37,86 @@ if TYPE_CHECKING:
 Shape = tuple[int, ...]
 
 
+class Transform(Protocol):
+    """Source tensors (``sources`` of them, in the order of the unit's names) -> ``targets`` target tensors."""
+
+    @property
+    def sources(self) -> int:
+        """How many source tensors it takes."""
+        ...
+
+    @property
+    def targets(self) -> int:
+        """How many target tensors it makes."""
+        ...
+
+    @property
+    def writes_into(self) -> bool:
+        """Whether :meth:`apply` fills target tensors it is given (``out``), so the engine may hand it pooled
+        buffers instead of fresh memory."""
+        ...
+
+    def target_shapes(self, shapes: Sequence[Shape]) -> list[Shape]:
+        """The targets' shapes from the sources' (pure).
+
+        Raises:
+            ShapeMismatchError: the sources' shapes do not fit the transform.
+        """
+        ...
+
+    def apply(
+        self,
+        tensors: Sequence[torch.Tensor],
+        *,
+        out: Sequence[torch.Tensor] = (),
+        finite: list[bool] | None = None,
+    ) -> list[torch.Tensor]:
+        """The target tensors of ``tensors`` (into ``out``, one per target, when given: only if :attr:`writes_into`).
+        When ``finite`` is given, one flag per target is appended to it: whether the inputs alone show every value
+        of that target finite (the engine then skips looking at its bytes)."""
+        ...
+
+    def describe(self) -> str:
+        """What it does, in a few words (for reports and errors)."""
+        ...
+
+
+
+class Invertible(Transform, Protocol):
+    """A transform of a mapping table: it maps back too, so one table serves both directions."""
+
+    def inverse(self) -> Invertible:
+        """The transform that undoes this one (targets -> sources)."""
+        ...
+
+
+class _Maker:
+    """What every transform of a mapping shares: it makes its targets itself (views or new tensors), so it writes
+    into no tensor it is given and knows nothing of their values beforehand. Subclasses implement :meth:`_made`."""
+
+    writes_into = False
+
+    def apply(
+        self,
+        tensors: Sequence[torch.Tensor],
+        *,
+        out: Sequence[torch.Tensor] = (),
+        finite: list[bool] | None = None,
+    ) -> list[torch.Tensor]:
+        """The target tensors of ``tensors``; ``finite`` (when given) gets False for each: nothing is known."""
+        if out:
+            raise TypeError(f"{type(self).__name__} writes into no tensor it is given (writes_into is False)")
+        made = self._made(tensors)
+        if finite is not None:
+            finite.extend(False for _ in made)
+        return made
+
+    def _made(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
-class Rename:
+class Rename(_Maker):
     """One tensor under another name; the bytes do not change."""
 
     sources: int = 1
@@ -42,7 +125,7 @@ class Rename:
     def target_shapes(self, shapes: Sequence[Shape]) -> list[Shape]:
         return [tuple(shapes[0])]
 
-    def apply(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def _made(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return [tensors[0]]
 
     def inverse(self) -> Rename:
@@ -53,7 +136,7 @@ class Rename:
 
 
 @dataclass(frozen=True)
-class SplitGroupedQKV:
+class SplitGroupedQKV(_Maker):
     """Megatron's fused QKV ``[groups * (q_per_group + 2) * head_dim, ...]`` -> q, k, v.
 
     Rows of group ``g``: ``q_per_group`` query heads, one key head, one value head, each ``head_dim``
@@ -78,7 +161,7 @@ class SplitGroupedQKV:
         kv = self.groups * self.head_dim
         return [(self.groups * self.q_per_group * self.head_dim, *rest), (kv, *rest), (kv, *rest)]
 
-    def apply(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def _made(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         (qkv,) = tensors
         rest = tuple(qkv.shape[1:])
         grouped = qkv.reshape(self.groups, self.q_per_group + 2, self.head_dim, *rest)
@@ -95,7 +178,7 @@ class SplitGroupedQKV:
 
 
 @dataclass(frozen=True)
-class FuseGroupedQKV:
+class FuseGroupedQKV(_Maker):
     """q, k, v -> Megatron's fused QKV, interleaved per query group (the inverse of :class:`SplitGroupedQKV`)."""
 
     groups: int
@@ -111,7 +194,7 @@ class FuseGroupedQKV:
             raise ShapeMismatchError(f"q, k, v of shapes {[list(s) for s in shapes]} do not make {self.describe()}")
         return [(q[0] + k[0] + v[0], *q[1:])]
 
-    def apply(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def _made(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         import torch
 
         q, k, v = tensors
@@ -133,7 +216,7 @@ class FuseGroupedQKV:
 
 
 @dataclass(frozen=True)
-class Chunk:
+class Chunk(_Maker):
     """One tensor -> ``parts`` equal parts along dim 0 (views: no copy)."""
 
     parts: int = 2
@@ -149,7 +232,7 @@ class Chunk:
             raise ShapeMismatchError(f"{shape[0]} rows do not split in {self.parts} equal parts")
         return [(shape[0] // self.parts, *shape[1:])] * self.parts
 
-    def apply(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def _made(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         (tensor,) = tensors
         return list(tensor.chunk(self.parts, dim=0))
 
@@ -161,7 +244,7 @@ class Chunk:
 
 
 @dataclass(frozen=True)
-class Concat:
+class Concat(_Maker):
     """``parts`` tensors of one shape -> their concatenation along dim 0."""
 
     parts: int = 2
@@ -177,7 +260,7 @@ class Concat:
             raise ShapeMismatchError(f"parts of shapes {[list(s) for s in shapes]} differ")
         return [(first[0] * self.parts, *first[1:])]
 
-    def apply(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def _made(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         import torch
 
         return [torch.cat(list(tensors), dim=0)]
@@ -190,7 +273,7 @@ class Concat:
 
 
 @dataclass(frozen=True)
-class RopePermute:
+class RopePermute(_Maker):
     """Rows of each head from Meta's interleaved RoPE pairs to transformers' half split (``heads`` heads).
 
     Per head of ``d`` rows: row ``2i + j`` (pair ``i``, member ``j``) moves to ``j * d/2 + i``.
@@ -206,7 +289,7 @@ class RopePermute:
             raise ShapeMismatchError(f"{shape[0]} rows are not {self.heads} heads of an even size")
         return [tuple(shape)]
 
-    def apply(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def _made(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         (w,) = tensors
         rest = tuple(w.shape[1:])
         half = w.shape[0] // self.heads // 2
@@ -220,7 +303,7 @@ class RopePermute:
 
 
 @dataclass(frozen=True)
-class RopeUnpermute:
+class RopeUnpermute(_Maker):
     """The inverse of :class:`RopePermute`: transformers' half split back to interleaved pairs."""
 
     heads: int
@@ -230,7 +313,7 @@ class RopeUnpermute:
     def target_shapes(self, shapes: Sequence[Shape]) -> list[Shape]:
         return RopePermute(self.heads).target_shapes(shapes)
 
-    def apply(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def _made(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         (w,) = tensors
         rest = tuple(w.shape[1:])
         half = w.shape[0] // self.heads // 2
@@ -244,7 +327,7 @@ class RopeUnpermute:
 
 
 @dataclass(frozen=True)
-class WithZeros:
+class WithZeros(_Maker):
     """One tensor -> itself and a zero vector, one element per row: a bias the target family always has, which the
     source lacks because it is zero (a router without an expert bias, as DeepSeek-V3's ``e_score_correction_bias``)."""
 
@@ -255,7 +338,7 @@ class WithZeros:
         (shape,) = shapes
         return [tuple(shape), (shape[0],)]
 
-    def apply(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def _made(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         (tensor,) = tensors
         return [tensor, tensor.new_zeros(tensor.shape[0])]
 
@@ -267,7 +350,7 @@ class WithZeros:
 
 
 @dataclass(frozen=True)
-class DropZeros:
+class DropZeros(_Maker):
     """A tensor and a zero vector -> the tensor (:class:`WithZeros` backwards); a vector that is not zero changes the
     computation and is refused."""
 
@@ -277,7 +360,7 @@ class DropZeros:
     def target_shapes(self, shapes: Sequence[Shape]) -> list[Shape]:
         return [tuple(shapes[0])]
 
-    def apply(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def _made(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         tensor, zeros = tensors
         if bool(zeros.any()):
             raise MappingError("a bias the target has no place for is not zero: dropping it would change the model")
@@ -291,10 +374,10 @@ class DropZeros:
 
 
 @dataclass(frozen=True)
-class Parallel:
+class Parallel(_Maker):
     """``parts[i]`` applied to the ``i``-th tensor of the group (each part maps one tensor to one)."""
 
-    parts: tuple[Transform, ...]
+    parts: tuple[Invertible, ...]
 
     @property
     def sources(self) -> int:
@@ -307,7 +390,7 @@ class Parallel:
     def target_shapes(self, shapes: Sequence[Shape]) -> list[Shape]:
         return [part.target_shapes([shape])[0] for part, shape in zip(self.parts, shapes, strict=True)]
 
-    def apply(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def _made(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return [part.apply([tensor])[0] for part, tensor in zip(self.parts, tensors, strict=True)]
 
     def inverse(self) -> Parallel:
@@ -318,10 +401,10 @@ class Parallel:
 
 
 @dataclass(frozen=True)
-class Chain:
+class Chain(_Maker):
     """``steps`` one after the other: each step's targets are the next step's sources."""
 
-    steps: tuple[Transform, ...]
+    steps: tuple[Invertible, ...]
 
     @property
     def sources(self) -> int:
@@ -336,7 +419,7 @@ class Chain:
             shapes = step.target_shapes(shapes)
         return list(shapes)
 
-    def apply(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def _made(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         for step in self.steps:
             tensors = step.apply(tensors)
         return list(tensors)
@@ -346,6 +429,3 @@ class Chain:
 
     def describe(self) -> str:
         return ", then ".join(step.describe() for step in self.steps)
-
-
-Transform = Rename | SplitGroupedQKV | FuseGroupedQKV | Chunk | Concat | RopePermute | RopeUnpermute | Parallel | Chain

@@ -164,7 +164,7 @@ def check_family(config: ModelConfig | None, names: Iterable[str]) -> None:
     """
     names = sorted({plain_name(n) for n in names})
     judged = judged_families(config, names)
-    if judged is None:
+    if judged is None or config is None:  # judged only with a config
         return
     claimed, found = judged
     model_type = config.model_type

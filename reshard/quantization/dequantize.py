@@ -1,9 +1,10 @@
 """FP8 weights back to plain floats, and floats to another float dtype: the per-tensor steps of ``convert --dtype``.
 
-Both are transforms of a unit of work (:class:`reshard.engine.planner.TensorPlan`): the engine gathers the
-unit's source tensors (a weight and its scale) into their canonical tensors, calls :meth:`apply`, and splits what
-comes out for the target tp, so a dequantized weight is cut after it is dequantized and the scale grid never has
-to line up with a rank's rows. Torch is imported only when bytes move; planning builds these from headers.
+Both are transforms (:class:`reshard.mappings.transforms.Transform`) of a unit of work
+(:class:`reshard.engine.planner.TensorPlan`): the engine gathers the unit's source tensors (a weight and its scale)
+into their canonical tensors, calls :meth:`apply`, and splits what comes out for the target tp, so a dequantized
+weight is cut after it is dequantized and the scale grid never has to line up with a rank's rows. Torch is imported
+only when bytes move; planning builds these from headers.
 
 The arithmetic is the libraries' own, bit for bit:
 
@@ -251,6 +252,9 @@ def float32_of(fp8: torch.Tensor) -> torch.Tensor:
     return values.mul_(E4M3_FACTOR) if e4m3 else values
 
 
+_Kept = tuple["torch.Tensor", "torch.Tensor", dict["torch.dtype", "torch.Tensor"]]  # a thread's bits, values, via
+
+
 class _Strips:
     """This thread's reusable temporaries for ``rows`` rows of ``cols`` columns at a time: the FP8 bits widened to
     int16, their float32 values, and the product rounded to the scale's dtype. Fresh pages for every strip cost
@@ -260,7 +264,9 @@ class _Strips:
         import torch
 
         self.rows, self.cols = rows, cols
-        kept = getattr(_local, "strips", None)
+        kept: tuple[torch.Tensor, torch.Tensor, dict[torch.dtype, torch.Tensor]] | None = getattr(
+            _local, "strips", None
+        )
         elements = rows * cols
         if kept is None or kept[0].numel() < elements:
             kept = _local.strips = (

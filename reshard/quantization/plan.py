@@ -63,7 +63,7 @@ def quantized_linears(scheme: QuantScheme, shapes: Mapping[str, Shape]) -> dict[
         module, suffix = split_name(name)
         if suffix != holder.suffix or not any(f"{module}.{o}" in shapes for o in others) or len(shape) != 2:
             continue
-        sizes = {OUT: 0, IN: 0}
+        sizes: dict[int | None, int] = {OUT: 0, IN: 0}
         for dim, size in zip(holder.dims, shape, strict=True):
             sizes[dim.axis] = size * (dim.per if isinstance(dim.per, int) else 1)
         found[module] = QuantizedLinear(module, sizes[OUT], sizes[IN])

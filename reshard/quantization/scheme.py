@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from reshard.errors import ReshardError, shown
@@ -174,7 +175,7 @@ class QuantScheme:
         return f"{self.method} {self.bits}-bit, {detail}" + (", act-order" if self.act_order else "")
 
 
-def read_scheme(config: Mapping[str, Any] | None, *, path: object = None) -> QuantScheme | None:
+def read_scheme(config: Mapping[str, Any] | None, *, path: Path | None = None) -> QuantScheme | None:
     """The scheme of a config.json's ``quantization_config`` (``None`` when there is none).
 
     Raises:

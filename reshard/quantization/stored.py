@@ -36,7 +36,7 @@ def stored_shapes(
             continue
         for companion in companions(scheme):
             if companion.dims:
-                sizes = {0: shape[0], 1: shape[1]}
+                sizes: dict[int | None, int] = {0: shape[0], 1: shape[1]}
                 out[f"{module}.{companion.suffix}"] = tuple(
                     -(-sizes[d.axis] // per_element(d.per, scheme, sizes[d.axis])) for d in companion.dims
                 )

@@ -143,6 +143,8 @@ def test_conversions_leave_no_descriptor_open(tmp_path: Path, monkeypatch: pytes
 class _Recorder:
     """A writer that records the order tensors reach it (a concurrent one from any thread)."""
 
+    takes_parts = False  # CheckpointWriter's declared property: whole slices only, nothing streamed in byte parts
+
     def __init__(self, concurrent: bool) -> None:
         self.concurrent = concurrent
         self.order: list[str] = []

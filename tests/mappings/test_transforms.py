@@ -125,3 +125,20 @@ def test_chain_and_parallel_compose_and_invert() -> None:
     assert "then" in chain.describe()
     with pytest.raises(ShapeMismatchError, match="16 rows are not 3 heads of an even size"):
         Chain((split, Parallel((RopePermute(3), RopePermute(2), Rename())))).target_shapes([(32, 3)])
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [Rename(), Chunk(2), Concat(2), RopePermute(2), Chain((Chunk(2), Parallel((Rename(), RopeUnpermute(1)))))],
+    ids=["rename", "chunk", "concat", "rope", "chain"],
+)
+def test_a_mapping_transform_makes_its_targets_and_knows_nothing_of_their_values(transform) -> None:
+    """The engine's side of the protocol (reshard.mappings.transforms.Transform): no output handed in, one False per
+    target."""
+    tensors = [torch.arange(8.0).reshape(4, 2) for _ in range(transform.sources)]
+    finite: list[bool] = []
+    made = transform.apply(tensors, finite=finite)
+    assert transform.writes_into is False
+    assert finite == [False] * transform.targets == [False] * len(made)
+    with pytest.raises(TypeError, match="writes into no tensor it is given"):
+        transform.apply(tensors, out=[torch.empty(4, 2)])

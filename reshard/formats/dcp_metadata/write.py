@@ -16,7 +16,9 @@ from __future__ import annotations
 import io
 import pickle
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, SupportsIndex
+
+from reshard.formats.safe_pickle import PurePickler
 
 PROTOCOL = 4  # what pickle.dump uses on Python 3.8-3.13 (torch writes with the default)
 VERSION = "1.0.0"  # torch.distributed.checkpoint.metadata's DEFAULT version
@@ -32,7 +34,7 @@ _TORCH_SIZE = "".join(["tor", "ch"])
 def _pickled_as(module: str, name: str) -> Any:
     """Class decorator: instances pickle as instances of ``module.name`` (see :class:`_Pickler`)."""
 
-    def mark(cls: type) -> type:
+    def mark(cls: type[Any]) -> type[Any]:
         cls._reshard_global = (module, name)
         return cls
 
@@ -60,7 +62,7 @@ def dtype(name: str) -> type:
 class Size(tuple):
     """``torch.Size``: pickles as ``torch.Size((...))``."""
 
-    def __reduce_ex__(self, protocol: int) -> tuple[Any, ...]:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
         return (_SIZE, (tuple(self),))
 
 
@@ -70,7 +72,7 @@ class _Reduced:
     def __init__(self, func: type, args: tuple[Any, ...]) -> None:
         self._reduced = (func, args)
 
-    def __reduce_ex__(self, protocol: int) -> tuple[Any, ...]:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
         return self._reduced
 
 
@@ -158,7 +160,7 @@ class StorageInfo:
         return {k: v for k, v in self.__dict__.items() if v is not None}
 
 
-class _Pickler(pickle._Pickler):  # the pure-Python pickler: its save_global and batching can be overridden
+class _Pickler(PurePickler):  # the pure-Python pickler: its save_global and batching can be overridden
     def save_global(self, obj: Any, name: str | None = None) -> None:
         ref = getattr(obj, "_reshard_global", None) if isinstance(obj, type) else None
         if ref is None:

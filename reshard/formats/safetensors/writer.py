@@ -64,7 +64,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     import torch
 
     flat = tensor.detach().contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+    return flat.view(torch.uint8).numpy().data if flat.numel() else memoryview(b"")
 
 
 def byte_chunks(tensor: torch.Tensor | Joined, limit: int = CHUNK_BYTES, *, position: int = 0) -> Iterator[memoryview]:
@@ -177,8 +177,10 @@ class SafetensorsFileWriter:
         the views may be reused once this returns."""
         if self.keep:
             return
+        file = self._file
+        assert file is not None  # opened by begin_parts
         with Batch():
-            self._file.write(views, self._offsets[name] + start)
+            file.write(views, self._offsets[name] + start)
 
     def end_parts(self, name: str) -> None:
         """Tensor ``name``'s parts are all written."""

@@ -244,7 +244,8 @@ def _unordered_set_order(names: Sequence[str]) -> list[str]:
                 buckets = table
             else:
                 resize_at = len(buckets)
-        begin = [codes[after[head]] % len(buckets)] if after[head] is not None else [0]
+        first = after[head]
+        begin = [codes[first] % len(buckets)] if first is not None else [0]
         link(node, buckets, begin)
     order, walk = [], after[head]
     while walk is not None:

@@ -84,9 +84,9 @@ def pickle_template(
     def reduce_slot(slot: TensorSlot) -> tuple:
         dtype, shape = slot.header.dtype, slot.header.shape
         numel, step, strides = 1, 1, []
-        for size in reversed(shape):  # contiguous strides as torch computes them (a 0 counts as 1)
+        for dim in reversed(shape):  # contiguous strides as torch computes them (a 0 counts as 1)
             strides.append(step)
-            numel, step = numel * size, step * max(size, 1)
+            numel, step = numel * dim, step * max(dim, 1)
         # New tuples, as Tensor.size() and stride() give: the pickler memoizes tuples by identity.
         size, stride = tuple(int(n) for n in shape), tuple(reversed(strides))
         if dtype in new_dtypes:

@@ -85,7 +85,7 @@ def _storage_bytes(storage: torch.UntypedStorage) -> memoryview:
         storage = storage.cpu()
     if not storage.nbytes():
         return memoryview(b"")
-    return memoryview(torch.empty(0, dtype=torch.uint8).set_(storage).numpy())
+    return torch.empty(0, dtype=torch.uint8).set_(storage).numpy().data
 
 
 class TorchZipWriter:
@@ -221,6 +221,7 @@ class TorchZipWriter:
             if not self._started:
                 self._start()
             file = self._file
+        assert file is not None  # started above, and finished only once every slot is written
         record.crc = self._write_data(file, tensor, record.data_offset)
         if record.size:
             file.write([memoryview(record.descriptor())], record.data_offset + record.size)
@@ -250,9 +251,9 @@ class TorchZipWriter:
 
     def _start(self) -> None:
         self._started = True
-        self._file = self._region or DirectFile(self.path, self.size, direct=self.direct)
+        self._file = file = self._region or DirectFile(self.path, self.size, direct=self.direct)
         for offset, views in self._static:
-            self._file.write(views, offset)
+            file.write(views, offset)
         self._static = []
 
     def _finish(self) -> None:
@@ -262,8 +263,10 @@ class TorchZipWriter:
         record.crc = self._crc(text)
         directory = zip_layout.directory(self._prefix, [*self._records, record])
         tail = record.header + text + record.descriptor() + directory
-        self._file.write([memoryview(tail)], record.header_offset)
-        self._file.close()
+        file = self._file
+        assert file is not None  # started by the first write, finished once
+        file.write([memoryview(tail)], record.header_offset)
+        file.close()
         self._file = None
         self._complete = True
         if self._on_done is not None:

@@ -201,7 +201,7 @@ class BoxedReader(ReadIntoReader):
             origin = sum(o * s for o, s in zip(inner.offsets, strides, strict=True))
         temporary = torch.empty(high - low, dtype=dest.dtype)
         with Batch():
-            source.read([memoryview(temporary.view(torch.uint8).numpy())], at(low), error=error)
+            source.read([temporary.view(torch.uint8).numpy().data], at(low), error=error)
         dest.copy_(temporary.as_strided(inner.sizes, strides, origin - low))
 
     def _layout(self, tensor: StoredTensor, chunk: StoredChunk) -> ChunkLayout:

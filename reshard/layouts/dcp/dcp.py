@@ -125,7 +125,7 @@ def _in_blob(
 ) -> StoredChunk:
     entry = entries.get(tensor.name)
     found = None if entry is None else (entry.code, entry.shape)
-    if chunk.position != start or found != (tensor.code, chunk.box.sizes):
+    if entry is None or chunk.position != start or found != (tensor.code, chunk.box.sizes):
         problems.append(
             CorruptFileError(
                 f"the safetensors data holds {found or 'nothing'} for it, the metadata says a {tensor.code} chunk "

@@ -67,14 +67,16 @@ def read_common(folder: Path, index: DcpIndex, options: ReadOptions) -> tuple[di
 
 def _read(stored: StoredValue) -> bytes:
     """The entry's bytes: exactly its byte range, refused before reading when it cannot be right."""
-    where = {"path": stored.file, "tensor": COMMON_STATE}
     if stored.transforms:
-        raise ReshardError(f"stored compressed ({', '.join(stored.transforms)}): not supported", **where)
+        raise ReshardError(
+            f"stored compressed ({', '.join(stored.transforms)}): not supported", path=stored.file, tensor=COMMON_STATE
+        )
     if stored.length > MAX_COMMON_STATE:
         raise CorruptFileError(
             f"{human_bytes(stored.length)} claimed, more than the {human_bytes(MAX_COMMON_STATE)} "
             "Megatron's common state can take",
-            **where,
+            path=stored.file,
+            tensor=COMMON_STATE,
         )
     try:
         with stored.file.open("rb") as file:
@@ -82,9 +84,12 @@ def _read(stored: StoredValue) -> bytes:
             if stored.position + stored.length > size:
                 raise CorruptFileError(
                     f"bytes {stored.position}-{stored.position + stored.length} claimed in a file of {size} bytes",
-                    **where,
+                    path=stored.file,
+                    tensor=COMMON_STATE,
                 )
             file.seek(stored.position)
             return file.read(stored.length)
     except OSError as err:
-        raise CorruptFileError(f"unreadable: {err.strerror or type(err).__name__}", **where) from err
+        raise CorruptFileError(
+            f"unreadable: {err.strerror or type(err).__name__}", path=stored.file, tensor=COMMON_STATE
+        ) from err

@@ -214,6 +214,8 @@ class _Placer:
         if not match:
             return _Place(name, (), ())
         layer, rest = int(match.group(1)), match.group(2)
+        index: tuple[int, ...]
+        axes: tuple[int, ...]
         index, axes = ((layer,), (self._layers,)) if self._homogeneous else ((), ())
         prefix = "decoder.layers." if self._homogeneous else f"decoder.layers.{layer}."
         expert = _EXPERT.match(rest)

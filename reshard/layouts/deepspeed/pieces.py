@@ -71,14 +71,14 @@ class PiecesReader(ReadIntoReader):
             raise ValueError(f"{self.path.name}: {key}: read_into past the end of the tensor")
         code = self.widened.get(key)
         if code is None:
-            self.read_bytes(key, memoryview(out.reshape(-1).view(torch.uint8).numpy()), start=start)
+            self.read_bytes(key, out.reshape(-1).view(torch.uint8).numpy().data, start=start)
             return
         if start % out.element_size():
             raise ValueError(f"{self.path.name}: {key}: read_into at byte {start} of a widened tensor")
         narrow = torch.empty(out.numel(), dtype=dtype_from_code(code))
         with Batch():
             first = start // out.element_size() * narrow.element_size()
-            self._read_stored(key, memoryview(narrow.view(torch.uint8).numpy()), first)
+            self._read_stored(key, narrow.view(torch.uint8).numpy().data, first)
         out.reshape(-1).copy_(narrow)
 
     def read_bytes(self, key: str, view: memoryview, *, start: int = 0) -> None:

@@ -17,6 +17,7 @@ from reshard.formats.file_plan import FilePlan
 from reshard.formats.readers import FileReader, open_tensor_file, read_safetensors_header
 from reshard.formats.safetensors.writer import ShardedSafetensorsWriter, ShardPlan, plan_shards
 from reshard.layouts.base import (
+    PartsWriter,
     RankFilesWriter,
     SourceCheckpoint,
     TargetSpec,
@@ -209,11 +210,13 @@ def safetensors_plan(spec: TargetSpec, folders: list[str]) -> SafetensorsFilePla
 
 
 class HFWriter(RankFilesWriter):
-    """Writes a canonical HF folder: ``config.json`` and safetensors shards with their index."""
+    """Writes a canonical HF folder: ``config.json`` and safetensors shards with their index; takes byte parts."""
 
     def __init__(self, out_dir: Path, spec: TargetSpec, plan: SafetensorsFilePlan) -> None:
         ((_, shards),) = plan.folders
-        writer = ShardedSafetensorsWriter(out_dir, spec.rank_headers[0], shards, hooks=spec.file_hooks(out_dir))
+        writer: PartsWriter = ShardedSafetensorsWriter(
+            out_dir, spec.rank_headers[0], shards, hooks=spec.file_hooks(out_dir)
+        )
         super().__init__(out_dir, spec, plan, [writer])
 
     @classmethod

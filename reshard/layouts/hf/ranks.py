@@ -12,7 +12,7 @@ from pathlib import Path
 from reshard.config import CONFIG_NAME, find_config
 from reshard.errors import MissingRankError
 from reshard.formats.safetensors.writer import ShardedSafetensorsWriter
-from reshard.layouts.base import RankFilesWriter, SourceCheckpoint, TargetSpec, numbered_children
+from reshard.layouts.base import PartsWriter, RankFilesWriter, SourceCheckpoint, TargetSpec, numbered_children
 from reshard.layouts.hf.folder import (
     SafetensorsFilePlan,
     check_folder,
@@ -76,10 +76,10 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
 
 
 class HFRanksWriter(RankFilesWriter):
-    """Writes ``rank_NN/`` safetensors folders plus the top-level ``config.json``."""
+    """Writes ``rank_NN/`` safetensors folders plus the top-level ``config.json``; takes byte parts."""
 
     def __init__(self, out_dir: Path, spec: TargetSpec, plan: SafetensorsFilePlan) -> None:
-        writers = []
+        writers: list[PartsWriter] = []
         for (folder, shards), headers in zip(plan.folders, spec.rank_headers, strict=True):
             (out_dir / folder).mkdir(parents=True, exist_ok=True)
             writers.append(ShardedSafetensorsWriter(out_dir / folder, headers, shards, hooks=spec.file_hooks(out_dir)))
@@ -91,7 +91,7 @@ class HFRanksWriter(RankFilesWriter):
         return safetensors_plan(spec, [rank_dir(rank) for rank in range(spec.tp)])
 
     def close(self) -> list[Path]:
-        written = []
+        written: list[Path] = []
         for rank, writer in enumerate(self.rank_writers):
             writer.close(index=self.spec.writes_shared)
             written.extend(Path(rank_dir(rank)) / f for f in writer.filenames)

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from reshard.formats.safe_pickle import PurePickler
+
 # Enums Megatron puts into args and its common state (import paths as Megatron pickles them, old and new module
 # layouts; Megatron-Core 0.19's own safe_globals.py lists the newer ones).
 ENUM_PATHS = (
@@ -79,7 +81,7 @@ def _global_ref(path: str) -> type:
     return _REFS[path]
 
 
-class _Pickler(pickle._Pickler):  # the pure-Python pickler: its save_global can be overridden
+class _Pickler(PurePickler):  # the pure-Python pickler: its save_global can be overridden
     def save_global(self, obj: Any, name: str | None = None) -> None:
         ref = getattr(obj, "_reshard_global", None) if isinstance(obj, type) else None
         if ref is None or self.proto >= 4:
@@ -93,14 +95,14 @@ class _Pickler(pickle._Pickler):  # the pure-Python pickler: its save_global can
 # What torch.save(pickle_module=...) needs: a Pickler (ours) and the module's other names.
 PICKLE_MODULE = ModuleType("reshard_megatron_pickle")
 PICKLE_MODULE.__dict__.update({k: getattr(pickle, k) for k in dir(pickle) if not k.startswith("__")})
-PICKLE_MODULE.Pickler = _Pickler
+PICKLE_MODULE.__dict__["Pickler"] = _Pickler
 
 
 def retarget_args(args: Any, tp: int, padded_vocab_size: int | None, *, pp: int = 1) -> Any:
     """A copy of ``args`` with the new tensor- and pipeline-parallel sizes and padded vocab size (experts and
     virtual chunks merged: one each)."""
     updates: dict[str, Any] = {"tensor_model_parallel_size": tp}
-    merged = {"pipeline_model_parallel_size": pp, "expert_model_parallel_size": 1}
+    merged: dict[str, int | None] = {"pipeline_model_parallel_size": pp, "expert_model_parallel_size": 1}
     merged["virtual_pipeline_model_parallel_size"] = None
     present = args.keys() if isinstance(args, dict) else vars(args).keys()
     updates |= {key: value for key, value in merged.items() if key in present or (key.startswith("pipe") and pp > 1)}

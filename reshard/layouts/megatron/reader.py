@@ -194,11 +194,11 @@ def _describe(
                 path=folder,
                 hint="remove the extra mp_rank_* folders, or correct the args",
             )
-    source.config = config_from_args(args, first.path) if args is not None else None
-    from_tokenizer = vocab_from_tokenizer_files(args) if source.config and source.config.vocab_size is None else None
-    if from_tokenizer is not None:
+    config = source.config = config_from_args(args, first.path) if args is not None else None
+    from_tokenizer = vocab_from_tokenizer_files(args) if config and config.vocab_size is None else None
+    if from_tokenizer is not None and config is not None:  # looked for only with a config
         size, vocab_file = from_tokenizer
-        source.config = ModelConfig({**source.config.raw, "vocab_size": size}, source.config.path)
+        source.config = ModelConfig({**config.raw, "vocab_size": size}, config.path)
         source.notes.append(f"the true vocab size {size} comes from the tokenizer's vocab file {vocab_file}")
     source.tokenizer = named_tokenizer(args) if args is not None else None
     version = top.get("checkpoint_version")

@@ -20,7 +20,7 @@ from reshard.layouts.base import SourceCheckpoint, TargetSpec
 from reshard.layouts.common.torch_rank_writer import RankFilePlan, TorchRanksWriter
 from reshard.layouts.megatron.args import PICKLE_MODULE, retarget_args
 from reshard.layouts.megatron.reader import FILE_NAME, TRACKER
-from reshard.layouts.megatron.stages import LAYER, layer_of, stage_of, stage_of_layers, with_layer
+from reshard.layouts.megatron.stages import layer_of, stage_of, stage_of_layers, with_layer
 from reshard.megatron.facts import MegatronFacts, args_of
 from reshard.megatron.model import arg
 from reshard.megatron.vocab import megatron_pad_multiple
@@ -158,7 +158,13 @@ def _stage_names(names: set[str], order: list[str], stages: list[range], stage: 
 
 def _local_path(path: tuple[str, ...], first_layer: int) -> tuple[str, ...]:
     """A key path with its layer number made stage-local."""
-    return tuple(with_layer(part, layer_of(part) - first_layer) if LAYER.search(part) else part for part in path)
+    return tuple(_local_part(part, first_layer) for part in path)
+
+
+def _local_part(part: str, first_layer: int) -> str:
+    """One key of a path with its layer number, if any, made stage-local."""
+    layer = layer_of(part)
+    return part if layer is None else with_layer(part, layer - first_layer)
 
 
 def _put_tied_head(model: dict[str, Any], state_dict: dict[str, Any]) -> None:

@@ -37,7 +37,7 @@ from __future__ import annotations
 from reshard.config import ModelConfig
 from reshard.errors import MappingError
 from reshard.mappings.base import Entry, Mapping, rename
-from reshard.mappings.transforms import Chunk, SplitGroupedQKV, Transform, WithZeros
+from reshard.mappings.transforms import Chunk, Invertible, SplitGroupedQKV, WithZeros
 
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -57,7 +57,7 @@ def _need(config: ModelConfig | None, key: str) -> int:
     return value
 
 
-def split_qkv(config: ModelConfig | None) -> Transform:
+def split_qkv(config: ModelConfig | None) -> Invertible:
     """The fused QKV's split, from the head counts and head size of the config."""
     heads, groups = _need(config, "num_attention_heads"), _need(config, "num_key_value_heads")
     if heads % groups:

@@ -61,3 +61,16 @@ def test_sat_rank_files_are_torch_save_files(cli, sat_tp8: Path, tmp_path: Path)
     assert [f.name for f in files] == ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"]
     for path in files:
         assert_torch_save_bytes(path, tmp_path, pickle)
+
+
+def test_safetensors_writers_take_byte_parts_and_torch_rank_files_do_not() -> None:
+    """The stream writes byte ranges only into a writer whose every rank writer is a PartsWriter (a torch zip
+    record's CRC-32 needs the whole slice)."""
+    from reshard.layouts.torch_rank_writer import _RankFiles
+
+    from reshard.formats.safetensors.writer import SafetensorsFileWriter, ShardedSafetensorsWriter
+    from reshard.layouts.base import PartsWriter
+
+    assert issubclass(SafetensorsFileWriter, PartsWriter)
+    assert issubclass(ShardedSafetensorsWriter, PartsWriter)
+    assert not issubclass(_RankFiles, PartsWriter)

@@ -27,7 +27,7 @@ VOCAB_FIELDS = ("original", "padded", "pad_multiple", "source_padded", "source_c
 class TensorEntry:
     """One canonical tensor: shape, dtype name, how it is split at the target, and the digest of its bytes.
 
-    ``digest`` is ``"<algorithm>:<hex>"`` (:mod:`reshard.engine.digest`); ``reshard.json`` spells it as a field
+    ``digest`` is ``"<algorithm>:<hex>"`` (:mod:`reshard.engine.move.digest`); ``reshard.json`` spells it as a field
     named after the algorithm (``"blake3": "<hex>"``, or ``"sha256"`` in manifests older than BLAKE3).
 
     ``finite`` says whether every value was finite (no NaN/Inf) when it was written, so ``verify`` can

@@ -35,8 +35,8 @@ def default_jobs(*, in_memory: bool = False) -> int:
 
     A job spends much of its time waiting for its tensor's reads and writes (direct requests, see
     :mod:`reshard.io.direct`), so with one job per core the disk idles while every job hashes; memory does not
-    grow with jobs (see :mod:`reshard.engine.execute`). In memory (tmpfs) no job waits for a device, and jobs beyond
-    the cores only take turns on the interpreter and on the output files (measured: docs/performance.md).
+    grow with jobs (see :mod:`reshard.engine.move.execute`). In memory (tmpfs) no job waits for a device, and jobs
+    beyond the cores only take turns on the interpreter and on the output files (measured: docs/performance.md).
     """
     return cores() if in_memory else 2 * cores()
 

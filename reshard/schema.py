@@ -53,7 +53,8 @@ COUNTS = (
 # Sub-configs whose sizes are read the same way (multimodal text and vision towers, SAT's EVA).
 NESTED = ("text_config", "vision_config", "eva_args")
 _HEX256 = re.compile(r"^[0-9a-f]{64}$")  # a sha256 or BLAKE3 digest
-# The digest fields of a tensor entry (reshard.manifest), exactly one; the algorithms reshard.engine.digest computes.
+# The digest fields of a tensor entry (reshard.manifest), exactly one; the algorithms reshard.engine.move.digest
+# computes.
 DIGESTS = ("blake3", "sha256")
 # The spelling of a layout name (``hf-ranks``, ``torch_dist``); the registry knows which exist.
 LAYOUT_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")

@@ -45,7 +45,7 @@ class RankSlice(Protocol):
 
 
 class PlannedTensor(Protocol):
-    """A planned source tensor, as the vocab checks read it (:class:`reshard.engine.planner.SourceTensor`): typed
+    """A planned source tensor, as the vocab checks read it (:class:`reshard.engine.plan.planner.SourceTensor`): typed
     structurally, because the planner calls this module."""
 
     @property

@@ -74,3 +74,22 @@ def test_no_module_imports_from_a_layer_below_its_own() -> None:
             if mine and theirs and LAYERS.index(theirs) > LAYERS.index(mine):
                 wrong.append(f"{module} ({mine}) imports {imported} ({theirs})")
     assert wrong == []
+
+
+# docs/ARCHITECTURE.md, "engine": its rooms, each importing only the ones before it (typing aside).
+ENGINE_ROOMS = ["plan", "move", "run"]
+
+
+def test_the_engines_rooms_import_only_the_rooms_before_them() -> None:
+    engine = PACKAGE / "engine"
+    assert sorted(p.name for p in engine.iterdir() if p.is_dir() and p.name != "__pycache__") == sorted(ENGINE_ROOMS)
+    assert sorted(p.name for p in engine.glob("*.py")) == ["__init__.py"]  # every module is in a room
+    wrong = []
+    for room in ENGINE_ROOMS:
+        for path in (engine / room).rglob("*.py"):
+            for imported in runtime_imports(path):
+                parts = imported.split(".")
+                if parts[:2] == ["reshard", "engine"] and len(parts) > 2:
+                    if ENGINE_ROOMS.index(parts[2]) > ENGINE_ROOMS.index(room):
+                        wrong.append(f"{path.relative_to(PACKAGE.parent)} imports {imported}")
+    assert wrong == []

@@ -299,11 +299,11 @@ def convert_command(ckpt: Path, out: Path, as_json: bool, quiet: bool, push: Any
     workers = options.pop("workers")
     worker_timeout = options.pop("worker_timeout")
     if worker_timeout is not None:  # read by engine/workers.py join(), in this process and the ones launch starts
-        from reshard.engine.workers import SETUP_TIMEOUT_ENV
+        from reshard.engine.run.workers import SETUP_TIMEOUT_ENV
 
         os.environ[SETUP_TIMEOUT_ENV] = repr(worker_timeout)
     if workers > 1 and "WORLD_SIZE" not in os.environ:
-        from reshard.engine.workers import launch
+        from reshard.engine.run.workers import launch
 
         raise SystemExit(launch(without_workers(click.get_current_context().meta["reshard.argv"]), workers))
     quiet = quiet or int(os.environ.get("RANK", "0") or 0) != 0  # under torchrun, rank 0 reports

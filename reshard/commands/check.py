@@ -32,8 +32,8 @@ from reshard.commands.check_findings import (
     vocab_problems,
 )
 from reshard.config import ModelConfig, load_config
-from reshard.engine.open import OpenedCheckpoint, open_checkpoint
-from reshard.engine.planner import matched_rule
+from reshard.engine.plan.open import OpenedCheckpoint, open_checkpoint
+from reshard.engine.plan.planner import matched_rule
 from reshard.errors import AmbiguousPartitionError, ReshardError, ShapeMismatchError
 from reshard.geometry import Partition, Replicate, Vocab, at_tp, partition_to_dict, rank_shapes, tps_that_split
 from reshard.hub.source import HubCheckpoint

@@ -1,4 +1,5 @@
-"""``convert``: any layout and tp in, any layout and tp out (the run itself is :mod:`reshard.engine.run`)."""
+"""``convert``: any layout and tp in, any layout and tp out (the run itself is
+:mod:`reshard.engine.run.conversion`)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reshard.engine.planner import ConversionPlan
-from reshard.engine.route import Route
-from reshard.engine.run import open_for_conversion, run_conversion
-from reshard.engine.target import TargetPlan
-from reshard.engine.tokenizer import no_tokenizer_warning
+from reshard.engine.plan.planner import ConversionPlan
+from reshard.engine.plan.target import TargetPlan
+from reshard.engine.plan.tokenizer import no_tokenizer_warning
+from reshard.engine.run.conversion import open_for_conversion, run_conversion
+from reshard.engine.run.route import Route
 from reshard.options import ConvertOptions
 
 logger = logging.getLogger(__name__)

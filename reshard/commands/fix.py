@@ -18,12 +18,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from reshard.engine.open import OpenedCheckpoint
-from reshard.engine.planner import SourceTensor
-from reshard.engine.route import Route
-from reshard.engine.run import open_for_conversion, run_conversion
-from reshard.engine.tokenizer import no_tokenizer_warning
-from reshard.engine.warmup import import_torch_in_background
+from reshard.engine.plan.open import OpenedCheckpoint
+from reshard.engine.plan.planner import SourceTensor
+from reshard.engine.plan.tokenizer import no_tokenizer_warning
+from reshard.engine.run.conversion import open_for_conversion, run_conversion
+from reshard.engine.run.route import Route
+from reshard.engine.run.warmup import import_torch_in_background
 from reshard.geometry import Vocab, rank_shapes
 from reshard.hub.source import hub_origin
 from reshard.io.staging import write_error

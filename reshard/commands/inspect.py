@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from reshard.dtypes import name_of
-from reshard.engine.open import open_checkpoint
-from reshard.engine.target import preview_mapping
+from reshard.engine.plan.open import open_checkpoint
+from reshard.engine.plan.target import preview_mapping
 from reshard.geometry import at_tp, partition_to_dict
 from reshard.hub.source import HubCheckpoint
 from reshard.layouts import SourceCheckpoint

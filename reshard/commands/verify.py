@@ -1,9 +1,10 @@
 """``verify``: check a checkpoint against its manifest, compare two checkpoints, or prove a round trip.
 
 Every check reads one canonical tensor at a time (per side) as the converter does, so a checkpoint is judged exactly
-as reshard would read it: a manifest's digests stream from the slices (:func:`~reshard.engine.stream.canonical_digest`,
-no torch for a tensor kept as its slices' bytes), anything else goes through the same gather. A difference is a
-result (exit 1); a file that cannot be read at all is a :class:`~reshard.errors.ReshardError` (exit 2).
+as reshard would read it: a manifest's digests stream from the slices
+(:func:`~reshard.engine.move.stream.canonical_digest`, no torch for a tensor kept as its slices' bytes), anything else
+goes through the same gather. A difference is a result (exit 1); a file that cannot be read at all is a
+:class:`~reshard.errors.ReshardError` (exit 2).
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from reshard.commands.verify_checks import Difference, check_files, files_of, value_difference
 from reshard.commands.verify_ranks import check_ranks
 from reshard.dtypes import name_of
-from reshard.engine.digest import ALGORITHM, algorithm_of, all_finite_in_blocks, digest_of
-from reshard.engine.open import OpenedCheckpoint, open_checkpoint
-from reshard.engine.planner import SourceTensor
-from reshard.engine.run import open_for_conversion, run_conversion
-from reshard.engine.stream import canonical_digest
+from reshard.engine.move.digest import ALGORITHM, algorithm_of, all_finite_in_blocks, digest_of
+from reshard.engine.move.stream import canonical_digest
+from reshard.engine.plan.open import OpenedCheckpoint, open_checkpoint
+from reshard.engine.plan.planner import SourceTensor
+from reshard.engine.run.conversion import open_for_conversion, run_conversion
 from reshard.errors import DivergentReplicaError, PlanError, ReshardError, ShapeMismatchError
 from reshard.io.progress import progress_bar
 from reshard.io.staging import temporary_folder
@@ -228,8 +229,8 @@ def _digests(
 ) -> Iterator[tuple[str, str, bool | None]]:
     """Yield ``(name, digest, finite)`` of each canonical tensor in order, by the algorithm its manifest entry names
     (finite only when the entry records it). A tensor kept as its slices' bytes streams through a small buffer, as
-    the conversion wrote it (:func:`~reshard.engine.stream.canonical_digest`), on a thread per core (the reads, the
-    hash and the check release the interpreter; twice as many threads cost more CPU than the wall they save,
+    the conversion wrote it (:func:`~reshard.engine.move.stream.canonical_digest`), on a thread per core (the reads,
+    the hash and the check release the interpreter; twice as many threads cost more CPU than the wall they save,
     measured: docs/performance.md); any other is gathered here, one at a time. Tensors that cannot be read whole become
     differences."""
     tensors = opened.by_name()
@@ -352,7 +353,7 @@ def _compare(a: OpenedCheckpoint, b: OpenedCheckpoint, options: VerifyOptions, r
 
 def _same_bytes(ours: SourceTensor, theirs: SourceTensor) -> bool:
     """Whether two tensors of one dtype hold the same canonical bytes, by their digests (BLAKE3) streamed from the
-    slices (:func:`~reshard.engine.stream.canonical_digest`), with no gather and no torch: equal bytes are equal
+    slices (:func:`~reshard.engine.move.stream.canonical_digest`), with no gather and no torch: equal bytes are equal
     values at any tolerance. False when they differ, either does not stream, or its copies differ: then both are
     gathered, and compared (and reported) in torch."""
     if ours.problem or theirs.problem or ours.code != theirs.code:

@@ -17,7 +17,7 @@ from reshard.manifest import Manifest
 if TYPE_CHECKING:
     import torch
 
-    from reshard.engine.planner import SourceTensor
+    from reshard.engine.plan.planner import SourceTensor
 
 # Elements widened to float64 at a time when comparing values (128 MB per side).
 _BLOCK = 1 << 24

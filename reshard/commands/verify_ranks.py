@@ -21,10 +21,10 @@ from pathlib import Path
 
 from reshard.commands.verify_checks import Difference, files_of
 from reshard.config import ModelConfig
-from reshard.engine.digest import ALGORITHM
-from reshard.engine.open import open_checkpoint
-from reshard.engine.planner import SourceTensor
-from reshard.engine.stream import canonical_digest
+from reshard.engine.move.digest import ALGORITHM
+from reshard.engine.move.stream import canonical_digest
+from reshard.engine.plan.open import open_checkpoint
+from reshard.engine.plan.planner import SourceTensor
 from reshard.errors import AmbiguousPartitionError, DivergentReplicaError, ReshardError
 from reshard.geometry import Partition, Replicate
 from reshard.options import ReadOptions
@@ -95,7 +95,7 @@ def _own_rows(tensor: SourceTensor) -> bool:
 
 def _same_copies(tensor: SourceTensor, diffs: list[Difference]) -> bool | None:
     """For a replicated tensor, whether every rank's copy (its piece of the cut) is the first one's, compared block
-    by block as the manifest check streams them (:func:`~reshard.engine.stream.canonical_digest`), a difference
+    by block as the manifest check streams them (:func:`~reshard.engine.move.stream.canonical_digest`), a difference
     recorded if not; None for any other tensor, or one that does not stream: it is read and compared in torch."""
     if tensor.problem is not None or not isinstance(tensor.partition, Replicate):
         return None

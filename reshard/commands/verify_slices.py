@@ -9,9 +9,9 @@ import torch
 
 from reshard.commands.verify_checks import Difference, files_of
 from reshard.commands.verify_dequant import dequantize
-from reshard.engine.gather import gather_canonical
-from reshard.engine.open import OpenedCheckpoint
-from reshard.engine.planner import SourceTensor
+from reshard.engine.move.gather import gather_canonical
+from reshard.engine.plan.open import OpenedCheckpoint
+from reshard.engine.plan.planner import SourceTensor
 from reshard.errors import DivergentReplicaError, ReshardError, ShapeMismatchError
 from reshard.geometry import Partition, Replicate, Vocab, norm_dim
 from reshard.geometry.tensors import bitwise_equal, split

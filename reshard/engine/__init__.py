@@ -1,1 +1,3 @@
-"""Planning a conversion from headers and executing it: gather, hash, split, write, one tensor at a time."""
+"""A conversion in three rooms, each importing only the ones before it: ``plan`` (headers -> every unit of work),
+``move`` (the bytes of each unit: streamed or gathered, hashed, split, written) and ``run`` (staging, journal,
+workers, manifest, publish)."""

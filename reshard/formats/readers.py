@@ -150,7 +150,7 @@ class DirectReader(FileReader):
 
     def read_bytes(self, key: str, view: memoryview, *, start: int = 0) -> None:
         """Bytes ``[start, start + len(view))`` of tensor ``key`` into ``view``, straight from the file; for a key
-        with a :meth:`position`. Torch-free: the byte stream reads with it (:mod:`reshard.engine.stream`)."""
+        with a :meth:`position`. Torch-free: the byte stream reads with it (:mod:`reshard.engine.move.stream`)."""
         if start + len(view) > self.headers[key].nbytes:
             raise ValueError(f"{self.path.name}: {key}: read past the end of the tensor")
         self._read_views(key, [view], start)

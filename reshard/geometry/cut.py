@@ -4,12 +4,12 @@ joins, in order.
 A :class:`Cut` answers both directions with the same numbers: a gather reads each rank's runs into their place in
 the canonical tensor (:meth:`Cut.placed`: the first copy of every row; the other copies of replicated KV heads are
 compared with it, :meth:`Cut.copies`), and a split cuts the canonical tensor into each rank's runs
-(:attr:`Cut.runs`). The gather (:mod:`reshard.engine.gather`), the byte stream (:mod:`reshard.engine.stream`),
-``verify``'s rank check and the tensor functions (:mod:`reshard.geometry.tensors`) all read a ``Cut``; none works
-out a cut of its own, so a source slice and a target slice, or a weight and its optimizer state, can never be cut
-two ways. Runs are in rows along the partition's dim; a row's bytes are the product of the later dims times the
-item size (:meth:`Cut.row_bytes`), so where the earlier dims are 1 the runs are byte ranges too, as DCP's
-``ReadItem`` pairs ``storage_offsets`` with ``dest_offsets`` and ``lengths``.
+(:attr:`Cut.runs`). The gather (:mod:`reshard.engine.move.gather`), the byte stream
+(:mod:`reshard.engine.move.stream`), ``verify``'s rank check and the tensor functions (:mod:`reshard.geometry.tensors`)
+all read a ``Cut``; none works out a cut of its own, so a source slice and a target slice, or a weight and its
+optimizer state, can never be cut two ways. Runs are in rows along the partition's dim; a row's bytes are the product
+of the later dims times the item size (:meth:`Cut.row_bytes`), so where the earlier dims are 1 the runs are byte ranges
+too, as DCP's ``ReadItem`` pairs ``storage_offsets`` with ``dest_offsets`` and ``lengths``.
 
 Pure arithmetic on shapes, no torch.
 """

@@ -16,7 +16,7 @@ may share with ranges written by other threads, go through the page cache on an 
 
 Memory on the same 4 KB phase as its file range skips staging: the whole blocks inside the range are read
 into it or written from it directly (:func:`in_phase`). Gather buffers are allocated on the phase of the
-slices read into them (:func:`reshard.engine.gather.read_phase`), and the thread's scratch copies of
+slices read into them (:func:`reshard.engine.move.gather.read_phase`), and the thread's scratch copies of
 column blocks on the phase of the file range they come from or go to, so that every read and the column
 blocks' writes skip the staging copy.
 

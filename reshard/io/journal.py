@@ -38,7 +38,7 @@ from reshard.errors import ReshardError
 JOURNAL = ".reshard-journal-{rank}.jsonl"  # one per worker (one process: rank 0)
 HASH_BLOCK = 8 << 20
 SHA256 = re.compile(r"[0-9a-f]{64}")
-DIGEST = re.compile(r"(blake3|sha256):[0-9a-f]{64}")  # a tensor's, as reshard.engine.digest.digest_of spells it
+DIGEST = re.compile(r"(blake3|sha256):[0-9a-f]{64}")  # a tensor's, as reshard.engine.move.digest.digest_of spells it
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Fresh memory costs a page fault and the zeroing of every page, about as much as copying the bytes, and a
 conversion copies about half its bytes as column blocks in pieces of up to 16 MB (each block of a gathered
 tensor's short rows, read or written contiguously). So each thread keeps one buffer and copies into it again.
-The buffer is a numpy byte array, so that the byte stream (:mod:`reshard.engine.stream`) uses it without torch;
+The buffer is a numpy byte array, so that the byte stream (:mod:`reshard.engine.move.stream`) uses it without torch;
 :func:`scratch` lends it to torch callers as a tensor on the same memory.
 """
 

@@ -200,7 +200,7 @@ class TargetSpec:
             writer leaves them as they are and drops what would go into them.
         on_file_done: told the relative path of every other data file once its last byte is written.
         writes_shared: write the files that are not data files (config, index, tracker, metadata); one of several
-            processes writing one output (:mod:`reshard.engine.workers`) leaves them to rank 0.
+            processes writing one output (:mod:`reshard.engine.run.workers`) leaves them to rank 0.
     """
 
     tp: int

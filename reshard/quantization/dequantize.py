@@ -1,8 +1,8 @@
 """FP8 weights back to plain floats, and floats to another float dtype: the per-tensor steps of ``convert --dtype``.
 
 Both are transforms (:class:`reshard.mappings.transforms.Transform`) of a unit of work
-(:class:`reshard.engine.planner.TensorPlan`): the engine gathers the unit's source tensors (a weight and its scale)
-into their canonical tensors, calls :meth:`apply`, and splits what comes out for the target tp, so a dequantized
+(:class:`reshard.engine.plan.planner.TensorPlan`): the engine gathers the unit's source tensors (a weight and its
+scale) into their canonical tensors, calls :meth:`apply`, and splits what comes out for the target tp, so a dequantized
 weight is cut after it is dequantized and the scale grid never has to line up with a rank's rows. Torch is imported
 only when bytes move; planning builds these from headers.
 

@@ -175,7 +175,7 @@ def test_a_weight_its_scales_bound_is_recorded_finite_without_a_look_at_its_valu
     """The manifest's ``finite`` of a dequantized weight comes from its inputs when they bound it (no NaN byte, the
     largest scale times 448 finite in bf16): the engine looks at the values of the other tensors only. A weight
     with a NaN byte is looked at, and recorded not finite."""
-    from reshard.engine import gathered
+    from reshard.engine.move import gathered
 
     looked: list[tuple[int, ...]] = []
     real = gathered.all_finite_in_blocks

@@ -11,7 +11,7 @@ import pytest
 from fixtures.checks import assert_refused
 from fixtures.models import tiny_llama, tiny_qwen3
 
-from reshard.engine import execute
+from reshard.engine.move import execute
 from reshard.plans import skeleton
 
 VOCAB = 1001

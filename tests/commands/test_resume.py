@@ -40,7 +40,7 @@ journal.Journal.file_done = file_done
 """
 KILL_AT_MANIFEST = """
 import os, signal
-import reshard.engine.run as run
+import reshard.engine.run.conversion as run
 def write_manifest(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGKILL)
 run.write_manifest = write_manifest
@@ -214,7 +214,7 @@ def test_a_run_shared_by_workers_resumes_after_one_is_killed(
 
 RECORD_WORK = """
 import json, os
-import reshard.engine.execute as execute_module
+import reshard.engine.move.execute as execute_module
 import reshard.io.journal as journal
 real_execute, real_move_unit = execute_module.execute, execute_module.move_unit
 real_file_done = journal.Journal.file_done

@@ -17,8 +17,8 @@ from safetensors.torch import load_file, save_file
 
 from reshard import ConvertOptions, convert
 from reshard.commands.verify import VerifyOptions, verify
-from reshard.engine.open import OpenedCheckpoint
-from reshard.engine.run import run_conversion
+from reshard.engine.plan.open import OpenedCheckpoint
+from reshard.engine.run.conversion import run_conversion
 
 Q1 = "model.layers.1.self_attn.q_proj.weight"
 NORM = "model.layers.0.input_layernorm.weight"

@@ -12,9 +12,9 @@ from safetensors.torch import load_file, save_file
 
 from reshard import ConvertOptions, convert
 from reshard.commands import verify_ranks, verify_slices
-from reshard.engine.gather import gather_canonical
-from reshard.engine.open import open_checkpoint
-from reshard.engine.planner import SourceTensor
+from reshard.engine.move.gather import gather_canonical
+from reshard.engine.plan.open import open_checkpoint
+from reshard.engine.plan.planner import SourceTensor
 from reshard.geometry import Packed, Replicate, Shard, Vocab
 from reshard.options import ReadOptions
 

@@ -116,8 +116,8 @@ def _as_sha256(manifest: dict, folder: Path) -> dict:
     import blake3
     import torch
 
-    from reshard.engine.gather import gather_canonical
-    from reshard.engine.open import open_checkpoint
+    from reshard.engine.move.gather import gather_canonical
+    from reshard.engine.plan.open import open_checkpoint
     from reshard.options import ReadOptions
 
     entries = manifest.get("tensors", {})

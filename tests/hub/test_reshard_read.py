@@ -20,7 +20,7 @@ from fixtures.trainer import write_rank_files
 from safetensors.torch import load_file, save_file
 
 from reshard.commands.inspect import inspect_checkpoint
-from reshard.engine.open import open_checkpoint
+from reshard.engine.plan.open import open_checkpoint
 from reshard.errors import HubError
 from reshard.hub.source import HubCheckpoint
 from reshard.options import ReadOptions

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from reshard.engine.buffers import BufferPool
+from reshard.engine.move.buffers import BufferPool
 from reshard.io import direct as direct_io
 from reshard.io.memory import HUGE_PAGE, huge_bytes
 from reshard.io.scratch import scratch_bytes

@@ -1,7 +1,7 @@
 """Each writer's file plan (``CheckpointWriter.file_plan``) on plain data, and against what a conversion writes.
 
-The plan is what resume and a worker's share filter (:mod:`reshard.engine.resume`,
-:mod:`reshard.engine.worker_shares`): a data file it names that the writer does not write, or a tensor it places in
+The plan is what resume and a worker's share filter (:mod:`reshard.engine.run.resume`,
+:mod:`reshard.engine.run.worker_shares`): a data file it names that the writer does not write, or a tensor it places in
 the wrong file, would make a resumed or shared run skip bytes. So it is pinned on hand-built specs (headers only,
 no torch writes; every expected file worked out by hand) and compared with the files a real conversion wrote.
 """
@@ -17,8 +17,8 @@ from fixtures.megatron import TINY
 
 from reshard import ConvertOptions, convert
 from reshard.dtypes import TensorHeader
-from reshard.engine.open import open_checkpoint
-from reshard.engine.target import plan_target, target_spec
+from reshard.engine.plan.open import open_checkpoint
+from reshard.engine.plan.target import plan_target, target_spec
 from reshard.errors import ReshardError
 from reshard.formats.file_plan import FilePlan
 from reshard.layouts.base import SourceCheckpoint, SourceFacts, TargetSpec

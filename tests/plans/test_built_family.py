@@ -113,7 +113,7 @@ def test_a_workers_run_hears_worker_0s_refusal_in_one_line(tmp_path):
 
 STAGING_SPY = """
 import os
-from reshard.engine import run
+from reshard.engine.run import conversion as run
 real = run.staged
 def staged(*args, **kwargs):
     with open(os.environ["STAGING_LOG"], "a") as log:

@@ -12,7 +12,7 @@ import pytest
 from bases import ARGS, copy_base
 from harness import Workspace, judge, run, snapshot
 
-import reshard.engine.execute as execute_module
+import reshard.engine.move.execute as execute_module
 import reshard.io.interrupts as interrupts
 import reshard.io.staging as staging_module
 
@@ -87,7 +87,7 @@ def test_signal_while_publishing_is_held_until_the_output_is_complete(bases, tmp
 
 
 def test_signal_before_writing_leaves_nothing(bases, tmp_path: Path, monkeypatch) -> None:
-    import reshard.engine.open as open_module
+    import reshard.engine.plan.open as open_module
 
     ws = Workspace(tmp_path)
     copy_base(bases["sat"], ws.ckpt)

@@ -10,9 +10,9 @@ import pytest
 from bases import ARGS, copy_base
 from harness import Workspace, judge, run, snapshot
 
-import reshard.engine.gather as gather_module
-import reshard.engine.work as work_module
-from reshard.engine.work import check_fits
+import reshard.engine.move.gather as gather_module
+import reshard.engine.move.work as work_module
+from reshard.engine.move.work import check_fits
 from reshard.errors import ReshardError
 from reshard.plans import built_family
 

@@ -19,7 +19,7 @@ import pytest
 from bases import copy_base
 from harness import Workspace, judge, run, snapshot
 
-import reshard.engine.execute as execute_module
+import reshard.engine.move.execute as execute_module
 
 ROOT = os.geteuid() == 0
 

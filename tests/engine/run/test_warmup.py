@@ -1,4 +1,4 @@
-"""``reshard.engine.warmup``: torch is imported beside the planning, which must not need it."""
+"""``reshard.engine.run.warmup``: torch is imported beside the planning, which must not need it."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ def test_planning_a_safetensors_conversion_never_imports_torch(tmp_path):
     probe = (
         "import sys\n"
         "from pathlib import Path\n"
-        "from reshard.engine.open import open_checkpoint\n"
-        "from reshard.engine.target import plan_target\n"
+        "from reshard.engine.plan.open import open_checkpoint\n"
+        "from reshard.engine.plan.target import plan_target\n"
         "from reshard.options import ConvertOptions\n"
         "options = ConvertOptions(tp=2)\n"
         "opened = open_checkpoint(Path(sys.argv[1]), options.read, target_tp=2)\n"
@@ -39,7 +39,7 @@ def test_convert_imports_torch_on_a_thread_only_when_its_bytes_need_it(tmp_path,
         "import sys\n"
         "from pathlib import Path\n"
         "import reshard.commands.convert as convert_module\n"
-        "from reshard.engine import warmup\n"
+        "from reshard.engine.run import warmup\n"
         "from reshard.options import ConvertOptions\n"
         "from reshard.plans import built_family\n"
         "check_counts, seen = built_family.check_counts, ['torch' in sys.modules]\n"

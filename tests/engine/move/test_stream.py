@@ -1,4 +1,4 @@
-"""``reshard.engine.stream``: units streamed through a small buffer write the bytes, digests and finite flags the
+"""``reshard.engine.move.stream``: units streamed through a small buffer write the bytes, digests and finite flags the
 gather writes, and a flipped bit in what they wrote still fails ``verify``."""
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from fixtures import SAMPLES
 from safetensors.torch import load_file, save_file
 
 from reshard import ConvertOptions, convert
-from reshard.engine import execute
-from reshard.engine import stream as engine_stream
-from reshard.engine.digest import digest_of
-from reshard.engine.gather import gather_canonical
-from reshard.engine.open import open_checkpoint
-from reshard.engine.stream import canonical_digest
+from reshard.engine.move import execute
+from reshard.engine.move import stream as engine_stream
+from reshard.engine.move.digest import digest_of
+from reshard.engine.move.gather import gather_canonical
+from reshard.engine.move.stream import canonical_digest
+from reshard.engine.plan.open import open_checkpoint
 from reshard.io.direct import in_memory
 from reshard.options import ReadOptions
 

@@ -1,4 +1,5 @@
-"""``reshard.engine.planner`` on plain data: headers in, partitions, canonical shapes and per-rank target shapes out.
+"""``reshard.engine.plan.planner`` on plain data: headers in, partitions, canonical shapes and per-rank target shapes
+out.
 
 Planning must never read a tensor's bytes (``reshard check`` answers from headers alone), so every reader here
 raises when asked for bytes; the one way bytes may be consulted, the ``replicas_equal`` callback, is checked
@@ -15,7 +16,7 @@ import pytest
 
 from reshard.config import ModelConfig
 from reshard.dtypes import TensorHeader
-from reshard.engine.planner import (
+from reshard.engine.plan.planner import (
     ConversionPlan,
     TargetTensor,
     TensorPlan,

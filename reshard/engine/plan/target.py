@@ -9,8 +9,8 @@ from typing import Any
 
 from reshard.config import ModelConfig, SourceFacts
 from reshard.dtypes import TensorHeader, name_of
-from reshard.engine.open import OpenedCheckpoint
-from reshard.engine.planner import (
+from reshard.engine.plan.open import OpenedCheckpoint
+from reshard.engine.plan.planner import (
     ConversionPlan,
     SourceTensor,
     TargetTensor,
@@ -228,7 +228,7 @@ def _recast(
     opened: OpenedCheckpoint, dtype: str
 ) -> tuple[tuple[SourceTensor, ...], list[TensorPlan], tuple[str, ...], list[ReshardError], tuple[str, ...]]:
     """``--dtype``: every tensor's unit (FP8 weights dequantized with their scale, floats cast, the rest kept), the
-    source tensors (a scale of a tp=1 source read whole: :func:`~reshard.engine.planner.plan_sources`), the
+    source tensors (a scale of a tp=1 source read whole: :func:`~reshard.engine.plan.planner.plan_sources`), the
     companions dropped, the problems, the note for the report."""
     source, tensors = opened.source, opened.tensors
     headers = {t.name: TensorHeader(t.shape, t.code) for t in tensors if t.shape is not None}

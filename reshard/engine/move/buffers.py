@@ -18,7 +18,7 @@ from reshard.io.memory import huge_bytes
 if TYPE_CHECKING:
     import torch
 
-    from reshard.engine.work import Work
+    from reshard.engine.move.work import Work
 
 MIN_BUDGET = 64 << 20
 Shape = tuple[int, ...]
@@ -42,7 +42,7 @@ class BufferPool:
 
     def get(self, shape: Shape, dtype: torch.dtype, *, phase: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """A raw byte buffer (give it back with :meth:`put`) and a tensor of ``shape`` and ``dtype`` on it,
-        starting ``phase`` bytes into a 4 KB page (:func:`reshard.engine.work.read_phase`): every buffer has
+        starting ``phase`` bytes into a 4 KB page (:func:`reshard.engine.move.work.read_phase`): every buffer has
         :data:`~reshard.io.direct.ALIGN` bytes of slack for that."""
         nbytes = math.prod(shape) * dtype.itemsize + ALIGN
         raw = None

@@ -4,7 +4,7 @@ move the bytes, write the manifest and the side files, publish.
 
 The order is fixed: everything that can be refused is planned before the staged folder exists (the target, the
 writer's :class:`~reshard.formats.file_plan.FilePlan`); resume and a worker's share are filters of that plan; only
-:func:`~reshard.engine.execute.execute` moves bytes; rank 0 alone writes the manifest and publishes.
+:func:`~reshard.engine.move.execute.execute` moves bytes; rank 0 alone writes the manifest and publishes.
 """
 
 from __future__ import annotations
@@ -14,19 +14,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from reshard.engine.conversion_manifest import conversion_manifest
-from reshard.engine.execute import execute, needs_torch, plan_moves
-from reshard.engine.group_staging import staged
-from reshard.engine.lora_merge import check_lora_replicas
-from reshard.engine.open import OpenedCheckpoint, open_checkpoint
-from reshard.engine.planner import ConversionPlan, TensorPlan
-from reshard.engine.resume import open_journal, still_to_do
-from reshard.engine.route import Route
-from reshard.engine.target import TargetPlan, plan_target, planned_tp, target_spec
-from reshard.engine.tokenizer import carried_tokenizer, has_tokenizer, runtime_files, with_token_ids
-from reshard.engine.warmup import import_torch_in_background, wait_for_torch
-from reshard.engine.worker_shares import share_of
-from reshard.engine.workers import Group, join, together
+from reshard.engine.move.execute import execute, needs_torch, plan_moves
+from reshard.engine.plan.lora_merge import check_lora_replicas
+from reshard.engine.plan.open import OpenedCheckpoint, open_checkpoint
+from reshard.engine.plan.planner import ConversionPlan, TensorPlan
+from reshard.engine.plan.target import TargetPlan, plan_target, planned_tp, target_spec
+from reshard.engine.plan.tokenizer import carried_tokenizer, has_tokenizer, runtime_files, with_token_ids
+from reshard.engine.run.conversion_manifest import conversion_manifest
+from reshard.engine.run.group_staging import staged
+from reshard.engine.run.resume import open_journal, still_to_do
+from reshard.engine.run.route import Route
+from reshard.engine.run.warmup import import_torch_in_background, wait_for_torch
+from reshard.engine.run.worker_shares import share_of
+from reshard.engine.run.workers import Group, join, together
 from reshard.io.direct import in_memory
 from reshard.io.journal import Resumed
 from reshard.io.staging import check_output

@@ -1,4 +1,4 @@
-"""``reshard.engine.resume`` on plain data: what a resumed conversion still has to do, and its fingerprint.
+"""``reshard.engine.run.resume`` on plain data: what a resumed conversion still has to do, and its fingerprint.
 
 A tensor may be skipped only when the journal holds its manifest facts and every data file it is written into was
 found complete and kept; anything less must be read and written again, or the output would miss bytes. The
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from reshard.engine.planner import ConversionPlan, TargetTensor, TensorPlan
-from reshard.engine.resume import fingerprint, still_to_do
+from reshard.engine.plan.planner import ConversionPlan, TargetTensor, TensorPlan
+from reshard.engine.run.resume import fingerprint, still_to_do
 from reshard.formats.file_plan import FilePlan
 from reshard.geometry import Replicate, Shard
 from reshard.io.journal import Resumed, TensorRecord

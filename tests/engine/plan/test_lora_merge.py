@@ -1,5 +1,5 @@
-"""``reshard.engine.lora_merge``: ``--merge-lora`` folds each adapter into its base weight rank by rank, exactly, for
-SAT's lora2 (one A/B pair per packed part, B divergent across ranks of a row-parallel layer) and for peft."""
+"""``reshard.engine.plan.lora_merge``: ``--merge-lora`` folds each adapter into its base weight rank by rank, exactly,
+for SAT's lora2 (one A/B pair per packed part, B divergent across ranks of a row-parallel layer) and for peft."""
 
 from __future__ import annotations
 

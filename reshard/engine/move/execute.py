@@ -1,6 +1,6 @@
 """Moving the bytes of a planned conversion: read, gather, hash, split and write on worker threads.
 
-Why it is shaped like this (the gather itself is :mod:`reshard.engine.gather`):
+Why it is shaped like this (the gather itself is :mod:`reshard.engine.move.gather`):
 
 * **The disk busy, the page cache left alone.** Reads and writes go through :mod:`reshard.io.direct`:
   ``O_DIRECT`` in 8 MB blocks, every block of a tensor (all its rank slices, all its target pieces)
@@ -14,13 +14,13 @@ Why it is shaped like this (the gather itself is :mod:`reshard.engine.gather`):
   (every safetensors-based writer: each tensor's offset is known from the header), write them too,
   at their offsets: a thread waiting for the disk leaves the core to another one's hashing. Other
   writers get the tensors in plan order from the calling thread. Buffers are reused for the next tensor
-  of the same size, and what is in flight stays within a byte budget (:mod:`reshard.engine.buffers`).
+  of the same size, and what is in flight stays within a byte budget (:mod:`reshard.engine.move.buffers`).
 * **No gather, no torch, where bytes are only moved.** A tensor kept as it is can skip the gather buffer: it
-  streams through a small one, block by block (:mod:`reshard.engine.stream`). When every unit of a conversion
+  streams through a small one, block by block (:mod:`reshard.engine.move.stream`). When every unit of a conversion
   streams (re-slicing safetensors, DeepSpeed's fp32 masters to safetensors), torch is never imported: its import
   alone costs more than moving a small model's bytes (docs/performance.md). When the source files and the
   output live in memory (tmpfs), the units that stream do so beside the gathered ones (a transform, copies of a
-  replicated head to compare, :mod:`reshard.engine.gathered`); on a disk, a conversion with one gathered unit
+  replicated head to compare, :mod:`reshard.engine.move.gathered`); on a disk, a conversion with one gathered unit
   gathers all of them, as the gather's direct reads of a whole tensor keep more of the disk busy.
 * **The largest tensors first.** A tensor is hashed while its slices are written, so the last one's hash
   ends after every byte has gone to the disk. Plan order is by name, which ends a Megatron checkpoint on
@@ -40,15 +40,15 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from reshard.engine.buffers import Budget, budget_for
-from reshard.engine.stream import RowBlocks, Streamed, in_memory_unit, stream, stream_plan, streams_to
-from reshard.engine.work import Work, check_fits, plan_work
+from reshard.engine.move.buffers import Budget, budget_for
+from reshard.engine.move.stream import RowBlocks, Streamed, in_memory_unit, stream, stream_plan, streams_to
+from reshard.engine.move.work import Work, check_fits, plan_work
 from reshard.io.progress import progress_bar
 from reshard.layouts.base import CheckpointWriter, TensorRef
 
 if TYPE_CHECKING:
-    from reshard.engine.gathered import GatherJobs, Written
-    from reshard.engine.planner import ConversionPlan, TensorPlan
+    from reshard.engine.move.gathered import GatherJobs, Written
+    from reshard.engine.plan.planner import ConversionPlan, TensorPlan
 
 MAX_PENDING = 256
 # Each unit's buffers and stream plan (None: gathered), by the unit's name: planned once a conversion (plan_moves).
@@ -135,7 +135,7 @@ def execute(
     moves: Moves | None = None,
 ) -> dict[str, str]:
     """Stream every tensor through gather -> hash -> split -> writer; returns ``{name: digest}``
-    (``"blake3:<hex>"``, :func:`~reshard.engine.digest.digest_of`).
+    (``"blake3:<hex>"``, :func:`~reshard.engine.move.digest.digest_of`).
 
     ``jobs`` threads read, gather, hash and (for :attr:`~CheckpointWriter.concurrent` writers) write
     tensors, several at once; other writers get them in plan order from this thread. When ``finite`` is
@@ -157,7 +157,7 @@ def execute(
     streamed = _streamed(works, [moves[work.tensor.name][1] for work in works], writer)
     gathers = None
     if any(plan is None for plan in streamed):
-        from reshard.engine.gathered import GatherJobs  # imports torch
+        from reshard.engine.move.gathered import GatherJobs  # imports torch
 
         gathers = GatherJobs(
             writer,

@@ -1,4 +1,4 @@
-"""``reshard.engine.execute``: the threaded byte mover writes what one job writes, keeps the tensor memory alive
+"""``reshard.engine.move.execute``: the threaded byte mover writes what one job writes, keeps the tensor memory alive
 at once within its budget, and leaves no descriptor open, whether a conversion ends or fails."""
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ from fixtures import SAMPLES
 from fixtures.hf import load_folder, load_rank
 
 from reshard import convert
-from reshard.engine import buffers, gathered, run
-from reshard.engine import execute as stream
-from reshard.engine import gather as engine_gather
-from reshard.engine.digest import digest_of
-from reshard.engine.open import open_checkpoint
-from reshard.engine.target import plan_target
-from reshard.engine.work import Work
+from reshard.engine.move import buffers, gathered
+from reshard.engine.move import execute as stream
+from reshard.engine.move import gather as engine_gather
+from reshard.engine.move.digest import digest_of
+from reshard.engine.move.work import Work
+from reshard.engine.plan.open import open_checkpoint
+from reshard.engine.plan.target import plan_target
+from reshard.engine.run import conversion as run
 from reshard.errors import ReshardError
 from reshard.io.direct import ALIGN, in_memory
 from reshard.options import ConvertOptions, cores

@@ -1,7 +1,7 @@
 """One unit of a conversion before any byte moves: the buffers it needs, where they start in a page, and the memory
 it may hold. Pure and torch-free: where each rank slice lands is its tensors' :class:`~reshard.geometry.Cut`; the
-byte stream (:mod:`reshard.engine.stream`) plans from this without importing torch, the gather
-(:mod:`reshard.engine.gather`) fills the buffers it sizes.
+byte stream (:mod:`reshard.engine.move.stream`) plans from this without importing torch, the gather
+(:mod:`reshard.engine.move.gather`) fills the buffers it sizes.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from reshard.dtypes import itemsize_of
-from reshard.engine.planner import SourceTensor, TargetTensor, TensorPlan
+from reshard.engine.plan.planner import SourceTensor, TargetTensor, TensorPlan
 from reshard.errors import ReshardError
 from reshard.geometry import Packed, Replicate, Vocab
 from reshard.io.direct import ALIGN

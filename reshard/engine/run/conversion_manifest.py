@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.dtypes import name_of
-from reshard.engine.target import TargetPlan
+from reshard.engine.plan.target import TargetPlan
 from reshard.geometry import at_tp
 from reshard.hub.source import source_record
 from reshard.manifest import Manifest, TensorEntry, VocabRecord

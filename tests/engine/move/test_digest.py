@@ -1,12 +1,12 @@
-"""``reshard.engine.digest``: the one-pass finite check agrees with ``torch.isfinite``."""
+"""``reshard.engine.move.digest``: the one-pass finite check agrees with ``torch.isfinite``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from reshard.engine import digest
-from reshard.engine.digest import all_finite_in_blocks
+from reshard.engine.move import digest
+from reshard.engine.move.digest import all_finite_in_blocks
 
 
 @pytest.mark.parametrize(
@@ -40,8 +40,8 @@ def test_finite_check_in_one_pass_agrees_with_isfinite(dtype: torch.dtype, bad: 
     ],
 )
 def test_every_bit_pattern_is_judged_as_isfinite_judges_it(dtype: torch.dtype, code: str) -> None:
-    """The torch-free check of a stream (:class:`~reshard.engine.digest.RunningDigest`, on the bits) and the check of a
-    gathered tensor, on every value the dtype has, one value at a time."""
+    """The torch-free check of a stream (:class:`~reshard.engine.move.digest.RunningDigest`, on the bits) and the check
+    of a gathered tensor, on every value the dtype has, one value at a time."""
     bits = torch.int8 if dtype.itemsize == 1 else torch.int16
     low, high = torch.iinfo(bits).min, torch.iinfo(bits).max
     values = torch.arange(low, high + 1, dtype=torch.int32).to(bits).view(dtype)

@@ -19,14 +19,14 @@ import pytest
 from fixtures.checks import output_tree
 from safetensors.torch import load_file, save_file
 
-from reshard.engine.worker_shares import assign
+from reshard.engine.run.worker_shares import assign
 
-SAMPLE = Path(__file__).resolve().parents[2] / "sample_ckpts" / "tiny-llama-tp2"
+SAMPLE = Path(__file__).resolve().parents[3] / "sample_ckpts" / "tiny-llama-tp2"
 TARGETS = {"hf": 1, "hf-ranks": 2, "megatron": 2, "sat": 2}
 # Rank 1 kills itself (SIGKILL) when it has hashed its first tensor.
 KILL_RANK_1 = """
 import os, signal, sys
-import reshard.engine.execute as execute
+import reshard.engine.move.execute as execute
 real = execute.move_unit
 def move_unit(*args, **kwargs):
     if os.environ["RANK"] == "1":

@@ -4,7 +4,7 @@
 rule, else inference from shapes and the config) and the canonical shape they join into; a tensor that
 cannot be planned carries its problem instead of raising, so ``inspect`` can show it beside the rest.
 :func:`plan_conversion` adds the per-rank shapes at the target tp and raises every problem at once
-(:class:`~reshard.errors.PlanError`) before any output exists. Bytes move in :mod:`reshard.engine.execute`.
+(:class:`~reshard.errors.PlanError`) before any output exists. Bytes move in :mod:`reshard.engine.move.execute`.
 """
 
 from __future__ import annotations

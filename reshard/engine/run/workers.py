@@ -2,8 +2,8 @@
 
 Every process opens and plans the checkpoint itself (planning reads headers only and is deterministic), so all
 agree on every output file without exchanging a plan. The data files are shared out by bytes
-(:func:`reshard.engine.worker_shares.assign`); each process reads the tensors its files hold and writes only its files,
-in one staged folder on a file system they all see. Rank 0 makes that folder and publishes it, after a gather of
+(:func:`reshard.engine.run.worker_shares.assign`); each process reads the tensors its files hold and writes only its
+files, in one staged folder on a file system they all see. Rank 0 makes that folder and publishes it, after a gather of
 every tensor's manifest facts: the output and the manifest are the same bytes for any number of processes.
 
 The processes talk through ``torch.distributed`` with the gloo backend (CPU only), set up from the environment

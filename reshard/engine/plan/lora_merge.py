@@ -29,7 +29,7 @@ from reshard.plans.lora import BASE, A, B, parse_lora_name
 if TYPE_CHECKING:
     import torch
 
-    from reshard.engine.planner import SourceTensor
+    from reshard.engine.plan.planner import SourceTensor
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""``reshard.engine.gather``: the in-place gather and split of rank slices read from files agrees with the plain
+"""``reshard.engine.move.gather``: the in-place gather and split of rank slices read from files agrees with the plain
 ``reshard.geometry.tensors`` gather / split on every partition kind, and names a divergent replica's rank and file."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import torch
 from fixtures.tp import arange
 from safetensors.torch import save_file
 
-from reshard.engine import gather as engine_gather
-from reshard.engine.buffers import BufferPool
-from reshard.engine.digest import digest_of
-from reshard.engine.planner import SourceTensor, TargetTensor, TensorPlan
-from reshard.engine.work import plan_work, read_phase
+from reshard.engine.move import gather as engine_gather
+from reshard.engine.move.buffers import BufferPool
+from reshard.engine.move.digest import digest_of
+from reshard.engine.move.work import plan_work, read_phase
+from reshard.engine.plan.planner import SourceTensor, TargetTensor, TensorPlan
 from reshard.errors import DivergentReplicaError
 from reshard.formats.readers import SafetensorsReader, TorchReader
 from reshard.formats.safetensors.writer import byte_chunks, tensor_bytes

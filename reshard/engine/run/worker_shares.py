@@ -1,4 +1,4 @@
-"""One worker's share of a conversion that several processes run together (:mod:`reshard.engine.workers`): pure
+"""One worker's share of a conversion that several processes run together (:mod:`reshard.engine.run.workers`): pure
 filters of the output's :class:`~reshard.formats.file_plan.FilePlan`, the same on every worker.
 
 The output's data files are shared out by bytes; a worker converts every tensor that has a piece in one of its
@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from reshard.engine.planner import ConversionPlan
-from reshard.engine.workers import Group
+from reshard.engine.plan.planner import ConversionPlan
+from reshard.engine.run.workers import Group
 from reshard.formats.file_plan import FilePlan
 
 

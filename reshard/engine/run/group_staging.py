@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from reshard.engine.workers import Group
+from reshard.engine.run.workers import Group
 from reshard.errors import ReshardError
 from reshard.io.staging import staged_output
 

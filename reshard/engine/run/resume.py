@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from reshard.engine.planner import ConversionPlan, TensorPlan
-from reshard.engine.workers import Group
+from reshard.engine.plan.planner import ConversionPlan, TensorPlan
+from reshard.engine.run.workers import Group
 from reshard.errors import ReshardError
 from reshard.formats.file_plan import FilePlan
 from reshard.io.journal import Journal, Resumed

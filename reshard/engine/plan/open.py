@@ -3,7 +3,7 @@
 :func:`open_checkpoint` finds the layout and reads the headers (:func:`reshard.layouts.discover`), applies
 ``--config``, merges LoRA adapters on request, finds the ``reshard.json`` beside it, resolves the true vocab
 size (:func:`reshard.vocab.resolve_vocab`), selects the plan and decides every tensor's partition and
-canonical shape (:func:`reshard.engine.planner.plan_sources`). ``inspect`` reports the result, ``check``
+canonical shape (:func:`reshard.engine.plan.planner.plan_sources`). ``inspect`` reports the result, ``check``
 checks it for another tp, ``convert`` and ``fix`` plan the target from it, ``verify`` gathers from it.
 """
 
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from reshard.config import find_config
-from reshard.engine.lora_merge import merge_lora_source
-from reshard.engine.planner import SourceTensor, mixed_runs, plan_sources
-from reshard.engine.tokenizer import choose_tokenizer, with_tokenizer_vocab
+from reshard.engine.plan.lora_merge import merge_lora_source
+from reshard.engine.plan.planner import SourceTensor, mixed_runs, plan_sources
+from reshard.engine.plan.tokenizer import choose_tokenizer, with_tokenizer_vocab
 from reshard.errors import ReshardError
 from reshard.formats.tokenizer import Tokenizer
 from reshard.hub.source import HubCheckpoint

@@ -1,4 +1,5 @@
-"""``reshard.engine.worker_shares`` on plain data (filters of a FilePlan): how several workers share one conversion.
+"""``reshard.engine.run.worker_shares`` on plain data (filters of a FilePlan): how several workers share one
+conversion.
 
 A worker must convert every tensor with a piece in a file it writes (else that file misses bytes) and no other
 (else it reads for nothing); the tensors in no data file go to rank 0 alone, whose manifest needs their facts.
@@ -11,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from reshard.engine.planner import ConversionPlan, TargetTensor, TensorPlan
-from reshard.engine.worker_shares import assign, file_bytes, share_of, tensors_for
-from reshard.engine.workers import Group
+from reshard.engine.plan.planner import ConversionPlan, TargetTensor, TensorPlan
+from reshard.engine.run.worker_shares import assign, file_bytes, share_of, tensors_for
+from reshard.engine.run.workers import Group
 from reshard.formats.file_plan import FilePlan
 from reshard.geometry import Replicate
 from reshard.layouts.base import SourceCheckpoint

@@ -1,10 +1,10 @@
 """The job of one gathered unit, on a worker thread: its rank slices read into a pooled buffer, the transform run,
 the targets hashed, checked for NaN/Inf and (for a concurrent writer) written.
 
-The units :mod:`reshard.engine.stream` cannot move as runs of bytes come here: transforms, copies of a replicated
+The units :mod:`reshard.engine.move.stream` cannot move as runs of bytes come here: transforms, copies of a replicated
 head to compare, pad rows to add along a later dim, and, on a disk, every unit of a conversion that has one such
 unit (the direct reads of a whole tensor keep more of the disk busy than a stream's one block at a time). This
-module imports torch; the scheduler (:mod:`reshard.engine.execute`) imports it only when a unit needs it.
+module imports torch; the scheduler (:mod:`reshard.engine.move.execute`) imports it only when a unit needs it.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from reshard.dtypes import dtype_from_code
-from reshard.engine.buffers import BufferPool
-from reshard.engine.digest import all_finite_in_blocks, digest_of
-from reshard.engine.gather import gather_and_split, writes_into
-from reshard.engine.work import Work, read_phase, write_phase
+from reshard.engine.move.buffers import BufferPool
+from reshard.engine.move.digest import all_finite_in_blocks, digest_of
+from reshard.engine.move.gather import gather_and_split, writes_into
+from reshard.engine.move.work import Work, read_phase, write_phase
 from reshard.errors import ShapeMismatchError
 from reshard.io.direct import Batch
 from reshard.layouts.base import CheckpointWriter
@@ -29,7 +29,7 @@ Written = tuple[str, str, bool | None, list[torch.Tensor]]
 
 
 class GatherJobs:
-    """Gathers units into buffers reused across them (:class:`~reshard.engine.buffers.BufferPool`, within
+    """Gathers units into buffers reused across them (:class:`~reshard.engine.move.buffers.BufferPool`, within
     ``limit`` bytes): :meth:`run` on worker threads, :meth:`release` of a unit's buffers once it is written."""
 
     def __init__(

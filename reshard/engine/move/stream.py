@@ -14,7 +14,7 @@ zeroed, the buffer is read from memory again to be hashed and checked for NaN/In
   block by block.
 
 Such a unit is moved block by block: each block (about :data:`BLOCK_BYTES`) is read into this thread's reusable
-buffer, hashed and checked for NaN/Inf while it is in the cache (:class:`~reshard.engine.digest.RunningDigest`),
+buffer, hashed and checked for NaN/Inf while it is in the cache (:class:`~reshard.engine.move.digest.RunningDigest`),
 and its bytes written to each target slice (:meth:`~reshard.layouts.base.CheckpointWriter.write_part`). No
 buffer the size of the tensor, no fresh page, every byte read from memory once, and a peak memory of a few
 blocks instead of a tensor (docs/performance.md).
@@ -37,9 +37,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from reshard.dtypes import itemsize_of
-from reshard.engine.digest import ALGORITHM, RunningDigest, checked_without_torch
-from reshard.engine.planner import SourceTensor, TargetTensor, TensorPlan
-from reshard.engine.work import Work, plan_work
+from reshard.engine.move.digest import ALGORITHM, RunningDigest, checked_without_torch
+from reshard.engine.move.work import Work, plan_work
+from reshard.engine.plan.planner import SourceTensor, TargetTensor, TensorPlan
 from reshard.errors import ReshardError
 from reshard.io.direct import ALIGN, Batch, in_memory
 from reshard.io.scratch import scratch_bytes
@@ -174,7 +174,7 @@ def stream(
 ) -> tuple[str, bool | None]:
     """Move one unit block by block (see the module's docstring); its digest (by ``algorithm``) and, when
     ``finite``, whether every value is finite (else None). The copies of a replicated tensor are compared with the
-    first as the gather compares them (:func:`~reshard.engine.gather.gather_into`): ``allow_divergent`` and
+    first as the gather compares them (:func:`~reshard.engine.move.gather.gather_into`): ``allow_divergent`` and
     ``divergent`` alike."""
     if isinstance(streamed, RowBlocks):
         return _stream_rows(work, streamed, writer, finite=finite, algorithm=algorithm)

@@ -20,9 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from reshard.engine import gather as engine_gather
-from reshard.engine.planner import SourceTensor, TargetTensor, TensorPlan
-from reshard.engine.work import plan_work
+from reshard.engine.move import gather as engine_gather
+from reshard.engine.move.work import plan_work
+from reshard.engine.plan.planner import SourceTensor, TargetTensor, TensorPlan
 from reshard.errors import DivergentReplicaError, ShapeMismatchError
 from reshard.formats.readers import SafetensorsReader, TorchReader
 from reshard.formats.safetensors.writer import tensor_bytes
@@ -298,7 +298,7 @@ def test_megatron_output_refuses_copied_heads_in_one_line(cli, tmp_path):
         "extends = \"megatron\"\n[[rules]]\npattern = 'linear_qkv\\.layer_norm_weight$'\n"
         'kind = "replicated_heads"\ndim = 0\nheads = 1\n'
     )
-    sample = Path(__file__).resolve().parents[2] / "sample_ckpts" / "tiny-megatron-tp8"
+    sample = Path(__file__).resolve().parents[3] / "sample_ckpts" / "tiny-megatron-tp8"
     out = tmp_path / "out"
     result = cli("convert", sample, "--tp", 2, "--plan", plan, "-o", out, "--vocab", 500)
     assert result.exit_code == 2 and not out.exists()

@@ -22,8 +22,8 @@ from dataclasses import replace
 
 import torch
 
-from reshard.engine.planner import SourceTensor, TargetTensor, TensorPlan, identity_plan
-from reshard.engine.work import Work, check_fits, joins, plan_work
+from reshard.engine.move.work import Work, check_fits, joins, plan_work
+from reshard.engine.plan.planner import SourceTensor, TargetTensor, TensorPlan, identity_plan
 from reshard.errors import ReshardError
 from reshard.geometry import Cut, Packed, Replicate, Vocab, cut_pad_rows
 from reshard.geometry.tensors import bitwise_equal, check_replica, cut_parts, cut_slices

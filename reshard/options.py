@@ -59,8 +59,6 @@ class ReadOptions:
         weights: which copy of the weights to read where a checkpoint keeps two (DeepSpeed ZeRO-0/1/2):
             ``master`` (the fp32 master weights of the optimizer, what training continues from) or ``module``
             (the copy in the training dtype).
-        dequantize: the weights will be dequantized (``--dtype``): a one-rank source's quantization scales are read
-            whole with their weight, whatever their name or shape would be cut as.
     """
 
     config: Path | None = None
@@ -73,7 +71,6 @@ class ReadOptions:
     lora_alpha: float = 1.0
     tokenizer: Path | str | None = None
     weights: str = "master"
-    dequantize: bool = False
 
 
 @dataclass(frozen=True)
@@ -155,5 +152,4 @@ class ConvertOptions:
             lora_alpha=self.lora_alpha,
             tokenizer=self.tokenizer,
             weights=self.weights,
-            dequantize=self.dtype is not None,
         )

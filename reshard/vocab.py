@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from reshard.errors import MissingRankError, ReshardError, ShapeMismatchError
 from reshard.geometry import Partition, Vocab
-from reshard.geometry.padding import MAX_VOCAB_PAD_PER_RANK, round_up
+from reshard.geometry.padding import MAX_VOCAB_PAD_PER_RANK, padded_size, round_up
 from reshard.megatron.vocab import megatron_pad_multiple
 
 if TYPE_CHECKING:
@@ -84,6 +84,33 @@ class VocabPlan:
     source_padded: int | None = None
     target_padded: int | None = None
     pad_multiple: int | None = None
+
+
+def finish_vocab(
+    vocab: VocabPlan,
+    *,
+    known: tuple[int, str] | None,
+    source_padded: int | None,
+    multiple: int,
+    tp: int,
+    uneven: bool,
+) -> tuple[VocabPlan, ReshardError | None]:
+    """The vocab a conversion writes, finished in one place: the true size (``known``, ``(size, origin)``, when a
+    mapping knows it and nothing before said it), the rows the source's vocab tensors hold (``source_padded``), and
+    the rows the target pads them to: a multiple of ``multiple``, or none at all when split ``uneven``. The problem,
+    when those rows do not divide by ``tp``."""
+    if vocab.original is None and known is not None:
+        vocab = replace(vocab, original=known[0], origin=known[1])
+    target_padded, problem = None, None
+    if source_padded is not None:
+        target_padded = padded_size(vocab.original or source_padded, multiple, uneven=uneven)
+        if target_padded % tp and not uneven:
+            problem = ReshardError(
+                f"vocab padded to {target_padded} does not divide by tp={tp}",
+                hint="choose --pad-multiple as a multiple of the tp",
+            )
+    pad_multiple = None if uneven or source_padded is None else multiple
+    return replace(vocab, source_padded=source_padded, target_padded=target_padded, pad_multiple=pad_multiple), problem
 
 
 def resolve_vocab(explicit: int | None, manifest: Manifest | None, config: ModelConfig | None) -> VocabPlan:

@@ -181,6 +181,38 @@ def refs_from_readers(readers: Iterable[FileReader], rank: int) -> dict[str, Ten
 
 
 @dataclass(frozen=True)
+class RunFiles:
+    """What the run tells its writer of the files, beside the plan (:class:`TargetSpec`), once it knows them: a resumed
+    or shared run's are known only after the file plan is made and the output staged.
+
+    Attributes:
+        done_files: data files (paths relative to the output folder) that a resumed run found complete: the
+            writer leaves them as they are and drops what would go into them.
+        on_file_done: told the relative path of every other data file once its last byte is written.
+        writes_shared: write the files that are not data files (config, index, tracker, metadata); one of several
+            processes writing one output (:mod:`reshard.engine.run.workers`) leaves them to rank 0.
+    """
+
+    done_files: frozenset[str] = frozenset()
+    on_file_done: Callable[[str], None] | None = None
+    writes_shared: bool = True
+
+    def hooks(self, out_dir: Path) -> FileHooks:
+        """For a data file inside ``out_dir``: whether it is done (:attr:`done_files`), and what tells
+        :attr:`on_file_done` once it is complete."""
+
+        def hooks(path: Path) -> tuple[bool, Callable[[], None] | None]:
+            relative, callback = path.relative_to(out_dir).as_posix(), self.on_file_done
+            return relative in self.done_files, (None if callback is None else lambda: callback(relative))
+
+        return hooks
+
+
+# A run of one process that resumes nothing: every file to write, the shared ones too.
+ONE_RUN = RunFiles()
+
+
+@dataclass(frozen=True)
 class TargetSpec:
     """Everything a writer needs to know before the first tensor arrives.
 
@@ -196,11 +228,6 @@ class TargetSpec:
             its writer reads before the source's: a Megatron target's args when the source has none.
         requested_tp: the tp asked for (``--tp``); a layout of global tensors records it and writes ``tp`` 1.
         pp: pipeline stages to write (layouts without stages refuse more than one).
-        done_files: data files (paths relative to the output folder) that a resumed run found complete: the
-            writer leaves them as they are and drops what would go into them.
-        on_file_done: told the relative path of every other data file once its last byte is written.
-        writes_shared: write the files that are not data files (config, index, tracker, metadata); one of several
-            processes writing one output (:mod:`reshard.engine.run.workers`) leaves them to rank 0.
     """
 
     tp: int
@@ -213,21 +240,6 @@ class TargetSpec:
     layout_facts: SourceFacts | None = None
     requested_tp: int = 1
     pp: int = 1
-    done_files: frozenset[str] = frozenset()
-    on_file_done: Callable[[str], None] | None = None
-    writes_shared: bool = True
-
-    def file_hooks(self, out_dir: Path) -> FileHooks:
-        """For a data file inside ``out_dir``: whether it is done (:attr:`done_files`), and what tells
-        :attr:`on_file_done` once it is complete."""
-
-        def hooks(path: Path) -> tuple[bool, Callable[[], None] | None]:
-            relative, callback = path.relative_to(out_dir).as_posix(), self.on_file_done
-            return relative in self.done_files, (None if callback is None else lambda: callback(relative))
-
-        return hooks
-
-
 @runtime_checkable
 class PartsWriter(Protocol):
     """One rank's file writer that knows where each tensor lands before its bytes arrive, and takes them as byte
@@ -266,10 +278,11 @@ class CheckpointWriter:
     wrote, relative to it.
     """
 
-    def __init__(self, out_dir: Path, spec: TargetSpec, plan: FilePlan) -> None:
+    def __init__(self, out_dir: Path, spec: TargetSpec, plan: FilePlan, run: RunFiles = ONE_RUN) -> None:
         self.out_dir = out_dir
         self.spec = spec
         self.plan = plan
+        self.run = run
 
     @classmethod
     def file_plan(cls, spec: TargetSpec) -> FilePlan:
@@ -354,8 +367,10 @@ class RankFilesWriter(CheckpointWriter):
 
     concurrent = True
 
-    def __init__(self, out_dir: Path, spec: TargetSpec, plan: FilePlan, rank_writers: list[Any]) -> None:
-        super().__init__(out_dir, spec, plan)
+    def __init__(
+        self, out_dir: Path, spec: TargetSpec, plan: FilePlan, run: RunFiles, rank_writers: list[Any]
+    ) -> None:
+        super().__init__(out_dir, spec, plan, run)
         self.rank_writers = rank_writers
 
     def write(self, name: str, slices: list[torch.Tensor]) -> None:

@@ -68,6 +68,7 @@ def open_checkpoint(
     target_tp: int | None = None,
     recorded_plan: bool = False,
     read_bytes: bool = True,
+    dequantize: bool = False,
 ) -> OpenedCheckpoint:
     """Open and plan ``ckpt`` (see the module docstring).
 
@@ -81,6 +82,8 @@ def open_checkpoint(
             ``--plan`` is given (``verify`` judges a checkpoint as it was written).
         read_bytes: whether inference may read rank slices to tell replicated from split tensors
             (``check`` reads headers only, and so does any command on a Hub repo).
+        dequantize: the weights will be dequantized (``convert --dtype``): a one-rank source's quantization scales
+            are read whole with their weight (:func:`~reshard.engine.plan.planner.plan_sources`).
 
     Raises:
         ReshardError: the checkpoint cannot be read (no checkpoint, a missing rank, a corrupt header, ...).
@@ -114,7 +117,7 @@ def open_checkpoint(
         target_tp=source.tp if target_tp is None else target_tp,
         uneven=uneven,
         replicas_equal=_replicas_equal if read_bytes else None,
-        dequantize=options.dequantize,
+        dequantize=dequantize,
     )
     mixed = mixed_runs(source, tensors)
     if mixed is not None:

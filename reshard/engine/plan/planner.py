@@ -27,7 +27,6 @@ from reshard.geometry import (
     ReplicatedHeads,
     Shard,
     canonical_shape,
-    padded_size,
     rank_shapes,
     slices_cut,
 )
@@ -35,7 +34,7 @@ from reshard.layouts.base import SourceCheckpoint, TensorRef
 from reshard.plans import Plan, Rule, infer_partition
 from reshard.quantization import QuantizedTensors, quantized_tensors
 from reshard.quantization.dequant_plan import COMPANIONS
-from reshard.vocab import VocabPlan, source_padded_rows
+from reshard.vocab import VocabPlan, finish_vocab, source_padded_rows
 
 if TYPE_CHECKING:
     import torch
@@ -338,31 +337,26 @@ def plan_conversion(
     uneven: bool = False,
     groups: Sequence[TensorPlan] | None = None,
     problems: Sequence[ReshardError] = (),
+    known_vocab: tuple[int, str] | None = None,
 ) -> ConversionPlan:
     """Plan every target tensor for ``target_tp`` ranks; all problems are raised together as a :class:`PlanError`.
 
     ``groups`` are the units of work when a mapping renames or fuses tensors (default: every source
-    tensor kept as it is); ``problems`` found before (by the mapping) are raised with the rest.
+    tensor kept as it is); ``problems`` found before (by the mapping) are raised with the rest. The vocab is finished
+    here (:func:`~reshard.vocab.finish_vocab`; ``known_vocab``: the true size a mapping knows).
     """
     problems = [*problems, *(t.problem for t in tensors if t.problem)]
-    source_padded = source_padded_rows(tensors)
-    multiple = pad_multiple or target_tp
-    target_padded = None
-    if source_padded is not None:
-        target_padded = padded_size(vocab.original or source_padded, multiple, uneven=uneven)
-        if target_padded % target_tp and not uneven:
-            problems.append(
-                ReshardError(
-                    f"vocab padded to {target_padded} does not divide by tp={target_tp}",
-                    hint="choose --pad-multiple as a multiple of the tp",
-                )
-            )
-    vocab = replace(
+    vocab, vocab_problem = finish_vocab(
         vocab,
-        source_padded=source_padded,
-        target_padded=target_padded,
-        pad_multiple=None if uneven or source_padded is None else multiple,
+        known=known_vocab,
+        source_padded=source_padded_rows(tensors),
+        multiple=pad_multiple or target_tp,
+        tp=target_tp,
+        uneven=uneven,
     )
+    if vocab_problem is not None:
+        problems.append(vocab_problem)
+    target_padded = vocab.target_padded
     if groups is None:
         groups = [identity_plan(t) for t in tensors if not t.problem]
     planned: list[TensorPlan] = []

@@ -4,7 +4,7 @@ tensor's partition and slices. Pure planning from an opened checkpoint; raises e
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from reshard.config import ModelConfig, SourceFacts
@@ -19,7 +19,9 @@ from reshard.engine.plan.planner import (
     mapped_plans,
     plan_conversion,
 )
+from reshard.engine.plan.tokenizer import carried_tokenizer, with_token_ids
 from reshard.errors import AmbiguousPartitionError, MappingError, PlanError, ReshardError
+from reshard.formats.tokenizer import Tokenizer
 from reshard.geometry import Partition, Vocab, head_replicas, tps_that_split
 from reshard.layouts import LayoutSpec, SourceCheckpoint, TargetSpec, layout, target_layout
 from reshard.mappings import HF, MappingChoice, choose_mapping, naming_of, require_true_vocab, sizing_config
@@ -30,7 +32,7 @@ from reshard.plans import select_plan
 from reshard.quantization import read_scheme
 from reshard.quantization.dequant_plan import dequantized_config, recast
 from reshard.quantization.plan import linear_partition
-from reshard.vocab import source_padded_rows
+from reshard.vocab import finish_vocab, source_padded_rows
 
 HEAD = "lm_head.weight"
 
@@ -46,6 +48,8 @@ class TargetPlan:
         mapping: the mapping applied, when names change.
         dropped: source tensors the mapping (or ``--dtype``: quantization scales) drops on purpose.
         notes: what the user should know of the planned conversion (what ``--dtype`` dequantized).
+        tokenizer: the tokenizer the output carries (only a layout transformers and runtimes read takes one); its
+            bos / eos ids are in ``config`` where the config names none.
     """
 
     conversion: ConversionPlan
@@ -54,6 +58,7 @@ class TargetPlan:
     mapping: MappingChoice | None = None
     dropped: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    tokenizer: Tokenizer | None = None
 
     @property
     def layout_facts(self) -> SourceFacts | None:
@@ -84,12 +89,12 @@ def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> TargetPlan
         keep_names=options.keep_names,
         shapes=_shapes(opened),
     )
-    vocab = opened.vocab
+    known_vocab = None  # the true size the mapping knows (torchtitan never pads its vocab)
     if choice is not None and choice.config is not None:
         if choice.config.get("vocab_size") is None:
-            require_true_vocab(source, vocab.original)
-        elif vocab.original is None:  # the mapping knows it (torchtitan never pads its vocab)
-            vocab = replace(vocab, original=choice.config["vocab_size"], origin=choice.mapping.name)
+            require_true_vocab(source, opened.vocab.original)
+        else:
+            known_vocab = (choice.config["vocab_size"], choice.mapping.name)
     groups, dropped, problems = None, (), []
     tensors, notes = opened.tensors, ()
     if choice is not None:
@@ -113,7 +118,8 @@ def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> TargetPlan
         conversion = plan_conversion(
             source,
             tensors,
-            vocab=vocab,
+            vocab=opened.vocab,
+            known_vocab=known_vocab,
             target_tp=tp,
             pad_multiple=pad_multiple,
             uneven=opened.uneven,
@@ -124,10 +130,17 @@ def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> TargetPlan
         if not err.unsplit:
             raise
         plans = groups if groups is not None else [identity_plan(t) for t in opened.tensors if not t.problem]
-        source_padded = source_padded_rows(opened.tensors)
+        vocab, _ = finish_vocab(  # the vocab the conversion would write, to pad at every tp
+            opened.vocab,
+            known=known_vocab,
+            source_padded=source_padded_rows(opened.tensors),
+            multiple=tp,
+            tp=tp,
+            uneven=opened.uneven,
+        )
         works = tps_that_split(
             [(t.partition, t.shape) for plan in plans for t in plan.targets],
-            vocab_rows=None if source_padded is None else vocab.original or source_padded,
+            vocab_rows=None if vocab.source_padded is None else vocab.original or vocab.source_padded,
             pad_multiple=options.pad_multiple,
             uneven=opened.uneven,
         )
@@ -139,7 +152,8 @@ def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> TargetPlan
     config = _config(opened, choice)
     if options.dtype is not None and config is not None:
         config = dequantized_config(config, options.dtype)
-    return TargetPlan(conversion, spec, config, choice, dropped, notes)
+    tokenizer = carried_tokenizer(opened.tokenizer, spec)
+    return TargetPlan(conversion, spec, with_token_ids(config, tokenizer), choice, dropped, notes, tokenizer)
 
 
 def target_spec(target: TargetPlan, options: ConvertOptions) -> TargetSpec:

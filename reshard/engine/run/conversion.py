@@ -9,7 +9,6 @@ writer's :class:`~reshard.formats.file_plan.FilePlan`); resume and a worker's sh
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from reshard.engine.plan.lora_merge import check_lora_replicas
 from reshard.engine.plan.open import OpenedCheckpoint, open_checkpoint
 from reshard.engine.plan.planner import ConversionPlan, TensorPlan
 from reshard.engine.plan.target import TargetPlan, plan_target, planned_tp, target_spec
-from reshard.engine.plan.tokenizer import carried_tokenizer, has_tokenizer, runtime_files, with_token_ids
+from reshard.engine.plan.tokenizer import has_tokenizer, runtime_files
 from reshard.engine.run.conversion_manifest import conversion_manifest
 from reshard.engine.run.group_staging import staged
 from reshard.engine.run.resume import open_journal, still_to_do
@@ -30,6 +29,7 @@ from reshard.engine.run.workers import Group, join, together
 from reshard.io.direct import in_memory
 from reshard.io.journal import Resumed
 from reshard.io.staging import check_output
+from reshard.layouts.base import RunFiles
 from reshard.manifest import MANIFEST_NAME, write_manifest
 from reshard.options import ConvertOptions, default_jobs
 from reshard.plans import built_family
@@ -83,7 +83,9 @@ class _Moved:
 def open_for_conversion(ckpt: Path, out: Path, options: ConvertOptions) -> OpenedCheckpoint:
     """Check ``out`` can be written, then open ``ckpt`` for the tp its target layout is planned at."""
     check_output(out, source=ckpt, overwrite=options.overwrite)
-    return open_checkpoint(ckpt, options.read, target_tp=planned_tp(options.layout, options.tp))
+    return open_checkpoint(
+        ckpt, options.read, target_tp=planned_tp(options.layout, options.tp), dequantize=options.dtype is not None
+    )
 
 
 def run_conversion(opened: OpenedCheckpoint, out: Path, options: ConvertOptions) -> ConversionRun:
@@ -98,12 +100,11 @@ def run_conversion(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
     if needs_torch(moves):  # the bytes need torch: imported while the rest is checked and staged
         import_torch_in_background()
     built_family.check_counts(opened.source.config, opened.source.names())  # every worker, no import
-    tokenizer = carried_tokenizer(opened.tokenizer, target.layout)
+    tokenizer = target.tokenizer
     if opened.tokenizer is not None and tokenizer is None:
         opened.source.notes.append(
             f"the {target.layout} layout carries no tokenizer: {opened.tokenizer.origin} is not copied"
         )
-    target = dataclasses.replace(target, config=with_token_ids(target.config, tokenizer))
     conversion, layout = target.conversion, target.layout
     if not (options.merge_lora or options.allow_divergent_replicas):
         check_lora_replicas(opened.tensors)
@@ -123,10 +124,8 @@ def run_conversion(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
             done = done | others
         if journal is not None:
             todo = still_to_do(todo, file_plan, resumed)
-        spec = dataclasses.replace(
-            spec, done_files=done, on_file_done=journal.file_done if journal else None, writes_shared=first
-        )
-        writer = layout.writer(staging, spec, file_plan)
+        run_files = RunFiles(done, journal.file_done if journal else None, writes_shared=first)
+        writer = layout.writer(staging, spec, file_plan, run_files)
 
         def move() -> _Moved:
             divergent: set[str] = set()

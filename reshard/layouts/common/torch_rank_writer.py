@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from reshard.formats.file_plan import FilePlan
 from reshard.formats.torch_zip.writer import TensorSlot, TorchZipWriter
-from reshard.layouts.base import RankFilesWriter, TargetSpec
+from reshard.layouts.base import ONE_RUN, RankFilesWriter, RunFiles, TargetSpec
 
 if TYPE_CHECKING:
     import torch
@@ -61,10 +61,10 @@ class TorchRanksWriter(RankFilesWriter):
         tensor may be in several files: each gets it)."""
         raise NotImplementedError
 
-    def __init__(self, out_dir: Path, spec: TargetSpec, plan: RankFilePlan) -> None:
+    def __init__(self, out_dir: Path, spec: TargetSpec, plan: RankFilePlan, run: RunFiles = ONE_RUN) -> None:
         self.out_dir, self.spec = out_dir, spec  # templates reads them
         order = {name: i for i, name in enumerate(spec.source.names())}
-        hooks = spec.file_hooks(out_dir)
+        hooks = run.hooks(out_dir)
         writers = []
         for rank, (files, headers) in enumerate(zip(plan.ranks, spec.rank_headers, strict=True)):
             names = sorted(headers, key=lambda n: order.get(n, len(order)))
@@ -80,7 +80,7 @@ class TorchRanksWriter(RankFilesWriter):
                     raise ValueError(f"{relative}: the template holds other tensors than the file plan says")
                 zips.append(file)
             writers.append(_RankFiles(zips))
-        super().__init__(out_dir, spec, plan, writers)
+        super().__init__(out_dir, spec, plan, run, writers)
 
     def templates(self, rank: int, state_dict: dict[str, TensorSlot]) -> list[Any]:
         """The object to save in each of rank ``rank``'s files (in :meth:`rank_files` order), with the slots of
@@ -95,7 +95,7 @@ class TorchRanksWriter(RankFilesWriter):
         for writer in self.rank_writers:
             writer.close()
         files = [Path(path) for path in self.plan.files]
-        return [*files, *(self.finish() if self.spec.writes_shared else [])]
+        return [*files, *(self.finish() if self.run.writes_shared else [])]
 
 
 class _RankFiles:

@@ -42,7 +42,7 @@ from reshard.formats.dcp_metadata import write as dcp
 from reshard.formats.file_plan import FilePlan
 from reshard.formats.torch_zip.writer import Region, TensorSlot, TorchZipWriter
 from reshard.io.direct import DirectFile
-from reshard.layouts.base import CheckpointWriter, SourceCheckpoint, TargetSpec
+from reshard.layouts.base import ONE_RUN, CheckpointWriter, RunFiles, SourceCheckpoint, TargetSpec
 from reshard.layouts.dcp.torch_dist_keys import GlobalPlan, plan_global
 from reshard.layouts.dcp.torch_dist_keys import check_names as check_global_names
 from reshard.layouts.megatron.args import PICKLE_MODULE, retarget_args
@@ -149,8 +149,8 @@ class TorchDistWriter(CheckpointWriter):
         files = {f"{folder}/{name}": frozenset(tensors) for name, tensors in zip(names, held, strict=True)}
         return TorchDistFilePlan(files, plan, _retarget(args, spec), folder, names, tuple(ends), where, chunks)
 
-    def __init__(self, out_dir: Path, spec: TargetSpec, plan: TorchDistFilePlan) -> None:
-        super().__init__(out_dir, spec, plan)
+    def __init__(self, out_dir: Path, spec: TargetSpec, plan: TorchDistFilePlan, run: RunFiles = ONE_RUN) -> None:
+        super().__init__(out_dir, spec, plan, run)
         facts = megatron_facts(spec.source)
         self._release = facts.release
         self._iteration = int(facts.iteration or 0)
@@ -176,7 +176,7 @@ class TorchDistWriter(CheckpointWriter):
     def _open(self) -> None:
         """Open the data files the plan places (a kept file of a resumed run stays as it is), write the objects."""
         folder = self._folder_path
-        hooks = [self.spec.file_hooks(self.out_dir)(folder / name) for name in self._names]
+        hooks = [self.run.hooks(self.out_dir)(folder / name) for name in self._names]
         self._kept = [keep for keep, _ in hooks]
         self._on_done = [on_done for _, on_done in hooks]
         self._files: list[DirectFile | None] = [
@@ -192,7 +192,7 @@ class TorchDistWriter(CheckpointWriter):
             if self._files[self._where[key][0]] is not None:
                 TorchZipWriter(folder / key, [value], archive=ARCHIVE, region=self._region(key)).close()
             self._landed(key)
-        if self.spec.writes_shared:
+        if self.run.writes_shared:
             self._write_common()
 
     def _region(self, key: str) -> Region:
@@ -257,7 +257,7 @@ class TorchDistWriter(CheckpointWriter):
         for file in self._files:  # files without archives (none are planned so) close here
             if file is not None:
                 file.close()
-        if self.spec.writes_shared:
+        if self.run.writes_shared:
             (self._folder_path / METADATA).write_bytes(dcp.dumps(_metadata(self._plan, self._where, self._names)))
             (self.out_dir / TRACKER).write_text("release" if self._release else str(self._iteration))
         written = [COMMON, CONFIG, *self._names, METADATA]

@@ -17,8 +17,10 @@ from reshard.formats.file_plan import FilePlan
 from reshard.formats.readers import FileReader, open_tensor_file, read_safetensors_header
 from reshard.formats.safetensors.writer import ShardedSafetensorsWriter, ShardPlan, plan_shards
 from reshard.layouts.base import (
+    ONE_RUN,
     PartsWriter,
     RankFilesWriter,
+    RunFiles,
     SourceCheckpoint,
     TargetSpec,
     TensorRef,
@@ -212,12 +214,12 @@ def safetensors_plan(spec: TargetSpec, folders: list[str]) -> SafetensorsFilePla
 class HFWriter(RankFilesWriter):
     """Writes a canonical HF folder: ``config.json`` and safetensors shards with their index; takes byte parts."""
 
-    def __init__(self, out_dir: Path, spec: TargetSpec, plan: SafetensorsFilePlan) -> None:
+    def __init__(self, out_dir: Path, spec: TargetSpec, plan: SafetensorsFilePlan, run: RunFiles = ONE_RUN) -> None:
         ((_, shards),) = plan.folders
         writer: PartsWriter = ShardedSafetensorsWriter(
-            out_dir, spec.rank_headers[0], shards, hooks=spec.file_hooks(out_dir)
+            out_dir, spec.rank_headers[0], shards, hooks=run.hooks(out_dir)
         )
-        super().__init__(out_dir, spec, plan, [writer])
+        super().__init__(out_dir, spec, plan, run, [writer])
 
     @classmethod
     def file_plan(cls, spec: TargetSpec) -> SafetensorsFilePlan:
@@ -227,9 +229,9 @@ class HFWriter(RankFilesWriter):
 
     def close(self) -> list[Path]:
         (writer,) = self.rank_writers
-        writer.close(index=self.spec.writes_shared)
+        writer.close(index=self.run.writes_shared)
         written = [Path(f) for f in writer.filenames]
-        if self.spec.config is not None and self.spec.writes_shared:
+        if self.spec.config is not None and self.run.writes_shared:
             write_config(self.out_dir, self.spec.config)
             written.append(Path(CONFIG_NAME))
         return written

@@ -12,7 +12,15 @@ from pathlib import Path
 from reshard.config import CONFIG_NAME, find_config
 from reshard.errors import MissingRankError
 from reshard.formats.safetensors.writer import ShardedSafetensorsWriter
-from reshard.layouts.base import PartsWriter, RankFilesWriter, SourceCheckpoint, TargetSpec, numbered_children
+from reshard.layouts.base import (
+    ONE_RUN,
+    PartsWriter,
+    RankFilesWriter,
+    RunFiles,
+    SourceCheckpoint,
+    TargetSpec,
+    numbered_children,
+)
 from reshard.layouts.hf.folder import (
     SafetensorsFilePlan,
     check_folder,
@@ -78,12 +86,12 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
 class HFRanksWriter(RankFilesWriter):
     """Writes ``rank_NN/`` safetensors folders plus the top-level ``config.json``; takes byte parts."""
 
-    def __init__(self, out_dir: Path, spec: TargetSpec, plan: SafetensorsFilePlan) -> None:
+    def __init__(self, out_dir: Path, spec: TargetSpec, plan: SafetensorsFilePlan, run: RunFiles = ONE_RUN) -> None:
         writers: list[PartsWriter] = []
         for (folder, shards), headers in zip(plan.folders, spec.rank_headers, strict=True):
             (out_dir / folder).mkdir(parents=True, exist_ok=True)
-            writers.append(ShardedSafetensorsWriter(out_dir / folder, headers, shards, hooks=spec.file_hooks(out_dir)))
-        super().__init__(out_dir, spec, plan, writers)
+            writers.append(ShardedSafetensorsWriter(out_dir / folder, headers, shards, hooks=run.hooks(out_dir)))
+        super().__init__(out_dir, spec, plan, run, writers)
 
     @classmethod
     def file_plan(cls, spec: TargetSpec) -> SafetensorsFilePlan:
@@ -93,9 +101,9 @@ class HFRanksWriter(RankFilesWriter):
     def close(self) -> list[Path]:
         written: list[Path] = []
         for rank, writer in enumerate(self.rank_writers):
-            writer.close(index=self.spec.writes_shared)
+            writer.close(index=self.run.writes_shared)
             written.extend(Path(rank_dir(rank)) / f for f in writer.filenames)
-        if self.spec.config is not None and self.spec.writes_shared:
+        if self.spec.config is not None and self.run.writes_shared:
             write_config(self.out_dir, self.spec.config)
             written.append(Path(CONFIG_NAME))
         return written

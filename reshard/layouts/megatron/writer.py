@@ -16,7 +16,7 @@ from typing import Any
 
 from reshard.config import SourceFacts
 from reshard.errors import ReshardError
-from reshard.layouts.base import SourceCheckpoint, TargetSpec
+from reshard.layouts.base import ONE_RUN, RunFiles, SourceCheckpoint, TargetSpec
 from reshard.layouts.common.torch_rank_writer import RankFilePlan, TorchRanksWriter
 from reshard.layouts.megatron.args import PICKLE_MODULE, retarget_args
 from reshard.layouts.megatron.reader import FILE_NAME, TRACKER
@@ -38,10 +38,10 @@ class MegatronWriter(TorchRanksWriter):
     pickle_module = PICKLE_MODULE
     replicated_heads_refusal = "Megatron stores KV heads as query groups and cannot load copies of a KV head"
 
-    def __init__(self, out_dir: Path, spec: TargetSpec, plan: RankFilePlan) -> None:
+    def __init__(self, out_dir: Path, spec: TargetSpec, plan: RankFilePlan, run: RunFiles = ONE_RUN) -> None:
         self._args, self._stages = _args_and_stages(spec)
         self._release = megatron_facts(spec.source).release
-        super().__init__(out_dir, spec, plan)  # lays out every rank file (templates needs the above)
+        super().__init__(out_dir, spec, plan, run)  # lays out every rank file (templates needs the above)
 
     @classmethod
     def file_plan(cls, spec: TargetSpec) -> RankFilePlan:

@@ -21,7 +21,15 @@ from typing import Any
 from reshard.config import ModelConfig, load_config
 from reshard.errors import CorruptFileError, MissingRankError, ReshardError
 from reshard.formats.readers import TorchReader
-from reshard.layouts.base import SourceCheckpoint, SourceFacts, TargetSpec, numbered_children, refs_from_readers
+from reshard.layouts.base import (
+    ONE_RUN,
+    RunFiles,
+    SourceCheckpoint,
+    SourceFacts,
+    TargetSpec,
+    numbered_children,
+    refs_from_readers,
+)
 from reshard.layouts.common.torch_rank_writer import RankFilePlan, TorchRanksWriter
 from reshard.layouts.hf.folder import OPTIMIZER
 from reshard.layouts.hf.loose import check_archive_rank
@@ -179,11 +187,11 @@ class SatWriter(TorchRanksWriter):
 
     replicated_heads_refusal = "SAT splits every head count exactly (mpu divide) and cannot load copies of a KV head"
 
-    def __init__(self, out_dir: Path, spec: TargetSpec, plan: RankFilePlan) -> None:
+    def __init__(self, out_dir: Path, spec: TargetSpec, plan: RankFilePlan, run: RunFiles = ONE_RUN) -> None:
         self.iteration = _iteration(spec.source)
         first = spec.source.top_level[0] if spec.source.top_level else {}
         self._top = {k: first[k] for k in KEPT_TOP_LEVEL if k in first}
-        super().__init__(out_dir, spec, plan)  # lays out every rank file (templates needs the above)
+        super().__init__(out_dir, spec, plan, run)  # lays out every rank file (templates needs the above)
 
     @classmethod
     def rank_files(cls, spec: TargetSpec, rank: int, names: list[str]) -> list[tuple[PurePosixPath, set[str]]]:

@@ -26,6 +26,7 @@ from fixtures.shapes import qwen3_5_shapes  # noqa: E402
 from reshard.commands.check import CheckOptions, check  # noqa: E402
 from reshard.formats.readers import TensorHeader  # noqa: E402
 from reshard.formats.safetensors.writer import header_bytes  # noqa: E402
+from reshard.options import ReadOptions  # noqa: E402
 
 CONFIG = {
     "architectures": ["Qwen3_5ForCausalLM"],
@@ -70,7 +71,7 @@ def main() -> None:
 
 def _timed(folder: Path, plan: str | None) -> float:
     start = time.perf_counter()
-    report = check(folder, CheckOptions(tp=4, plan=plan))
+    report = check(folder, CheckOptions(tp=4, read=ReadOptions(plan=plan)))
     elapsed = time.perf_counter() - start
     assert len(report.tensors) > 400
     return elapsed

@@ -25,6 +25,7 @@ _EXPORTS = {
     "Packed": "reshard.geometry",
     "Partition": "reshard.geometry",
     "Plan": "reshard.plans",
+    "ReadOptions": "reshard.options",
     "Replicate": "reshard.geometry",
     "ReplicatedHeads": "reshard.geometry",
     "ReshardError": "reshard.errors",
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
     from reshard.geometry import Grouped, Heads, Packed, Partition, Replicate, ReplicatedHeads, Shard, Vocab
     from reshard.geometry.tensors import gather, split
     from reshard.manifest import Manifest, read_manifest
-    from reshard.options import ConvertOptions
+    from reshard.options import ConvertOptions, ReadOptions
     from reshard.plans import Plan, Rule
 
 
@@ -82,6 +83,7 @@ __all__ = [
     "Packed",
     "Partition",
     "Plan",
+    "ReadOptions",
     "Replicate",
     "ReplicatedHeads",
     "ReshardError",

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import operator
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any, TypeVar
 
 from reshard.errors import ReshardError
 
@@ -75,26 +77,18 @@ class ReadOptions:
 
 @dataclass(frozen=True)
 class ConvertOptions:
-    """How to read the source and what to write.
+    """How to read the source (``read``) and what to write.
 
     Attributes:
         tp: target number of ranks (1: a canonical full checkpoint).
         pp: pipeline stages to write (``megatron``; ``torch_dist`` records it in the args).
         layout: target layout (``hf``, ``hf-ranks``, ``megatron``, ``sat``, ``torch_dist``); None picks from the
             source.
-        vocab: the true vocab size; None takes it from the manifest, then the config.
-        allow_vocab_shrink: accept a ``vocab`` below the true size the manifest or config gives (drops rows).
+        read: how to open the source (:class:`ReadOptions`: its config, plan, true vocab, ``--uneven``, LoRA, ...).
         pad_multiple: pad the vocab to a multiple of this (default: the target tp, or the layout's rule).
-        uneven: split sizes that do not divide as ``torch.chunk`` does instead of padding or refusing.
         max_shard_size: largest safetensors file before a new shard starts (``"5GB"`` or bytes).
         overwrite: replace an existing non-empty output.
-        config: an explicit ``config.json`` (else found in or above the checkpoint).
-        plan: a user plan file whose rules come before the built-in plan, or ``"transformers"`` for the
-            installed transformers' own TP plan.
-        trust_pickle: fully unpickle torch files (only for files the user trusts).
         allow_divergent_replicas: take rank 0 of a replicated tensor that differs between ranks.
-        merge_lora: merge LoRA adapters into their base weights before resharding.
-        lora_alpha: LoRA alpha for merging (scaling = alpha / rank).
         progress: show tqdm progress bars on stderr.
         jobs: tensors read, gathered, hashed and written at once; None: :func:`default_jobs` for where the
             checkpoint and the output are.
@@ -102,54 +96,37 @@ class ConvertOptions:
             otherwise (a Megatron checkpoint written as ``hf`` keeps Megatron's names and fused tensors).
         resume: stage the output under a fixed name with a journal (:mod:`reshard.io.journal`), keep it when the
             run fails or is stopped, and finish what an earlier such run left there.
-        tokenizer: the tokenizer an HF output carries (``--tokenizer DIR|REPO``); None takes the one the checkpoint
-            names (Megatron's args, NeMo's context) or holds (an HF folder's files).
         dtype: write every floating tensor in this dtype (``bfloat16``, ``float16``, ``float32``), FP8 weights
             dequantized with their scales (the scales and ``quantization_config`` dropped); None keeps each dtype.
         force: ``fix`` writes its output even when the checkpoint needs nothing (no tensor changes shape and the
             vocab is already its true size); without it such a ``fix`` says so and writes nothing.
-        weights: which copy of the weights to read where a checkpoint keeps two (see :class:`ReadOptions`).
     """
 
     tp: int = 1
     pp: int = 1
     layout: str | None = None
-    vocab: int | None = None
-    allow_vocab_shrink: bool = False
+    read: ReadOptions = field(default_factory=ReadOptions)
     pad_multiple: int | None = None
-    uneven: bool = False
     max_shard_size: int | str = "5GB"
     overwrite: bool = False
-    config: Path | None = None
-    plan: Path | str | None = None
-    trust_pickle: bool = False
     allow_divergent_replicas: bool = False
-    merge_lora: bool = False
-    lora_alpha: float = 1.0
     progress: bool = True
     jobs: int | None = None
     keep_names: bool = False
     resume: bool = False
     dtype: str | None = None
     force: bool = False
-    tokenizer: Path | str | None = None
-    weights: str = "master"
 
     def __post_init__(self) -> None:
         check_tp(self.tp)
 
-    @property
-    def read(self) -> ReadOptions:
-        """The part of these options that says how to open the source."""
-        return ReadOptions(
-            config=self.config,
-            plan=self.plan,
-            trust_pickle=self.trust_pickle,
-            vocab=self.vocab,
-            allow_vocab_shrink=self.allow_vocab_shrink,
-            uneven=self.uneven,
-            merge_lora=self.merge_lora,
-            lora_alpha=self.lora_alpha,
-            tokenizer=self.tokenizer,
-            weights=self.weights,
-        )
+
+Options = TypeVar("Options")
+
+
+def composed(kind: Callable[..., Options], **params: Any) -> Options:
+    """``kind`` (:class:`ConvertOptions`, or a command's options with a ``read`` part) from flat parameters, as a
+    command line gives them: those that say how to open a checkpoint make its :class:`ReadOptions`."""
+    reading = {f.name for f in fields(ReadOptions)}
+    read = ReadOptions(**{name: params.pop(name) for name in list(params) if name in reading})
+    return kind(read=read, **params)

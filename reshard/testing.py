@@ -43,7 +43,9 @@ def assert_roundtrip(
     Example:
         >>> assert_roundtrip("checkpoints/latest", tp=[2, 4])  # doctest: +SKIP
     """
-    options = VerifyOptions(roundtrip=tuple(tp), plan=_path(plan), config=_path(config), trust_pickle=trust_pickle)
+    options = VerifyOptions(
+        roundtrip=tuple(tp), read=ReadOptions(plan=_path(plan), config=_path(config), trust_pickle=trust_pickle)
+    )
     _check(verify(Path(path), options=options))
 
 
@@ -61,7 +63,7 @@ def assert_same_checkpoint(
     Example:
         >>> assert_same_checkpoint("ckpt", "ckpt-tp4")  # doctest: +SKIP
     """
-    options = VerifyOptions(atol=atol, rtol=rtol, plan=_path(plan), trust_pickle=trust_pickle)
+    options = VerifyOptions(atol=atol, rtol=rtol, read=ReadOptions(plan=_path(plan), trust_pickle=trust_pickle))
     _check(verify(Path(a), Path(b), options))
 
 
@@ -135,7 +137,7 @@ def _full_folder(path: Path, scratch: Path, plan: Path | None) -> Path:
     source = discover(path, ReadOptions())
     if plan is None and path.is_dir() and source.layout == HF.name and source.tp == 1:
         return path
-    convert(path, scratch, ConvertOptions(tp=1, layout=HF.name, plan=plan, progress=False))
+    convert(path, scratch, ConvertOptions(tp=1, layout=HF.name, read=ReadOptions(plan=plan), progress=False))
     return scratch
 
 

@@ -176,6 +176,7 @@ def judge(model_type: str) -> Verdict:
     from reshard.commands.check import CheckOptions, check_built, plan_for
     from reshard.config import ModelConfig
     from reshard.errors import ReshardError
+    from reshard.options import ReadOptions
     from reshard.plans import FAMILIES, TRANSFORMERS
     from reshard.plans.skeleton import build_skeleton
 
@@ -200,7 +201,7 @@ def judge(model_type: str) -> Verdict:
     verdict.model_class = skeleton.model_class
     for plan_name, into in ((None, verdict.builtin), (TRANSFORMERS, verdict.transformers)):
         try:
-            plan = plan_for(config, skeleton, CheckOptions(tp=1, plan=plan_name))
+            plan = plan_for(config, skeleton, CheckOptions(tp=1, read=ReadOptions(plan=plan_name)))
         except ReshardError as err:
             into.update(dict.fromkeys(TPS, "error: " + err.detail))
             continue
@@ -213,7 +214,8 @@ def judge(model_type: str) -> Verdict:
             verdict.plan += " (by names)" if plan.rules and not by_type else ""
         for tp in TPS:
             try:
-                report = check_built(config, skeleton, CheckOptions(tp=tp, plan=plan_name), plan=plan)
+                options = CheckOptions(tp=tp, read=ReadOptions(plan=plan_name))
+                report = check_built(config, skeleton, options, plan=plan)
             except ReshardError as err:
                 into[tp] = "error: " + err.detail
             except Exception:

@@ -28,7 +28,7 @@ from reshard.io.interrupts import Interrupted, handled
 from reshard.io.staging import KEPT, describe_left, remove_leftovers
 from reshard.io.vectored import return_large_frees_to_os
 from reshard.layouts import writable_layouts
-from reshard.options import ConvertOptions
+from reshard.options import ConvertOptions, ReadOptions, composed
 from reshard.plans import TRANSFORMERS
 from reshard.version import __version__
 
@@ -203,7 +203,7 @@ def inspect_command(
     """
     from reshard.commands.inspect import inspect_checkpoint
 
-    options = ConvertOptions(config=config, plan=plan, trust_pickle=trust_pickle, vocab=vocab, weights=weights)
+    options = ReadOptions(config=config, plan=plan, trust_pickle=trust_pickle, vocab=vocab, weights=weights)
     report = inspect_checkpoint(ckpt, options)
     emit(report, render_inspect, as_json=as_json)
 
@@ -307,7 +307,7 @@ def convert_command(ckpt: Path, out: Path, as_json: bool, quiet: bool, push: Any
 
         raise SystemExit(launch(without_workers(click.get_current_context().meta["reshard.argv"]), workers))
     quiet = quiet or int(os.environ.get("RANK", "0") or 0) != 0  # under torchrun, rank 0 reports
-    report = convert(ckpt, out, ConvertOptions(progress=not (quiet or as_json), **options))
+    report = convert(ckpt, out, composed(ConvertOptions, progress=not (quiet or as_json), **options))
     report, render = publish(report, render_convert, push, progress=not (quiet or as_json))
     emit(report, render, as_json=as_json, quiet=quiet)
 
@@ -350,7 +350,7 @@ def fix_command(ckpt: Path, out: Path | None, as_json: bool, quiet: bool, push: 
     """
     from reshard.commands.fix import fix
 
-    report = fix(ckpt, out, ConvertOptions(progress=not (quiet or as_json), **options))
+    report = fix(ckpt, out, composed(ConvertOptions, progress=not (quiet or as_json), **options))
     report, render = publish(report, render_fix, push, progress=not (quiet or as_json))
     emit(report, render, as_json=as_json, quiet=quiet)
 
@@ -376,7 +376,7 @@ def check_command(target: Path | HubCheckpoint, as_json: bool, **options: Any) -
     """
     from reshard.commands.check import CheckOptions, check
 
-    report = check(target, CheckOptions(**options))
+    report = check(target, composed(CheckOptions, **options))
     emit(report, render_check, as_json=as_json)
     if not report.ok:
         raise SystemExit(1)
@@ -417,7 +417,7 @@ def verify_command(ckpt: Path, other: Path | None, quiet: bool, as_json: bool, *
     """
     from reshard.commands.verify import VerifyOptions, verify
 
-    result = for_display(verify(ckpt, other, VerifyOptions(progress=not (quiet or as_json), **options)))
+    result = for_display(verify(ckpt, other, composed(VerifyOptions, progress=not (quiet or as_json), **options)))
     emit(result, render_verify, as_json=as_json, quiet=quiet)
     click.get_current_context().exit(0 if result.ok else 1)
 

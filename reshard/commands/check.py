@@ -10,7 +10,7 @@ device) and never tensor data.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -206,12 +206,12 @@ def _transformers_plan_notes(skeleton: ModelSkeleton) -> list[Problem]:
 
 @dataclass(frozen=True)
 class CheckOptions:
+    """What ``check`` asks: the tp, how to read the input (``read``: its config, plan, ``--uneven``), the vocab's pad
+    multiple."""
+
     tp: int
-    plan: Path | str | None = None
-    config: Path | None = None
-    uneven: bool = False
+    read: ReadOptions = field(default_factory=ReadOptions)
     pad_multiple: int | None = None
-    trust_pickle: bool = False
 
     def __post_init__(self) -> None:
         check_tp(self.tp)
@@ -226,10 +226,9 @@ def check(path: Path | HubCheckpoint, options: CheckOptions) -> CheckReport:
     """
     path = path if isinstance(path, HubCheckpoint) else Path(path)
     if isinstance(path, Path) and path.is_file() and path.suffix == ".json":
-        config = load_config(options.config or path)
+        config = load_config(options.read.config or path)
         return check_built(config, build_skeleton(config), options, source=str(path))
-    read = ReadOptions(config=options.config, plan=options.plan, trust_pickle=options.trust_pickle)
-    opened = open_checkpoint(path, read, target_tp=options.tp, read_bytes=False)
+    opened = open_checkpoint(path, options.read, target_tp=options.tp, read_bytes=False)
     path = opened.path  # a Hub repo: at the commit read
     config = opened.source.config
     shapes = _full_shapes(opened)
@@ -239,7 +238,7 @@ def check(path: Path | HubCheckpoint, options: CheckOptions) -> CheckReport:
         opened.plan,
         options.tp,
         vocab_size=opened.vocab.original,
-        uneven=options.uneven,
+        uneven=options.read.uneven,
         pad_multiple=options.pad_multiple,
         source=str(path),
         quantized=quantized_tensors(config, shapes),
@@ -251,7 +250,7 @@ def check_built(
     config: ModelConfig, skeleton: ModelSkeleton, options: CheckOptions, *, source: str = "", plan: Plan | None = None
 ) -> CheckReport:
     """:func:`check` of the model transformers built from ``config`` (``skeleton``): build once, check at many tps
-    (``plan``, when given, is the one ``options.plan`` selects, chosen once too)."""
+    (``plan``, when given, is the one ``options.read.plan`` selects, chosen once too)."""
     plan = plan or plan_for(config, skeleton, options)
     shapes, quantized = skeleton.shapes, None
     scheme = read_scheme(config.raw, path=config.path)
@@ -264,7 +263,7 @@ def check_built(
         plan,
         options.tp,
         vocab_size=config.vocab_size,
-        uneven=options.uneven,
+        uneven=options.read.uneven,
         pad_multiple=options.pad_multiple,
         source=source,
         kind="config",
@@ -275,16 +274,17 @@ def check_built(
 
 
 def plan_for(config: ModelConfig, skeleton: ModelSkeleton, options: CheckOptions) -> Plan:
-    """The plan ``options.plan`` names for a model built from ``config``."""
-    if options.plan == TRANSFORMERS:  # the model is built already: its plan, not a second build
+    """The plan ``options.read.plan`` names for a model built from ``config``."""
+    if options.read.plan == TRANSFORMERS:  # the model is built already: its plan, not a second build
         return with_lora(plan_from_skeleton(skeleton, config))
-    return select_plan(config, skeleton.shapes, plan_file=options.plan)
+    return select_plan(config, skeleton.shapes, plan_file=options.read.plan)
 
 
 def _note_family(report: CheckReport, config: ModelConfig | None, plan: Plan, options: CheckOptions) -> CheckReport:
     """Say so when no family claims the config's model_type and the plan was chosen by tensor names."""
     model_type = config.model_type if config is not None else None
-    if options.plan is None and model_type and plan.rules and not any(model_type in f.model_types for f in FAMILIES):
+    claimed = any(model_type in family.model_types for family in FAMILIES)
+    if options.read.plan is None and model_type and plan.rules and not claimed:
         report.problems.insert(
             0, Problem(NOTE, f"no built-in plan for model_type {model_type}: the {plan.name} plan matches its names")
         )

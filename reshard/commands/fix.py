@@ -92,7 +92,7 @@ def fix(ckpt: Path, out: Path | None = None, options: ConvertOptions | None = No
         ReshardError: the vocab size is unknown, or anything :func:`reshard.convert` refuses.
 
     Example:
-        >>> fix(Path("ckpt-tp2"), options=ConvertOptions(vocab=65535))  # doctest: +SKIP
+        >>> fix(Path("ckpt-tp2"), options=ConvertOptions(read=ReadOptions(vocab=65535)))  # doctest: +SKIP
     """
     options = options or ConvertOptions()
     if options.layout is None and options.tp == 1:  # a canonical hf folder, also from a Megatron or SAT source
@@ -169,9 +169,9 @@ def needs_nothing(opened: OpenedCheckpoint, options: ConvertOptions) -> bool:
     return (
         source.layout == canonical_layout().name
         and source.tp == options.tp == 1
-        and options.config is None
-        and options.tokenizer is None
-        and not options.merge_lora
+        and options.read.config is None
+        and options.read.tokenizer is None
+        and not options.read.merge_lora
         and not opened.problems
         and all(path.suffix == ".safetensors" for path in source.files)
         and source_padded_rows(opened.tensors) in (None, vocab.original)

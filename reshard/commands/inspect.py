@@ -12,7 +12,7 @@ from reshard.engine.plan.target import preview_mapping
 from reshard.geometry import at_tp, partition_to_dict
 from reshard.hub.source import HubCheckpoint
 from reshard.layouts import SourceCheckpoint
-from reshard.options import ConvertOptions, ReadOptions
+from reshard.options import ReadOptions
 from reshard.vocab import source_padded_rows
 
 
@@ -79,15 +79,13 @@ def _not_tensors(source: SourceCheckpoint) -> list[str]:
 
 
 def inspect_checkpoint(
-    ckpt: Path | HubCheckpoint, options: ReadOptions | ConvertOptions | None = None
+    ckpt: Path | HubCheckpoint, options: ReadOptions | None = None
 ) -> InspectReport:
     """Describe ``ckpt``: layout, tp, files, and for every tensor its rank shapes, partition and why.
 
     A tensor that cannot be gathered is reported with its problem rather than raised, so one bad
     tensor does not hide the rest. A Hub repo is described from its safetensors headers alone.
     """
-    if isinstance(options, ConvertOptions):
-        options = options.read
     opened = open_checkpoint(ckpt if isinstance(ckpt, HubCheckpoint) else Path(ckpt), options or ReadOptions())
     source, vocab, tensors = opened.source, opened.vocab, opened.tensors
     padded = source_padded_rows(tensors)

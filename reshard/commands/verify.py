@@ -27,6 +27,7 @@ from reshard.engine.run.conversion import open_for_conversion, run_conversion
 from reshard.errors import DivergentReplicaError, PlanError, ReshardError, ShapeMismatchError
 from reshard.io.progress import progress_bar
 from reshard.io.staging import temporary_folder
+from reshard.layouts import canonical_layout
 from reshard.manifest import TensorEntry, find_manifest
 from reshard.mappings import HF, naming_of
 from reshard.options import ConvertOptions, ReadOptions, check_tp, cores
@@ -47,18 +48,15 @@ class VerifyOptions:
         roundtrip: tp sizes to convert to and back from (empty: no round trip).
         atol: absolute tolerance when comparing two checkpoints (0 with ``rtol`` 0: bit-exact).
         rtol: relative tolerance, as in ``torch.isclose``.
-        config: an explicit ``config.json`` for CKPT (else found in or above it).
-        plan: a user plan file whose rules come before the built-in plan (used on every side).
-        trust_pickle: fully unpickle torch files (only files the user trusts).
+        read: how to read the checkpoints (:class:`ReadOptions`): its ``config`` applies to CKPT only, its ``plan``
+            to every side.
         progress: tqdm progress bars on stderr.
     """
 
     roundtrip: tuple[int, ...] = ()
     atol: float = 0.0
     rtol: float = 0.0
-    config: Path | None = None
-    plan: Path | None = None
-    trust_pickle: bool = False
+    read: ReadOptions = field(default_factory=ReadOptions)
     progress: bool = False
 
     def __post_init__(self) -> None:
@@ -69,15 +67,13 @@ class VerifyOptions:
     def exact(self) -> bool:
         return self.atol == 0 and self.rtol == 0
 
-    def read(self, *, own_config: bool = True) -> ReadOptions:
+    def reading(self, *, own_config: bool = True) -> ReadOptions:
         """How to open a checkpoint: ``config`` applies to CKPT only (``own_config``), not to OTHER."""
-        return ReadOptions(config=self.config if own_config else None, plan=self.plan, trust_pickle=self.trust_pickle)
+        return self.read if own_config else replace(self.read, config=None)
 
-    def convert_options(self, **changes: Any) -> ConvertOptions:
-        base = ConvertOptions(
-            config=self.config, plan=self.plan, trust_pickle=self.trust_pickle, progress=self.progress
-        )
-        return replace(base, **changes)
+    def convert_options(self, read: ReadOptions, **options: Any) -> ConvertOptions:
+        """A conversion of a round trip or of a renamed copy: reading with ``read``, bars as this check shows them."""
+        return ConvertOptions(read=read, progress=self.progress, **options)
 
 
 @dataclass
@@ -157,7 +153,7 @@ def verify(ckpt: Path, other: Path | None = None, options: VerifyOptions | None 
 def rank_report(ckpt: Path, options: VerifyOptions) -> VerifyReport | None:
     """Every rank's slice of every tensor against the plan's cut, and each rank's quantized tensors dequantized on
     their own (:mod:`reshard.commands.verify_ranks`); ``None`` for a checkpoint of one rank."""
-    checked = check_ranks(ckpt, options.read())
+    checked = check_ranks(ckpt, options.reading())
     if checked is None:
         return None
     return VerifyReport("ranks", str(ckpt), "the plan's cut on each rank", checked[0], checked[1])
@@ -190,7 +186,7 @@ def check_manifest(ckpt: Path, options: VerifyOptions) -> VerifyReport:
     report.differences = check_files(ckpt, manifest)
     if report.differences:  # tensors cannot be gathered while files are missing
         return report
-    opened = _open(ckpt, options.read())
+    opened = _open(ckpt, options.reading())
     tensors = opened.by_name()
     diffs = report.differences
     expected = manifest.tensors
@@ -281,7 +277,7 @@ def compare_checkpoints(ckpt: Path, other: Path, options: VerifyOptions) -> Veri
     dtypes are compared by value (in float64) instead of being reported as a dtype difference.
     """
     report = VerifyReport("compare", str(ckpt), str(other))
-    a, b = _open(ckpt, options.read()), _open(other, options.read(own_config=False))
+    a, b = _open(ckpt, options.reading()), _open(other, options.reading(own_config=False))
     with _same_names(a, b, options) as (a, b):
         _compare(a, b, options, report)
     return report
@@ -301,9 +297,10 @@ def _same_names(
     hf, mapped = (a, b) if namings[0] == HF else (b, a)
     with temporary_folder("reshard-verify-names-") as tmp:
         out = tmp / "hf"
-        convert = options.convert_options(tp=1, layout="hf", config=None, vocab=hf.vocab.original)
+        read = replace(options.reading(own_config=False), vocab=hf.vocab.original)
+        convert = options.convert_options(read, tp=1, layout=canonical_layout().name)
         run_conversion(open_for_conversion(mapped.path, out, convert), out, convert)
-        renamed = _open(out, options.read(own_config=False))
+        renamed = _open(out, options.reading(own_config=False))
         yield (a, renamed) if mapped is b else (renamed, b)
 
 
@@ -373,15 +370,16 @@ def roundtrip(ckpt: Path, tp: int, options: VerifyOptions) -> VerifyReport:
     while it is (:func:`~reshard.io.staging.temporary_folder`), so a second signal cannot cut it short. A tp the
     model cannot be split into is reported as a difference of this round trip, not raised.
     """
-    opened = open_checkpoint(ckpt, options.read(), target_tp=tp)
+    opened = open_checkpoint(ckpt, options.reading(), target_tp=tp)
     own_tp, uneven = opened.source.tp, opened.uneven
     report = VerifyReport("roundtrip", str(ckpt), f"tp={tp} and back", tp=tp)
     with temporary_folder(f"reshard-verify-tp{tp}-") as tmp:
         there, back = tmp / f"tp{tp}", tmp / f"back-tp{own_tp}"
         try:
             # the source's names both ways: the round trip checks the slicing, not a mapping between namings
-            run_conversion(opened, there, options.convert_options(tp=tp, uneven=uneven, keep_names=True))
-            back_options = options.convert_options(tp=own_tp, config=None, uneven=uneven, keep_names=True)
+            read = replace(options.read, uneven=uneven)
+            run_conversion(opened, there, options.convert_options(read, tp=tp, keep_names=True))
+            back_options = options.convert_options(replace(read, config=None), tp=own_tp, keep_names=True)
             run_conversion(open_for_conversion(there, back, back_options), back, back_options)
         except PlanError as err:  # this tp cannot hold the model: a finding about this round trip
             report.differences = [Difference("plan", p.tensor, p.detail, p.path) for p in err.problems]
@@ -390,7 +388,7 @@ def roundtrip(ckpt: Path, tp: int, options: VerifyOptions) -> VerifyReport:
             report.differences = [Difference("inconsistent", err.tensor, err.detail, err.path)]
             return report
         compared = compare_checkpoints(ckpt, back, replace(options, atol=0.0, rtol=0.0))
-        ranks = check_ranks(there, options.read(own_config=False))  # each rank at tp as a runtime would load it
+        ranks = check_ranks(there, options.reading(own_config=False))  # each rank at tp as a runtime would load it
     report.tensors, report.differences = compared.tensors, compared.differences
     if ranks is not None:
         report.differences += ranks[1]

@@ -15,7 +15,7 @@ from fixtures.hf import load_folder
 from fixtures.models import tiny_llama
 from safetensors.torch import load_file, save_file
 
-from reshard import ConvertOptions, convert
+from reshard import ConvertOptions, ReadOptions, convert
 from reshard.commands.verify import VerifyOptions, verify
 from reshard.engine.plan.open import OpenedCheckpoint
 from reshard.engine.run.conversion import run_conversion
@@ -161,7 +161,8 @@ def test_deleted_rank_file_with_roundtrip(cli, copy) -> None:
 
 
 def test_uneven_checkpoint_verifies(cli, checkpoints: dict[str, Path], tmp_path: Path) -> None:
-    convert(checkpoints["hf"], tmp_path / "uneven", ConvertOptions(tp=2, uneven=True, progress=False))
+    options = ConvertOptions(tp=2, read=ReadOptions(uneven=True), progress=False)
+    convert(checkpoints["hf"], tmp_path / "uneven", options)
     shapes = [
         load_file(tmp_path / "uneven" / r / "model.safetensors")["lm_head.weight"].shape[0]
         for r in ("rank_00", "rank_01")

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from fixtures.megatron import TINY
 
-from reshard import ConvertOptions, convert
+from reshard import ConvertOptions, ReadOptions, convert
 from reshard.dtypes import TensorHeader
 from reshard.engine.plan.open import open_checkpoint
 from reshard.engine.plan.target import plan_target, target_spec
@@ -208,8 +208,11 @@ def safetensors_names(path: Path) -> frozenset[str]:
     [
         ("tiny-llama-tp2", ConvertOptions(layout="hf", max_shard_size="40KB")),
         ("tiny-llama-tp2", ConvertOptions(layout="hf-ranks", tp=4, max_shard_size="20KB")),
-        ("tiny-megatron-tp8", ConvertOptions(layout="megatron", tp=2, pp=2, vocab=TINY.vocab)),
-        ("tiny-megatron-tp8", ConvertOptions(layout="torch_dist", tp=2, vocab=TINY.vocab, max_shard_size="20KB")),
+        ("tiny-megatron-tp8", ConvertOptions(layout="megatron", tp=2, pp=2, read=ReadOptions(vocab=TINY.vocab))),
+        (
+            "tiny-megatron-tp8",
+            ConvertOptions(layout="torch_dist", tp=2, read=ReadOptions(vocab=TINY.vocab), max_shard_size="20KB"),
+        ),
     ],
     ids=["hf", "hf-ranks", "megatron-pp2", "torch_dist"],
 )

@@ -106,7 +106,7 @@ def run_conversion(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
             f"the {target.layout} layout carries no tokenizer: {opened.tokenizer.origin} is not copied"
         )
     conversion, layout = target.conversion, target.layout
-    if not (options.merge_lora or options.allow_divergent_replicas):
+    if not (options.read.merge_lora or options.allow_divergent_replicas):
         check_lora_replicas(opened.tensors)
     spec = target_spec(target, options)
     file_plan = layout.writer.file_plan(spec)

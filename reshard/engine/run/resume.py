@@ -37,10 +37,14 @@ def conversion_facts(ckpt: Path, conversion: ConversionPlan, layout: str, option
             for plan in conversion.tensors
             for t in plan.targets
         ),
-        "options": {
-            f.name: str(getattr(options, f.name)) for f in dataclasses.fields(options) if f.name not in NEUTRAL_OPTIONS
-        },
+        "options": {name: str(value) for name, value in _flat(options) if name not in NEUTRAL_OPTIONS},
     }
+
+
+def _flat(options: ConvertOptions) -> list[tuple[str, Any]]:
+    """Every option by the name its flag has: what to write, then how the source is read (``options.read``)."""
+    written = [(f.name, getattr(options, f.name)) for f in dataclasses.fields(options) if f.name != "read"]
+    return written + [(f.name, getattr(options.read, f.name)) for f in dataclasses.fields(options.read)]
 
 
 def fingerprint(ckpt: Path, conversion: ConversionPlan, layout: str, options: ConvertOptions) -> str:

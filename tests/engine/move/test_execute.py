@@ -27,7 +27,7 @@ from reshard.engine.plan.target import plan_target
 from reshard.engine.run import conversion as run
 from reshard.errors import ReshardError
 from reshard.io.direct import ALIGN, in_memory
-from reshard.options import ConvertOptions, cores
+from reshard.options import ConvertOptions, ReadOptions, cores
 
 SAMPLE = SAMPLES / "tiny-llama-tp2"
 
@@ -160,7 +160,7 @@ class _Recorder:
 def test_concurrent_writers_get_the_largest_tensors_first(concurrent: bool) -> None:
     """The tensors of the largest size first, then plan order (a run does not end on the hash of a large
     tensor); writers that are not concurrent get plan order."""
-    options = ConvertOptions(tp=1, vocab=500, progress=False)
+    options = ConvertOptions(tp=1, read=ReadOptions(vocab=500), progress=False)
     plan = plan_target(open_checkpoint(SAMPLES / "tiny-megatron-tp8", options.read, target_tp=1), options).conversion
     writer = _Recorder(concurrent)
     stream.execute(plan, writer, jobs=1, progress=False)

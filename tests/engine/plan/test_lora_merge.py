@@ -12,7 +12,7 @@ from fixtures.sat import RANK, full_tensors, layout, read_sat, sat_config, split
 from fixtures.shapes import PEFT_LLAMA
 from fixtures.tp import gather_pieces, small_ints
 
-from reshard import ConvertOptions, convert
+from reshard import ConvertOptions, ReadOptions, convert
 from reshard.errors import DivergentReplicaError, PlanError
 
 CFG = sat_config()  # hidden 32, 16 heads of 2 in 8 KV groups, one layer, tp 8
@@ -89,7 +89,7 @@ def test_merge_lora_is_exact(tmp_path: Path, cli, tp: int, dtype: torch.dtype) -
 def test_lora_alpha_scales_the_merge(tmp_path: Path) -> None:
     full = full_tensors(CFG)
     ranks = write_sat(tmp_path / "src", CFG, full, 8)
-    options = ConvertOptions(tp=1, layout="sat", merge_lora=True, lora_alpha=4.0, progress=False)
+    options = ConvertOptions(tp=1, layout="sat", read=ReadOptions(merge_lora=True, lora_alpha=4.0), progress=False)
     convert(tmp_path / "src", tmp_path / "m", options)
     _, files = read_sat(tmp_path / "m")
     want = merged_expected(CFG, full, ranks, alpha=4.0)
@@ -115,7 +115,7 @@ def peft_full(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
 def test_peft_merge_writes_plain_weights(peft_full, tmp_path: Path) -> None:
     folder, full = peft_full
     convert(folder, tmp_path / "tp2", ConvertOptions(tp=2, layout="hf-ranks", progress=False))
-    options = ConvertOptions(tp=1, layout="hf", merge_lora=True, lora_alpha=8.0, progress=False)
+    options = ConvertOptions(tp=1, layout="hf", read=ReadOptions(merge_lora=True, lora_alpha=8.0), progress=False)
     convert(tmp_path / "tp2", tmp_path / "merged", options)
     merged = load_folder(tmp_path / "merged")
     assert not any("lora_" in n or "base_layer" in n for n in merged)

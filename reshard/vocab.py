@@ -73,7 +73,6 @@ PAD_MULTIPLES = (1, 2, 4, 8, 16, 32, 64, 128)
 MAX_TP = 64
 
 
-
 @dataclass(frozen=True)
 class VocabPlan:
     """The true vocab size and where it came from; the padded sizes found in the source and planned for the
@@ -201,8 +200,6 @@ def require_vocab(vocab: VocabPlan, *, path: Any, config: ModelConfig | None) ->
         path=path,
         hint="pass --vocab N, the tokenizer's vocab size",
     )
-
-
 
 
 def padded_sizes_possible(rows: int, source_multiple: int, target_multiple: int) -> dict[int, range]:

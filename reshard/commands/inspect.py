@@ -78,9 +78,7 @@ def _not_tensors(source: SourceCheckpoint) -> list[str]:
     return [f"{key}, {_ranks_text(ranks, source.tp)}" for key, ranks in sorted(found.items())]
 
 
-def inspect_checkpoint(
-    ckpt: Path | HubCheckpoint, options: ReadOptions | None = None
-) -> InspectReport:
+def inspect_checkpoint(ckpt: Path | HubCheckpoint, options: ReadOptions | None = None) -> InspectReport:
     """Describe ``ckpt``: layout, tp, files, and for every tensor its rank shapes, partition and why.
 
     A tensor that cannot be gathered is reported with its problem rather than raised, so one bad

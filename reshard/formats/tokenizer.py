@@ -60,8 +60,6 @@ MAX_FILE_BYTES = 256 << 20
 _VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "tiktoken.model")
 
 
-
-
 @dataclass(frozen=True)
 class Tokenizer:
     """A tokenizer's files and what they say.

@@ -240,6 +240,8 @@ class TargetSpec:
     layout_facts: SourceFacts | None = None
     requested_tp: int = 1
     pp: int = 1
+
+
 @runtime_checkable
 class PartsWriter(Protocol):
     """One rank's file writer that knows where each tensor lands before its bytes arrive, and takes them as byte

@@ -81,7 +81,6 @@ class Transform(Protocol):
         ...
 
 
-
 class Invertible(Transform, Protocol):
     """A transform of a mapping table: it maps back too, so one table serves both directions."""
 

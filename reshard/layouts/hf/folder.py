@@ -216,9 +216,7 @@ class HFWriter(RankFilesWriter):
 
     def __init__(self, out_dir: Path, spec: TargetSpec, plan: SafetensorsFilePlan, run: RunFiles = ONE_RUN) -> None:
         ((_, shards),) = plan.folders
-        writer: PartsWriter = ShardedSafetensorsWriter(
-            out_dir, spec.rank_headers[0], shards, hooks=run.hooks(out_dir)
-        )
+        writer: PartsWriter = ShardedSafetensorsWriter(out_dir, spec.rank_headers[0], shards, hooks=run.hooks(out_dir))
         super().__init__(out_dir, spec, plan, run, [writer])
 
     @classmethod

@@ -37,6 +37,7 @@ FIGURES = re.compile(
     )
 )
 
+
 def prose_lines(source: str) -> list[tuple[int, str]]:
     """``(line number, text)`` of every comment and docstring line of a module's source."""
     lines: list[tuple[int, str]] = []

@@ -66,10 +66,9 @@ def test_sat_rank_files_are_torch_save_files(cli, sat_tp8: Path, tmp_path: Path)
 def test_safetensors_writers_take_byte_parts_and_torch_rank_files_do_not() -> None:
     """The stream writes byte ranges only into a writer whose every rank writer is a PartsWriter (a torch zip
     record's CRC-32 needs the whole slice)."""
-    from reshard.layouts.torch_rank_writer import _RankFiles
-
     from reshard.formats.safetensors.writer import SafetensorsFileWriter, ShardedSafetensorsWriter
     from reshard.layouts.base import PartsWriter
+    from reshard.layouts.common.torch_rank_writer import _RankFiles
 
     assert issubclass(SafetensorsFileWriter, PartsWriter)
     assert issubclass(ShardedSafetensorsWriter, PartsWriter)

@@ -158,9 +158,10 @@ class BoxedReader(ReadIntoReader):
     def _advise(self, key: str, advice: str) -> None:
         """A page-cache hint over the chunks of a whole-tensor view (a sub-box shares its chunks with others)."""
         view = self.views[key]
-        if view.box != Box.whole(view.tensor.shape):
+        parts = view.parts if isinstance(view, StackedView) else (view,)
+        if any(part.box != Box.whole(part.tensor.shape) for part in parts):
             return
-        for chunk in view.tensor.chunks:
+        for chunk in (chunk for part in parts for chunk in part.tensor.chunks):
             try:
                 self._files.get(chunk.file).advise(chunk.position, chunk.length, advice)
             except OSError:

@@ -75,8 +75,13 @@ class SourceTensor:
             ReshardError: the tensor's problem, when it could not be planned.
         """
         if self.partition is None or self.shape is None:
-            raise self.problem or ReshardError("not planned", tensor=self.name)
+            raise self.failure
         return self.partition, self.shape
+
+    @property
+    def failure(self) -> ReshardError:
+        """Why it could not be planned: its problem (every tensor without a partition or a shape has one)."""
+        return self.problem or ReshardError("not planned", tensor=self.name)
 
     @cached_property
     def cut(self) -> Cut:

@@ -127,7 +127,7 @@ def execute(
     writer: CheckpointWriter,
     *,
     jobs: int = 1,
-    finite: dict[str, bool] | None = None,
+    finite: dict[str, bool | None] | None = None,
     allow_divergent: bool = False,
     divergent: set[str] | None = None,
     progress: bool = True,

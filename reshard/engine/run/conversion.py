@@ -108,7 +108,7 @@ def run_conversion(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
     if not (options.merge_lora or options.allow_divergent_replicas):
         check_lora_replicas(opened.tensors)
     spec = target_spec(target, options)
-    file_plan = layout.writer.file_plan(spec)
+    file_plan = layout.target_writer.file_plan(spec)
     group = join()
     first = group is None or group.rank == 0
     # once per conversion, heard before publishing: rank 0's refusal reaches every worker through `together`
@@ -126,14 +126,15 @@ def run_conversion(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
         spec = dataclasses.replace(
             spec, done_files=done, on_file_done=journal.file_done if journal else None, writes_shared=first
         )
-        writer = layout.writer(staging, spec, file_plan)
+        writer = layout.target_writer(staging, spec, file_plan)
 
         def move() -> _Moved:
             divergent: set[str] = set()
             finite: dict[str, bool | None] = {}
 
             def journaled(plan: TensorPlan, name: str, digest: str, is_finite: bool | None) -> None:
-                journal.tensor_done(name, digest, is_finite, any(s.name in divergent for s in plan.sources))
+                if journal is not None:
+                    journal.tensor_done(name, digest, is_finite, any(s.name in divergent for s in plan.sources))
 
             hashes = execute(
                 todo,
@@ -152,7 +153,7 @@ def run_conversion(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
             return _Moved(hashes, finite, frozenset(_divergent_targets(todo, divergent)), files)
 
         moved = [move()] if group is None else together(group, move)
-        if not first:
+        if not first and group is not None:
             return _result(opened, target, out, options, moved[group.rank].files, frozenset(), None)
         whole = _merged(moved, resumed)
         files = list(moved[0].files)

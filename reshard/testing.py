@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -21,6 +22,9 @@ from reshard.io.staging import temporary_folder
 from reshard.layouts import discover
 from reshard.layouts.hf import HF
 from reshard.options import ConvertOptions, ReadOptions
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["assert_roundtrip", "assert_same_checkpoint", "assert_same_logits"]
 
@@ -109,16 +113,17 @@ def assert_same_logits(
         )
 
 
-def _load(folder: Path, original: str | Path) -> torch.nn.Module:
+def _load(folder: Path, original: str | Path) -> PreTrainedModel:
     """The model in ``folder``; every weight transformers could not place is an AssertionError naming it."""
     try:
         from transformers import AutoModelForCausalLM
     except ImportError as err:
         raise ImportError("assert_same_logits needs transformers: pip install transformers") from err
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(
+        loaded = AutoModelForCausalLM.from_pretrained(
             folder, dtype=torch.float32, output_loading_info=True, ignore_mismatched_sizes=True
         )
+        model, info = cast("tuple[PreTrainedModel, dict[str, Any]]", loaded)  # output_loading_info: with the info
     except (RuntimeError, ValueError, OSError) as err:
         raise AssertionError(f"{original}: transformers cannot load it: {str(err).strip()}") from err
     problems = [

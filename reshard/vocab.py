@@ -22,7 +22,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from reshard.errors import MissingRankError, ReshardError, ShapeMismatchError
 from reshard.geometry import Partition, Vocab
@@ -177,7 +177,7 @@ def _padding_record(config: ModelConfig | None, tp: int) -> tuple[int, int] | No
     sizes = (padded, divisible)
     if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in sizes):
         return None
-    return padded, megatron_pad_multiple(divisible, max(tp, 1))
+    return cast(int, padded), megatron_pad_multiple(divisible, max(tp, 1))
 
 
 def _name(config: ModelConfig) -> str:

@@ -123,7 +123,8 @@ def check_model(
         rule = matched.rule if matched is not None else None
         label = None if rule is None else "(not in the plan: replicated)" if rule.implicit else rule.pattern
         companion = matched is not None and matched.quantized
-        row = CheckedTensor(name, list(shape), matched.reason if companion else label, None, None)
+        reason = matched.reason if matched is not None and matched.quantized else label
+        row = CheckedTensor(name, list(shape), reason, None, None)
         tensors.append(row)
         if rule is None:
             if plan.rules:
@@ -226,8 +227,8 @@ def check(path: Path | HubCheckpoint, options: CheckOptions) -> CheckReport:
     """
     path = path if isinstance(path, HubCheckpoint) else Path(path)
     if isinstance(path, Path) and path.is_file() and path.suffix == ".json":
-        config = load_config(options.read.config or path)
-        return check_built(config, build_skeleton(config), options, source=str(path))
+        loaded = load_config(options.read.config or path)
+        return check_built(loaded, build_skeleton(loaded), options, source=str(path))
     opened = open_checkpoint(path, options.read, target_tp=options.tp, read_bytes=False)
     path = opened.path  # a Hub repo: at the commit read
     config = opened.source.config
@@ -303,8 +304,8 @@ def _full_shapes(opened: OpenedCheckpoint) -> dict[str, Shape]:
             shapes[tensor.name] = rank[0]
         else:
             raise ReshardError(
-                f"rank shapes {rank} do not join: {tensor.problem.detail}",
-                path=tensor.problem.path or (tensor.refs[0].file if tensor.refs else None),
+                f"rank shapes {rank} do not join: {tensor.failure.detail}",
+                path=tensor.failure.path or (tensor.refs[0].file if tensor.refs else None),
                 tensor=tensor.name,
             )
     return shapes

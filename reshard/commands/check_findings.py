@@ -160,10 +160,11 @@ def vocab_problems(
     multiple: int,
     uneven: bool,
 ) -> list[Problem]:
-    names = [n for n, (_, p) in partitions.items() if isinstance(p, Vocab)]
+    vocabs = {n: p for n, (_, p) in partitions.items() if isinstance(p, Vocab)}
+    names = list(vocabs)
     if not names:
         return []
-    size = max(vocab or 0, shapes[names[0]][partitions[names[0]][1].dim])
+    size = max(vocab or 0, shapes[names[0]][vocabs[names[0]].dim])
     if uneven:
         if size % tp:
             return [Problem(WARNING, f"vocab {size} splits unevenly over tp={tp} (torch.chunk)", names)]

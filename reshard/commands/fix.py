@@ -102,10 +102,10 @@ def fix(ckpt: Path, out: Path | None = None, options: ConvertOptions | None = No
     out = Path(out) if out is not None else default_output(ckpt)
     opened = open_for_conversion(ckpt, out, options)
     source, vocab = opened.source, opened.vocab
-    require_vocab(vocab, path=source.path, config=source.config)
+    original = require_vocab(vocab, path=source.path, config=source.config)
     check_vocab_rows(
         opened.tensors,
-        vocab.original,
+        original,
         source_tp=source.tp,
         missing_files=lambda tp: layout(source.layout).missing_rank_files(source, tp),
         recorded_tp=_recorded_tp(source),
@@ -187,7 +187,8 @@ def changed_tensors(
     changed = []
     for t in sorted(tensors, key=lambda t: (not isinstance(t.partition, Vocab), t.name)):
         old = [list(ref.shape) for ref in t.refs]
-        new = [list(s) for s in rank_shapes(t.partition, t.shape, tp, padded=padded, uneven=uneven)]
+        partition, shape = t.planned
+        new = [list(s) for s in rank_shapes(partition, shape, tp, padded=padded, uneven=uneven)]
         if {tuple(s) for s in old} != {tuple(s) for s in new}:
             changed.append({"tensor": t.name, "old": old, "new": new, "vocab": isinstance(t.partition, Vocab)})
     return changed

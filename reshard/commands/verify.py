@@ -201,7 +201,7 @@ def check_manifest(ckpt: Path, options: VerifyOptions) -> VerifyReport:
             diffs.append(
                 Difference("dtype", name, f"{name_of(tensor.code)}, reshard.json says {entry.dtype}", files_of(tensor))
             )
-        elif tensor.problem is None and tensor.shape != entry.shape:
+        elif tensor.shape is not None and tensor.shape != entry.shape:
             diffs.append(
                 Difference(
                     "shape", name, f"{list(tensor.shape)}, reshard.json says {list(entry.shape)}", files_of(tensor)
@@ -235,7 +235,7 @@ def _digests(
         tensor, entry = tensors[name], entries[name]
         if tensor.problem is not None:
             return None
-        return canonical_digest(tensor, finite=entry.finite, algorithm=algorithm_of(entry.digest))
+        return canonical_digest(tensor, finite=bool(entry.finite), algorithm=algorithm_of(entry.digest))
 
     for name, future in _on_threads(streamed, list(entries), progress):
         tensor, entry = tensors[name], entries[name]
@@ -313,8 +313,8 @@ def _compare(a: OpenedCheckpoint, b: OpenedCheckpoint, options: VerifyOptions, r
     common = []
     for name in (n for n in ours if n in theirs):
         ta, tb = ours[name], theirs[name]
-        if ta.problem or tb.problem:
-            common.append(name)  # reported as inconsistent by _gather
+        if ta.shape is None or tb.shape is None:
+            common.append(name)  # a problem: reported as inconsistent by _gather
         elif ta.shape != tb.shape:
             diffs.append(Difference("reshaped", name, f"{list(ta.shape)} vs {list(tb.shape)}", files_of(tb)))
         elif ta.code != tb.code and options.exact:
@@ -330,7 +330,9 @@ def _compare(a: OpenedCheckpoint, b: OpenedCheckpoint, options: VerifyOptions, r
             report.tensors += 1
             continue
         left = _gather(ours[name], diffs)  # one tensor of each side at a time
-        right = _gather(theirs[name], diffs) if left is not None else None
+        if left is None:
+            continue
+        right = _gather(theirs[name], diffs)
         if right is None:
             continue
         report.tensors += 1

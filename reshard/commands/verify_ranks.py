@@ -67,14 +67,15 @@ def check_ranks(path: Path, read: ReadOptions) -> tuple[int, list[Difference]] |
         for name in names:
             tensor = tensors[name]
             expected: tuple[Partition | None, str] = (tensor.partition, tensor.reason)
-            if unit in linears:
+            if quantized is not None and unit in linears:
                 expected = _quantized_cut(quantized, name, runtime, config, diffs) or expected
             full = slices.gather(tensor, diffs)
             if full is not None and slices.same_slices(full, tensor, expected, diffs):
                 checked += 1
             whole[split_name(name)[1]] = full
-        if unit in linears and all(full is not None for full in whole.values()):  # else reported by the slice check
-            slices.check_dequantized(unit, names, whole, written, runtime, quantized, diffs)
+        gathered = {key: full for key, full in whole.items() if full is not None}
+        if quantized is not None and unit in linears and len(gathered) == len(whole):  # else the slice check reported
+            slices.check_dequantized(unit, names, gathered, written, runtime, quantized, diffs)
     return checked, diffs
 
 

@@ -25,6 +25,7 @@ from reshard.geometry.partition import (
     Packed,
     Partition,
     Replicate,
+    ReplicatedHeads,
     Vocab,
     head_replicas,
     norm_dim,
@@ -71,6 +72,13 @@ class Cut:
     @property
     def tp(self) -> int:
         return len(self.shapes)
+
+    @property
+    def axis(self) -> int:
+        """``dim``, of a tensor cut along one (every partition but :class:`Replicate`)."""
+        if self.dim is None:
+            raise TypeError(f"a {self.partition.describe()} tensor is cut along no dim")
+        return self.dim
 
     @property
     def data_rows(self) -> int:
@@ -137,7 +145,7 @@ def split_cut(
     else:
         rows = [((sum(sizes[:r]), sizes[r]),) for r in range(tp)]
     runs = tuple(_runs(rank, rank_runs) for rank, rank_runs in enumerate(rows))
-    total = partition.heads * sizes[0] if replicas > 1 else sum(sizes)
+    total = partition.heads * sizes[0] if isinstance(partition, ReplicatedHeads) and replicas > 1 else sum(sizes)
     return Cut(partition, full_shape, shapes, dim, total, runs, replicas)
 
 

@@ -16,14 +16,14 @@ from reshard.errors import ShapeMismatchError
 MAX_VOCAB_PAD_PER_RANK = 1024
 
 
+Rows = TypeVar("Rows", bound="_Narrowable")
+
+
 class _Narrowable(Protocol):
     @property
     def shape(self) -> tuple[int, ...]: ...
 
-    def narrow(self, dim: int, start: int, length: int) -> _Narrowable: ...
-
-
-Rows = TypeVar("Rows", bound=_Narrowable)
+    def narrow(self: Rows, dim: int, start: int, length: int) -> Rows: ...
 
 
 def round_up(size: int, multiple: int) -> int:

@@ -377,23 +377,23 @@ def canonical_shape(
     Raises:
         ShapeMismatchError: ranks disagree, sizes do not add up, or the padded total is below ``vocab_size``.
     """
-    shapes = [tuple(s) for s in shapes]
-    tp = len(shapes)
-    first = shapes[0]
-    if any(len(s) != len(first) for s in shapes):
-        raise ShapeMismatchError(f"ranks have different numbers of dims: {shapes}")
+    given = [tuple(s) for s in shapes]
+    tp = len(given)
+    first = given[0]
+    if any(len(s) != len(first) for s in given):
+        raise ShapeMismatchError(f"ranks have different numbers of dims: {given}")
     if isinstance(partition, Replicate):
-        if any(s != first for s in shapes):
-            raise ShapeMismatchError(f"a replicated tensor has different shapes on different ranks: {shapes}")
+        if any(s != first for s in given):
+            raise ShapeMismatchError(f"a replicated tensor has different shapes on different ranks: {given}")
         return first
     dim = norm_dim(partition.dim, len(first))
-    others = {with_size(s, dim, 0) for s in shapes}
+    others = {with_size(s, dim, 0) for s in given}
     if len(others) != 1:
-        raise ShapeMismatchError(f"rank shapes {shapes} differ outside dim {dim}")
-    total = sum(s[dim] for s in shapes)
+        raise ShapeMismatchError(f"rank shapes {given} differ outside dim {dim}")
+    total = sum(s[dim] for s in given)
     full = with_size(first, dim, total)
-    if head_replicas(partition, tp) > 1:  # one copy of every head is the full tensor
-        full = with_size(first, dim, partition.heads * first[dim])
+    if isinstance(partition, ReplicatedHeads) and head_replicas(partition, tp) > 1:
+        full = with_size(first, dim, partition.heads * first[dim])  # one copy of every head is the full tensor
     padded = None
     if isinstance(partition, Vocab):
         full = with_size(first, dim, total if vocab_size is None else vocab_size)
@@ -405,13 +405,13 @@ def canonical_shape(
                 "(check --vocab)"
             )
         padded = total
-    sizes = [s[dim] for s in shapes]
+    sizes = [s[dim] for s in given]
     what = f"rank sizes {sizes} along dim {dim} are not a {partition.describe()} split of {total} over tp={tp}"
     try:
         expected = rank_shapes(partition, full, tp, padded=padded, uneven=uneven)
     except ShapeMismatchError as err:
         raise ShapeMismatchError(f"{what} ({err.detail})") from err
-    if expected != shapes:
+    if expected != given:
         raise ShapeMismatchError(f"{what} (expected {[e[dim] for e in expected]})")
     return full
 

@@ -53,7 +53,7 @@ def split(
 def cut_slices(full: torch.Tensor, cut: Cut) -> list[torch.Tensor]:
     """Each rank's slice of ``full`` by ``cut`` (pad rows added as zeros): a view when it is one run of rows,
     else the concatenation of its runs."""
-    return [parts[0] if len(parts) == 1 else torch.cat(parts, dim=cut.dim) for parts in cut_parts(full, cut)]
+    return [parts[0] if len(parts) == 1 else torch.cat(parts, dim=cut.axis) for parts in cut_parts(full, cut)]
 
 
 def cut_parts(full: torch.Tensor, cut: Cut) -> list[list[torch.Tensor]]:
@@ -103,9 +103,10 @@ def gather(
         for rank, first in cut.copies():
             what = f"replicated KV head {rank // cut.replicas}"
             check_replica(slices[first], slices[rank], rank, first_rank=first, what=what)
-    pieces = [slices[run.rank].narrow(cut.dim, run.start, run.length) for run in sorted(cut.placed(), key=_at)]
-    joined = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=cut.dim)
-    return unpad(joined, cut.dim, full_shape[cut.dim]) if isinstance(partition, Vocab) else joined
+    dim = cut.axis
+    pieces = [slices[run.rank].narrow(dim, run.start, run.length) for run in sorted(cut.placed(), key=_at)]
+    joined = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+    return unpad(joined, dim, full_shape[dim]) if isinstance(partition, Vocab) else joined
 
 
 def _at(run: Run) -> int:

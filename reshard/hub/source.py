@@ -13,7 +13,7 @@ import os
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from reshard.errors import HubError, ReshardError
 
@@ -93,7 +93,11 @@ def checkpoint_argument(text: str) -> Path | HubCheckpoint:
     return HubCheckpoint(uri.id, uri.revision, uri.path_in_repo.strip("/"), typed_as_path=typed_as_path)
 
 
-def with_cache(ckpt: Path | HubCheckpoint, cache_dir: Path | None) -> Path | HubCheckpoint:
+# A checkpoint argument: a local path, or a Hub repo (what with_cache gives back is of the kind it was given).
+Checkpoint = TypeVar("Checkpoint", Path, HubCheckpoint)
+
+
+def with_cache(ckpt: Checkpoint, cache_dir: Path | None) -> Checkpoint:
     """``ckpt`` with ``cache_dir`` set when it is a Hub checkpoint (``--cache-dir``)."""
     if isinstance(ckpt, HubCheckpoint) and cache_dir is not None:
         return replace(ckpt, cache_dir=Path(cache_dir))

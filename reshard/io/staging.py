@@ -217,6 +217,7 @@ def _kept(err: BaseException, staging: Path) -> BaseException:
         note = KEPT.format(staging=staging)
         err.hint = f"{err.hint}; {note}" if err.hint else note
         err.args = (err.one_line(),)
+    # Any exception (a signal's KeyboardInterrupt too) carries where the work is kept, for the command line.
     err.kept = staging  # type: ignore[attr-defined]
     return err
 

@@ -20,6 +20,8 @@ from reshard.formats.tokenizer import NamedTokenizer
 if TYPE_CHECKING:
     import torch
 
+    from reshard.io.joined import Joined
+
 
 @dataclass(frozen=True)
 class TensorRef:
@@ -321,10 +323,10 @@ class CheckpointWriter:
     # (the writer knows every tensor's place up front), so the callers' threads write in parallel.
     concurrent: bool = False
 
-    def write(self, name: str, slices: list[torch.Tensor]) -> None:
+    def write(self, name: str, slices: list[torch.Tensor | Joined]) -> None:
         raise NotImplementedError
 
-    def write_unordered(self, name: str, slices: list[torch.Tensor]) -> None:
+    def write_unordered(self, name: str, slices: list[torch.Tensor | Joined]) -> None:
         """Like :meth:`write`, in any order and from any thread; only when :attr:`concurrent`."""
         raise NotImplementedError
 
@@ -375,11 +377,11 @@ class RankFilesWriter(CheckpointWriter):
         super().__init__(out_dir, spec, plan, run)
         self.rank_writers = rank_writers
 
-    def write(self, name: str, slices: list[torch.Tensor]) -> None:
+    def write(self, name: str, slices: list[torch.Tensor | Joined]) -> None:
         for writer, piece in zip(self.rank_writers, slices, strict=True):
             writer.write(name, piece)
 
-    def write_unordered(self, name: str, slices: list[torch.Tensor]) -> None:
+    def write_unordered(self, name: str, slices: list[torch.Tensor | Joined]) -> None:
         for writer, piece in zip(self.rank_writers, slices, strict=True):
             writer.write_unordered(name, piece)
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from reshard.errors import ReshardError
 from reshard.layouts.base import CheckpointWriter, SourceCheckpoint
 from reshard.options import ReadOptions
 
@@ -82,6 +83,17 @@ class LayoutSpec:
     rank_folder: re.Pattern[str] | None = None
     missing_rank_files: Callable[[SourceCheckpoint, int], list[str] | None] = _no_names
     check_files: Callable[[Path, int | None], list[FileProblem]] | None = None
+
+    @property
+    def target_writer(self) -> type[CheckpointWriter]:
+        """The writer of a layout a conversion writes (:func:`reshard.layouts.target_layout` refuses the others).
+
+        Raises:
+            ReshardError: the layout is one reshard only reads.
+        """
+        if self.writer is None:
+            raise ReshardError(f"cannot write the {self.name!r} layout")
+        return self.writer
 
     def planned_tp(self, tp: int) -> int:
         """The tp a conversion into this layout is planned at: 1 for global tensors, else ``tp``."""

@@ -232,10 +232,15 @@ def _hf_to_megatron(
 ) -> MappingChoice:
     """The mapping to Megatron's names (the Megatron table backwards) and the Megatron args of the target."""
     config = source.config
-    family = config.model_type if config else None
+    if config is None:
+        raise MappingError(
+            "no transformers config: Megatron's args are made from it",
+            path=source.path,
+            hint="give it with --config FILE",
+        )
     shape = gpt_shape_from_hf(config)
     facts = MegatronFacts(args=megatron_args(shape, vocab_size=vocab_size))
-    return MappingChoice(megatron_to_hf(family).inverse(), None, facts)
+    return MappingChoice(megatron_to_hf(config.model_type).inverse(), None, facts)
 
 
 # Every mapping reshard applies, as LAYOUTS lists the layouts: choose_mapping asks this table, by the source's naming

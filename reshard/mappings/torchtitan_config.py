@@ -144,7 +144,7 @@ def titan_model(config: ModelConfig | None, shapes: MappingType[str, Shape], *, 
     return model
 
 
-def llama_config(model: TitanModel, *, vocab_size: int, dtype: str) -> dict[str, Any]:
+def llama_config(model: TitanModel, *, vocab_size: int | None, dtype: str) -> dict[str, Any]:
     """transformers' ``config.json`` (``LlamaForCausalLM``) of ``model``."""
     shape = GPTShape(
         num_layers=model.n_layers,
@@ -170,15 +170,15 @@ def _from_hf(config: ModelConfig, found: FoundShapes) -> TitanModel:
         raise MappingError(f"the transformers config has no {', '.join(missing)}", path=config.path)
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     theta = rope.get("rope_theta", config.get("rope_theta", 10000.0)) if isinstance(rope, dict) else None
-    if not _positive(theta):
+    if theta is None or not _positive(theta):
         raise MappingError(f"rope_theta is {shown(theta)}, not a finite positive number", path=config.path)
     return TitanModel(
-        dim=config.hidden_size,
+        dim=_known(config.hidden_size, "hidden_size", where=config.path),
         n_layers=config.get("num_hidden_layers"),
         hidden_dim=config.get("intermediate_size"),
-        n_heads=config.num_attention_heads,
-        n_kv_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
+        n_heads=_known(config.num_attention_heads, "num_attention_heads", where=config.path),
+        n_kv_heads=_known(config.num_key_value_heads, "num_key_value_heads", where=config.path),
+        head_dim=_known(config.head_dim, "head_dim", where=config.path),
         rope_theta=float(theta),
         rope_scaling=rope.get("rope_type", rope.get("type")) == "llama3",
         norm_eps=config.get("rms_norm_eps", NORM_EPS),
@@ -217,15 +217,15 @@ def _from_job(section: dict[str, Any], found: FoundShapes, *, where: Any) -> Tit
     if scaling is None:
         scaling = "none" if found.rope_head_dim is not None else ("llama" if base else None)
     theta = section.get("rope_theta", ROPE_THETA if base else None)
-    missing = [k for k, v in (("n_heads", n_heads), ("rope_theta", theta), ("rope_scaling", scaling)) if v is None]
-    if missing:
+    if n_heads is None or theta is None or scaling is None:
+        missing = [k for k, v in (("n_heads", n_heads), ("rope_theta", theta), ("rope_scaling", scaling)) if v is None]
         raise MappingError(f"[model] has no flavor and no {', '.join(missing)}", path=where, hint=_flavors())
     head_dim = base.dim // n_heads if base else _head_dim(found, n_heads)
     n_kv = section.get("n_kv_heads", base.n_kv_heads if base else _kv_heads(found, n_heads, head_dim))
     return TitanModel(
-        dim=base.dim if base else found.dim,
+        dim=base.dim if base else _known(found.dim, "dim", where=where),
         n_layers=base.n_layers if base else found.n_layers,
-        hidden_dim=base.hidden_dim if base else found.hidden,
+        hidden_dim=base.hidden_dim if base else _known(found.hidden, "FFN size", where=where),
         n_heads=n_heads,
         n_kv_heads=n_kv,
         head_dim=head_dim,
@@ -235,6 +235,13 @@ def _from_job(section: dict[str, Any], found: FoundShapes, *, where: Any) -> Tit
         max_seq_len=int(section.get("max_seq_len", MAX_SEQ_LEN)),
         tied=bool(section.get("enable_weight_tying", base.tied if base else not found.has_output)),
     )
+
+
+def _known(size: int | None, what: str, *, where: Any) -> int:
+    """A size the model needs, which the config or the checkpoint's shapes gave."""
+    if size is None:
+        raise MappingError(f"the model's {what} is given by neither the config nor the checkpoint", path=where)
+    return size
 
 
 def _heads_from_rope(found: FoundShapes) -> int | None:

@@ -280,12 +280,12 @@ def _check_deepseek_v3(shape: GPTShape) -> None:
             "transformers does not"
         )
     if shape.num_experts:
-        problems += _deepseek_router_problems(shape)
+        problems += _deepseek_router_problems(shape, shape.num_experts)
     if problems:
         _no_family("; ".join(problems))
 
 
-def _deepseek_router_problems(shape: GPTShape) -> list[str]:
+def _deepseek_router_problems(shape: GPTShape, experts: int) -> list[str]:
     problems = []
     if shape.moe_router_score_function != "sigmoid":
         problems.append(
@@ -313,7 +313,7 @@ def _deepseek_router_problems(shape: GPTShape) -> list[str]:
             f"moe_router_group_topk={group_topk} with moe_router_topk={shape.moe_router_topk}: Megatron scores a "
             f"group by its top {shape.moe_router_topk // group_topk} experts, transformers by its top 2"
         )
-    if group_topk and (not shape.moe_router_num_groups or shape.num_experts % shape.moe_router_num_groups):
+    if group_topk and (not shape.moe_router_num_groups or experts % shape.moe_router_num_groups):
         problems.append(f"moe_router_num_groups={shape.moe_router_num_groups!r}: not a divisor of the experts")
     return problems
 
@@ -442,6 +442,13 @@ def _deepseek_v3_config(shape: GPTShape, *, vocab_size: int | None, dtype: str) 
     return config
 
 
+def _given(config: ModelConfig, size: int | None, key: str) -> int:
+    """A size of the model that ``config`` must give."""
+    if size is None:
+        raise MappingError(f"the transformers config has no {key}", path=config.path)
+    return size
+
+
 def gpt_shape_from_hf(config: ModelConfig) -> GPTShape:
     """The Megatron description of a transformers Llama-family or MoE config."""
     family = config.model_type
@@ -468,9 +475,9 @@ def gpt_shape_from_hf(config: ModelConfig) -> GPTShape:
         num_layers=layers,
         hidden_size=config.get("hidden_size"),
         ffn_hidden_size=config.get("intermediate_size"),
-        num_attention_heads=config.num_attention_heads,
-        num_query_groups=config.num_key_value_heads,
-        kv_channels=config.head_dim,
+        num_attention_heads=_given(config, config.num_attention_heads, "num_attention_heads"),
+        num_query_groups=_given(config, config.num_key_value_heads, "num_key_value_heads"),
+        kv_channels=_given(config, config.head_dim, "head_dim"),
         max_position_embeddings=config.get("max_position_embeddings", 4096),
         norm_epsilon=config.get("rms_norm_eps", 1e-6),
         rotary_base=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),

@@ -94,6 +94,7 @@ def named_tokenizer(args: Any) -> NamedTokenizer | None:
     kind = kind[:100]
     if kind == HF_TOKENIZER:
         return _hf_tokenizer(arg(args, "tokenizer_model"))
+    names: tuple[Any, ...]
     if kind == GPT2_BPE:
         names, origin = (arg(args, "vocab_file"), arg(args, "merge_file")), "the args' vocab_file and merge_file"
     elif kind in SENTENCEPIECE_TYPES:
@@ -154,7 +155,7 @@ def _refusal(args: Any, kind: str) -> str | None:
     return None
 
 
-def config_from_args(args: Any, path: Path) -> ModelConfig | None:
+def config_from_args(args: Any, path: Path | None) -> ModelConfig | None:
     """The model shape as a :class:`ModelConfig` (HF key names, so inference and plans read it alike).
 
     ``vocab_size`` is set only when the args hold the true vocab size; ``padded_vocab_size`` is Megatron's.

@@ -20,7 +20,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from reshard.config import ModelConfig
 from reshard.errors import ReshardError
@@ -195,7 +195,7 @@ def _build(config: ModelConfig) -> ModelSkeleton:
         from transformers import CONFIG_MAPPING, PreTrainedModel
     except ImportError as err:  # pragma: no cover - transformers is a test dependency
         raise ReshardError(f"the transformers plan needs transformers installed ({err})") from err
-    if config.model_type not in CONFIG_MAPPING:
+    if config.model_type is None or config.model_type not in CONFIG_MAPPING:
         raise ReshardError(
             f"transformers {transformers.__version__} does not know model_type {config.model_type!r}", path=config.path
         )
@@ -213,7 +213,8 @@ def _build(config: ModelConfig) -> ModelSkeleton:
         ) from err
     plan = getattr(model, "_tp_plan", None)
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    subs, hidden = [], []
+    subs: list[SubModel] = []
+    hidden: list[str] = []
     for name, module in model.named_modules():
         if not name or not isinstance(module, PreTrainedModel) or any(name.startswith(h + ".") for h in hidden):
             continue
@@ -272,7 +273,7 @@ def _loaded_as(model: Any, names: list[str]) -> dict[str, str]:
     renamings = [t for t in loading if isinstance(t, WeightRenaming)]
     converters = [t for t in loading if isinstance(t, WeightConverter)]
     saving = [
-        t.reverse_transform()
+        cast(WeightRenaming, t.reverse_transform())  # copy() keeps the class: a renaming reversed is one
         for t in get_model_conversion_mapping(model, add_legacy=False)[::-1]
         if isinstance(t, WeightRenaming) and not isinstance(t, PrefixChange)
     ]

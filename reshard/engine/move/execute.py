@@ -33,6 +33,7 @@ Why it is shaped like this (the gather itself is :mod:`reshard.engine.move.gathe
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import threading
 from collections import deque
@@ -126,7 +127,7 @@ def execute(
     writer: CheckpointWriter,
     *,
     jobs: int = 1,
-    finite: dict[str, bool] | None = None,
+    finite: dict[str, bool | None] | None = None,
     allow_divergent: bool = False,
     divergent: set[str] | None = None,
     progress: bool = True,
@@ -167,13 +168,14 @@ def execute(
             finite=finite is not None,
         )
 
-    moves = {
-        "writer": writer,
-        "gathers": gathers,
-        "finite": finite is not None,
-        "allow_divergent": allow_divergent,
-        "divergent": divergent,
-    }
+    move = functools.partial(
+        move_unit,
+        writer=writer,
+        gathers=gathers,
+        finite=finite is not None,
+        allow_divergent=allow_divergent,
+        divergent=divergent,
+    )
 
     hashes: dict[str, str] = {}
     total = sum(t.nbytes for t in conversion.tensors)
@@ -190,7 +192,7 @@ def execute(
             while queue or pending:
                 while queue and len(pending) < MAX_PENDING and budget.take(queue[0][0].cost):
                     work, plan = queue.popleft()
-                    pending.append((work, pool.submit(move_unit, work, plan, **moves)))
+                    pending.append((work, pool.submit(move, work, plan)))
                     read_ahead.started(work)
                 work, future = pending.popleft()
                 written, raws = future.result()
@@ -203,7 +205,7 @@ def execute(
                     if on_hashed is not None:
                         on_hashed(work.tensor, name, digest, is_finite)
                 del written, pieces, future
-                if raws:
+                if raws and gathers is not None:  # only gathered units hold buffers
                     gathers.release(raws)
                 budget.give(work.cost)
                 bar.update(work.tensor.nbytes)
@@ -227,6 +229,8 @@ def move_unit(
     """Move one unit's bytes, on a worker thread: streamed by ``plan``, or gathered when it has none. Its targets
     (name, digest, finite, slices still to write) and the gather buffers to give back once they are written."""
     if plan is None:
+        if gathers is None:
+            raise ValueError(f"{work.tensor.name}: a unit to gather, and no GatherJobs to gather it")
         return gathers.run(work)
     digest, is_finite = stream(work, plan, writer, finite=finite, allow_divergent=allow_divergent, divergent=divergent)
     for ref in _refs(work):  # read through the page cache where direct reads are refused: not needed again
@@ -251,7 +255,7 @@ def needs_torch(moves: Moves) -> bool:
 
 def _streamed(
     works: Sequence[Work], plans: Sequence[Streamed | RowBlocks | None], writer: CheckpointWriter
-) -> list[Streamed | RowBlocks | None]:
+) -> Sequence[Streamed | RowBlocks | None]:
     """Per unit, its stream (None: gathered): every unit's when all of them stream, else those in memory."""
     if not streams_to(writer):
         return [None] * len(works)

@@ -58,12 +58,12 @@ def gather_into(
                     ref.read_into(other)
                 if not allow_divergent:
                     check_replica(buffer, other, rank)
-                elif not bitwise_equal(buffer, other):
+                elif divergent is not None and not bitwise_equal(buffer, other):
                     divergent.add(source.name)
                     break
         return buffer
     cut = source.cut
-    dim = cut.dim
+    dim = cut.axis
     contiguous = cut.rows_contiguous()  # pieces along dim are contiguous in file and buffer
     placed = cut.placed()
     with Batch():  # every rank's blocks in flight at once
@@ -105,15 +105,15 @@ def _compare_head_copies(
         with Batch():
             refs[rank].read_into(other)
         ((at, length),) = cut.rank_rows(rank)
-        head = buffer.narrow(cut.dim, at, length)
+        head = buffer.narrow(cut.axis, at, length)
         if not allow_divergent:
             check_replica(head, other, rank, first_rank=first, what=f"replicated KV head {rank // cut.replicas}")
-        elif not bitwise_equal(head, other):
+        elif divergent is not None and not bitwise_equal(head, other):
             divergent.add(name)
             return
 
 
-Piece = tuple[str, "torch.Tensor", list["torch.Tensor | Joined"]]
+Piece = tuple[str, "torch.Tensor", Sequence["torch.Tensor | Joined"]]
 
 
 def gather_and_split(
@@ -178,13 +178,13 @@ def _gathered(
         raise type(err)(err.detail, path=source.refs[0].file, tensor=source.name, hint=err.hint) from err
     partition = source.partition
     if isinstance(partition, Vocab):
-        return cut_pad_rows(buffer, partition.dim % buffer.dim(), source.shape[partition.dim]), buffer
+        return cut_pad_rows(buffer, partition.dim % buffer.dim(), source.cut.shape[partition.dim]), buffer
     return buffer, buffer
 
 
 def kept_slices(
     gathered: tuple[torch.Tensor, torch.Tensor], target: TargetTensor
-) -> tuple[torch.Tensor, list[torch.Tensor | Joined]]:
+) -> tuple[torch.Tensor, Sequence[torch.Tensor | Joined]]:
     """A tensor kept as it is: its target slices, by the target's cut, are views of the buffer (pad rows zeroed in
     place; a ``packed`` target's slices :class:`Joined` views of its parts, unless packed off dim 0)."""
     canonical, buffer = gathered
@@ -203,7 +203,7 @@ def kept_slices(
 def gather_canonical(tensor: SourceTensor, *, allow_divergent: bool = False) -> torch.Tensor:
     """Read one tensor's rank slices and join them into the canonical tensor, as a conversion does."""
     plan = identity_plan(tensor)
-    plan = TensorPlan(plan.sources, (replace(plan.targets[0], rank_shapes=(tuple(tensor.shape),)),))
+    plan = TensorPlan(plan.sources, (replace(plan.targets[0], rank_shapes=(tuple(plan.targets[0].shape),)),))
     work = plan_work(plan, target_tp=1)
     check_fits([work])
     ((_, canonical, _),) = gather_and_split(work, allow_divergent=allow_divergent)

@@ -21,11 +21,12 @@ from reshard.engine.move.gather import gather_and_split, writes_into
 from reshard.engine.move.work import Work, read_phase, write_phase
 from reshard.errors import ShapeMismatchError
 from reshard.io.direct import Batch
+from reshard.io.joined import Joined
 from reshard.layouts.base import CheckpointWriter
 
 Shape = tuple[int, ...]
 # What a job hands back per target tensor: name, digest, finite, and the slices left to write (if any).
-Written = tuple[str, str, bool | None, list[torch.Tensor]]
+Written = tuple[str, str, bool | None, list[torch.Tensor | Joined]]
 
 
 class GatherJobs:
@@ -44,7 +45,8 @@ class GatherJobs:
         self._writer = writer
         self._buffers = BufferPool(limit)
         self._finite = finite
-        self._options = {"allow_divergent": allow_divergent, "divergent": divergent}
+        self._allow_divergent = allow_divergent
+        self._divergent = divergent
 
     @contextlib.contextmanager
     def mode(self) -> Iterator[None]:
@@ -75,7 +77,8 @@ class GatherJobs:
             buffers=[buffer for _, buffer in held],
             outputs=[out for _, out in outputs] or None,
             known_finite=known_finite,
-            **self._options,
+            allow_divergent=self._allow_divergent,
+            divergent=self._divergent,
         )
         held += outputs
         for source in work.tensor.sources:
@@ -102,7 +105,7 @@ class GatherJobs:
             self._buffers.put(raw)
 
 
-def _exact(pieces: Sequence[torch.Tensor], shapes: Sequence[Shape]) -> list[torch.Tensor]:
+def _exact(pieces: Sequence[torch.Tensor | Joined], shapes: Sequence[Shape]) -> list[torch.Tensor | Joined]:
     for piece, shape in zip(pieces, shapes, strict=True):
         if tuple(piece.shape) != shape:
             raise ShapeMismatchError(f"split produced {tuple(piece.shape)}, planned {shape}")

@@ -108,7 +108,8 @@ def stream_plan(work: Work) -> Streamed | RowBlocks | None:
     if not refs or any(ref.position is None for ref in refs) or not checked_without_torch(source.code):
         return None
     (target,) = tensor.targets
-    cut, shape = source.cut, tuple(source.shape)
+    cut = source.cut
+    shape = cut.shape
     if cut.dim is None:
         whole = ((0, refs[0].header.nbytes),)
         return Streamed((Run(refs[0], 0, refs[0].header.nbytes),), (whole,) * target.cut.tp, refs[1:])
@@ -118,10 +119,10 @@ def stream_plan(work: Work) -> Streamed | RowBlocks | None:
     if not cut.rows_contiguous():
         return _row_blocks(work, cut.dim, targets)
     row = cut.row_bytes(itemsize_of(source.code))
-    runs = _source_runs(source, row)
+    rows = shape[cut.dim]
+    runs = _source_runs(source, row, rows)
     if runs is None:
         return None
-    rows = shape[cut.dim]
     ranges = tuple(
         tuple((start * row, min(start + length, rows) * row) for start, length in rank if start < rows and length)
         for rank in targets
@@ -139,18 +140,20 @@ def _row_blocks(work: Work, dim: int, targets: tuple[Runs, ...]) -> RowBlocks | 
     """How many first-dim rows go in a block, for a unit split along ``dim`` > 0; None when its canonical block
     would not be contiguous (pad rows along ``dim``)."""
     (source,) = work.tensor.sources
-    if work.buffer_shapes[0][dim] != source.shape[dim] or any(ref.shape[0] != source.shape[0] for ref in source.refs):
+    shape = source.cut.shape
+    if work.buffer_shapes[0][dim] != shape[dim] or any(ref.shape[0] != shape[0] for ref in source.refs):
         return None
-    if any(start + length > source.shape[dim] for rank in targets for start, length in rank):
+    if any(start + length > shape[dim] for rank in targets for start, length in rank):
         return None  # zero rows to append along dim: gathered
-    row = math.prod(source.shape[1:]) * itemsize_of(source.code)
+    row = math.prod(shape[1:]) * itemsize_of(source.code)
     return RowBlocks(max(1, BLOCK_BYTES // max(1, row)), targets)
 
 
-def _source_runs(source: SourceTensor, row: int) -> tuple[Run, ...] | None:
-    """The canonical tensor's rows (of ``row`` bytes) as runs of the rank slices, in order: the gather's own
+def _source_runs(source: SourceTensor, row: int, rows: int) -> tuple[Run, ...] | None:
+    """The canonical tensor's ``rows`` (of ``row`` bytes) as runs of the rank slices, in order: the gather's own
     placement (its cut's :meth:`~reshard.geometry.Cut.placed`), pad rows past the canonical rows left out."""
-    rows, runs, at = source.shape[source.cut.dim], [], 0
+    runs: list[Run] = []
+    at = 0
     for run in sorted(source.cut.placed(), key=lambda run: run.at):
         if at == rows:
             break
@@ -192,7 +195,7 @@ def stream(
     cuts = sorted({edge for _, first, end, _ in places for edge in (first, end)})
     room = min(BLOCK_BYTES, max(run.length for run in streamed.runs)) + ALIGN
     with scratch_bytes(room * (2 if copies else 1)) as buffer:
-        view = memoryview(buffer)
+        view = buffer.data
         at = 0
         for run in streamed.runs:
             end = at + run.length
@@ -214,7 +217,7 @@ def stream(
     for rank, start, length in streamed.pads:
         zeros = np.zeros(min(length, BLOCK_BYTES), dtype=np.uint8)
         for offset in range(0, length, len(zeros)):
-            writer.write_part(target.name, rank, [memoryview(zeros)[: length - offset]], start + offset)
+            writer.write_part(target.name, rank, [zeros.data[: length - offset]], start + offset)
     writer.end_parts(target.name)
     return digest.result()
 
@@ -227,8 +230,8 @@ def _file_phases(places: Sequence[tuple[int, int, int, int]], positions: Sequenc
 
     def phase(at: int) -> int:
         for rank, first, end, offset in places:
-            if first <= at < end and positions[rank] is not None:
-                return (positions[rank] + offset + at - first) % ALIGN
+            if first <= at < end and (position := positions[rank]) is not None:
+                return (position + offset + at - first) % ALIGN
         return 0
 
     return phase
@@ -256,12 +259,13 @@ class Copies:
         each read into ``room``."""
         for ref in self._refs:
             with Batch():
-                ref.read_bytes(memoryview(room), start=start)
+                ref.read_bytes(room.data, start=start)
             if np.array_equal(first, room):
                 continue
             if not self._allow:
                 _raise_divergent(self._source, ref)
-            self._divergent.add(self._source.name)
+            if self._divergent is not None:
+                self._divergent.add(self._source.name)
             self._refs = []
             return
 
@@ -287,7 +291,7 @@ def _stream_rows(
     (source,), (target,) = work.tensor.sources, work.tensor.targets
     refs, rows, itemsize = source.refs, blocks.rows, itemsize_of(source.code)
     width = np.dtype(f"u{itemsize}")
-    dim = source.cut.dim
+    dim = source.cut.axis
     copies = source.cut.placed()
     needed = sorted({c.rank for c in copies})
     tail = tuple(work.buffer_shapes[0][1:])
@@ -302,9 +306,9 @@ def _stream_rows(
     digest = RunningDigest(source.code, finite=finite, algorithm=algorithm)
     writer.begin_parts(target.name, target.rank_shapes, target.code)
     with scratch_bytes(out_at + rows * max(target_row)) as area:
-        view = memoryview(area)
-        for first in range(0, source.shape[0], rows):
-            count = min(rows, source.shape[0] - first)
+        view = area.data
+        for first in range(0, source.cut.shape[0], rows):
+            count = min(rows, source.cut.shape[0] - first)
             slices = {}
             for rank in needed:
                 start, size = places[rank], count * source_row[rank]
@@ -346,7 +350,8 @@ def canonical_digest(source: SourceTensor, *, finite: bool, algorithm: str) -> t
     Raises:
         DivergentReplicaError: copies of a replicated tensor differ.
     """
-    whole = TargetTensor(source.name, source.shape, source.code, source.partition, (tuple(source.shape),))
+    partition, shape = source.planned
+    whole = TargetTensor(source.name, shape, source.code, partition, (tuple(shape),))
     work = plan_work(TensorPlan((source,), (whole,)), target_tp=1)
     plan = stream_plan(work)
     if plan is None:

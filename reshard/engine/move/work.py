@@ -49,8 +49,11 @@ def write_phase(target: TargetTensor, position: int | None) -> int:
     if position is None or not target.shape:
         return 0
     partition, shape = target.partition, tuple(target.shape)
-    whole = isinstance(partition, Replicate) or tuple(target.rank_shapes[:1]) in ((), (shape,))
-    if not whole and math.prod(shape[: partition.dim % len(shape)]) != 1:
+    if not (
+        isinstance(partition, Replicate)
+        or tuple(target.rank_shapes[:1]) in ((), (shape,))  # the whole target
+        or math.prod(shape[: partition.dim % len(shape)]) == 1  # split along its first dim
+    ):
         return 0
     phase = position % ALIGN
     return phase if phase % itemsize_of(target.code) == 0 else 0
@@ -89,9 +92,10 @@ def check_fits(works: Sequence[Work]) -> None:
     for work in works:
         if work.cost > available:
             source = work.tensor.sources[0]
-            elements = math.prod(source.shape)
+            shape = source.cut.shape
+            elements = math.prod(shape)
             raise ReshardError(
-                f"needs {work.cost:,} bytes of memory to gather ({elements:,} elements, shape {list(source.shape)}), "
+                f"needs {work.cost:,} bytes of memory to gather ({elements:,} elements, shape {list(shape)}), "
                 f"more than the {available:,} bytes available",
                 path=source.refs[0].file if source.refs else None,
                 tensor=work.tensor.name,
@@ -116,7 +120,7 @@ def _buffer(source: SourceTensor, target_shapes: Sequence[Shape], target_tp: int
     the bytes it costs."""
     partition, cut = source.partition, source.cut
     itemsize = itemsize_of(source.code)
-    shape = tuple(source.shape)
+    shape = cut.shape
     nbytes = math.prod(shape) * itemsize
     slice_bytes = max(ref.header.nbytes for ref in source.refs)
     if cut.dim is None:

@@ -66,11 +66,28 @@ class SourceTensor:
         """The safetensors dtype code, e.g. ``"BF16"``."""
         return self.refs[0].code
 
+    @property
+    def planned(self) -> tuple[Partition, Shape]:
+        """``(partition, canonical shape)`` of a tensor planned without a problem.
+
+        Raises:
+            ReshardError: the tensor's problem, when it could not be planned.
+        """
+        if self.partition is None or self.shape is None:
+            raise self.failure
+        return self.partition, self.shape
+
+    @property
+    def failure(self) -> ReshardError:
+        """Why it could not be planned: its problem (every tensor without a partition or a shape has one)."""
+        return self.problem or ReshardError("not planned", tensor=self.name)
+
     @cached_property
     def cut(self) -> Cut:
         """Where each rank slice's rows go in the canonical tensor: what the gather places, the stream reads and
         ``verify`` proves (only for a tensor planned without a problem)."""
-        return slices_cut(self.partition, self.shape, [ref.shape for ref in self.refs])
+        partition, shape = self.planned
+        return slices_cut(partition, shape, [ref.shape for ref in self.refs])
 
     @property
     def dtype(self) -> torch.dtype:
@@ -126,7 +143,8 @@ class TensorPlan:
 
 def identity_plan(source: SourceTensor) -> TensorPlan:
     """A source tensor kept under its name and partition (rank shapes are filled by :func:`plan_conversion`)."""
-    return TensorPlan((source,), (TargetTensor(source.name, source.shape, source.code, source.partition),))
+    partition, shape = source.planned
+    return TensorPlan((source,), (TargetTensor(source.name, shape, source.code, partition),))
 
 
 @dataclass(frozen=True)
@@ -161,9 +179,9 @@ def plan_sources(
     quantized = quantized_tensors(source.config, {n: ref.shape for n, ref in source.ranks[0].items()})
     for name in source.names():
         refs = [rank.get(name) for rank in source.ranks]
-        absent = [r for r, ref in enumerate(refs) if ref is None]
-        if absent:
-            present = tuple(r for r in refs if r)
+        present = tuple(ref for ref in refs if ref is not None)
+        if len(present) < len(refs):
+            absent = [r for r, ref in enumerate(refs) if ref is None]
             problem = ShapeMismatchError(
                 f"missing on rank(s) {absent} of {source.tp}",
                 path=present[0].file,
@@ -172,11 +190,11 @@ def plan_sources(
             )
             out.append(SourceTensor(name, present, None, "", None, problem))
             continue
-        if dequantize and len(refs) == 1 and name.rpartition(".")[2] in COMPANIONS:
-            out.append(SourceTensor(name, tuple(refs), Replicate(), "read with its FP8 weight", refs[0].shape))
+        if dequantize and len(present) == 1 and name.rpartition(".")[2] in COMPANIONS:
+            out.append(SourceTensor(name, present, Replicate(), "read with its FP8 weight", present[0].shape))
             continue
         out.append(
-            _plan_one(name, tuple(refs), plan, source.config, vocab_size, target_tp, uneven, replicas_equal, quantized)
+            _plan_one(name, present, plan, source.config, vocab_size, target_tp, uneven, replicas_equal, quantized)
         )
     return out
 
@@ -240,6 +258,7 @@ def _plan_one(
     quantized: QuantizedTensors | None = None,
 ) -> SourceTensor:
     shapes = [ref.shape for ref in refs]
+    problem: ReshardError
     if len({ref.code for ref in refs}) > 1:
         problem = ShapeMismatchError(
             f"ranks disagree on dtype: {[str(r.dtype) for r in refs]}", path=refs[0].file, tensor=name
@@ -300,7 +319,8 @@ def mapped_plans(
     """The units of work of a mapping: each group's source tensors, transform, and target tensors with the
     partitions the target's plan gives them (at tp 1 a tensor the target plan does not name stays whole)."""
     by_name = {t.name: t for t in tensors}
-    plans, problems = [], []
+    plans: list[TensorPlan] = []
+    problems: list[ReshardError] = []
     for group in groups:
         sources = tuple(by_name[name] for name in group.sources)
         if len({s.code for s in sources}) > 1:

@@ -95,6 +95,10 @@ def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> TargetPlan
             require_true_vocab(source, opened.vocab.original)
         else:
             known_vocab = (choice.config["vocab_size"], choice.mapping.name)
+    groups: list[TensorPlan] | None
+    dropped: tuple[str, ...]
+    problems: list[ReshardError]
+    notes: tuple[str, ...]
     groups, dropped, problems = None, (), []
     tensors, notes = opened.tensors, ()
     if choice is not None:
@@ -107,7 +111,7 @@ def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> TargetPlan
         groups, dropped, problems = _mapped(opened, choice, spec, tp)
     elif options.dtype is not None:
         tensors, groups, dropped, problems, notes = _recast(opened, options.dtype)
-    writer = spec.writer
+    writer = spec.target_writer
     writer.check_names(_target_names(opened, groups), source)
     facts = choice.layout_facts if choice is not None else None
     pad_multiple = options.pad_multiple or writer.pad_multiple(options.tp, source, facts)
@@ -202,7 +206,7 @@ def _unsplit_in_one(
 def _refuse_copied_heads(conversion: ConversionPlan, spec: LayoutSpec, source: SourceCheckpoint) -> None:
     """KV heads copied over ranks (tp a multiple of their count) are what vLLM runs; a layout whose runtime
     cannot load copies says why (``replicated_heads_refusal``)."""
-    refusal = spec.writer.replicated_heads_refusal
+    refusal = spec.target_writer.replicated_heads_refusal
     copied = [
         t.name
         for plan in conversion.tensors
@@ -251,18 +255,18 @@ def _recast(
     plan = recast(headers, scheme, dtype, path=source.path)
     companions = {unit.sources[1] for unit in plan.units if len(unit.sources) > 1} | set(plan.dropped)
     by_name = {t.name: t for t in tensors}
-    groups = []
+    groups: list[TensorPlan] = []
     for unit in plan.units:
         sources = tuple(by_name[name] for name in unit.sources)
         if unit.transform is None:
             groups.append(identity_plan(sources[0]))
             continue
         weight = sources[0]
-        partition = _dequantized_partition(opened, weight) if len(sources) > 1 else weight.partition
-        groups.append(
-            TensorPlan(sources, (TargetTensor(unit.target, weight.shape, unit.code, partition),), unit.transform)
-        )
-    notes = ()
+        partition, shape = weight.planned
+        if len(sources) > 1:
+            partition = _dequantized_partition(opened, weight)
+        groups.append(TensorPlan(sources, (TargetTensor(unit.target, shape, unit.code, partition),), unit.transform))
+    notes: tuple[str, ...] = ()
     if plan.dequantized:
         notes = (
             f"dequantized {plan.dequantized} FP8 weight(s) to {dtype}; dropped {len(companions)} scale tensor(s) "
@@ -271,14 +275,14 @@ def _recast(
     return tensors, groups, plan.dropped, list(plan.problems), notes
 
 
-def _dequantized_partition(opened: OpenedCheckpoint, weight: SourceTensor) -> Partition | None:
+def _dequantized_partition(opened: OpenedCheckpoint, weight: SourceTensor) -> Partition:
     """A dequantized weight's cut in the target: its plan rule's, as a plain weight's (the blocks its source was
     cut in whole are gone), else the source's."""
     config = opened.source.config.for_tensor(weight.name) if opened.source.config is not None else None
     try:
         return linear_partition(opened.plan, weight.name.rpartition(".")[0], config)
     except AmbiguousPartitionError:
-        return weight.partition
+        return weight.planned[0]
 
 
 def _target_names(opened: OpenedCheckpoint, groups: list[TensorPlan] | None) -> list[str]:

@@ -109,7 +109,7 @@ def run_conversion(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
     if not (options.read.merge_lora or options.allow_divergent_replicas):
         check_lora_replicas(opened.tensors)
     spec = target_spec(target, options)
-    file_plan = layout.writer.file_plan(spec)
+    file_plan = layout.target_writer.file_plan(spec)
     group = join()
     first = group is None or group.rank == 0
     # once per conversion, heard before publishing: rank 0's refusal reaches every worker through `together`
@@ -125,14 +125,15 @@ def run_conversion(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
         if journal is not None:
             todo = still_to_do(todo, file_plan, resumed)
         run_files = RunFiles(done, journal.file_done if journal else None, writes_shared=first)
-        writer = layout.writer(staging, spec, file_plan, run_files)
+        writer = layout.target_writer(staging, spec, file_plan, run_files)
 
         def move() -> _Moved:
             divergent: set[str] = set()
             finite: dict[str, bool | None] = {}
 
             def journaled(plan: TensorPlan, name: str, digest: str, is_finite: bool | None) -> None:
-                journal.tensor_done(name, digest, is_finite, any(s.name in divergent for s in plan.sources))
+                if journal is not None:
+                    journal.tensor_done(name, digest, is_finite, any(s.name in divergent for s in plan.sources))
 
             hashes = execute(
                 todo,
@@ -151,7 +152,7 @@ def run_conversion(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
             return _Moved(hashes, finite, frozenset(_divergent_targets(todo, divergent)), files)
 
         moved = [move()] if group is None else together(group, move)
-        if not first:
+        if not first and group is not None:
             return _result(opened, target, out, options, moved[group.rank].files, frozenset(), None)
         whole = _merged(moved, resumed)
         files = list(moved[0].files)

@@ -62,11 +62,13 @@ def difference(before: Any, now: dict[str, Any]) -> str | None:
     if not isinstance(before, dict):
         return None
     said: list[str] = []
-    old_options = before.get("options") if isinstance(before.get("options"), dict) else {}
+    options = before.get("options")
+    old_options = options if isinstance(options, dict) else {}
     for name, value in now["options"].items():
         if name in old_options and old_options[name] != value:
             said.append(f"--{name.replace('_', '-')} {_short(old_options[name])} then, {_short(value)} now")
-    old_source = before.get("source") if isinstance(before.get("source"), list) else []
+    source = before.get("source")
+    old_source = source if isinstance(source, list) else []
     old_files = {str(entry[0]): entry[1:] for entry in old_source if isinstance(entry, list) and entry}
     new_files = {entry[0]: entry[1:] for entry in now["source"]}
     for name in sorted(old_files.keys() - new_files.keys())[:3]:

@@ -186,7 +186,8 @@ def launch(argv: list[str], workers: int) -> int:
         raise
     if codes[0] == 0 and any(codes[1:]):
         failed = next(rank for rank, code in enumerate(codes) if code)
-        message = procs[failed].stderr.read().decode(errors="replace").strip().splitlines()
+        pipe = procs[failed].stderr  # a worker's (rank > 0) is a pipe
+        message = pipe.read().decode(errors="replace").strip().splitlines() if pipe is not None else []
         sys.stderr.write((message[-1] if message else f"Error: worker {failed} exited with {codes[failed]}") + "\n")
         return codes[failed] if codes[failed] > 0 else 2
     return codes[0] if codes[0] >= 0 else 128 - codes[0]

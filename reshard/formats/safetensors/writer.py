@@ -143,7 +143,7 @@ class SafetensorsFileWriter:
         """Where ``name``'s bytes start in the file (None for a tensor the file does not hold)."""
         return self._offsets.get(name)
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
+    def write(self, name: str, tensor: torch.Tensor | Joined) -> None:
         """Write the next tensor in :func:`ordered` order."""
         with self._lock:
             expected = self._order[len(self._written)] if len(self._written) < len(self._order) else None
@@ -151,7 +151,7 @@ class SafetensorsFileWriter:
             raise ValueError(f"{self.path.name}: expected tensor {expected!r} next, got {name!r}")
         self.write_unordered(name, tensor)
 
-    def write_unordered(self, name: str, tensor: torch.Tensor) -> None:
+    def write_unordered(self, name: str, tensor: torch.Tensor | Joined) -> None:
         """Write one announced tensor at its offset; safe to call from several threads at once."""
         file = self._claim(name, tuple(tensor.shape), code_of(tensor.dtype))
         if file is None:
@@ -314,10 +314,10 @@ class ShardedSafetensorsWriter:
     def filenames(self) -> list[str]:
         return self.shards.filenames
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
+    def write(self, name: str, tensor: torch.Tensor | Joined) -> None:
         self._files[self._file_of[name]].write(name, tensor)
 
-    def write_unordered(self, name: str, tensor: torch.Tensor) -> None:
+    def write_unordered(self, name: str, tensor: torch.Tensor | Joined) -> None:
         """:meth:`SafetensorsFileWriter.write_unordered` into the shard that holds ``name``."""
         self._files[self._file_of[name]].write_unordered(name, tensor)
 

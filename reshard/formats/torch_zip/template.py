@@ -97,6 +97,7 @@ def pickle_template(
         alive.append(stub)
         return (torch._utils._rebuild_tensor_v2, (stub, 0, size, stride, False, OrderedDict()))
 
+    # pickle_module is a module given at run time (pickle, or torch's): mypy cannot see its Pickler class.
     class Pickler(pickle_module.Pickler):  # type: ignore[name-defined]
         def persistent_id(self, obj: Any) -> tuple | None:
             return persistent_id(obj)

@@ -37,6 +37,8 @@ from reshard.io.vectored import row_views
 if TYPE_CHECKING:
     import torch
 
+    from reshard.io.joined import Joined
+
 __all__ = ["Region", "TensorSlot", "TorchZipWriter", "archive_name"]
 
 FILE_FORMAT_VERSION = b"3\n"  # caffe2::serialize::kProducedFileFormatVersion, what torch.save's "version" says
@@ -199,7 +201,7 @@ class TorchZipWriter:
             end = record.end if record.name in known else record.data_offset
         return runs
 
-    def write(self, key: str, tensor: torch.Tensor) -> None:
+    def write(self, key: str, tensor: torch.Tensor | Joined) -> None:
         """Write the tensor of slot ``key`` at its offset; safe to call from several threads at once."""
         entry = self._slots.get(key)
         if entry is None:
@@ -232,7 +234,7 @@ class TorchZipWriter:
 
     write_unordered = write  # any order is the only order: what RankFilesWriter calls from worker threads
 
-    def _write_data(self, file: DirectFile | Region, tensor: torch.Tensor, position: int) -> int:
+    def _write_data(self, file: DirectFile | Region, tensor: torch.Tensor | Joined, position: int) -> int:
         """Write the tensor's bytes in C order from ``position``; their CRC-32 (computed while they go out)."""
         crc = 0
         rows = row_views(tensor)

@@ -21,6 +21,8 @@ from reshard.layouts.base import ONE_RUN, RankFilesWriter, RunFiles, TargetSpec
 if TYPE_CHECKING:
     import torch
 
+    from reshard.io.joined import Joined
+
 
 @dataclass(frozen=True)
 class RankFilePlan(FilePlan):
@@ -108,7 +110,7 @@ class _RankFiles:
             for key in file.keys:
                 self._by_key.setdefault(key, []).append(file)
 
-    def write_unordered(self, name: str, tensor: torch.Tensor) -> None:
+    def write_unordered(self, name: str, tensor: torch.Tensor | Joined) -> None:
         for file in self._by_key[name]:
             file.write(name, tensor)
 

@@ -62,6 +62,14 @@ class StackedView:
         return (sum(p.shape[0] for p in self.parts), *first[1:])
 
 
+def _code(tensor: StoredTensor) -> str:
+    """The dtype code of a tensor a :class:`BoxedReader` holds (it refuses the others when it is made)."""
+    code = tensor.code
+    if code is None:
+        raise ValueError(f"{tensor.name}: dtype {tensor.dtype} has no safetensors code")
+    return code
+
+
 @dataclass
 class BoxedReader(ReadIntoReader):
     """Boxes of global tensors stored as chunks (see the module docstring); ``path`` is the checkpoint folder."""
@@ -84,7 +92,7 @@ class BoxedReader(ReadIntoReader):
                     raise ValueError(f"{key}: a view of {part.box.sizes} cannot be seen as {part.shape}")
             if len({(p.tensor.code, p.shape[1:]) for p in parts}) > 1:
                 raise ValueError(f"{key}: parts of different dtypes or trailing shapes cannot be stacked")
-            self.headers[key] = TensorHeader(view.shape, view.tensor.code)
+            self.headers[key] = TensorHeader(view.shape, _code(view.tensor))
 
     def read_into(self, key: str, out: torch.Tensor, *, start: int = 0) -> None:
         """Inside a :class:`reshard.io.direct.Batch`, the bytes may still be arriving when this returns."""
@@ -95,7 +103,7 @@ class BoxedReader(ReadIntoReader):
             self._read_stacked(key, view, out, start)
             return
         itemsize = out.element_size()
-        if itemsize != itemsize_of(view.tensor.code) or start % itemsize:
+        if itemsize != itemsize_of(_code(view.tensor)) or start % itemsize:
             raise ValueError(f"{self.path.name}: {key}: read_into a {out.dtype} buffer at byte {start}")
         if out.is_contiguous():
             if start // itemsize + out.numel() > view.box.numel:
@@ -150,9 +158,10 @@ class BoxedReader(ReadIntoReader):
     def _advise(self, key: str, advice: str) -> None:
         """A page-cache hint over the chunks of a whole-tensor view (a sub-box shares its chunks with others)."""
         view = self.views[key]
-        if view.box != Box.whole(view.tensor.shape):
+        parts = view.parts if isinstance(view, StackedView) else (view,)
+        if any(part.box != Box.whole(part.tensor.shape) for part in parts):
             return
-        for chunk in view.tensor.chunks:
+        for chunk in (chunk for part in parts for chunk in part.tensor.chunks):
             try:
                 self._files.get(chunk.file).advise(chunk.position, chunk.length, advice)
             except OSError:
@@ -213,7 +222,7 @@ class BoxedReader(ReadIntoReader):
             layout = ChunkLayout(chunk.data, 0, c_strides(chunk.box.sizes))
         else:
             layout = torch_archive_layout(
-                chunk.file, chunk.position, chunk.length, code=tensor.code, shape=chunk.box.sizes, tensor=tensor.name
+                chunk.file, chunk.position, chunk.length, code=_code(tensor), shape=chunk.box.sizes, tensor=tensor.name
             )
         with self._lock:
             self._layouts[chunk] = layout

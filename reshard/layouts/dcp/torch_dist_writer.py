@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import json
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,6 +42,7 @@ from reshard.formats.dcp_metadata import write as dcp
 from reshard.formats.file_plan import FilePlan
 from reshard.formats.torch_zip.writer import Region, TensorSlot, TorchZipWriter
 from reshard.io.direct import DirectFile
+from reshard.io.joined import Joined
 from reshard.layouts.base import ONE_RUN, CheckpointWriter, RunFiles, SourceCheckpoint, TargetSpec
 from reshard.layouts.dcp.torch_dist_keys import GlobalPlan, plan_global
 from reshard.layouts.dcp.torch_dist_keys import check_names as check_global_names
@@ -86,7 +87,7 @@ class TorchDistFilePlan(FilePlan):
         chunks: each incoming tensor name -> (its chunk's archive key, the chunk's header).
     """
 
-    global_plan: GlobalPlan | None = None
+    global_plan: GlobalPlan
     args: Any = None
     folder: str = ""
     names: tuple[str, ...] = ()
@@ -154,7 +155,7 @@ class TorchDistWriter(CheckpointWriter):
         facts = megatron_facts(spec.source)
         self._release = facts.release
         self._iteration = int(facts.iteration or 0)
-        self._args, self._plan = plan.args, plan.global_plan
+        self._args, self._plan, self._sizes = plan.args, plan.global_plan, plan.sizes
         self._folder, self._names, self._where, self._chunks = Path(plan.folder), plan.names, plan.where, plan.chunks
         self._folder_path = out_dir / self._folder
         self._folder_path.mkdir(parents=True, exist_ok=True)
@@ -181,7 +182,7 @@ class TorchDistWriter(CheckpointWriter):
         self._on_done = [on_done for _, on_done in hooks]
         self._files: list[DirectFile | None] = [
             None if keep else DirectFile(folder / name, end)  # a kept file (a resumed run) is left as it is
-            for name, end, (keep, _) in zip(self._names, self.plan.sizes, hooks, strict=True)
+            for name, end, (keep, _) in zip(self._names, self._sizes, hooks, strict=True)
         ]
         self._left: list[set[str]] = [set() for _ in self._names]  # per file, the chunks still to write
         for key, (index, _, _) in self._where.items():
@@ -189,15 +190,18 @@ class TorchDistWriter(CheckpointWriter):
         self._written: set[str] = set()
         self._lock = threading.Lock()
         for key, value in self._plan.objects.items():  # known already: written now
-            if self._files[self._where[key][0]] is not None:
-                TorchZipWriter(folder / key, [value], archive=ARCHIVE, region=self._region(key)).close()
+            region = self._region(key)
+            if region is not None:
+                TorchZipWriter(folder / key, [value], archive=ARCHIVE, region=region).close()
             self._landed(key)
         if self.run.writes_shared:
             self._write_common()
 
-    def _region(self, key: str) -> Region:
+    def _region(self, key: str) -> Region | None:
+        """Where archive ``key`` goes in its data file; None when that file is kept as it is (a resumed run)."""
         index, position, _ = self._where[key]
-        return Region(self._files[index], position)
+        file = self._files[index]
+        return None if file is None else Region(file, position)
 
     def _write_common(self) -> None:
         """``common.pt`` (as ``torch.save`` writes it, Megatron's enums in ``args`` as their own globals) and
@@ -211,22 +215,23 @@ class TorchDistWriter(CheckpointWriter):
         TorchZipWriter(self._folder_path / COMMON, common, pickle_module=PICKLE_MODULE).close()
         (self._folder_path / CONFIG).write_text(CONFIG_TEXT)
 
-    def write_unordered(self, name: str, slices: list[torch.Tensor]) -> None:
+    def write_unordered(self, name: str, slices: list[torch.Tensor | Joined]) -> None:
         """Write tensor ``name`` (one slice: the plan is at tp 1) as its chunk's archive; safe from several threads."""
         if name in self._plan.skipped:
             return
         (tensor,) = slices
+        if isinstance(tensor, Joined):  # only a slice of a tensor split over ranks is its parts
+            raise TypeError(f"{name}: a tp 1 slice is one tensor, not {len(tensor.parts)} parts")
         key, header = self._chunks[name]
         with self._lock:
             if name in self._written:
                 raise ValueError(f"{name}: written twice")
             self._written.add(name)
-        if self._files[self._where[key][0]] is not None:
+        region = self._region(key)
+        if region is not None:
             while tensor.dim() < len(header.shape):  # the stacked axes: views, never copies
                 tensor = tensor.unsqueeze(0)
-            archive = TorchZipWriter(
-                self._folder_path / key, TensorSlot(name, header), archive=ARCHIVE, region=self._region(key)
-            )
+            archive = TorchZipWriter(self._folder_path / key, TensorSlot(name, header), archive=ARCHIVE, region=region)
             archive.write(name, tensor)  # its only tensor: the archive is complete
         self._landed(key)
 
@@ -243,8 +248,9 @@ class TorchDistWriter(CheckpointWriter):
                 self._files[index] = None
         if file is not None:
             file.close()
-            if self._on_done[index] is not None:
-                self._on_done[index]()
+            on_done = self._on_done[index]
+            if on_done is not None:
+                on_done()
 
     def close(self) -> list[Path]:
         missing = [
@@ -264,7 +270,7 @@ class TorchDistWriter(CheckpointWriter):
         return [Path(TRACKER), *(self._folder / name for name in written)]
 
 
-def _metadata(plan: GlobalPlan, where: dict[str, tuple[int, int, int]], names: list[str]) -> dcp.Metadata:
+def _metadata(plan: GlobalPlan, where: Mapping[str, tuple[int, int, int]], names: Sequence[str]) -> dcp.Metadata:
     def place(key: str) -> tuple[str, int, int]:
         index, position, length = where[key]
         return names[index], position, length
@@ -285,7 +291,7 @@ def _archive_size(header: TensorHeader) -> int:
 def _retarget(args: Any, spec: TargetSpec) -> Any:
     """The args to record: the tp asked for, pp, padded vocab, and the torch_dist format."""
     out = retarget_args(args, spec.requested_tp, spec.padded_vocab_size, pp=spec.pp)
-    updates = {"ckpt_format": "torch_dist"}
+    updates: dict[str, str | bool] = {"ckpt_format": "torch_dist"}
     present = out.keys() if isinstance(out, dict) else vars(out).keys()
     if "use_dist_ckpt" in present:
         updates["use_dist_ckpt"] = True

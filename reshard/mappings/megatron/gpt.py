@@ -133,13 +133,13 @@ def _moe_mlp(family: str) -> tuple[Entry, ...]:
     else:
         rows = _mlp(experts, _HF + "mlp.experts.{E}.", HF_MLP, bias=False)
         router = rename(_L + "mlp.router.weight", _HF + "mlp.gate.weight")
-    shared = ()
+    shared: tuple[Entry, ...] = ()
     if family == "qwen2_moe":
         shared = (
             *_mlp(_L + "mlp.shared_experts.", _HF + "mlp.shared_expert.", HF_MLP, bias=False),
             rename(_L + "mlp.shared_experts.gate_weight", _HF + "mlp.shared_expert_gate.weight"),
         )
-    dense = ()
+    dense: tuple[Entry, ...] = ()
     if family != "mixtral":  # Qwen2/3-MoE's mlp_only_layers: Megatron's dense layers (--moe-layer-freq)
         dense = (
             *_mlp(_L + "mlp.", _HF + "mlp.", HF_MLP, bias=False),
@@ -193,7 +193,7 @@ def _deepseek_v3_mlp(expert_bias: bool) -> tuple[Entry, ...]:
     )
 
 
-def megatron_to_hf(family: str, *, expert_bias: bool = True) -> Mapping:
+def megatron_to_hf(family: str | None, *, expert_bias: bool = True) -> Mapping:
     """The Megatron GPT -> transformers table for one family (``llama``, ``qwen2``, ``mixtral``, ...);
     ``expert_bias`` off: DeepSeek-V3's sigmoid router has no expert bias (a zero one is written)."""
     if family not in DENSE_FAMILIES + MOE_FAMILIES + MLA_FAMILIES:

@@ -117,7 +117,7 @@ def _made(
     return Tokenizer((), origin, size, bos, eos, copies=(("tokenizer.model", named.files[0]),), made=((CONFIG, text),))
 
 
-def _tokens(**tokens: str | None) -> dict[str, str]:
+def _tokens(**tokens: str | None) -> dict[str, Any]:
     return {key: value for key, value in tokens.items() if value is not None}
 
 

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from reshard.formats.boxes import Box
 from reshard.formats.dcp_metadata.read import read_index
 from reshard.layouts import discover
-from reshard.layouts.dcp.boxed_reader import BoxedReader, BoxView
+from reshard.layouts.dcp.boxed_reader import BoxedReader, BoxView, StackedView
 
 
 def assembled(folder: Path) -> dict[str, torch.Tensor]:
@@ -163,6 +163,17 @@ def test_any_box_reads_as_the_slice_of_the_global_tensor(dcp_root):
     wide = torch.zeros(6, 50)
     reader.read_into("layer2", wide[:, 5:45])
     assert torch.equal(wide[:, 5:45], want[2]) and not wide[:, :5].any()
+
+
+def test_stacked_views_read_and_take_page_cache_hints(dcp_root):
+    """A view stacked of whole tensors (torch_dist's fc1 halves) reads as their concatenation, and its prefetch and
+    evict hints reach every part's chunks (they took the first part's box, which a stacked view has not)."""
+    index = read_index(dcp_root / "misc")
+    stacked, want = index.tensors["stacked"], expected(dcp_root, "misc")["stacked"]
+    reader = BoxedReader(dcp_root / "misc", {"pair": StackedView((BoxView.whole(stacked), BoxView.whole(stacked)))})
+    assert torch.equal(reader.get("pair"), torch.cat([want, want]))
+    reader.prefetch("pair")
+    reader.evict("pair")
 
 
 def test_check_reads_dcp_headers_without_importing_torch(dcp_root):

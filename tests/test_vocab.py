@@ -12,7 +12,7 @@ from reshard.config import ModelConfig
 from reshard.errors import ShapeMismatchError
 from reshard.geometry import cut_pad_rows, is_padded_vocab, padded_size
 from reshard.manifest import Manifest, VocabRecord
-from reshard.vocab import explain, resolve_vocab
+from reshard.vocab import VocabPlan, explain, finish_vocab, resolve_vocab
 
 
 def test_explain_the_colossalai_6108_shape():
@@ -49,3 +49,28 @@ def test_cut_pad_rows_keeps_the_first_rows(dim: int):
     assert torch.equal(cut_pad_rows(table, dim, 5), table.narrow(dim, 0, 5))
     with pytest.raises(ShapeMismatchError, match=f"cannot unpad dim {dim} of size 7 up to 8"):
         cut_pad_rows(table, dim, 8)
+
+
+def test_the_vocab_is_finished_in_one_place():
+    """``finish_vocab``: a size a mapping knows fills only an unknown one; the target pads the true size (not the
+    source's rows) to the multiple, or not at all uneven; rows tp does not divide are a problem, not a plan."""
+    unknown = VocabPlan(None, "unknown")
+    mapped = (1000, "torchtitan")
+    done, problem = finish_vocab(unknown, known=mapped, source_padded=1008, multiple=8, tp=8, uneven=False)
+    assert (done.original, done.origin, done.source_padded, done.target_padded, done.pad_multiple) == (
+        1000,
+        "torchtitan",
+        1008,
+        1000,
+        8,
+    )
+    assert problem is None
+    said = VocabPlan(999, "--vocab")
+    done, _ = finish_vocab(said, known=(1000, "torchtitan"), source_padded=1008, multiple=4, tp=4, uneven=False)
+    assert (done.original, done.origin, done.target_padded) == (999, "--vocab", 1000)
+    done, _ = finish_vocab(said, known=None, source_padded=1008, multiple=4, tp=4, uneven=True)
+    assert (done.target_padded, done.pad_multiple) == (999, None)
+    _, problem = finish_vocab(said, known=None, source_padded=1008, multiple=3, tp=2, uneven=False)
+    assert problem is not None and "vocab padded to 999 does not divide by tp=2" in problem.detail
+    done, problem = finish_vocab(said, known=None, source_padded=None, multiple=4, tp=4, uneven=False)
+    assert (done.target_padded, done.pad_multiple, problem) == (None, None, None)

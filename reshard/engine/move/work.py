@@ -92,7 +92,7 @@ def check_fits(works: Sequence[Work]) -> None:
     for work in works:
         if work.cost > available:
             source = work.tensor.sources[0]
-            shape = source.cut.shape
+            shape = source.shape or ()  # every planned source has its shape
             elements = math.prod(shape)
             raise ReshardError(
                 f"needs {work.cost:,} bytes of memory to gather ({elements:,} elements, shape {list(shape)}), "

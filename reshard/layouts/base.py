@@ -94,18 +94,17 @@ MAX_STORED_ITEMS = 16  # a hyper-parameter list or tuple longer than this is sho
 
 def stored_value(value: Any) -> Any:
     """A hyper-parameter as its checkpoint stores it, bounded: ``None``, a bool, a finite float, an int of at most
-    64 bits, a string of at most :data:`~reshard.errors.SHOWN_LENGTH` characters, or a short list of those (a
-    tuple becomes a list) is kept; anything else becomes its text through :func:`reshard.errors.shown`."""
+    64 bits, a string of at most :data:`~reshard.errors.SHOWN_LENGTH` characters, or a short flat list of such
+    numbers (a tuple becomes a list) is kept; anything else becomes its text through :func:`reshard.errors.shown`."""
     if value is None or isinstance(value, bool) or (type(value) is float and math.isfinite(value)):
         return value
     if type(value) is int and value.bit_length() <= 64:
         return value
     if type(value) is str and len(value) <= SHOWN_LENGTH:
         return value
-    if type(value) in (list, tuple) and len(value) <= MAX_STORED_ITEMS:
-        kept = [stored_value(v) for v in value]
-        if all(v is None or type(v) in (bool, int, float) for v in kept):
-            return kept
+    if type(value) in (list, tuple) and len(value) <= MAX_STORED_ITEMS:  # one level: never walked deeper
+        if all(v is None or type(v) is bool or type(v) in (int, float) and stored_value(v) is v for v in value):
+            return list(value)
     return shown(value)
 
 

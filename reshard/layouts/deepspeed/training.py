@@ -68,6 +68,7 @@ def native_state(
     osd = optim.obj["optimizer_state_dict"]
     key = "base_optimizer_state" if "base_optimizer_state" in osd else "optimizer_state_dict"
     inner = osd.get(key)
+    state: Any
     if isinstance(inner, list):  # elastic ZeRO-1/2: one state per group, the hyper-parameters not saved
         groups = tuple(ParamGroup({}, tuple(group)) for group in shapes)
         state = dict(enumerate(inner))

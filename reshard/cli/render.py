@@ -5,7 +5,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from reshard.cli.output import shape_list, table
+from reshard.errors import shown
+from reshard.ranks import listed
 from reshard.sizes import human_bytes
+
+SHOWN_NAMES = 3  # parameter names shown per group (--json lists them all)
 
 if TYPE_CHECKING:
     from reshard.commands.check import CheckReport
@@ -33,6 +37,8 @@ def render_inspect(report: InspectReport) -> str:
     ]
     if report.mapping:
         lines.append(f"names       {report.mapping} under --layout hf (the 'hf name' column)")
+    if report.training:
+        lines += _training_lines(report.training)
     stored = any(t.stored for t in report.tensors)
     lines.append("")
     rows = [
@@ -55,6 +61,25 @@ def render_inspect(report: InspectReport) -> str:
     if report.problems:
         lines.append(f"{len(report.problems)} tensor(s) cannot be gathered as they are")
     return "\n".join(lines)
+
+
+def _training_lines(training: dict[str, Any]) -> list[str]:
+    """The optimizer, step and moments, each group's parameters and hyper-parameters, the frozen parameters and
+    what is not carried."""
+    moments = ", ".join(training["moments"]) or "none"
+    step = training["step"] if training["step"] is not None else "not recorded"
+    lines = [f"training    {training['optimizer'] or 'optimizer not named'}, step {step}, moments {moments}"]
+    for index, group in enumerate(training["groups"]):
+        names = group["params"]
+        lines.append(f"group {index:<6}{len(names)} parameters: {listed(names[:SHOWN_NAMES], len(names))}")
+        hyper = ", ".join(f"{k}={shown(v)}" for k, v in group["hyper"].items()) or "hyper-parameters not recorded"
+        lines.append(f"{'':12}{hyper}")
+    if training["frozen"]:
+        frozen = training["frozen"]
+        lines.append(f"frozen      {listed(frozen[:SHOWN_NAMES], len(frozen))} (no moments)")
+    if training["not_carried"]:
+        lines.append(f"not carried {', '.join(training['not_carried'])}")
+    return lines
 
 
 def _hub_line(hub: dict[str, Any]) -> str:

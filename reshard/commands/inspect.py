@@ -32,7 +32,7 @@ class TensorReport:
 
 @dataclass
 class InspectReport:
-    """Layout, tp, files, per-tensor decisions, vocab padding found, and notes."""
+    """Layout, tp, files, per-tensor decisions, vocab padding found, the training state, and notes."""
 
     path: str
     layout: str
@@ -47,6 +47,7 @@ class InspectReport:
     notes: list[str] = field(default_factory=list)
     extras: list[str] = field(default_factory=list)
     hub: dict[str, Any] | None = None  # a Hub repo: repo, revision, commit, bytes_transferred, requests
+    training: dict[str, Any] | None = None  # the training state (TrainingState.to_dict), where the layout reads it
 
     @property
     def problems(self) -> list[str]:
@@ -56,6 +57,8 @@ class InspectReport:
         data = dict(self.__dict__)
         if data["hub"] is None:  # a local checkpoint's report stays as it was
             del data["hub"]
+        if data["training"] is None:  # nor does that of a checkpoint without a training state read
+            del data["training"]
         data["tensors"] = [t.__dict__ for t in self.tensors]
         data["problems"] = self.problems
         return data
@@ -106,6 +109,7 @@ def inspect_checkpoint(ckpt: Path | HubCheckpoint, options: ReadOptions | None =
         notes=source.notes_for(layout=None, vocab_known=vocab.original is not None) + ([why_not] if why_not else []),
         extras=_not_tensors(source),
         hub=source.hub,
+        training=source.training.to_dict() if source.training else None,
     )
     for t in tensors:
         report.tensors.append(

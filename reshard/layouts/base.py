@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -11,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from reshard.config import ModelConfig, SourceFacts
 from reshard.dtypes import TensorHeader
-from reshard.errors import ReshardError
+from reshard.errors import SHOWN_LENGTH, ReshardError, shown
 from reshard.formats.file_plan import FilePlan
 from reshard.formats.readers import FileReader
 from reshard.formats.safetensors.writer import FileHooks
@@ -88,6 +89,67 @@ class NoteScope(Enum):
     VOCAB_UNKNOWN = "vocab-unknown"  # only while no true vocab size is known
 
 
+MAX_STORED_ITEMS = 16  # a hyper-parameter list or tuple longer than this is shown, not kept
+
+
+def stored_value(value: Any) -> Any:
+    """A hyper-parameter as its checkpoint stores it, bounded: ``None``, a bool, a finite float, an int of at most
+    64 bits, a string of at most :data:`~reshard.errors.SHOWN_LENGTH` characters, or a short flat list of such
+    numbers (a tuple becomes a list) is kept; anything else becomes its text through :func:`reshard.errors.shown`."""
+    if value is None or isinstance(value, bool) or (type(value) is float and math.isfinite(value)):
+        return value
+    if type(value) is int and value.bit_length() <= 64:
+        return value
+    if type(value) is str and len(value) <= SHOWN_LENGTH:
+        return value
+    if type(value) in (list, tuple) and len(value) <= MAX_STORED_ITEMS:  # one level: never walked deeper
+        if all(v is None or type(v) is bool or type(v) in (int, float) and stored_value(v) is v for v in value):
+            return list(value)
+    return shown(value)
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    """One optimizer parameter group: its hyper-parameters as stored (:func:`stored_value`), its parameters by
+    name."""
+
+    hyper: dict[str, Any]
+    params: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class TrainingState:
+    """What a checkpoint holds of its training beside the weights, from its headers and pickled structure only.
+
+    Attributes:
+        optimizer: the optimizer's name where the checkpoint records one (a config's ``type``), else None.
+        step: the training step the checkpoint records, else None.
+        moments: the per-parameter state each trainable parameter has (``exp_avg``, ``exp_avg_sq``), the scalar
+            ``step`` left out.
+        groups: the parameter groups in the optimizer's order, each naming its parameters.
+        frozen: parameters in no group: no moments.
+        not_carried: what else the checkpoint holds of its training that reshard does not carry (loss scaler,
+            scheduler, RNG, ...), each with where it is.
+    """
+
+    optimizer: str | None
+    step: int | None
+    moments: tuple[str, ...]
+    groups: tuple[ParamGroup, ...]
+    frozen: tuple[str, ...] = ()
+    not_carried: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "optimizer": self.optimizer,
+            "step": self.step,
+            "moments": list(self.moments),
+            "groups": [{"hyper": dict(g.hyper), "params": list(g.params)} for g in self.groups],
+            "frozen": list(self.frozen),
+            "not_carried": list(self.not_carried),
+        }
+
+
 @dataclass
 class SourceCheckpoint:
     """A checkpoint as ``tp`` ranks, each a mapping ``name -> TensorRef``, plus what came with it.
@@ -108,6 +170,7 @@ class SourceCheckpoint:
         refusal: why a conversion of it is refused though ``inspect`` and ``check`` read it (a legacy QKV order,
             a Hub repo read from its headers only); raised as soon as a conversion is planned.
         hub: for a Hub repo, the repo, revision and commit read and what the client received.
+        training: the training state beside the weights (optimizer, step, groups), where the layout reads it.
     """
 
     path: Path
@@ -123,6 +186,7 @@ class SourceCheckpoint:
     facts: SourceFacts = field(default_factory=SourceFacts)
     refusal: ReshardError | None = None
     hub: dict[str, Any] | None = None
+    training: TrainingState | None = None
 
     @property
     def tp(self) -> int:

@@ -31,10 +31,11 @@ from reshard.config import find_config
 from reshard.dtypes import TensorHeader, code_from_name
 from reshard.errors import CorruptFileError, MissingRankError, ReshardError
 from reshard.formats.torch_zip.structure import TensorRecord, read_structure
-from reshard.layouts.base import SourceCheckpoint, TensorRef
+from reshard.layouts.base import SourceCheckpoint, TensorRef, TrainingState
 from reshard.layouts.deepspeed.pickles import Pickled
 from reshard.layouts.deepspeed.pickles import read as read_pickled
 from reshard.layouts.deepspeed.pieces import Piece, PiecesReader
+from reshard.layouts.deepspeed.training import native_state, universal_state
 from reshard.layouts.deepspeed.zero import Flat, Segment, zero2_pieces, zero3_pieces
 from reshard.options import MAX_RANKS, ReadOptions
 from reshard.ranks import listed
@@ -287,6 +288,9 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
             path=folder,
         )
     universal = not optim and (folder / UNIVERSAL).is_dir()
+    training: TrainingState | None = None
+    first: Pickled | None = None  # rank 0's optimizer file
+    common: Pickled | None = None  # a universal checkpoint's zero/optimizer_state.pt
     states_files = [model[(0,)]] if model else _ranks_in_order(zero3, "zero_pp_rank_*_model_states.pt", folder, None)
     found = _Tensors(_model_states(states_files[0], options))
     states = found.states.obj
@@ -307,6 +311,7 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
             if zero3:
                 states_files = _ranks_in_order(zero3, "zero_pp_rank_*_model_states.pt", folder, dp)
             stage, origin, moments = _universal(folder / UNIVERSAL, states, found, options, zero3=bool(zero3))
+            common = _common(folder / UNIVERSAL, options, found.notes)
         else:
             optim_files = _ranks_in_order(optim, "*_optim_states.pt", folder, dp)
             dp = len(optim_files)
@@ -315,17 +320,26 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
             stage = _master(folder, states, states_files, optim_files, zero3=bool(zero3), options=options,
                             pieces=found.pieces, headers=found.headers)  # fmt: skip
             origin = f"rebuilt from {dp} optimizer files"
-            moments = _moments(optim_files[0], options)
+            first = _load(optim_files[0], options)
+            moments = _moments(first)
         for name in found.pieces:
             found.described[name] = f"fp32 master weight {origin}"
         shared = _rest(states, states_files, options, found, zero3=bool(zero3))
+        shapes = [_shapes(g, found.states_file, "param_shapes") for g in states["param_shapes"]]
+        beside = path if folder != path else None
+        if first is not None:
+            training = native_state(found.states, first, shapes, beside=beside)
+        elif common is not None:
+            training = universal_state(found.states, common, shapes, moments, beside=beside)
         found.notes.append(
             f"DeepSpeed ZeRO-{stage} over {dp or '?'} data-parallel ranks (ds_version {states.get('ds_version')}): "
             f"fp32 master weights {origin}" + ("" if zero3 else "; --weights module takes the module copy instead")
         )
         if moments:
             found.notes.append(f"skipped optimizer state: {', '.join(moments)}")
-    return _source(path, folder, found, shared, options)
+    source = _source(path, folder, found, shared, options)
+    source.training = training
+    return source
 
 
 def _model_states(file: Path, options: ReadOptions) -> Pickled:
@@ -421,6 +435,16 @@ def _universal(
         found.headers[name] = TensorHeader(shape, "F32")
         skipped.update(p.stem for p in file.parent.iterdir() if p.name != file.name)
     return (3 if zero3 else _stage(states)), "from ds_to_universal's zero/<name>/fp32.pt", sorted(skipped)
+
+
+def _common(zero: Path, options: ReadOptions, notes: list[str]) -> Pickled | None:
+    """A universal checkpoint's ``zero/optimizer_state.pt``: the optimizer's param groups and common state; without
+    it (DeepSpeed's ``load_universal`` needs it) the weights are read all the same, and a note says so."""
+    file = zero / "optimizer_state.pt"
+    if not file.is_file():
+        notes.append(f"no {UNIVERSAL}/{file.name} (ds_to_universal writes it): the training state is not read")
+        return None
+    return read_pickled(file, trust_pickle=options.trust_pickle)
 
 
 def _master(
@@ -554,9 +578,9 @@ def _shared(value: Any, file: Path) -> dict[str, str]:
     return dict(value)
 
 
-def _moments(file: Path, options: ReadOptions) -> list[str]:
+def _moments(pickled: Pickled) -> list[str]:
     """The names of the optimizer state reshard does not carry (Adam's ``exp_avg``, ``exp_avg_sq``, ``step``)."""
-    osd = _osd(_load(file, options).obj, file)
+    osd = _osd(pickled.obj, pickled.file)
     inner = osd.get("base_optimizer_state", osd.get("optimizer_state_dict"))
     state = inner.get("state") if isinstance(inner, Mapping) else None
     if isinstance(inner, list):  # ZeRO-1/2 keep one state per group

@@ -1,0 +1,181 @@
+"""The training state ``inspect`` shows of ZeRO checkpoints DeepSpeed 0.19.8 itself wrote
+(``fixtures/deepspeed_writer``: AdamW at lr 1e-2 over two groups, weight decay 0.1 and 0.0, two steps at world 3,
+a frozen parameter in most variants): what DeepSpeed recorded, read from the pickles alone; and damaged records
+refused by name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from fixtures.deepspeed import VARIANTS
+from fixtures.hf import load_folder
+
+from reshard.errors import CorruptFileError
+from reshard.layouts import discover
+from reshard.layouts.deepspeed.pickles import Pickled
+from reshard.layouts.deepspeed.training import native_state
+
+TAG = "global_step2"
+# What fixtures/deepspeed_writer configures (it imports DeepSpeed, so it is not imported here).
+NO_DECAY = ("bias", "norm")
+FROZEN = {
+    "zero2_bf16": None,
+    "zero3_bf16": "model.layers.0.input_layernorm.weight",
+    "zero2_fp32": "model.norm.weight",
+    "zero1_bf16": "model.norm.weight",
+    "zero1_fp32": "model.norm.weight",
+    "zero3_fp32": "model.layers.1.post_attention_layernorm.weight",
+    "zero2_fp16": None,
+    "zero3_fp16": "model.layers.0.input_layernorm.weight",
+}
+
+
+def configured_groups(root: Path, variant: str) -> tuple[list[str], list[str]]:
+    """The writer's two groups by name: the trainable parameters (the tied lm_head is the embedding's) with weight
+    decay, and the biases and norms without."""
+    frozen = FROZEN[variant]
+    names = [n for n in load_folder(root / "hf_source") if n not in ("lm_head.weight", frozen)]
+    decay = [n for n in names if not any(word in n for word in NO_DECAY)]
+    return decay, [n for n in names if n not in decay]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_training_state_is_what_deepspeed_recorded(ds_root, variant):
+    training = discover(ds_root / variant).training
+    assert training is not None
+    assert training.optimizer == "AdamW" and training.step == 2
+    assert training.moments == ("exp_avg", "exp_avg_sq")
+    assert len(training.groups) == 2
+    for group, names, decay in zip(training.groups, configured_groups(ds_root, variant), (0.1, 0.0), strict=True):
+        assert sorted(group.params) == sorted(names)
+        assert group.hyper["lr"] == 1e-2 and group.hyper["weight_decay"] == decay
+        assert group.hyper["betas"] == [0.9, 0.999] and group.hyper["eps"] == 1e-8
+    frozen = FROZEN[variant]
+    assert training.frozen == ((frozen,) if frozen else ())
+    if variant.endswith("fp16"):  # DeepSpeed's dynamic loss scaler, pickled in the optimizer files
+        assert "loss_scaler (optimizer files)" in training.not_carried, training.not_carried
+
+
+def test_the_tag_folder_gives_the_same_state_as_the_root(ds_root):
+    assert discover(ds_root / "zero2_fp32" / TAG).training == discover(ds_root / "zero2_fp32").training
+
+
+@pytest.mark.parametrize("variant", ["zero1_bf16", "zero2_fp32", "zero3_bf16"])
+def test_inspect_shows_the_training_state(ds_root, variant, cli):
+    text = cli("inspect", ds_root / variant)
+    assert text.exit_code == 0, text.output
+    lines = text.stdout.splitlines()
+    assert "training    AdamW, step 2, moments exp_avg, exp_avg_sq" in lines
+    decay, rest = configured_groups(ds_root, variant)
+    assert any(line.startswith(f"group 0     {len(decay)} parameters: ") for line in lines), text.stdout
+    assert any(line.startswith(f"group 1     {len(rest)} parameters: ") for line in lines), text.stdout
+    hyper = [line.strip() for line in lines if line.startswith(" " * 12 + "weight_decay=")]
+    assert len(hyper) == 2 and "weight_decay=0.1" in hyper[0] and "weight_decay=0.0" in hyper[1], hyper
+    assert f"frozen      {FROZEN[variant]} (no moments)" in lines
+    report = json.loads(cli("inspect", ds_root / variant, "--json").stdout)
+    assert [sorted(g["params"]) for g in report["training"]["groups"]] == [sorted(decay), sorted(rest)]
+    assert report["training"]["step"] == 2 and report["training"]["frozen"] == [FROZEN[variant]]
+
+
+@pytest.mark.parametrize("variant", ["zero2_bf16", "zero3_bf16"])
+def test_a_universal_checkpoint_holds_the_training_state_it_was_made_from(ds_root, variant):
+    """What ``ds_to_universal`` wrote: the param groups in ``zero/optimizer_state.pt``, the moments as per-parameter
+    files, the step in the model states it copied."""
+    native = discover(ds_root / variant).training
+    universal = discover(ds_root / variant / f"{TAG}_universal").training
+    assert native is not None and universal is not None
+    assert universal.groups == native.groups and universal.frozen == native.frozen
+    assert universal.step == 2 and universal.optimizer == "AdamW"
+    assert universal.moments == ("exp_avg", "exp_avg_sq")
+
+
+def test_a_universal_checkpoint_without_its_common_state_is_read_without_a_training_state(ds_copy):
+    folder = ds_copy("zero2_bf16") / f"{TAG}_universal"
+    (folder / "zero" / "optimizer_state.pt").unlink()
+    source = discover(folder)
+    assert source.training is None
+    assert "no zero/optimizer_state.pt (ds_to_universal writes it): the training state is not read" in source.notes
+
+
+def test_a_checkpoint_without_a_training_state_reports_none(ds_root, cli):
+    """``--weights module`` reads no optimizer file; the report keeps its former keys."""
+    report = json.loads(cli("inspect", ds_root / "zero2_bf16", "--weights", "module", "--json").stdout)
+    assert "training" not in report
+    text = cli("inspect", ds_root / "zero2_bf16", "--weights", "module").stdout
+    assert "training" not in text.split("\n\n")[0]
+
+
+def rewrite_states(file: Path, change) -> None:
+    import torch
+
+    states = torch.load(file, weights_only=True)
+    change(states)
+    torch.save(states, file)
+
+
+@pytest.mark.parametrize(("key", "value"), [("global_steps", -1), ("global_steps", "2")])
+def test_a_damaged_step_is_refused_naming_the_file_and_key(ds_copy, cli, key, value):
+    folder = ds_copy("zero2_bf16")
+    file = folder / TAG / "mp_rank_00_model_states.pt"
+    rewrite_states(file, lambda states: states.__setitem__(key, value))
+    result = cli("inspect", folder)
+    assert result.exit_code == 2, result.output
+    assert file.name in result.output and key in result.output and "not a step count" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+# The native reader on pickled structures as DeepSpeed writes them (no file read): damaged values are refused
+# naming the file and the key, and nothing is walked unbounded.
+SHAPES = [{"a.weight": (2, 2), "b.weight": (2,)}, {"a.bias": (2,)}]
+
+
+def pickled(groups, *, state=None, slices=None, steps=2) -> tuple[Pickled, Pickled]:
+    states = Pickled(Path("mp_rank_00_model_states.pt"), {
+        "module": {"a.weight": 0, "b.weight": 0, "a.bias": 0, "frozen.weight": 0},
+        "global_steps": steps, "frozen_param_shapes": None, "buffer_names": [], "shared_params": {},
+        "ds_config": {"optimizer": {"type": "AdamW"}},
+    }, {})  # fmt: skip
+    osd = {"base_optimizer_state": {"state": state or {}, "param_groups": groups}, "loss_scaler": object()}
+    if slices is not None:
+        osd["param_slice_mappings"] = slices
+    return states, Pickled(Path("optim_states.pt"), {"optimizer_state_dict": osd}, {})
+
+
+def test_the_groups_name_their_parameters_through_param_shapes():
+    states, optim = pickled(
+        [{"lr": 0.1, "params": [1]}, {"lr": 0.2, "params": [0]}],
+        state={0: {"step": 1, "exp_avg": 0, "exp_avg_sq": 0}},
+        slices=[{"a.weight": None}, {"a.bias": None}],
+    )
+    training = native_state(states, optim, SHAPES, beside=None)
+    assert [g.params for g in training.groups] == [("a.bias",), ("a.weight", "b.weight")]
+    assert [g.hyper for g in training.groups] == [{"lr": 0.1}, {"lr": 0.2}]
+    assert training.moments == ("exp_avg", "exp_avg_sq") and training.frozen == ("frozen.weight",)
+    assert training.not_carried == ("loss_scaler (optimizer files)",)
+
+
+def test_a_hyper_parameter_is_kept_bounded():
+    bomb: tuple = ()
+    for _ in range(40):
+        bomb = (bomb, bomb)
+    states, optim = pickled([{"lr": bomb, "eps": 10**5000, "params": [0, 1]}])
+    hyper = native_state(states, optim, SHAPES, beside=None).groups[0].hyper
+    assert isinstance(hyper["lr"], str) and len(hyper["lr"]) <= 80
+    assert hyper["eps"] == "<an integer of about 5001 digits>"
+
+
+@pytest.mark.parametrize(("groups", "slices", "key", "match"), [
+    ([{"params": [0, 2]}], None, "param_groups[0].params", "not a list of flat partition indices below 2"),
+    ([{"params": [0]}, {"params": [0, 1]}], None, "param_groups[1].params", "another group names"),
+    ([{"params": [1]}], None, "param_groups", "leave flat partition 0"),
+    ([{"params": [0, 1], 3: 1}], None, "param_groups[0]", "not a short name"),
+    ("groups", None, "param_groups", "not a list of at most 2"),
+    ([{"params": [0, 1]}], [{"a.bias": None}, {}], "param_slice_mappings[0]", "'a.bias', which is not in"),
+])  # fmt: skip
+def test_damaged_groups_are_refused_naming_the_key(groups, slices, key, match):
+    states, optim = pickled(groups, slices=slices)
+    with pytest.raises(CorruptFileError, match=match) as err:
+        native_state(states, optim, SHAPES, beside=None)
+    assert err.value.tensor.endswith(key) and err.value.path == str(optim.file)

@@ -86,10 +86,12 @@ class Cut:
         return 0 if self.dim is None else self.shape[self.dim]
 
     def placed(self) -> list[Run]:
-        """The runs a gather reads: every non-empty run of the first rank holding it (copies are compared with it)."""
+        """The runs a gather reads, in canonical order: every non-empty run of the first rank holding it (copies are
+        compared with it). They tile rows ``[0, rows)`` one after the other."""
         if self.dim is None:
             return []
-        return [run for rank in self.runs[:: self.replicas] for run in rank if run.length]
+        runs = [run for rank in self.runs[:: self.replicas] for run in rank if run.length]
+        return sorted(runs, key=lambda run: run.at)
 
     def copies(self) -> list[tuple[int, int]]:
         """``(rank, first rank)`` of every rank whose slice is a copy of an earlier rank's."""

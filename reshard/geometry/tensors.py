@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from reshard.errors import DivergentReplicaError, ShapeMismatchError
-from reshard.geometry.cut import Cut, Run, slices_cut, split_cut
+from reshard.geometry.cut import Cut, slices_cut, split_cut
 from reshard.geometry.padding import cut_pad_rows
 from reshard.geometry.partition import Partition, Replicate, Vocab, canonical_shape, norm_dim, with_size
 
@@ -104,13 +104,9 @@ def gather(
             what = f"replicated KV head {rank // cut.replicas}"
             check_replica(slices[first], slices[rank], rank, first_rank=first, what=what)
     dim = cut.axis
-    pieces = [slices[run.rank].narrow(dim, run.start, run.length) for run in sorted(cut.placed(), key=_at)]
+    pieces = [slices[run.rank].narrow(dim, run.start, run.length) for run in cut.placed()]
     joined = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
     return unpad(joined, dim, full_shape[dim]) if isinstance(partition, Vocab) else joined
-
-
-def _at(run: Run) -> int:
-    return run.at
 
 
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -136,14 +136,15 @@ def test_vocab_cut_pads_as_torch_pads(vocab: int, tp: int, uneven: bool) -> None
 
 
 def _places_back(cut, slices: list[torch.Tensor], full: torch.Tensor) -> None:
-    """The cut's placed runs, copied from the slices into a buffer of its rows, rebuild the (padded) tensor, every
-    row once; its copies are the ranks whose slices repeat an earlier rank's."""
+    """The cut's placed runs, copied in their order from the slices into a buffer of its rows, tile it and rebuild the
+    (padded) tensor, every row once; its copies are the ranks whose slices repeat an earlier rank's."""
     if cut.dim is None:
         assert cut.placed() == [] and [rank for rank, _ in cut.copies()] == list(range(1, cut.tp))
         return
     buffer = full.new_full((*full.shape[: cut.dim], cut.rows, *full.shape[cut.dim + 1 :]), float("nan"))
     seen = 0
     for run in cut.placed():
+        assert run.at == seen  # in canonical order, each run where the last ended
         buffer.narrow(cut.dim, run.at, run.length).copy_(slices[run.rank].narrow(cut.dim, run.start, run.length))
         seen += run.length
     assert seen == cut.rows

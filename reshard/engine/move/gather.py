@@ -11,7 +11,7 @@
 * **Replicated KV heads** (``replicated_heads`` at a tp above the head count): the first copy of every head is
   read into its place, every other copy into one slice-sized temporary and compared with it, bit for bit.
 * **Same bytes as the reference.** The gather here is :func:`reshard.geometry.tensors.gather` done in place;
-  ``tests/engine/test_gather.py`` checks both agree on every partition kind.
+  ``tests/engine/move/test_gather.py`` checks both agree on every partition kind.
 """
 
 from __future__ import annotations

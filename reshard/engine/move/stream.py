@@ -24,7 +24,7 @@ that costs more than a small model's bytes), so it streams on a disk too, each b
 is written, ending at that file's page boundary (written with ``O_DIRECT`` straight from memory). Beside gathered
 units it streams only in memory (:func:`in_memory_unit`). The byte ranges come from the same record as the gather's,
 each tensor's :class:`~reshard.geometry.Cut` (the source's placed runs, the target's runs), so both paths write the
-same bytes; ``tests/engine/test_stream.py`` checks them against each other.
+same bytes; ``tests/engine/move/test_stream.py`` checks them against each other.
 """
 
 from __future__ import annotations
@@ -121,8 +121,6 @@ def stream_plan(work: Work) -> Streamed | RowBlocks | None:
     row = cut.row_bytes(itemsize_of(source.code))
     rows = shape[cut.dim]
     runs = _source_runs(source, row, rows)
-    if runs is None:
-        return None
     ranges = tuple(
         tuple((start * row, min(start + length, rows) * row) for start, length in rank if start < rows and length)
         for rank in targets
@@ -149,20 +147,17 @@ def _row_blocks(work: Work, dim: int, targets: tuple[Runs, ...]) -> RowBlocks | 
     return RowBlocks(max(1, BLOCK_BYTES // max(1, row)), targets)
 
 
-def _source_runs(source: SourceTensor, row: int, rows: int) -> tuple[Run, ...] | None:
+def _source_runs(source: SourceTensor, row: int, rows: int) -> tuple[Run, ...]:
     """The canonical tensor's ``rows`` (of ``row`` bytes) as runs of the rank slices, in order: the gather's own
-    placement (its cut's :meth:`~reshard.geometry.Cut.placed`), pad rows past the canonical rows left out."""
+    placement (its cut's :meth:`~reshard.geometry.Cut.placed`, which tiles the rows), pad rows past ``rows`` left
+    out."""
     runs: list[Run] = []
-    at = 0
-    for run in sorted(source.cut.placed(), key=lambda run: run.at):
-        if at == rows:
+    for run in source.cut.placed():
+        length = min(run.length, rows - run.at)
+        if length <= 0:
             break
-        if run.at != at:
-            return None
-        length = min(run.length, rows - at)
         runs.append(Run(source.refs[run.rank], run.start * row, length * row))
-        at += length
-    return tuple(runs) if at == rows else None
+    return tuple(runs)
 
 
 def stream(

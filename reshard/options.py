@@ -100,6 +100,11 @@ class ConvertOptions:
             dequantized with their scales (the scales and ``quantization_config`` dropped); None keeps each dtype.
         force: ``fix`` writes its output even when the checkpoint needs nothing (no tensor changes shape and the
             vocab is already its true size); without it such a ``fix`` says so and writes nothing.
+        with_optimizer: carry the training state (fp32 masters, Adam's moments, step, param groups) with the
+            weights, each parameter's state along its weight's path (:mod:`reshard.engine.plan.training`).
+        drop: the kinds of training state not carried that the user agrees to leave behind (``rng``,
+            ``scheduler``, ...: :data:`reshard.layouts.training.LEFTOVER_KINDS`); any other kind the source holds
+            refuses ``with_optimizer``.
     """
 
     tp: int = 1
@@ -116,6 +121,8 @@ class ConvertOptions:
     resume: bool = False
     dtype: str | None = None
     force: bool = False
+    with_optimizer: bool = False
+    drop: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         check_tp(self.tp)

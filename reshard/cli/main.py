@@ -28,6 +28,7 @@ from reshard.io.interrupts import Interrupted, handled
 from reshard.io.staging import KEPT, describe_left, remove_leftovers
 from reshard.io.vectored import return_large_frees_to_os
 from reshard.layouts import writable_layouts
+from reshard.layouts.training import LEFTOVER_KINDS
 from reshard.options import ConvertOptions, ReadOptions, composed
 from reshard.plans import TRANSFORMERS
 from reshard.version import __version__
@@ -110,6 +111,15 @@ def parse_size(ctx: click.Context, param: click.Parameter, value: str) -> int:
     if not match:
         raise click.BadParameter(f"{value!r} is not a size such as 5GB, 500MB or 1000000")
     return int(match.group(1)) * _UNITS[(match.group(2) or "B").upper()]
+
+
+def parse_drop(ctx: click.Context, param: click.Parameter, value: str | None) -> frozenset[str]:
+    """``--drop rng,scheduler``: kinds of training state to leave behind, each one reshard knows."""
+    kinds = frozenset(k.strip() for k in (value or "").split(",") if k.strip())
+    unknown = sorted(kinds - set(LEFTOVER_KINDS))
+    if unknown:
+        raise click.BadParameter(f"{', '.join(unknown)}: not one of {', '.join(LEFTOVER_KINDS)}")
+    return kinds
 
 
 def option_group(*options: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[..., Any]:
@@ -263,6 +273,17 @@ def inspect_command(
     help="Tokenizer an HF output carries (default: the one the checkpoint names or holds); a folder or a Hub repo.",
 )
 @click.option(
+    "--with-optimizer",
+    is_flag=True,
+    help="Carry the training state: fp32 masters, Adam's moments, step and param groups (deepspeed, dcp).",
+)
+@click.option(
+    "--drop",
+    callback=parse_drop,
+    metavar="KINDS",
+    help=f"With --with-optimizer, leave these behind: comma-separated, of {', '.join(LEFTOVER_KINDS)}.",
+)
+@click.option(
     "--workers",
     type=click.IntRange(min=1),
     default=1,
@@ -295,6 +316,8 @@ def convert_command(ckpt: Path, out: Path, as_json: bool, quiet: bool, push: Any
 
     if options["lora_alpha"] is not None and not options["merge_lora"]:
         raise click.UsageError("--lora-alpha only applies with --merge-lora")
+    if options["drop"] and not options["with_optimizer"]:
+        raise click.UsageError("--drop only applies with --with-optimizer")
     options["lora_alpha"] = 1.0 if options["lora_alpha"] is None else options["lora_alpha"]
     workers = options.pop("workers")
     worker_timeout = options.pop("worker_timeout")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -12,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from reshard.config import ModelConfig, SourceFacts
 from reshard.dtypes import TensorHeader
-from reshard.errors import SHOWN_LENGTH, ReshardError, shown
+from reshard.errors import ReshardError
 from reshard.formats.file_plan import FilePlan
 from reshard.formats.readers import FileReader
 from reshard.formats.safetensors.writer import FileHooks
@@ -22,6 +21,7 @@ if TYPE_CHECKING:
     import torch
 
     from reshard.io.joined import Joined
+    from reshard.layouts.training import CarriedState, TrainingState
 
 
 @dataclass(frozen=True)
@@ -87,67 +87,6 @@ class NoteScope(Enum):
 
     OWN_LAYOUT = "own-layout"  # only of an output in the source's own layout (how to load what it does not carry)
     VOCAB_UNKNOWN = "vocab-unknown"  # only while no true vocab size is known
-
-
-MAX_STORED_ITEMS = 16  # a hyper-parameter list or tuple longer than this is shown, not kept
-
-
-def stored_value(value: Any) -> Any:
-    """A hyper-parameter as its checkpoint stores it, bounded: ``None``, a bool, a finite float, an int of at most
-    64 bits, a string of at most :data:`~reshard.errors.SHOWN_LENGTH` characters, or a short flat list of such
-    numbers (a tuple becomes a list) is kept; anything else becomes its text through :func:`reshard.errors.shown`."""
-    if value is None or isinstance(value, bool) or (type(value) is float and math.isfinite(value)):
-        return value
-    if type(value) is int and value.bit_length() <= 64:
-        return value
-    if type(value) is str and len(value) <= SHOWN_LENGTH:
-        return value
-    if type(value) in (list, tuple) and len(value) <= MAX_STORED_ITEMS:  # one level: never walked deeper
-        if all(v is None or type(v) is bool or type(v) in (int, float) and stored_value(v) is v for v in value):
-            return list(value)
-    return shown(value)
-
-
-@dataclass(frozen=True)
-class ParamGroup:
-    """One optimizer parameter group: its hyper-parameters as stored (:func:`stored_value`), its parameters by
-    name."""
-
-    hyper: dict[str, Any]
-    params: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class TrainingState:
-    """What a checkpoint holds of its training beside the weights, from its headers and pickled structure only.
-
-    Attributes:
-        optimizer: the optimizer's name where the checkpoint records one (a config's ``type``), else None.
-        step: the training step the checkpoint records, else None.
-        moments: the per-parameter state each trainable parameter has (``exp_avg``, ``exp_avg_sq``), the scalar
-            ``step`` left out.
-        groups: the parameter groups in the optimizer's order, each naming its parameters.
-        frozen: parameters in no group: no moments.
-        not_carried: what else the checkpoint holds of its training that reshard does not carry (loss scaler,
-            scheduler, RNG, ...), each with where it is.
-    """
-
-    optimizer: str | None
-    step: int | None
-    moments: tuple[str, ...]
-    groups: tuple[ParamGroup, ...]
-    frozen: tuple[str, ...] = ()
-    not_carried: tuple[str, ...] = ()
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "optimizer": self.optimizer,
-            "step": self.step,
-            "moments": list(self.moments),
-            "groups": [{"hyper": dict(g.hyper), "params": list(g.params)} for g in self.groups],
-            "frozen": list(self.frozen),
-            "not_carried": list(self.not_carried),
-        }
 
 
 @dataclass
@@ -294,6 +233,8 @@ class TargetSpec:
             its writer reads before the source's: a Megatron target's args when the source has none.
         requested_tp: the tp asked for (``--tp``); a layout of global tensors records it and writes ``tp`` 1.
         pp: pipeline stages to write (layouts without stages refuse more than one).
+        training: the training state carried (``--with-optimizer``; only to a writer that
+            :attr:`~CheckpointWriter.holds_training_state`); its state tensors are among ``rank_headers``.
     """
 
     tp: int
@@ -306,6 +247,7 @@ class TargetSpec:
     layout_facts: SourceFacts | None = None
     requested_tp: int = 1
     pp: int = 1
+    training: CarriedState | None = None
 
 
 @runtime_checkable
@@ -382,6 +324,10 @@ class CheckpointWriter:
     # Why the layout's runtime cannot load copies of a KV head on several ranks (``replicated_heads`` at a tp
     # above the head count); None when it can.
     replicated_heads_refusal: str | None = None
+
+    # True when the layout holds an optimizer's state beside the weights: the writer receives each parameter's state
+    # tensors (:func:`reshard.layouts.training.state_name`) and :attr:`TargetSpec.training` (``--with-optimizer``).
+    holds_training_state: bool = False
 
     # True when :meth:`write_unordered` may be called from several threads at once, in any order
     # (the writer knows every tensor's place up front), so the callers' threads write in parallel.

@@ -56,6 +56,12 @@ class Transform(Protocol):
         buffers instead of fresh memory."""
         ...
 
+    @property
+    def moves_values(self) -> bool:
+        """Whether every target element is a source element or a zero (a rename, split, fusion or permutation): then
+        a parameter's optimizer state (its master, its moments) goes through it as its weight does."""
+        ...
+
     def target_shapes(self, shapes: Sequence[Shape]) -> list[Shape]:
         """The targets' shapes from the sources' (pure).
 
@@ -94,6 +100,7 @@ class _Maker:
     into no tensor it is given and knows nothing of their values beforehand. Subclasses implement :meth:`_made`."""
 
     writes_into = False
+    moves_values = True
 
     def apply(
         self,
@@ -355,6 +362,7 @@ class DropZeros(_Maker):
 
     sources: int = 2
     targets: int = 1
+    moves_values = False  # the moments of a zero bias need not be zero: they would be dropped
 
     def target_shapes(self, shapes: Sequence[Shape]) -> list[Shape]:
         return [tuple(shapes[0])]
@@ -377,6 +385,10 @@ class Parallel(_Maker):
     """``parts[i]`` applied to the ``i``-th tensor of the group (each part maps one tensor to one)."""
 
     parts: tuple[Invertible, ...]
+
+    @property
+    def moves_values(self) -> bool:  # type: ignore[override]  # a property where the base has a class attribute
+        return all(part.moves_values for part in self.parts)
 
     @property
     def sources(self) -> int:
@@ -404,6 +416,10 @@ class Chain(_Maker):
     """``steps`` one after the other: each step's targets are the next step's sources."""
 
     steps: tuple[Invertible, ...]
+
+    @property
+    def moves_values(self) -> bool:  # type: ignore[override]  # a property where the base has a class attribute
+        return all(step.moves_values for step in self.steps)
 
     @property
     def sources(self) -> int:

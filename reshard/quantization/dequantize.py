@@ -61,6 +61,7 @@ class Dequantize:
         return [tuple(shapes[0])]
 
     writes_into = True  # the engine may hand apply() its output (a pooled buffer)
+    moves_values = False  # values are computed (scaled, cast), not moved
 
     def apply(
         self,
@@ -94,6 +95,7 @@ class Cast:
         return [tuple(shapes[0])]
 
     writes_into = True
+    moves_values = False  # values are computed (scaled, cast), not moved
 
     def apply(
         self,

@@ -20,10 +20,12 @@ from reshard.engine.plan.planner import (
     plan_conversion,
 )
 from reshard.engine.plan.tokenizer import carried_tokenizer, with_token_ids
+from reshard.engine.plan.training import plan_training
 from reshard.errors import AmbiguousPartitionError, MappingError, PlanError, ReshardError
 from reshard.formats.tokenizer import Tokenizer
 from reshard.geometry import Partition, Vocab, head_replicas, tps_that_split
-from reshard.layouts import LayoutSpec, SourceCheckpoint, TargetSpec, layout, target_layout
+from reshard.layouts import LAYOUTS, LayoutSpec, SourceCheckpoint, TargetSpec, layout, target_layout
+from reshard.layouts.training import CarriedState
 from reshard.mappings import HF, MappingChoice, choose_mapping, naming_of, require_true_vocab, sizing_config
 from reshard.mappings.megatron.gpt import MEGATRON
 from reshard.mappings.torchtitan_llama import TORCHTITAN
@@ -50,6 +52,7 @@ class TargetPlan:
         notes: what the user should know of the planned conversion (what ``--dtype`` dequantized).
         tokenizer: the tokenizer the output carries (only a layout transformers and runtimes read takes one); its
             bos / eos ids are in ``config`` where the config names none.
+        training: the training state carried (``--with-optimizer``): its state tensors are units of ``conversion``.
     """
 
     conversion: ConversionPlan
@@ -59,6 +62,7 @@ class TargetPlan:
     dropped: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
     tokenizer: Tokenizer | None = None
+    training: CarriedState | None = None
 
     @property
     def layout_facts(self) -> SourceFacts | None:
@@ -112,6 +116,8 @@ def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> TargetPlan
     elif options.dtype is not None:
         tensors, groups, dropped, problems, notes = _recast(opened, options.dtype)
     writer = spec.target_writer
+    if options.with_optimizer:
+        _check_carries_state(spec, options, source)
     writer.check_names(_target_names(opened, groups), source)
     facts = choice.layout_facts if choice is not None else None
     pad_multiple = options.pad_multiple or writer.pad_multiple(options.tp, source, facts)
@@ -153,11 +159,32 @@ def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> TargetPlan
         summary = said[0].one_line() if len(said) == 1 else PlanError(said).detail
         raise PlanError(err.problems, unsplit=err.unsplit, summary=summary) from err
     _refuse_copied_heads(conversion, spec, source)
+    training = None
+    if options.with_optimizer:
+        conversion, training = plan_training(conversion, dropped, drop=options.drop)
     config = _config(opened, choice)
     if options.dtype is not None and config is not None:
         config = dequantized_config(config, options.dtype)
     tokenizer = carried_tokenizer(opened.tokenizer, spec)
-    return TargetPlan(conversion, spec, with_token_ids(config, tokenizer), choice, dropped, notes, tokenizer)
+    config = with_token_ids(config, tokenizer)
+    return TargetPlan(conversion, spec, config, choice, dropped, notes, tokenizer, training)
+
+
+def _check_carries_state(spec: LayoutSpec, options: ConvertOptions, source: SourceCheckpoint) -> None:
+    """``--with-optimizer`` needs a target layout that holds an optimizer's state, and the weights as they are."""
+    if not spec.target_writer.holds_training_state:
+        holding = [s.name for s in LAYOUTS if s.writer is not None and s.writer.holds_training_state]
+        raise ReshardError(
+            f"the {spec} layout holds no optimizer state (--with-optimizer)",
+            path=source.path,
+            hint=f"--layout {' or '.join(holding)}" if holding else "no layout holds one yet",
+        )
+    if options.dtype is not None:
+        raise ReshardError(
+            "--dtype with --with-optimizer: the weights are the fp32 masters the moments belong to",
+            path=source.path,
+            hint="convert the training state first, then cast the weights alone",
+        )
 
 
 def target_spec(target: TargetPlan, options: ConvertOptions) -> TargetSpec:
@@ -179,6 +206,7 @@ def target_spec(target: TargetPlan, options: ConvertOptions) -> TargetSpec:
         layout_facts=target.layout_facts,
         requested_tp=options.tp,
         pp=options.pp,
+        training=target.training,
     )
 
 

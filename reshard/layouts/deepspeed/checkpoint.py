@@ -31,12 +31,13 @@ from reshard.config import find_config
 from reshard.dtypes import TensorHeader, code_from_name
 from reshard.errors import CorruptFileError, MissingRankError, ReshardError
 from reshard.formats.torch_zip.structure import TensorRecord, read_structure
-from reshard.layouts.base import SourceCheckpoint, TensorRef, TrainingState
+from reshard.layouts.base import SourceCheckpoint, TensorRef
 from reshard.layouts.deepspeed.pickles import Pickled
 from reshard.layouts.deepspeed.pickles import read as read_pickled
 from reshard.layouts.deepspeed.pieces import Piece, PiecesReader
 from reshard.layouts.deepspeed.training import native_state, universal_state
 from reshard.layouts.deepspeed.zero import Flat, Segment, zero2_pieces, zero3_pieces
+from reshard.layouts.training import TrainingState
 from reshard.options import MAX_RANKS, ReadOptions
 from reshard.ranks import listed
 

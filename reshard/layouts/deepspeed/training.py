@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from reshard.errors import SHOWN_LENGTH, CorruptFileError, shown
-from reshard.layouts.base import ParamGroup, TrainingState, stored_value
 from reshard.layouts.deepspeed.pickles import Pickled
+from reshard.layouts.training import Leftover, ParamGroup, TrainingState, stored_value
 
 MAX_KEYS = 256  # keys of a param group, a state entry or an optimizer file: a few dozen in practice
 MAX_STEP = 1 << 63
@@ -48,6 +48,14 @@ ENGINE_KEYS = frozenset({
 })  # fmt: skip
 TRAINER_FILES = re.compile(r"^(rng_state(?:_\d+)?\.pth|scheduler\.pt|optimizer\.pt|trainer_state\.json)$")
 SHOWN_FILES = 8
+# The kind of each key or file reshard does not carry, for ``--drop`` (first match; anything else is "other").
+KINDS = (
+    (re.compile(r"^rng_state"), "rng"),
+    (re.compile(r"^(lr_scheduler|scheduler\.pt)$"), "scheduler"),
+    (re.compile(r"^(loss_scaler|dynamic_loss_scale|overflow|skipped_steps)$"), "loss_scaler"),
+    (re.compile(r"^(data_sampler|global_samples)$"), "dataloader"),
+    (re.compile(r"^trainer_state\.json$"), "trainer"),
+)
 
 
 def native_state(
@@ -226,24 +234,30 @@ def _frozen(states: Mapping[str, Any], trainable: set[str]) -> tuple[str, ...]:
 
 def _not_carried(
     states: Pickled, osd: Mapping[str, Any], file: Path, beside: Path | None, *, read: frozenset[str] = READ
-) -> tuple[str, ...]:
+) -> tuple[Leftover, ...]:
     if len(osd) > MAX_KEYS:
         raise CorruptFileError(f"has more than {MAX_KEYS} keys", path=file, tensor="optimizer_state_dict")
     other = [k for k in osd if k not in read]
     if not all(isinstance(k, str) and len(k) <= SHOWN_LENGTH for k in other):
         raise CorruptFileError("has a key that is not a short name", path=file, tensor="optimizer_state_dict")
-    found = [f"{k} (optimizer files)" for k in other]
-    found += [f"{k} (model states)" for k in MODEL_STATES_KEPT if states.obj.get(k) not in (None, {}, [])]
+    found = [Leftover(_kind(k), k, "optimizer files") for k in other]
+    kept = [k for k in MODEL_STATES_KEPT if states.obj.get(k) not in (None, {}, [])]
+    found += [Leftover(_kind(k), k, "model states") for k in kept]
     client = [k for k in states.obj if k not in ENGINE_KEYS]
-    found += [f"{_name(k)} (model states: client_state)" for k in client[:SHOWN_FILES]]
+    found += [Leftover("client_state", _name(k), "model states: client_state") for k in client[:SHOWN_FILES]]
     if len(client) > SHOWN_FILES:
-        found.append(f"{len(client) - SHOWN_FILES} more client_state keys (model states)")
+        found.append(Leftover("client_state", f"{len(client) - SHOWN_FILES} more client_state keys", "model states"))
     if beside is not None:
         names = sorted(child.name for child in beside.iterdir() if TRAINER_FILES.match(child.name))
-        found += [f"{n} (beside the DeepSpeed folder)" for n in names[:SHOWN_FILES]]
+        found += [Leftover(_kind(n), n, "beside the DeepSpeed folder") for n in names[:SHOWN_FILES]]
         if len(names) > SHOWN_FILES:
-            found.append(f"{len(names) - SHOWN_FILES} more Trainer files (beside the DeepSpeed folder)")
+            found.append(Leftover("trainer", f"{len(names) - SHOWN_FILES} more Trainer files", "beside the folder"))
     return tuple(found)
+
+
+def _kind(key: str) -> str:
+    """The kind (``--drop``) of a key or file DeepSpeed or the HF Trainer keeps beside the optimizer state."""
+    return next((kind for pattern, kind in KINDS if pattern.match(key)), "other")
 
 
 def _name(key: Any) -> str:

@@ -1,0 +1,161 @@
+"""``--with-optimizer``: each parameter's training state planned as its weight is. Pure: no torch, no file opened.
+
+A parameter's state tensors (its fp32 master where the source keeps one apart, Adam's ``exp_avg`` and
+``exp_avg_sq``) have its weight's shape, so they take the weight's unit of work with their own bytes: the same
+partition and cut, the same mapping (a fused q/k/v, a RoPE permutation, a renamed tensor), the same vocab padding
+(padded rows are zero in the moments as in the weight), under the target names of :func:`state_name`. Nothing
+here decides a cut: the weight's :class:`~reshard.engine.plan.planner.TensorPlan` already did.
+
+What the target cannot carry exactly is refused by name before any output exists: a layout that holds no optimizer
+state, a transform that computes values instead of moving them, a unit fusing parameters of different groups, a
+trainable parameter without its moments, an optimizer that is not Adam, and whatever else the source keeps of its
+training (scheduler, RNG, loss scaler, ...) unless ``--drop`` leaves it behind. Param groups are carried by their
+parameters' names, in the source's order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+from reshard.engine.plan.planner import ConversionPlan, SourceTensor, TensorPlan
+from reshard.errors import PlanError, ReshardError, ShapeMismatchError
+from reshard.layouts.base import SourceCheckpoint, TensorRef
+from reshard.layouts.training import SLOTS, CarriedState, ParamGroup, TrainingState, state_name
+
+# Optimizers whose whole per-parameter state is ``exp_avg`` and ``exp_avg_sq`` (and a step), by the names their
+# checkpoints record (DeepSpeed's ``ds_config.optimizer.type``, torch's class), lower case, without ``_``.
+ADAM = frozenset({"adam", "adamw", "fusedadam", "cpuadam", "deepspeedcpuadam", "torchadam"})
+MOMENTS = frozenset({"exp_avg", "exp_avg_sq"})
+
+
+def plan_training(
+    conversion: ConversionPlan, dropped: Sequence[str], *, drop: frozenset[str]
+) -> tuple[ConversionPlan, CarriedState]:
+    """The conversion with every trainable parameter's state tensors beside its weight, and what its writer needs.
+
+    Args:
+        conversion: the planned weights.
+        dropped: source tensors the mapping drops on purpose (a trainable one cannot be).
+        drop: the kinds of leftover training state the user leaves behind.
+
+    Raises:
+        PlanError: every problem at once, each naming the tensor.
+        ReshardError: the source holds no training state, or more than ``drop`` leaves behind.
+    """
+    source = conversion.source
+    state = _readable(source, drop)
+    trainable = state.trainable
+    slots = tuple(slot for slot in SLOTS if slot == "master" and _has_master(state) or slot in state.moments)
+    problems: list[ReshardError] = [
+        ReshardError("is a trainable parameter the conversion drops", path=source.path, tensor=name)
+        for name in dropped
+        if name in trainable
+    ]
+    states: list[TensorPlan] = []
+    groups: list[list[str]] = [[] for _ in state.groups]
+    frozen: list[str] = []
+    for plan in conversion.tensors:
+        members = {trainable.get(s.name) for s in plan.sources}
+        if members == {None}:
+            frozen += [t.name for t in plan.targets]
+            continue
+        if len(members) > 1:
+            held = ", ".join(f"{s.name} ({_group(trainable.get(s.name))})" for s in plan.sources)
+            problems.append(ReshardError(f"makes one tensor of parameters of different groups: {held}",
+                                         path=source.path, tensor=plan.name))  # fmt: skip
+            continue
+        if plan.transform is not None and not plan.transform.moves_values:
+            problems.append(ReshardError(f"{plan.transform.describe()}: computes its values, and an optimizer's "
+                                         "state cannot follow", path=source.path, tensor=plan.name))  # fmt: skip
+            continue
+        (index,) = members
+        assert index is not None
+        groups[index] += [t.name for t in plan.targets]
+        for slot in slots:
+            made = _state_plan(plan, slot, state.tensors, problems)
+            if made is not None:
+                states.append(made)
+    if problems:
+        raise PlanError(problems)
+    carried = CarriedState(
+        optimizer=state.optimizer,
+        step=state.step if state.step is not None else 0,
+        groups=tuple(ParamGroup(g.hyper, tuple(names)) for g, names in zip(state.groups, groups, strict=True)),
+        slots=slots,
+        frozen=tuple(frozen),
+    )
+    return replace(conversion, tensors=(*conversion.tensors, *states)), carried
+
+
+def _readable(source: SourceCheckpoint, drop: frozenset[str]) -> TrainingState:
+    """The source's training state, when it can be carried whole but for what ``drop`` leaves behind."""
+    state = source.training
+    if state is None or not state.tensors:
+        raise ReshardError(
+            f"holds no training state reshard reads (the {source.layout} layout's optimizer state, if any, is not "
+            "read)",
+            path=source.path,
+            hint="convert without --with-optimizer to carry the weights alone",
+        )
+    if state.step is None:
+        raise ReshardError("records no training step: the optimizer's bias correction needs it", path=source.path)
+    name = (state.optimizer or "").lower().replace("_", "")
+    other = sorted(set(state.moments) - MOMENTS)
+    if other or (state.optimizer is not None and name not in ADAM):
+        what = f"optimizer {state.optimizer!r}" if state.optimizer else "the optimizer"
+        raise ReshardError(
+            f"{what} keeps {', '.join(state.moments) or 'no moments'} per parameter: only Adam's exp_avg and "
+            "exp_avg_sq are carried",
+            path=source.path,
+        )
+    left = [item for item in state.not_carried if item.kind not in drop]
+    if left:
+        kinds = sorted({item.kind for item in left})
+        raise ReshardError(
+            f"holds training state no target carries: {', '.join(map(str, left))}",
+            path=source.path,
+            hint=f"leave it behind with --drop {','.join(kinds)}",
+        )
+    return state
+
+
+def _has_master(state: TrainingState) -> bool:
+    """Whether the source keeps fp32 masters apart from its weights (else the weights are the masters)."""
+    return any(state_name(name, "master") in state.tensors[0] for group in state.groups for name in group.params)
+
+
+def _group(index: int | None) -> str:
+    return "frozen" if index is None else f"group {index}"
+
+
+def _state_plan(
+    plan: TensorPlan, slot: str, tensors: Sequence[Mapping[str, TensorRef]], problems: list[ReshardError]
+) -> TensorPlan | None:
+    """``plan`` for the ``slot`` state of its parameters: their state's slices in place of the weights', the targets
+    named by :func:`state_name` in the state's dtype; None (and a problem) when a slice is missing or misshapen."""
+    sources: list[SourceTensor] = []
+    for weight in plan.sources:
+        name = state_name(weight.name, slot)
+        refs = [tensors[ref.rank].get(name) if ref.rank < len(tensors) else None for ref in weight.refs]
+        missing = [weight.refs[i].rank for i, ref in enumerate(refs) if ref is None]
+        if missing:
+            problems.append(ReshardError(f"is a trainable parameter without its {slot} (rank(s) {missing})",
+                                         path=weight.refs[0].file, tensor=weight.name))  # fmt: skip
+            return None
+        found = [ref for ref in refs if ref is not None]
+        wrong = [(w, s) for w, s in zip(weight.refs, found, strict=True) if tuple(w.shape) != tuple(s.shape)]
+        if wrong:
+            w, s = wrong[0]
+            problems.append(ShapeMismatchError(f"its {slot} is {list(s.shape)} but its weight {list(w.shape)}",
+                                               path=s.file, tensor=weight.name))  # fmt: skip
+            return None
+        sources.append(replace(weight, name=name, refs=tuple(found)))
+    codes = {s.code for s in sources}
+    if len(codes) > 1:
+        problems.append(ShapeMismatchError(f"its parameters' {slot} have different dtypes: {sorted(codes)}",
+                                           tensor=plan.name))  # fmt: skip
+        return None
+    (code,) = codes
+    targets = tuple(replace(t, name=state_name(t.name, slot), code=code) for t in plan.targets)
+    return replace(plan, sources=tuple(sources), targets=targets)

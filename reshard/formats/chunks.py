@@ -27,6 +27,22 @@ from reshard.formats.safetensors.header import read_header
 from reshard.formats.torch_zip.structure import ZIP_MAGIC, TensorRecord, data_start, read_structure
 
 MAX_PICKLE = 1 << 20  # a tensor's data.pkl is a few hundred bytes
+MAX_VALUE = 64 << 20  # a pickled value of a checkpoint (an optimizer's param-group names) takes kilobytes to megabytes
+_ARCHIVE_ERRORS = (
+    zipfile.BadZipFile,
+    KeyError,
+    OSError,
+    EOFError,
+    ValueError,
+    struct.error,
+    pickle.UnpicklingError,
+    TypeError,
+    AttributeError,
+    IndexError,
+    RecursionError,
+    MemoryError,
+    OverflowError,
+)
 
 
 @dataclass(frozen=True)
@@ -119,21 +135,7 @@ def torch_archive_layout(
             record, stored_code = _load_record(archive.read(pickled), path, tensor)
             data = archive.getinfo(f"{prefix}data/{record.storage.key}")
             start = data_start(handle.fileno(), data, base=position)
-    except (
-        zipfile.BadZipFile,
-        KeyError,
-        OSError,
-        EOFError,
-        ValueError,
-        struct.error,
-        pickle.UnpicklingError,
-        TypeError,
-        AttributeError,
-        IndexError,
-        RecursionError,
-        MemoryError,
-        OverflowError,
-    ) as err:
+    except _ARCHIVE_ERRORS as err:
         raise corrupt(f"not a readable torch.save archive ({str(err) or type(err).__name__})") from err
     if stored_code != code or record.sizes != shape:
         raise corrupt(f"holds {stored_code} {list(record.sizes)}, the metadata says {code} {list(shape)}")
@@ -148,6 +150,27 @@ def torch_archive_layout(
     if extent * itemsize > min(record.storage.nbytes, data.file_size) or start + data.file_size > length:
         raise corrupt("the tensor's bytes run past its storage or the archive: truncated?")
     return ChunkLayout(position + start, record.offset, record.strides)
+
+
+def archive_value(path: Path, position: int, length: int, *, entry: str) -> Any:
+    """What the ``torch.save`` archive at ``[position, position + length)`` of ``path`` pickles (a DCP BYTE_IO value:
+    a hyper-parameter, a list of names), read without running it (:func:`read_structure`): numbers, strings and
+    containers as they are, a tensor as a :class:`TensorRecord`, any other object :class:`Inert`.
+
+    Raises:
+        CorruptFileError: not a readable archive, or its pickle larger than :data:`MAX_VALUE`.
+    """
+    try:
+        with path.open("rb") as handle, zipfile.ZipFile(_Range(handle.fileno(), position, length)) as archive:
+            pickled = next((i for i in archive.infolist() if i.filename.endswith("data.pkl")), None)
+            if pickled is None or pickled.file_size > MAX_VALUE:
+                raise CorruptFileError(f"value at byte {position}: no data.pkl of a value", path=path, tensor=entry)
+            return read_structure(archive.read(pickled))
+    except _ARCHIVE_ERRORS as err:
+        why = str(err) or type(err).__name__
+        raise CorruptFileError(
+            f"value at byte {position}: not a readable torch.save archive ({why})", path=path, tensor=entry
+        ) from err
 
 
 def _load_record(data: bytes, path: Path, tensor: str) -> tuple[TensorRecord, str]:

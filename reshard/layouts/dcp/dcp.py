@@ -7,9 +7,11 @@
 A DCP checkpoint stores every tensor by its global shape and the chunk boxes each rank held, so it is
 presented as a tp=1 checkpoint of global tensors: each tensor is assembled from the boxes over it when
 it is read (:mod:`reshard.layouts.dcp.boxed_reader`), and any target tp is one slice of it away. No process
-group, no torch.distributed import. Only the model's tensors are read, by their names inside the container the
-trainer nested them in; optimizer, scheduler, dataloader, rng and training-state entries are skipped and reported
-(:mod:`reshard.layouts.dcp.containers`). A folder with no model tensors is refused (:class:`NoModelError`).
+group, no torch.distributed import. The model's tensors are read by their names inside the container the
+trainer nested them in (:mod:`reshard.layouts.dcp.containers`); the optimizer's state beside them is the
+checkpoint's training state (:mod:`reshard.layouts.dcp.optimizer`: moments read lazily from their boxes as the
+weights are); scheduler, dataloader, rng and trainer entries are reported as not carried. A folder with no model
+tensors is refused (:class:`NoModelError`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from reshard.layouts.base import SourceCheckpoint, TensorRef
 from reshard.layouts.dcp.boxed_reader import BoxedReader, BoxView
 from reshard.layouts.dcp.containers import model_entries
 from reshard.layouts.dcp.dcp_checks import check_files, check_tensor
+from reshard.layouts.dcp.optimizer import state_entries, training_state
+from reshard.layouts.training import SLOTS, state_name
 from reshard.options import ReadOptions
 from reshard.sizes import human_bytes
 
@@ -60,11 +64,18 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
     groups = _groups(index, entries.skipped)
     if not entries.tensors:
         raise _no_model(path, len(index.values) - len(set(index.values) & set(entries.skipped)), groups)
-    model, sizes = checked(entries.tensors)
+    found = state_entries(index, entries)
+    states = {state_name(p, slot): fqn for (p, slot), fqn in found.tensors.items() if slot in SLOTS}
+    extra = {fqn: index.tensors[fqn] for fqn in [*states.values(), *found.steps.values()]}
+    everything, sizes = checked({**entries.tensors, **extra})
     names = entries.names
-    reader = BoxedReader(path, {names[fqn]: BoxView.whole(tensor) for fqn, tensor in model.items()})
-    refs = {name: TensorRef(name, 0, reader, name, reader.headers[name]) for name in reader.headers}
+    views = {names[fqn]: BoxView.whole(everything[fqn]) for fqn in entries.tensors}
+    reader = BoxedReader(path, views | {name: BoxView.whole(everything[fqn]) for name, fqn in states.items()})
+    refs = {name: TensorRef(name, 0, reader, name, reader.headers[name]) for name in views}
+    state_refs = {name: TensorRef(name, 0, reader, name, reader.headers[name]) for name in states}
+    model = {fqn: everything[fqn] for fqn in entries.tensors}
     source = SourceCheckpoint(path, NAME, [refs], config=find_config(path), side_files=_side_files(path))
+    source.training = training_state(index, found, everything, list(refs), state_refs)
     source.notes.append(_summary(index, model, sizes))
     source.notes.extend(index.notes)
     if entries.container:

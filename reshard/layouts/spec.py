@@ -59,6 +59,8 @@ class LayoutSpec:
             the source's names.
         kept: a conversion without ``--layout`` writes the source's layout again (else transformers' folders).
         global_tensors: holds global tensors that any tp loads: planned at tp 1, the tp asked only recorded.
+        loaded_at_any_size: for a layout of global tensors, the note a conversion into it ends with: who loads it at
+            any parallel size and what it records of the sizes asked (``{tp}`` and ``{pp}`` stand for them).
         pipeline_stages: can write ``--pp`` stages.
         trackers: small files naming the folder to read (Megatron's ``latest_checkpointed_iteration.txt``), each with
             what gives the folder's name from the file's text.
@@ -78,6 +80,7 @@ class LayoutSpec:
     naming: str | None = None
     kept: bool = False
     global_tensors: bool = False
+    loaded_at_any_size: str = ""
     pipeline_stages: bool = False
     trackers: tuple[tuple[str, Callable[[str], str | None]], ...] = ()
     rank_folder: re.Pattern[str] | None = None

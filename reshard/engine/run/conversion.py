@@ -224,9 +224,6 @@ def _result(
         notes.append(f"the output carries the tokenizer of {tokenizer}")
     if divergent:
         notes.append(f"replicated but different between ranks, rank 0's copy taken: {', '.join(sorted(divergent))}")
-    if target.layout.global_tensors:
-        notes.append(
-            f"{target.layout} holds global tensors that Megatron-Core loads at any tp/pp; its args record "
-            f"tensor_model_parallel_size={options.tp}, pipeline_model_parallel_size={options.pp}"
-        )
+    if target.layout.loaded_at_any_size:
+        notes.append(target.layout.loaded_at_any_size.format(tp=options.tp, pp=options.pp))
     return ConversionRun(route, target, tuple(sorted(files)), divergent, out / MANIFEST_NAME, tuple(notes), tokenizer)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import pickle
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, SupportsIndex
 
@@ -228,10 +229,13 @@ class StoredChunk:
 def build_metadata(
     tensors: list[tuple[str, str, tuple[int, ...], list[StoredChunk]]],
     objects: list[tuple[str, str, int, int]],
+    *,
+    planner_data: Mapping[str, tuple[str | int, ...]] | None = None,
 ) -> Metadata:
     """The ``Metadata`` of a checkpoint of global tensors ``(key, torch dtype name, shape, chunks)`` and
-    non-tensor objects ``(key, file, position, length)``: entries in the order given, no planner data, and a
-    ``StorageMeta`` without ids (the output stays the same from run to run)."""
+    non-tensor objects ``(key, file, position, length)``: entries in the order given, ``planner_data`` (the key
+    path of each flattened key, as ``DefaultSavePlanner`` records it; None as Megatron-Core's planner leaves it),
+    and a ``StorageMeta`` without ids (the output stays the same from run to run)."""
     entries: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
     storage: dict[MetadataIndex, StorageInfo] = {}
     for key, name, shape, chunks in tensors:
@@ -243,4 +247,5 @@ def build_metadata(
     for key, file, position, length in objects:
         entries[key] = BytesStorageMetadata()
         storage[MetadataIndex(key)] = StorageInfo(file, position, length)
-    return Metadata(entries, None, storage, StorageMeta(), VERSION)
+    paths = None if planner_data is None else dict(planner_data)
+    return Metadata(entries, paths, storage, StorageMeta(), VERSION)

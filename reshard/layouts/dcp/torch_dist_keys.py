@@ -29,12 +29,13 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from reshard.dtypes import TensorHeader
 from reshard.errors import ReshardError, ShapeMismatchError
+from reshard.layouts.dcp.distcp_files import Chunk, GlobalTensor
 
 Shape = tuple[int, ...]
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -50,24 +51,6 @@ _EXTRA_LINEARS = frozenset(
 )
 _EXTRA_NORMS = frozenset("final_layernorm pre_mlp_layernorm q_layernorm k_layernorm input_layernorm".split())
 _MLA = "self_attention.linear_kv_down_proj."
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One incoming tensor (``name``) as a box of its global tensor."""
-
-    name: str
-    offsets: Shape
-    sizes: Shape
-
-
-@dataclass
-class GlobalTensor:
-    key: str
-    code: str
-    shape: Shape
-    axes: Shape  # the stacked axes (layers, experts) at the front of ``shape``
-    chunks: list[Chunk] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -26,24 +26,18 @@ iteration with ``--no-load-optim --no-load-rng`` (or ``--finetune``), as the leg
 
 from __future__ import annotations
 
-import functools
 import json
-import threading
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from huggingface_hub import split_state_dict_into_shards_factory
-
 from reshard.config import SourceFacts
-from reshard.dtypes import TensorHeader, name_of
 from reshard.formats.dcp_metadata import write as dcp
 from reshard.formats.file_plan import FilePlan
-from reshard.formats.torch_zip.writer import Region, TensorSlot, TorchZipWriter
-from reshard.io.direct import DirectFile
+from reshard.formats.torch_zip.writer import TorchZipWriter
 from reshard.io.joined import Joined
 from reshard.layouts.base import ONE_RUN, CheckpointWriter, RunFiles, SourceCheckpoint, TargetSpec
+from reshard.layouts.dcp.distcp_files import METADATA, ArchiveFiles, Archives, metadata, place_archives
 from reshard.layouts.dcp.torch_dist_keys import GlobalPlan, plan_global
 from reshard.layouts.dcp.torch_dist_keys import check_names as check_global_names
 from reshard.layouts.megatron.args import PICKLE_MODULE, retarget_args
@@ -56,8 +50,6 @@ from reshard.megatron.vocab import megatron_pad_multiple
 if TYPE_CHECKING:
     import torch
 
-METADATA = ".metadata"
-ARCHIVE = "archive"  # the folder torch.save names inside an archive written to a file object, as DCP writes
 COMMON = "common.pt"
 CONFIG = "metadata.json"
 # Megatron-Core's CheckpointingConfig for torch_dist with the torch common strategy, as 0.16.1 writes it.
@@ -81,19 +73,13 @@ class TorchDistFilePlan(FilePlan):
         global_plan: the global keys, stacked shapes, chunk boxes and ``_extra_state`` objects.
         args: the Megatron args ``common.pt`` records (the tp asked for, pp, padded vocab, the format).
         folder: ``release`` or ``iter_XXXXXXX``, relative to the output.
-        names: the data files inside ``folder``, ``__0_0.distcp`` ...
-        sizes: each data file's size in bytes.
-        where: each archive's key -> (data file index, position, length).
-        chunks: each incoming tensor name -> (its chunk's archive key, the chunk's header).
+        archives: the data files inside ``folder`` and where each archive sits in them.
     """
 
     global_plan: GlobalPlan
     args: Any = None
     folder: str = ""
-    names: tuple[str, ...] = ()
-    sizes: tuple[int, ...] = ()
-    where: Mapping[str, tuple[int, int, int]] = field(default_factory=dict)
-    chunks: Mapping[str, tuple[str, TensorHeader]] = field(default_factory=dict)
+    archives: Archives = field(default_factory=Archives)
 
 
 class TorchDistWriter(CheckpointWriter):
@@ -126,40 +112,22 @@ class TorchDistWriter(CheckpointWriter):
             homogeneous=_homogeneous(args),
             tied=not arg(args, "untie_embeddings_and_output_weights", False),
         )
-        sizes = {key: TorchZipWriter(Path(key), [value], archive=ARCHIVE).size for key, value in plan.objects.items()}
-        chunks: dict[str, tuple[str, TensorHeader]] = {}
-        for tensor in plan.tensors:
-            for chunk in tensor.chunks:
-                key, header = f"{tensor.key}@{chunk.offsets}", TensorHeader(chunk.sizes, tensor.code)
-                chunks[chunk.name] = (key, header)
-                sizes[key] = _archive_size(header)
-        split = split_state_dict_into_shards_factory(
-            sizes, get_storage_size=lambda size: size, max_shard_size=spec.max_shard_size, filename_pattern="{suffix}"
-        )
-        names = tuple(f"__0_{i}.distcp" for i in range(len(split.filename_to_tensors)))
-        ends = [0] * len(names)
-        where: dict[str, tuple[int, int, int]] = {}
-        for index, keys in enumerate(split.filename_to_tensors.values()):
-            for key in keys:
-                where[key], ends[index] = (index, ends[index], sizes[key]), ends[index] + sizes[key]
+        archives = place_archives(plan.tensors, _objects(plan), spec.max_shard_size)
         facts = megatron_facts(source)
         folder = "release" if facts.release else f"iter_{int(facts.iteration or 0):07d}"
-        held: list[set[str]] = [set() for _ in names]
-        for name, (key, _) in chunks.items():
-            held[where[key][0]].add(name)
-        files = {f"{folder}/{name}": frozenset(tensors) for name, tensors in zip(names, held, strict=True)}
-        return TorchDistFilePlan(files, plan, _retarget(args, spec), folder, names, tuple(ends), where, chunks)
+        return TorchDistFilePlan(archives.files(folder), plan, _retarget(args, spec), folder, archives)
 
     def __init__(self, out_dir: Path, spec: TargetSpec, plan: TorchDistFilePlan, run: RunFiles = ONE_RUN) -> None:
         super().__init__(out_dir, spec, plan, run)
         facts = megatron_facts(spec.source)
         self._release = facts.release
         self._iteration = int(facts.iteration or 0)
-        self._args, self._plan, self._sizes = plan.args, plan.global_plan, plan.sizes
-        self._folder, self._names, self._where, self._chunks = Path(plan.folder), plan.names, plan.where, plan.chunks
+        self._args, self._plan, self._archives = plan.args, plan.global_plan, plan.archives
+        self._folder = Path(plan.folder)
         self._folder_path = out_dir / self._folder
-        self._folder_path.mkdir(parents=True, exist_ok=True)
-        self._open()
+        self._files = ArchiveFiles(self._folder_path, plan.archives, _objects(plan.global_plan), run.hooks(out_dir))
+        if self.run.writes_shared:
+            self._write_common()
 
     @classmethod
     def check_names(cls, names: list[str], source: SourceCheckpoint) -> None:
@@ -173,35 +141,6 @@ class TorchDistWriter(CheckpointWriter):
     def pad_multiple(cls, tp: int, source: SourceCheckpoint, layout_facts: SourceFacts | None) -> int | None:
         """As Megatron pads the vocab at tp ``tp``: ``make_vocab_size_divisible_by * tp`` (128 * tp by default)."""
         return megatron_pad_multiple(arg(megatron_args_of(source, layout_facts), "make_vocab_size_divisible_by"), tp)
-
-    def _open(self) -> None:
-        """Open the data files the plan places (a kept file of a resumed run stays as it is), write the objects."""
-        folder = self._folder_path
-        hooks = [self.run.hooks(self.out_dir)(folder / name) for name in self._names]
-        self._kept = [keep for keep, _ in hooks]
-        self._on_done = [on_done for _, on_done in hooks]
-        self._files: list[DirectFile | None] = [
-            None if keep else DirectFile(folder / name, end)  # a kept file (a resumed run) is left as it is
-            for name, end, (keep, _) in zip(self._names, self._sizes, hooks, strict=True)
-        ]
-        self._left: list[set[str]] = [set() for _ in self._names]  # per file, the chunks still to write
-        for key, (index, _, _) in self._where.items():
-            self._left[index].add(key)
-        self._written: set[str] = set()
-        self._lock = threading.Lock()
-        for key, value in self._plan.objects.items():  # known already: written now
-            region = self._region(key)
-            if region is not None:
-                TorchZipWriter(folder / key, [value], archive=ARCHIVE, region=region).close()
-            self._landed(key)
-        if self.run.writes_shared:
-            self._write_common()
-
-    def _region(self, key: str) -> Region | None:
-        """Where archive ``key`` goes in its data file; None when that file is kept as it is (a resumed run)."""
-        index, position, _ = self._where[key]
-        file = self._files[index]
-        return None if file is None else Region(file, position)
 
     def _write_common(self) -> None:
         """``common.pt`` (as ``torch.save`` writes it, Megatron's enums in ``args`` as their own globals) and
@@ -222,70 +161,26 @@ class TorchDistWriter(CheckpointWriter):
         (tensor,) = slices
         if isinstance(tensor, Joined):  # only a slice of a tensor split over ranks is its parts
             raise TypeError(f"{name}: a tp 1 slice is one tensor, not {len(tensor.parts)} parts")
-        key, header = self._chunks[name]
-        with self._lock:
-            if name in self._written:
-                raise ValueError(f"{name}: written twice")
-            self._written.add(name)
-        region = self._region(key)
-        if region is not None:
-            while tensor.dim() < len(header.shape):  # the stacked axes: views, never copies
-                tensor = tensor.unsqueeze(0)
-            archive = TorchZipWriter(self._folder_path / key, TensorSlot(name, header), archive=ARCHIVE, region=region)
-            archive.write(name, tensor)  # its only tensor: the archive is complete
-        self._landed(key)
+        self._files.write(name, tensor)
 
     write = write_unordered
 
-    def _landed(self, key: str) -> None:
-        """Count an archive as written; a data file whose archives are all written is closed and announced."""
-        index = self._where[key][0]
-        with self._lock:
-            left = self._left[index]
-            left.discard(key)
-            file = self._files[index] if not left else None
-            if file is not None:
-                self._files[index] = None
-        if file is not None:
-            file.close()
-            on_done = self._on_done[index]
-            if on_done is not None:
-                on_done()
-
     def close(self) -> list[Path]:
-        missing = [
-            name
-            for name, (key, _) in self._chunks.items()
-            if name not in self._written and not self._kept[self._where[key][0]]
-        ]
+        missing = self._files.missing()
         if missing:
             raise ValueError(f"torch_dist: closed before {missing[0]} (and {len(missing) - 1} more) was written")
-        for file in self._files:  # files without archives (none are planned so) close here
-            if file is not None:
-                file.close()
+        self._files.close()
         if self.run.writes_shared:
-            (self._folder_path / METADATA).write_bytes(dcp.dumps(_metadata(self._plan, self._where, self._names)))
+            data = metadata(self._plan.tensors, _objects(self._plan), self._archives)
+            (self._folder_path / METADATA).write_bytes(dcp.dumps(data))
             (self.out_dir / TRACKER).write_text("release" if self._release else str(self._iteration))
-        written = [COMMON, CONFIG, *self._names, METADATA]
+        written = [COMMON, CONFIG, *self._archives.names, METADATA]
         return [Path(TRACKER), *(self._folder / name for name in written)]
 
 
-def _metadata(plan: GlobalPlan, where: Mapping[str, tuple[int, int, int]], names: Sequence[str]) -> dcp.Metadata:
-    def place(key: str) -> tuple[str, int, int]:
-        index, position, length = where[key]
-        return names[index], position, length
-
-    tensors = []
-    for tensor in plan.tensors:
-        chunks = [dcp.StoredChunk(c.offsets, c.sizes, *place(f"{tensor.key}@{c.offsets}")) for c in tensor.chunks]
-        tensors.append((tensor.key, name_of(tensor.code), tensor.shape, chunks))
-    return dcp.build_metadata(tensors, [(key, *place(key)) for key in plan.objects])
-
-
-@functools.lru_cache(maxsize=1024)
-def _archive_size(header: TensorHeader) -> int:
-    """The bytes ``torch.save`` writes for one contiguous tensor of ``header`` to a file object."""
-    return TorchZipWriter(Path(ARCHIVE), TensorSlot("t", header), archive=ARCHIVE).size
+def _objects(plan: GlobalPlan) -> dict[str, Any]:
+    """The ``_extra_state`` objects as Megatron-Core saves a ``ShardedObject``: in a list of one."""
+    return {key: [value] for key, value in plan.objects.items()}
 
 
 def _retarget(args: Any, spec: TargetSpec) -> Any:

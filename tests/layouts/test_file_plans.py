@@ -172,17 +172,17 @@ def test_torch_dist_places_every_chunk_once_back_to_back() -> None:
     apart = TorchDistWriter.file_plan(
         spec([dense_llama()], facts=facts, megatron_args=TORCH_DIST_ARGS, max_shard_size=1)
     )
-    assert len(apart.names) == len(apart.where) == len(whole.where)
+    assert len(apart.archives.names) == len(apart.archives.where) == len(whole.archives.where)
     assert sorted(name for held in apart.files.values() for name in held) == sorted(dense_llama())
     for plan in (whole, apart):
         by_file: dict[int, list[tuple[int, int]]] = {}
-        for index, position, length in plan.where.values():
+        for index, position, length in plan.archives.where.values():
             by_file.setdefault(index, []).append((position, length))
         for index, places in by_file.items():
             places.sort()
             assert places[0][0] == 0
             assert all(p + n == q for (p, n), (q, _) in zip(places, places[1:], strict=False))
-            assert places[-1][0] + places[-1][1] == plan.sizes[index]
+            assert places[-1][0] + places[-1][1] == plan.archives.sizes[index]
     assert whole.args["ckpt_format"] == "torch_dist"
 
 

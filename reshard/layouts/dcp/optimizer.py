@@ -77,15 +77,12 @@ def state_entries(index: DcpIndex, entries: ModelEntries) -> StateEntries:
         by_group.setdefault(group, []).append(fqn)
     optimizers = [g for g in by_group if g.rsplit(".", 1)[-1] in OPTIMIZERS]
     found = StateEntries(container=optimizers[0] if len(optimizers) == 1 else None)
-    where = index.folder / ".metadata"
     for group, fqns in by_group.items():
         if group == found.container:
             continue
         kind = KINDS.get(group.rsplit(".", 1)[-1], "other")
-        what = f"{group} ({len(fqns)} entries)" if len(fqns) > 1 else group
-        found.leftovers.append(
-            Leftover(kind, what if group not in optimizers else f"optimizer state {what}", where.name)
-        )
+        what = group if group not in optimizers else f"optimizer state {group}"
+        found.leftovers.append(Leftover(kind, what, _entries(fqns)))
     if found.container is None:
         return found
     prefix = found.container + "."
@@ -106,9 +103,13 @@ def state_entries(index: DcpIndex, entries: ModelEntries) -> StateEntries:
             found.other.append(fqn)
     if found.other:
         found.leftovers.append(
-            Leftover("other", f"{found.container} entries {', '.join(found.other[:4])}", where.name)
+            Leftover("other", f"{found.container} entries {', '.join(found.other[:4])}", ".metadata")
         )
     return found
+
+
+def _entries(fqns: list[str]) -> str:
+    return f".metadata: {len(fqns)} entries" if len(fqns) > 1 else ".metadata"
 
 
 def training_state(

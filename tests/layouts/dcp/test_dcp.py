@@ -70,7 +70,7 @@ def test_hf_shards_equal_what_dcp_loads(dcp_root):
     assert all(torch.equal(got[name], loaded[name]) for name in got)
 
 
-def test_training_state_is_skipped_and_reported(dcp_root, cli):
+def test_training_state_is_read_and_the_rest_reported(dcp_root, cli):
     result = cli("inspect", dcp_root / "tp2", "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
@@ -79,8 +79,16 @@ def test_training_state_is_skipped_and_reported(dcp_root, cli):
     embed = next(t for t in report["tensors"] if t["name"] == "model.embed_tokens.weight")
     assert embed["rank_shapes"] == [[1001, 64]] and embed["partition"]["kind"] == "vocab"
     skipped = next(n for n in report["notes"] if n.startswith("skipped"))
-    for part in ("optimizer (63 tensors, 3 values, 1.8 MB)", "lr_scheduler (1 value", "dataloader", "train_state"):
+    for part in ("lr_scheduler (1 value", "dataloader", "train_state"):
         assert part in skipped
+    assert "optimizer" not in skipped  # the training state: get_optimizer_state_dict's nested form
+    training = report["training"]
+    assert training["step"] == 3 and training["moments"] == ["exp_avg", "exp_avg_sq"] and training["frozen"] == []
+    ((group),) = training["groups"]
+    assert group["hyper"] == {"lr": 1e-3, "betas": [0.9, 0.95]} and len(group["params"]) == 21
+    assert training["not_carried"] == [
+        "dataloader (.metadata: 2 entries)", "lr_scheduler (.metadata)", "train_state (.metadata: 2 entries)"
+    ]  # fmt: skip
     assert "model_version (in the state dict), rank 0" in report["extras"]
     assert any("37 chunk boxes (boxes per tensor: 1 (5 tensors), 2 (16 tensors))" in n for n in report["notes"])
 
@@ -89,7 +97,9 @@ def test_nested_model_is_read_by_its_own_names(dcp_root):
     source = discover(dcp_root / "fsdp_tp_bf16")
     assert "model.embed_tokens.weight" in source.ranks[0]
     assert any("stored under 'model.'" in note for note in source.notes)
-    assert any(note.startswith("skipped, not model weights: optim (21 tensors") for note in source.notes)
+    training = source.training  # exp_avg alone, no param groups nor steps: one group, its hyper-parameters unknown
+    assert training is not None and training.moments == ("exp_avg",) and training.step is None
+    assert [group.hyper for group in training.groups] == [{}] and len(training.groups[0].params) == 21
 
 
 def test_per_rank_metadata_is_merged(dcp_root):

@@ -84,10 +84,9 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
     values = {fqn: size for fqn, size in index.values.items() if fqn not in entries.skipped}
     source.extras.append({names.get(fqn, fqn): f"{human_bytes(size)} pickled value" for fqn, size in values.items()})
     source.top_level.append(groups)
-    others = {key: group for key, group in groups.items() if key != found.container}
-    if others:
-        total = sum(g["bytes"] for g in others.values())
-        source.notes.append(f"skipped, not model weights: {_listed(others)}; {human_bytes(total)} in all")
+    if groups:
+        total = sum(g["bytes"] for g in groups.values())
+        source.notes.append(f"skipped, not model weights: {_listed(groups)}; {human_bytes(total)} in all")
     return source
 
 

@@ -11,32 +11,22 @@ weights alone (the moments start afresh) fails the same comparison.
 
 from __future__ import annotations
 
-import json
 import pickle
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
-from fixtures.fsdp_resume import DECAY, HYPER, MORE, OTHER, STEPS
+from fixtures.fsdp_resume import DECAY, HYPER, OTHER, STEPS
 from fixtures.models import tiny_llama
+from fixtures.resumed import TOLERANCE, assert_loaded_as_saved, deviation, losses, reshard
 from fixtures.torchrun import torchrun
 
-from reshard.cli import main
 from reshard.layouts import discover
 from reshard.layouts.training import state_name
 
 MODULE = "fixtures.fsdp_resume"
 WORLDS = (1, 3)
-# fp32 losses of the same state at another world size differ by the order of float sums (measured ~1e-6 here);
-# a resume with the moments reset misses by ~1e-2.
-TOLERANCE = 2e-5
-
-
-def reshard(*args: object) -> None:
-    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
-    assert result.exit_code == 0, result.output
 
 
 @pytest.fixture(scope="module")
@@ -61,15 +51,6 @@ def resumed(trained: Path) -> Path:
     torchrun(MODULE, ranks=3, args=["resume", str(trained / "src"), str(trained / "src3"), "--other-hyper"])
     torchrun(MODULE, ranks=1, args=["resume", str(trained / "weights"), str(trained / "weights1"), "--weights-only"])
     return trained
-
-
-def losses(root: Path, name: str) -> list[float]:
-    return json.loads((root / f"{name}.json").read_text())
-
-
-def deviation(got: list[float], want: list[float]) -> float:
-    assert len(got) == len(want) == MORE
-    return max(abs(a - b) for a, b in zip(got, want, strict=True))
 
 
 def test_inspect_reads_the_training_state_as_torch_saved_it(trained: Path) -> None:
@@ -103,15 +84,7 @@ def test_output_is_laid_out_as_dcp_save_lays_it_out(resumed: Path) -> None:
 def test_right_after_loading_the_state_is_the_saved_one(resumed: Path, world: int) -> None:
     saved = torch.load(resumed / "saved.pt", weights_only=False)
     loaded = torch.load(resumed / f"out{world}.pt", weights_only=False)
-    assert sorted(loaded["model"]) == sorted(saved["model"])
-    for name, tensor in saved["model"].items():
-        assert torch.equal(loaded["model"][name], tensor), name
-    assert sorted(loaded["optimizer"]["state"]) == sorted(saved["optimizer"]["state"])
-    for name, slots in saved["optimizer"]["state"].items():
-        for slot, tensor in slots.items():
-            got = loaded["optimizer"]["state"][name][slot]
-            assert got.dtype == tensor.dtype and torch.equal(got, tensor), (name, slot)
-    assert loaded["optimizer"]["param_groups"] == saved["optimizer"]["param_groups"]  # not OTHER's
+    assert_loaded_as_saved(saved, loaded)
     assert loaded["optimizer"]["param_groups"][0]["lr"] != OTHER["lr"]
 
 

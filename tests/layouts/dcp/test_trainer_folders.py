@@ -20,6 +20,8 @@ from fixtures.models import logits
 from fixtures.trainer_dirs import VOCAB
 from transformers import AutoModelForCausalLM
 
+from reshard.layouts import discover
+
 ROOT = Path(__file__).parents[3]
 
 
@@ -101,3 +103,15 @@ def test_a_trainer_folder_with_no_model_names_what_is_inside(cli, trainer_root, 
     assert line.endswith(
         "; inside: optimizer_0/ (dcp: holds no model tensors, only optimizer (63 tensors, 12 values, 1.9 MB))"
     )
+
+
+def test_the_optimizer_is_read_nested_and_flattened_alike(trainer_root):
+    """The DCP tutorial's ``app.optim`` (get_state_dict's nested form) and ``flatten_optimizer_state_dict=True``'s
+    ``optimizer.param_groups.<fqn>.*``: the same groups, step and moments."""
+    nested, flat = (discover(trainer_root / name).training for name in ("tutorial", "flat"))
+    assert nested is not None and flat is not None
+    assert (nested.step, nested.moments, nested.groups) == (flat.step, flat.moments, flat.groups)
+    assert nested.step == 1 and len(nested.groups) == 1 and nested.groups[0].hyper["lr"] == 1e-2
+    (left,), (right,) = nested.tensors, flat.tensors
+    assert sorted(left) == sorted(right) and len(left) == 2 * len(nested.groups[0].params)
+    assert all(torch.equal(left[name].read(), right[name].read()) for name in left)

@@ -130,7 +130,7 @@ def training_state(
     if found.container is None and not found.leftovers:
         return None
     held = set(model)
-    strangers = sorted({p for p, _ in found.tensors} - held) + sorted(set(found.steps) - held)
+    strangers = sorted(({p for p, _ in found.tensors} | set(found.steps)) - held)
     if strangers:
         raise CorruptFileError(
             f"optimizer state for {len(strangers)} tensor(s) the model does not hold", path=index.folder,

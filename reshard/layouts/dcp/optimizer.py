@@ -27,6 +27,7 @@ from typing import Any
 from reshard.errors import CorruptFileError, shown
 from reshard.formats.chunks import archive_value, torch_archive_layout
 from reshard.formats.dcp_metadata.read import DcpIndex, StoredTensor
+from reshard.layouts.base import TensorRef
 from reshard.layouts.dcp.containers import ModelEntries, key_path
 from reshard.layouts.training import SLOTS, Leftover, ParamGroup, TrainingState, stored_value
 
@@ -113,7 +114,11 @@ def _entries(fqns: list[str]) -> str:
 
 
 def training_state(
-    index: DcpIndex, found: StateEntries, stored: Mapping[str, StoredTensor], model: list[str], refs: Mapping[str, Any]
+    index: DcpIndex,
+    found: StateEntries,
+    stored: Mapping[str, StoredTensor],
+    model: list[str],
+    refs: Mapping[str, TensorRef],
 ) -> TrainingState | None:
     """The checkpoint's training state, its values read (the steps, the param groups' hyper-parameters).
 

@@ -23,7 +23,7 @@ import math
 import re
 import zipfile
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +37,12 @@ from reshard.layouts.deepspeed.pickles import read as read_pickled
 from reshard.layouts.deepspeed.pieces import Piece, PiecesReader
 from reshard.layouts.deepspeed.training import native_state, universal_state
 from reshard.layouts.deepspeed.zero import Flat, Segment, zero2_pieces, zero3_pieces
-from reshard.layouts.training import TrainingState
+from reshard.layouts.training import TrainingState, split_state_name, state_name
 from reshard.options import MAX_RANKS, ReadOptions
 from reshard.ranks import listed
 
 NAME = "deepspeed"
+MOMENTS = ("exp_avg", "exp_avg_sq")  # the per-parameter state of the Adam optimizers ZeRO runs
 LATEST = "latest"
 LATEST_UNIVERSAL = "latest_universal"  # ds_to_universal's, beside latest
 UNIVERSAL = "zero"  # a universal checkpoint's folder of per-parameter files
@@ -290,6 +291,7 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
         )
     universal = not optim and (folder / UNIVERSAL).is_dir()
     training: TrainingState | None = None
+    state_pieces: dict[str, list[Piece]] = {}  # each trainable parameter's moments, by state_name
     first: Pickled | None = None  # rank 0's optimizer file
     common: Pickled | None = None  # a universal checkpoint's zero/optimizer_state.pt
     states_files = [model[(0,)]] if model else _ranks_in_order(zero3, "zero_pp_rank_*_model_states.pt", folder, None)
@@ -311,7 +313,9 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
         if universal:
             if zero3:
                 states_files = _ranks_in_order(zero3, "zero_pp_rank_*_model_states.pt", folder, dp)
-            stage, origin, moments = _universal(folder / UNIVERSAL, states, found, options, zero3=bool(zero3))
+            stage, origin, moments = _universal(
+                folder / UNIVERSAL, states, found, options, zero3=bool(zero3), state_pieces=state_pieces
+            )
             common = _common(folder / UNIVERSAL, options, found.notes)
         else:
             optim_files = _ranks_in_order(optim, "*_optim_states.pt", folder, dp)
@@ -319,7 +323,7 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
             if zero3:
                 states_files = _ranks_in_order(zero3, "zero_pp_rank_*_model_states.pt", folder, dp)
             stage = _master(folder, states, states_files, optim_files, zero3=bool(zero3), options=options,
-                            pieces=found.pieces, headers=found.headers)  # fmt: skip
+                            pieces=found.pieces, headers=found.headers, state_pieces=state_pieces)  # fmt: skip
             origin = f"rebuilt from {dp} optimizer files"
             first = _load(optim_files[0], options)
             moments = _moments(first)
@@ -339,8 +343,20 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
         if moments:
             found.notes.append(f"skipped optimizer state: {', '.join(moments)}")
     source = _source(path, folder, found, shared, options)
+    if training is not None and state_pieces:
+        training = replace(training, tensors=(_state_refs(folder, state_pieces, found.headers),))
     source.training = training
     return source
+
+
+def _state_refs(
+    folder: Path, state_pieces: dict[str, list[Piece]], headers: dict[str, TensorHeader]
+) -> dict[str, TensorRef]:
+    """The moments as lazy references, each float32 at its parameter's shape."""
+    shaped = {key: TensorHeader(headers[split_state_name(key)[0]].shape, "F32") for key in state_pieces}
+    pieces = {key: tuple(parts) for key, parts in state_pieces.items()}
+    reader = PiecesReader(folder, pieces, shaped, {key: "Adam moment, from the optimizer files" for key in pieces})
+    return {key: TensorRef(key, 0, reader, key, header) for key, header in shaped.items()}
 
 
 def _model_states(file: Path, options: ReadOptions) -> Pickled:
@@ -414,7 +430,13 @@ def _source(
 
 
 def _universal(
-    zero: Path, states: dict[str, Any], found: _Tensors, options: ReadOptions, *, zero3: bool
+    zero: Path,
+    states: dict[str, Any],
+    found: _Tensors,
+    options: ReadOptions,
+    *,
+    zero3: bool,
+    state_pieces: dict[str, list[Piece]],
 ) -> tuple[int, str, list[str]]:
     """The fp32 master of every trainable parameter from ``ds_to_universal``'s ``zero/<name>/fp32.pt``: ZeRO-1/2
     ``{"param": tensor, "cat_dim": 0}``, ZeRO-3 a flat tensor (``checkpoint/ds_to_universal.py``); returns the stage,
@@ -425,17 +447,30 @@ def _universal(
         file = zero / name / "fp32.pt"
         if not file.is_file():
             raise MissingRankError("no fp32.pt for this parameter in the universal checkpoint", path=file, tensor=name)
-        stored = read_pickled(file, trust_pickle=options.trust_pickle)
-        tensor = stored.obj.get("param") if isinstance(stored.obj, Mapping) else stored.obj
-        numel = math.prod(shape)
-        if not isinstance(tensor, TensorRecord) or tensor.dtype != "float32" or math.prod(tensor.sizes) != numel:
-            got = f"torch.{tensor.dtype} {list(tensor.sizes)}" if isinstance(tensor, TensorRecord) else None
-            why = f"holds {got or type(tensor).__name__}, not the float32 {list(shape)} of {name}"
-            raise CorruptFileError(why, path=file, tensor=name)
-        found.pieces[name] = [stored.piece(name, tensor)]
+        found.pieces[name] = [_whole_float32(file, name, shape, options)]
         found.headers[name] = TensorHeader(shape, "F32")
         skipped.update(p.stem for p in file.parent.iterdir() if p.name != file.name)
+        for moment in MOMENTS:
+            moment_file = file.parent / f"{moment}.pt"
+            if moment_file.is_file():
+                state_pieces[state_name(name, moment)] = [_whole_float32(moment_file, name, shape, options)]
     return (3 if zero3 else _stage(states)), "from ds_to_universal's zero/<name>/fp32.pt", sorted(skipped)
+
+
+def _whole_float32(file: Path, name: str, shape: tuple[int, ...], options: ReadOptions) -> Piece:
+    """Where one of ``ds_to_universal``'s per-parameter files (``{"param": tensor, "cat_dim": 0}``, ZeRO-3: the flat
+    tensor) keeps ``name``'s float32 values in C order."""
+    stored = read_pickled(file, trust_pickle=options.trust_pickle)
+    tensor = stored.obj.get("param") if isinstance(stored.obj, Mapping) else stored.obj
+    if (
+        not isinstance(tensor, TensorRecord)
+        or tensor.dtype != "float32"
+        or math.prod(tensor.sizes) != math.prod(shape)
+    ):
+        got = f"torch.{tensor.dtype} {list(tensor.sizes)}" if isinstance(tensor, TensorRecord) else None
+        why = f"holds {got or type(tensor).__name__}, not the float32 {list(shape)} of {name}"
+        raise CorruptFileError(why, path=file, tensor=name)
+    return stored.piece(name, tensor)
 
 
 def _common(zero: Path, options: ReadOptions, notes: list[str]) -> Pickled | None:
@@ -458,11 +493,17 @@ def _master(
     options: ReadOptions,
     pieces: dict[str, list[Piece]],
     headers: dict[str, TensorHeader],
+    state_pieces: dict[str, list[Piece]],
 ) -> int:
-    """Fill ``pieces`` and ``headers`` with the fp32 master of every trainable parameter; returns the stage."""
+    """Fill ``pieces`` and ``headers`` with the fp32 master of every trainable parameter, and ``state_pieces`` with
+    its Adam moments (by :func:`state_name`); returns the stage.
+
+    A moment's flat partition is the fp32 partition's, padded to the ranks' common size: each rank's is read up to
+    its fp32 partition's length, so the parameters lie at the same offsets in both."""
     dp = len(optim_files)
     key = "fp32_flat_groups" if zero3 else "single_partition_of_fp32_groups"
     groups: list[list[Segment]] = []
+    moments: dict[str, list[list[Segment]]] = {}
     paddings = None
     for rank, file in enumerate(optim_files):
         pickled = _load(file, options)
@@ -483,29 +524,66 @@ def _master(
         if not isinstance(flats, list | tuple) or not flats:
             raise CorruptFileError(f"{key} is not a list of tensors", path=file, tensor=key)
         groups.append([_segment(pickled, f"{key}[{g}]", t) for g, t in enumerate(flats)])
+        for moment, segments in _moment_segments(pickled, osd, groups[-1]).items():
+            moments.setdefault(moment, []).append(segments)
         if rank == 0 and not zero3:
             paddings = osd.get("param_alignment_paddings")
     param_shapes = states["param_shapes"]
     if not isinstance(param_shapes, list):
         raise CorruptFileError("is not a list of groups", path=states_files[0], tensor="param_shapes")
     shapes = [_shapes(g, states_files[0], "param_shapes") for g in param_shapes]
-    if zero3:
-        merged = {name: shape for group in shapes for name, shape in group.items()}
-        found = zero3_pieces(merged, [Flat(tuple(rank)) for rank in groups], path=states_files[0])
-    else:
-        if len({len(rank) for rank in groups}) != 1:
+    merged = {name: shape for group in shapes for name, shape in group.items()}
+    if paddings is not None and not _int_lists(paddings):
+        raise CorruptFileError(
+            "is not a list of lists of integers", path=optim_files[0], tensor="param_alignment_paddings"
+        )
+
+    def placed(ranks: list[list[Segment]]) -> dict[str, list[Piece]]:
+        if zero3:
+            return zero3_pieces(merged, [Flat(tuple(rank)) for rank in ranks], path=states_files[0])
+        if len({len(rank) for rank in ranks}) != 1:
             raise CorruptFileError("the optimizer files hold different numbers of parameter groups", path=folder)
-        per_group = [Flat(tuple(rank[g] for rank in groups)) for g in range(len(groups[0]))]
-        if paddings is not None and not _int_lists(paddings):
-            raise CorruptFileError(
-                "is not a list of lists of integers", path=optim_files[0], tensor="param_alignment_paddings"
-            )
-        merged = {name: shape for group in shapes for name, shape in group.items()}
-        found = zero2_pieces(shapes, per_group, paddings, dp, path=states_files[0])
-    for name, parts in found.items():
+        per_group = [Flat(tuple(rank[g] for rank in ranks)) for g in range(len(ranks[0]))]
+        return zero2_pieces(shapes, per_group, paddings, dp, path=states_files[0])
+
+    for name, parts in placed(groups).items():
         pieces[name] = parts
         headers[name] = TensorHeader(merged[name], "F32")
+    for moment, ranks in moments.items():
+        if len(ranks) == dp:  # a moment every rank keeps
+            state_pieces.update({state_name(name, moment): parts for name, parts in placed(ranks).items()})
     return 3 if zero3 else _stage(states)
+
+
+def _moment_segments(pickled: Pickled, osd: dict[str, Any], fp32: list[Segment]) -> dict[str, list[Segment]]:
+    """This rank's flat partition of each Adam moment, one per group, cut to its fp32 partition's length; a moment
+    not kept for every group is left out (the planner refuses its parameters by name)."""
+    inner = osd.get("base_optimizer_state", osd.get("optimizer_state_dict"))
+    state = inner.get("state") if isinstance(inner, Mapping) else None
+    groups = inner.get("param_groups") if isinstance(inner, Mapping) else None
+    if not isinstance(state, Mapping) or not isinstance(groups, list):
+        return {}
+    # torch's optimizer over the flat partitions: its parameters, group after group, are the partitions in order
+    indices = [i for group in groups if isinstance(group, Mapping) for i in group.get("params") or ()]
+    if len(indices) != len(fp32):
+        return {}
+    found: dict[str, list[Segment]] = {}
+    for index, master in zip(indices, fp32, strict=True):
+        entry = state.get(index)
+        for moment in MOMENTS:
+            tensor = entry.get(moment) if isinstance(entry, Mapping) else None
+            if tensor is None:
+                continue
+            where = f"optimizer_state_dict.state[{index}].{moment}"
+            segment = _segment(pickled, where, tensor)
+            if segment.numel < master.numel:
+                raise CorruptFileError(
+                    f"holds {segment.numel} elements but its group's fp32 partition {master.numel}",
+                    path=pickled.file,
+                    tensor=where,
+                )
+            found.setdefault(moment, []).append(replace(segment, numel=master.numel))
+    return {moment: segments for moment, segments in found.items() if len(segments) == len(fp32)}
 
 
 def _int_lists(value: Any) -> bool:

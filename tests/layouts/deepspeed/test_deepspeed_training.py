@@ -9,13 +9,16 @@ import json
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from fixtures.deepspeed import VARIANTS
 from fixtures.hf import load_folder
 
+from reshard.cli.main import main
 from reshard.errors import CorruptFileError
 from reshard.layouts import discover
 from reshard.layouts.deepspeed.pickles import Pickled
 from reshard.layouts.deepspeed.training import native_state
+from reshard.layouts.training import split_state_name, state_name
 
 TAG = "global_step2"
 # What fixtures/deepspeed_writer configures (it imports DeepSpeed, so it is not imported here).
@@ -179,3 +182,75 @@ def test_damaged_groups_are_refused_naming_the_key(groups, slices, key, match):
     with pytest.raises(CorruptFileError, match=match) as err:
         native_state(states, optim, SHAPES, beside=None)
     assert err.value.tensor.endswith(key) and err.value.path == str(optim.file)
+
+
+def universal_file(folder: Path, key: str):
+    import torch
+
+    name, slot = split_state_name(key)
+    stored = torch.load(folder / "zero" / name / f"{slot}.pt", weights_only=True)
+    return stored["param"] if isinstance(stored, dict) else stored
+
+
+def test_the_moments_read_from_the_partitions_are_those_ds_to_universal_gathers(ds_root):
+    """Each trainable parameter's exp_avg and exp_avg_sq, read from the three ranks' flat (padded) partitions, equal
+    bit for bit DeepSpeed's own gather of them (``ds_to_universal``), and so does the universal checkpoint's read."""
+    import torch
+
+    native = discover(ds_root / "zero2_bf16").training
+    universal = discover(ds_root / "zero2_bf16" / f"{TAG}_universal").training
+    assert native is not None and universal is not None
+    trainable = {name for group in native.groups for name in group.params}
+    expected = {state_name(name, moment) for name in trainable for moment in ("exp_avg", "exp_avg_sq")}
+    assert set(native.tensors[0]) == expected == set(universal.tensors[0])
+    for key, ref in native.tensors[0].items():
+        gathered = universal_file(ds_root / "zero2_bf16" / f"{TAG}_universal", key)
+        read = ref.read()
+        assert read.dtype == torch.float32 and read.shape == gathered.reshape(read.shape).shape, key
+        assert torch.equal(read.reshape(-1), gathered.reshape(-1)), key
+        assert torch.equal(universal.tensors[0][key].read().reshape(-1), gathered.reshape(-1)), key
+        assert read.abs().sum() > 0, key  # two steps taken: no moment is all zero
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_trainable_parameter_has_its_moments_at_its_shape(ds_root, variant):
+    """ZeRO-1, 2 and 3 in every precision: the moments of each trainable parameter (a rank's partition is cut to its
+    fp32 partition's length: the last rank's moments keep the padding) at the weight's shape; exp_avg_sq >= 0."""
+    source = discover(ds_root / variant)
+    training = source.training
+    assert training is not None
+    for group in training.groups:
+        for name in group.params:
+            for moment in ("exp_avg", "exp_avg_sq"):
+                ref = training.tensors[0][state_name(name, moment)]
+                assert ref.shape == source.ranks[0][name].shape
+            assert bool((training.tensors[0][state_name(name, "exp_avg_sq")].read() >= 0).all())
+    assert not any(state_name(name, "exp_avg") in training.tensors[0] for name in training.frozen)
+
+
+def test_with_optimizer_needs_a_layout_that_holds_it(ds_root, cli, tmp_path):
+    result = CliRunner().invoke(
+        main,
+        [
+            "convert",
+            str(ds_root / "zero2_bf16"),
+            "--tp",
+            "1",
+            "--layout",
+            "hf",
+            "--with-optimizer",
+            "-o",
+            str(tmp_path / "out"),
+        ],  # fmt: skip
+    )
+    assert result.exit_code == 2, result.output
+    assert "the hf layout holds no optimizer state (--with-optimizer)" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_drop_needs_with_optimizer_and_known_kinds(ds_root, tmp_path):
+    base = ["convert", str(ds_root / "zero2_bf16"), "--tp", "1", "-o", str(tmp_path / "out")]
+    alone = CliRunner().invoke(main, [*base, "--drop", "rng"])
+    assert alone.exit_code == 2 and "--drop only applies with --with-optimizer" in alone.output
+    unknown = CliRunner().invoke(main, [*base, "--with-optimizer", "--drop", "rng,dice"])
+    assert unknown.exit_code == 2 and "dice: not one of rng, scheduler" in unknown.output

@@ -11,12 +11,13 @@ resumes from it at any data-parallel size::
     <out>/<tag>/zero/<param>/exp_avg.pt, exp_avg_sq.pt   Adam's moments, likewise
     <out>/<tag>/zero/<param>/step.pt                the step, a float tensor (a Python int breaks torch's AdamW)
 
-Only with the training state (``--with-optimizer``): DeepSpeed resumes a universal checkpoint from its
-``zero/`` files alone and never reads ``module``, so weights without their optimizer state would resume as
-nothing. DeepSpeed matches the param groups by position: they are written in the source's order. Frozen
-parameters are in ``module`` only (DeepSpeed restores none from a universal checkpoint: they come from the model
-the resuming run builds). The rank files are streamed tensor by tensor
-(:mod:`reshard.layouts.common.torch_rank_writer`); the small files (``optimizer_state.pt``, ``step.pt``, the trackers) are written at the end with ``torch.save``.
+Only with the training state (``--with-optimizer``): DeepSpeed resumes a universal checkpoint from its ``zero/``
+files alone and never reads ``module``: weights without their optimizer state would resume with Adam started anew,
+which a user who moves a run must not get silently (DeepSpeed#6691). DeepSpeed matches the param groups by
+position: they are written in the source's order. Frozen parameters are in ``module`` only (DeepSpeed restores none
+from a universal checkpoint: they come from the model the resuming run builds). The rank files are streamed tensor by
+tensor (:mod:`reshard.layouts.common.torch_rank_writer`); the small files (``optimizer_state.pt``, ``step.pt``, the
+trackers) are written at the end with ``torch.save``.
 """
 
 from __future__ import annotations
@@ -138,8 +139,8 @@ def _carried(spec: TargetSpec) -> CarriedState:
     """The training state to write; a DeepSpeed checkpoint is not written without it, nor at tp above 1."""
     if spec.training is None:
         raise ReshardError(
-            "a DeepSpeed universal checkpoint is written only with its optimizer state: DeepSpeed resumes from "
-            "zero/<param>/ alone, and weights without it would resume as nothing",
+            "a DeepSpeed checkpoint is written only with its optimizer state: load_universal takes every weight "
+            "from zero/<param>/ beside its moments, and a resume without them restarts Adam from zero",
             path=spec.source.path,
             hint="add --with-optimizer, or write the weights alone with --layout hf",
         )

@@ -159,3 +159,29 @@ def test_deepspeed_own_route_writes_the_same_state_and_resumes_alike(trained, un
     ] == [g.hyper for g in discover(theirs).training.groups]
     assert discover(universal["fp32"]).training.groups == discover(theirs).training.groups
     assert resumed["fp32", 3]["losses"] == resumed["deepspeed", 3]["losses"]
+
+
+def test_tensor_parallel_output_is_refused(trained, cli, tmp_path):
+    out = tmp_path / "out"
+    source = trained / "run" / "out" / "fp32" / "ckpt"
+    args = ("--layout", "deepspeed", "--with-optimizer", "--drop", DROP, "-o", out, "-q")
+    result = cli("convert", source, "--tp", 2, *args)
+    assert result.exit_code == 2 and "--tp 2: the deepspeed layout is written at tp 1" in result.output
+    assert len(result.output.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_the_output_reads_back_and_converts_to_itself(trained, universal, tmp_path):
+    """reshard reads what it wrote as DeepSpeed's: the same groups, step and moments as the source; converted again,
+    every file DeepSpeed reads is the same bytes (the step's ``skipped_steps``, 0, is left behind)."""
+    source = discover(trained / "run" / "out" / "fp32" / "ckpt").training
+    ours = discover(universal["fp32"]).training
+    assert source is not None and ours is not None
+    assert ours.groups == source.groups and ours.step == source.step == SAVED_AT and ours.optimizer == "AdamW"
+    assert ours.moments == ("exp_avg", "exp_avg_sq")
+    again = tmp_path / "again"
+    convert(universal["fp32"], "--tp", 1, "--layout", "deepspeed", "--with-optimizer", "--drop", "loss_scaler",
+            "-o", again)  # fmt: skip
+    written = sorted(p.relative_to(universal["fp32"]) for p in universal["fp32"].rglob("*.pt"))
+    assert written == sorted(p.relative_to(again) for p in again.rglob("*.pt"))
+    for relative in written:
+        assert (again / relative).read_bytes() == (universal["fp32"] / relative).read_bytes(), relative

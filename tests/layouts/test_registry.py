@@ -128,7 +128,9 @@ def test_a_layout_without_a_writer_is_refused_as_a_target_before_any_output(
     toy_checkpoint: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path
 ) -> None:
     folder, _ = toy_checkpoint
-    with pytest.raises(ReshardError, match=r"cannot write the 'toy' layout.*deepspeed, hf, hf-ranks, megatron, sat, torch_dist"):
+    with pytest.raises(
+        ReshardError, match=r"cannot write the 'toy' layout.*deepspeed, hf, hf-ranks, megatron, sat, torch_dist"
+    ):
         convert(folder, tmp_path / "out", ConvertOptions(tp=1, layout="toy", progress=False))
     assert not (tmp_path / "out").exists()
 

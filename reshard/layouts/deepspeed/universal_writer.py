@@ -37,8 +37,7 @@ MODEL_STATES = "mp_rank_00_model_states.pt"
 ZERO = "zero"
 OPTIMIZER_STATE = "optimizer_state.pt"
 CONFIG = "config.json"
-# The files of one parameter's state, each ``{"cat_dim": 0, "param": tensor}``, and the carried slot each holds
-# (``fp32``: the master, :meth:`CarriedState.master`).
+# A parameter's moments, each in ``zero/<param>/<slot>.pt`` beside its master's ``fp32.pt``.
 MOMENT_FILES = ("exp_avg", "exp_avg_sq")
 # The DeepSpeed release whose ``load_universal`` reads what this writes (tests/layouts/deepspeed resume with it);
 # DeepSpeed requires a version in ``optimizer_state.pt`` and checks it against ZeRO-1's format change (0.3.17).
@@ -64,10 +63,11 @@ class UniversalWriter(TorchRanksWriter):
                 for held in (carried.master(name), *(state_name(name, slot) for slot in MOMENT_FILES)):
                     header = headers.get(held)
                     if header is None:
-                        raise ReshardError(f"no {held} to write", tensor=name)
+                        raise ReshardError(f"no {held} to write", path=spec.source.path, tensor=name)
                     if header.code != "F32":
                         raise ReshardError(
                             f"{held} is {header.code}: DeepSpeed's optimizer keeps float32 masters and moments",
+                            path=spec.source.path,
                             tensor=name,
                         )
         return super().file_plan(spec)
@@ -77,7 +77,7 @@ class UniversalWriter(TorchRanksWriter):
         """A parameter's name is a folder of ``zero/``: refuse one that is not a plain folder name."""
         for name in names:
             base, _ = split_state_name(name)
-            if not base or base in (".", "..") or "/" in base or "\\" in base or "\0" in base:
+            if not base or base in (".", "..", OPTIMIZER_STATE) or any(c in base for c in "/\\\0"):
                 raise ReshardError(
                     "cannot be a folder name of a DeepSpeed universal checkpoint (zero/<name>/)",
                     path=source.path,

@@ -39,7 +39,7 @@ def conversion_facts(ckpt: Path, conversion: ConversionPlan, layout: str, option
             for plan in conversion.tensors
             for t in plan.targets
         ),
-        "options": {name: str(value) for name, value in _flat(options) if name not in NEUTRAL_OPTIONS},
+        "options": {name: _text(value) for name, value in _flat(options) if name not in NEUTRAL_OPTIONS},
     }
 
 
@@ -47,6 +47,12 @@ def _flat(options: ConvertOptions) -> list[tuple[str, Any]]:
     """Every option by the name its flag has: what to write, then how the source is read (``options.read``)."""
     written = [(f.name, getattr(options, f.name)) for f in dataclasses.fields(options) if f.name != "read"]
     return written + [(f.name, getattr(options.read, f.name)) for f in dataclasses.fields(options.read)]
+
+
+def _text(value: Any) -> str:
+    """An option as text that is the same in every process: a set's items sorted (a frozenset's order follows the
+    process's string hashes, so ``--drop a,b`` would otherwise differ between a run and its ``--resume``)."""
+    return str(sorted(value)) if isinstance(value, frozenset | set) else str(value)
 
 
 def fingerprint(ckpt: Path, conversion: ConversionPlan, layout: str, options: ConvertOptions) -> str:

@@ -10,34 +10,27 @@ goes through the same gather. A difference is a result (exit 1); a file that can
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any
 
-from reshard.commands.verify_checks import Difference, check_files, files_of, value_difference
+from reshard.commands.verify_checks import Difference, check_files, files_of
+from reshard.commands.verify_compare import Tolerance, compare_tensors, gather, on_threads
 from reshard.commands.verify_ranks import check_ranks
 from reshard.dtypes import name_of
-from reshard.engine.move.digest import ALGORITHM, algorithm_of, all_finite_in_blocks, digest_of
+from reshard.engine.move.digest import algorithm_of, all_finite_in_blocks, digest_of
 from reshard.engine.move.stream import canonical_digest
 from reshard.engine.plan.open import OpenedCheckpoint, open_checkpoint
-from reshard.engine.plan.planner import SourceTensor
 from reshard.engine.run.conversion import open_for_conversion, run_conversion
 from reshard.errors import DivergentReplicaError, PlanError, ReshardError, ShapeMismatchError
-from reshard.io.progress import progress_bar
 from reshard.io.staging import temporary_folder
 from reshard.layouts import canonical_layout
 from reshard.manifest import TensorEntry, find_manifest
 from reshard.mappings import HF, naming_of
-from reshard.options import ConvertOptions, ReadOptions, check_tp, cores
-
-if TYPE_CHECKING:
-    import torch
+from reshard.options import ConvertOptions, ReadOptions, check_tp
 
 __all__ = ["Difference", "VerifyOptions", "VerifyReport", "VerifyResult", "verify"]
-
-_Result = TypeVar("_Result")
 
 
 @dataclass(frozen=True)
@@ -64,8 +57,8 @@ class VerifyOptions:
             check_tp(tp, what="--roundtrip")
 
     @property
-    def exact(self) -> bool:
-        return self.atol == 0 and self.rtol == 0
+    def tolerance(self) -> Tolerance:
+        return Tolerance(self.atol, self.rtol)
 
     def reading(self, *, own_config: bool = True) -> ReadOptions:
         """How to open a checkpoint: ``config`` applies to CKPT only (``own_config``), not to OTHER."""
@@ -164,14 +157,6 @@ def _open(path: Path, options: ReadOptions) -> OpenedCheckpoint:
     return open_checkpoint(path, options, target_tp=1, recorded_plan=True)
 
 
-def _gather(tensor: SourceTensor, diffs: list[Difference]) -> torch.Tensor | None:
-    """One canonical tensor gathered whole (:func:`reshard.commands.verify_slices.gather`: a tensor that cannot be
-    becomes a difference); imports torch, which a check whose every tensor streams never does."""
-    from reshard.commands.verify_slices import gather
-
-    return gather(tensor, diffs)
-
-
 def check_manifest(ckpt: Path, options: VerifyOptions) -> VerifyReport:
     """Recompute every canonical tensor's digest (with the algorithm its entry names), shape, dtype and NaN/Inf,
     and compare with ``reshard.json``."""
@@ -237,7 +222,7 @@ def _digests(
             return None
         return canonical_digest(tensor, finite=bool(entry.finite), algorithm=algorithm_of(entry.digest))
 
-    for name, future in _on_threads(streamed, list(entries), progress):
+    for name, future in on_threads(streamed, list(entries), progress):
         tensor, entry = tensors[name], entries[name]
         try:
             result = future.result()
@@ -247,26 +232,10 @@ def _digests(
         if result is not None:
             yield name, *result
             continue
-        full = _gather(tensor, diffs)  # a problem is reported here
+        full = gather(tensor, diffs)  # a problem is reported here
         if full is not None:
             finite = all_finite_in_blocks(full) if entry.finite else None
             yield name, digest_of(full, algorithm_of(entry.digest)), finite
-
-
-def _on_threads(
-    work: Callable[[str], _Result], names: list[str], progress: bool
-) -> Iterator[tuple[str, Future[_Result]]]:
-    """``work(name)`` of every name on a thread per core, yielded in the order of ``names`` with a progress bar; on
-    leaving (a file that cannot be read ends a check) the names not started are not."""
-    pool = ThreadPoolExecutor(max_workers=cores(), thread_name_prefix="reshard-verify")
-    bar = progress_bar(progress, total=len(names), desc="verify", unit="tensor", leave=False)
-    try:
-        for name, future in zip(names, [pool.submit(work, name) for name in names], strict=True):
-            bar.update()
-            yield name, future
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-        bar.close()
 
 
 def compare_checkpoints(ckpt: Path, other: Path, options: VerifyOptions) -> VerifyReport:
@@ -279,7 +248,14 @@ def compare_checkpoints(ckpt: Path, other: Path, options: VerifyOptions) -> Veri
     report = VerifyReport("compare", str(ckpt), str(other))
     a, b = _open(ckpt, options.reading()), _open(other, options.reading(own_config=False))
     with _same_names(a, b, options) as (a, b):
-        _compare(a, b, options, report)
+        compared = compare_tensors(
+            a.by_name(),
+            b.by_name(),
+            names=(report.checkpoint, report.against),
+            tolerance=options.tolerance,
+            progress=options.progress,
+        )
+    report.tensors, report.differences = compared.tensors, compared.differences
     return report
 
 
@@ -302,67 +278,6 @@ def _same_names(
         run_conversion(open_for_conversion(mapped.path, out, convert), out, convert)
         renamed = _open(out, options.reading(own_config=False))
         yield (a, renamed) if mapped is b else (renamed, b)
-
-
-def _compare(a: OpenedCheckpoint, b: OpenedCheckpoint, options: VerifyOptions, report: VerifyReport) -> None:
-    ckpt, other = report.checkpoint, report.against
-    ours, theirs = a.by_name(), b.by_name()
-    diffs = report.differences
-    diffs += [Difference("missing", n, f"not in {other}", files_of(t)) for n, t in ours.items() if n not in theirs]
-    diffs += [Difference("extra", n, f"not in {ckpt}", files_of(t)) for n, t in theirs.items() if n not in ours]
-    common = []
-    for name in (n for n in ours if n in theirs):
-        ta, tb = ours[name], theirs[name]
-        if ta.shape is None or tb.shape is None:
-            common.append(name)  # a problem: reported as inconsistent by _gather
-        elif ta.shape != tb.shape:
-            diffs.append(Difference("reshaped", name, f"{list(ta.shape)} vs {list(tb.shape)}", files_of(tb)))
-        elif ta.code != tb.code and options.exact:
-            diffs.append(Difference("dtype", name, f"{name_of(ta.code)} vs {name_of(tb.code)}", files_of(tb)))
-        else:
-            common.append(name)
-
-    def same(name: str) -> bool:
-        return _same_bytes(ours[name], theirs[name])
-
-    for name, equal in _on_threads(same, common, options.progress):
-        if equal.result():
-            report.tensors += 1
-            continue
-        left = _gather(ours[name], diffs)  # one tensor of each side at a time
-        if left is None:
-            continue
-        right = _gather(theirs[name], diffs)
-        if right is None:
-            continue
-        report.tensors += 1
-        difference = value_difference(left, right, atol=options.atol, rtol=options.rtol)
-        if difference is not None:
-            what = "bytes differ" if options.exact else f"outside atol={options.atol}, rtol={options.rtol}"
-            diffs.append(
-                Difference(
-                    "values",
-                    name,
-                    f"{what}: max abs difference {difference:.6g}",
-                    files_of(theirs[name]),
-                    difference,
-                )
-            )
-
-
-def _same_bytes(ours: SourceTensor, theirs: SourceTensor) -> bool:
-    """Whether two tensors of one dtype hold the same canonical bytes, by their digests (BLAKE3) streamed from the
-    slices (:func:`~reshard.engine.move.stream.canonical_digest`), with no gather and no torch: equal bytes are equal
-    values at any tolerance. False when they differ, either does not stream, or its copies differ: then both are
-    gathered, and compared (and reported) in torch."""
-    if ours.problem or theirs.problem or ours.code != theirs.code:
-        return False
-    try:
-        left = canonical_digest(ours, finite=False, algorithm=ALGORITHM)
-        right = canonical_digest(theirs, finite=False, algorithm=ALGORITHM) if left else None
-    except DivergentReplicaError:
-        return False
-    return left is not None and left == right
 
 
 def roundtrip(ckpt: Path, tp: int, options: VerifyOptions) -> VerifyReport:

@@ -18,6 +18,7 @@ from typing import Any
 from reshard.commands.verify_checks import Difference, check_files, files_of
 from reshard.commands.verify_compare import Tolerance, compare_tensors, gather, on_threads
 from reshard.commands.verify_ranks import check_ranks
+from reshard.commands.verify_state import check_state, compare_states
 from reshard.dtypes import name_of
 from reshard.engine.move.digest import algorithm_of, all_finite_in_blocks, digest_of
 from reshard.engine.move.stream import canonical_digest
@@ -44,6 +45,8 @@ class VerifyOptions:
         read: how to read the checkpoints (:class:`ReadOptions`): its ``config`` applies to CKPT only, its ``plan``
             to every side.
         progress: tqdm progress bars on stderr.
+        train_state: check the training state too (:mod:`reshard.commands.verify_state`): on its own, or against
+            OTHER's bit for bit (``atol`` and ``rtol`` apply to the weights only).
     """
 
     roundtrip: tuple[int, ...] = ()
@@ -51,6 +54,7 @@ class VerifyOptions:
     rtol: float = 0.0
     read: ReadOptions = field(default_factory=ReadOptions)
     progress: bool = False
+    train_state: bool = False
 
     def __post_init__(self) -> None:
         for tp in self.roundtrip:
@@ -88,6 +92,8 @@ class VerifyReport:
     def title(self) -> str:
         if self.check == "roundtrip":
             return f"round trip through tp={self.tp}"
+        if self.check == "train-state":
+            return f"training state against {self.against}"
         return f"{self.check} against {self.against}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -111,10 +117,11 @@ class VerifyResult:
 
 
 def verify(ckpt: Path, other: Path | None = None, options: VerifyOptions | None = None) -> VerifyResult:
-    """Check ``ckpt``: against ``other`` when given, else against its ``reshard.json``; plus round trips.
+    """Check ``ckpt``: against ``other`` when given, else against its ``reshard.json``; plus round trips, and its
+    training state (``options.train_state``) on its own or against ``other``'s.
 
-    Without ``other``, the manifest check runs when there is a manifest or no round trip was asked for
-    (so ``verify(ckpt, options=VerifyOptions(roundtrip=(2,)))`` works on any checkpoint).
+    Without ``other``, the manifest check runs when there is a manifest or neither a round trip nor the training
+    state was asked for (so ``verify(ckpt, options=VerifyOptions(roundtrip=(2,)))`` works on any checkpoint).
 
     Raises:
         ReshardError: a checkpoint cannot be read (truncated file, no manifest to check against, ...).
@@ -125,10 +132,12 @@ def verify(ckpt: Path, other: Path | None = None, options: VerifyOptions | None 
     """
     ckpt, options = Path(ckpt), options or VerifyOptions()
     result = VerifyResult(str(ckpt))
+    if options.train_state:  # first: a checkpoint without one is refused before the other checks run
+        result.reports.append(training_report(ckpt, None if other is None else Path(other), options))
     if other is not None:
-        result.reports.append(compare_checkpoints(ckpt, Path(other), options))
-    elif not options.roundtrip or find_manifest(ckpt) is not None:
-        result.reports.append(check_manifest(ckpt, options))
+        result.reports.insert(0, compare_checkpoints(ckpt, Path(other), options))
+    elif not (options.roundtrip or options.train_state) or find_manifest(ckpt) is not None:
+        result.reports.insert(0, check_manifest(ckpt, options))
     missing = [d for r in result.reports for d in r.differences if d.kind == "missing-file"]
     if not any(d.kind in ("missing-file", "duplicate") for r in result.reports for d in r.differences):
         ranks = rank_report(ckpt, options)  # (files that cannot be read as a checkpoint are reported above)
@@ -141,6 +150,23 @@ def verify(ckpt: Path, other: Path | None = None, options: VerifyOptions | None 
         else:
             result.reports.append(roundtrip(ckpt, tp, options))
     return result
+
+
+def training_report(ckpt: Path, other: Path | None, options: VerifyOptions) -> VerifyReport:
+    """``ckpt``'s training state on its own, or against ``other``'s (:mod:`reshard.commands.verify_state`).
+
+    Raises:
+        ReshardError: ``ckpt`` (and ``other``) holds no training state with its tensors.
+    """
+    a = _open(ckpt, options.reading())
+    if other is None:
+        checked = check_state(a, progress=options.progress)
+        against = "its own records"
+    else:
+        b = _open(other, options.reading(own_config=False))
+        checked = compare_states(a, b, tolerance=Tolerance(), progress=options.progress)
+        against = str(other)
+    return VerifyReport("train-state", str(ckpt), against, checked.tensors, checked.differences)
 
 
 def rank_report(ckpt: Path, options: VerifyOptions) -> VerifyReport | None:

@@ -164,7 +164,7 @@ def training_report(ckpt: Path, other: Path | None, options: VerifyOptions) -> V
         against = "its own records"
     else:
         b = _open(other, options.reading(own_config=False))
-        checked = compare_states(a, b, tolerance=Tolerance(), progress=options.progress)
+        checked = compare_states(a, b, progress=options.progress)
         against = str(other)
     return VerifyReport("train-state", str(ckpt), against, checked.tensors, checked.differences)
 

@@ -137,8 +137,9 @@ def _reset(zero: list[str], trainable: int, state: TrainingState) -> list[Differ
     return [Difference("zero-moments", name, detail) for name in zero]
 
 
-def compare_states(a: OpenedCheckpoint, b: OpenedCheckpoint, *, tolerance: Tolerance, progress: bool) -> Compared:
-    """Two checkpoints' training states: the step, the groups by position, each state tensor by name.
+def compare_states(a: OpenedCheckpoint, b: OpenedCheckpoint, *, progress: bool) -> Compared:
+    """Two checkpoints' training states: the step, the groups by position, each state tensor by name, bit for bit
+    (a resume from moments off in their last bits is not the run that saved them).
 
     Raises:
         ReshardError: neither holds a training state with tensors.
@@ -161,7 +162,7 @@ def compare_states(a: OpenedCheckpoint, b: OpenedCheckpoint, *, tolerance: Toler
         state_tensors(ours, a.by_name()),
         state_tensors(theirs, b.by_name()),
         names=paths,
-        tolerance=tolerance,
+        tolerance=Tolerance(),
         progress=progress,
     )
     compared.differences[:0] = records

@@ -116,7 +116,8 @@ def _grouped(state: TrainingState, weights: Mapping[str, SourceTensor], findings
 def _coverage(
     state: TrainingState, weights: Mapping[str, SourceTensor], grouped: list[str], findings: list[Difference]
 ) -> None:
-    """Every tensor of the model in a group, frozen, or a tied alias of another (its slices are another's)."""
+    """Every tensor of the model in a group, frozen, or a tied alias of another (its slices are another's, which is
+    judged in its place)."""
     known = set(grouped) | set(state.frozen)
     owners: dict[tuple[int, int, str], str] = {}
     for name, tensor in weights.items():
@@ -126,8 +127,8 @@ def _coverage(
         if name in known:
             continue
         owner = {owners[(id(ref.reader), ref.rank, ref.key)] for ref in tensor.refs}
-        if owner - {name} and owner <= known:
-            continue  # a tied alias reads its owner's bytes: one parameter
+        if owner - {name}:
+            continue  # a tied alias reads its owner's bytes: one parameter, judged by its owner's name
         findings.append(Difference("ungrouped", name, "a tensor of the model in no parameter group, not frozen",
                                    files_of(tensor)))  # fmt: skip
 

@@ -309,7 +309,7 @@ def _same_names(
 def roundtrip(ckpt: Path, tp: int, options: VerifyOptions) -> VerifyReport:
     """Convert ``ckpt`` to ``tp`` ranks in a temporary folder, back to its own tp, and compare bit-exactly.
 
-    The temporary folder (under ``$TMPDIR``) is removed however this ends, with SIGINT / SIGTERM held off
+    The temporary folder (under ``$TMPDIR``) is removed however this ends, with the stopping signals held off
     while it is (:func:`~reshard.io.staging.temporary_folder`), so a second signal cannot cut it short. A tp the
     model cannot be split into is reported as a difference of this round trip, not raised.
     """

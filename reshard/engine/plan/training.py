@@ -10,7 +10,7 @@ What the target cannot carry exactly is refused by name before any output exists
 state, a transform that computes values instead of moving them, a unit fusing parameters of different groups, a
 trainable parameter without its moments, an optimizer that is not Adam, and whatever else the source keeps of its
 training (scheduler, RNG, loss scaler, ...) unless ``--drop`` leaves it behind. Param groups are carried by their
-parameters' names, in the source's order.
+parameters' names, groups and the parameters in each in the source's order.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ def plan_training(
         if name in trainable
     ]
     states: list[TensorPlan] = []
-    groups: list[list[str]] = [[] for _ in state.groups]
+    groups: list[list[tuple[int, str]]] = [[] for _ in state.groups]  # (source position, target name)
+    position = {name: i for group in state.groups for i, name in enumerate(group.params)}
     frozen: list[str] = []
     for plan in conversion.tensors:
         members = {trainable.get(s.name) for s in plan.sources}
@@ -71,7 +72,8 @@ def plan_training(
             continue
         (index,) = members
         assert index is not None
-        groups[index] += [t.name for t in plan.targets]
+        first = min(position[s.name] for s in plan.sources)
+        groups[index] += [(first, t.name) for t in plan.targets]
         for slot in slots:
             made = _state_plan(plan, slot, state.tensors, problems)
             if made is not None:
@@ -81,7 +83,7 @@ def plan_training(
     carried = CarriedState(
         optimizer=state.optimizer,
         step=state.step if state.step is not None else 0,
-        groups=tuple(ParamGroup(g.hyper, tuple(names)) for g, names in zip(state.groups, groups, strict=True)),
+        groups=tuple(ParamGroup(g.hyper, _in_order(names)) for g, names in zip(state.groups, groups, strict=True)),
         slots=slots,
         frozen=tuple(frozen),
     )
@@ -123,6 +125,11 @@ def _readable(source: SourceCheckpoint, drop: frozenset[str]) -> TrainingState:
 def _has_master(state: TrainingState) -> bool:
     """Whether the source keeps fp32 masters apart from its weights (else the weights are the masters)."""
     return any(state_name(name, "master") in state.tensors[0] for group in state.groups for name in group.params)
+
+
+def _in_order(names: list[tuple[int, str]]) -> tuple[str, ...]:
+    """A group's target names in the order of their first source parameter in the source's group."""
+    return tuple(name for _, name in sorted(names))
 
 
 def _group(index: int | None) -> str:

@@ -11,6 +11,7 @@ hyper-parameters by position (DeepSpeed matches groups by position), and every s
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -116,9 +117,7 @@ def _values(tensor: torch.Tensor) -> _Values:
         if flat.numel() == 0:
             return _Values(0, 0, 0.0, True)
         low, high = (float(v) for v in torch.aminmax(flat))
-        non_finite = 0
-        if not (torch.isfinite(torch.tensor([low, high])).all()):
-            non_finite = int((~torch.isfinite(flat)).sum())
+        non_finite = 0 if math.isfinite(low) and math.isfinite(high) else int((~torch.isfinite(flat)).sum())
         negative = int((flat < 0).sum()) if low < 0 or non_finite else 0
         least = float(flat[flat < 0].min()) if negative else 0.0
         return _Values(non_finite, negative, least, low == 0 and high == 0)

@@ -426,6 +426,11 @@ def parse_tps(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option("--roundtrip", callback=parse_tps, metavar="2,4,8", help="Convert to each tp and back; compare.")
 @click.option("--atol", type=click.FloatRange(min=0), default=0.0, help="Absolute tolerance for CKPT vs OTHER.")
 @click.option("--rtol", type=click.FloatRange(min=0), default=0.0, help="Relative tolerance for CKPT vs OTHER.")
+@click.option(
+    "--train-state",
+    is_flag=True,
+    help="Check the optimizer state too: moments, masters, step, groups (against OTHER's: bit for bit).",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars and no report (the exit code says it).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON document.")
 @common_read_options

@@ -10,7 +10,7 @@ goes through the same gather. A difference is a result (exit 1); a file that can
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -19,14 +19,17 @@ from reshard.commands.verify_checks import Difference, check_files, files_of
 from reshard.commands.verify_compare import Tolerance, compare_tensors, gather, on_threads
 from reshard.commands.verify_ranks import check_ranks
 from reshard.commands.verify_state import check_state, compare_states
+from reshard.commands.verify_state_plan import state_tensors
 from reshard.dtypes import name_of
 from reshard.engine.move.digest import algorithm_of, all_finite_in_blocks, digest_of
 from reshard.engine.move.stream import canonical_digest
 from reshard.engine.plan.open import OpenedCheckpoint, open_checkpoint
+from reshard.engine.plan.planner import SourceTensor
 from reshard.engine.run.conversion import open_for_conversion, run_conversion
 from reshard.errors import DivergentReplicaError, PlanError, ReshardError, ShapeMismatchError
 from reshard.io.staging import temporary_folder
 from reshard.layouts import canonical_layout
+from reshard.layouts.training import split_state_name
 from reshard.manifest import TensorEntry, find_manifest
 from reshard.mappings import HF, naming_of
 from reshard.options import ConvertOptions, ReadOptions, check_tp
@@ -199,6 +202,9 @@ def check_manifest(ckpt: Path, options: VerifyOptions) -> VerifyReport:
         return report
     opened = _open(ckpt, options.reading())
     tensors = opened.by_name()
+    training = opened.source.training
+    if training is not None and any(split_state_name(n)[1] for n in manifest.tensors):  # written --with-optimizer
+        tensors |= state_tensors(training, tensors)
     diffs = report.differences
     expected = manifest.tensors
     diffs += [Difference("missing", n, "in reshard.json, not in the checkpoint") for n in expected if n not in tensors]
@@ -220,7 +226,7 @@ def check_manifest(ckpt: Path, options: VerifyOptions) -> VerifyReport:
             )
         else:
             to_hash.append(name)
-    for name, digest, finite in _digests(opened, {n: expected[n] for n in to_hash}, options.progress, diffs):
+    for name, digest, finite in _digests(tensors, {n: expected[n] for n in to_hash}, options.progress, diffs):
         entry, files = expected[name], files_of(tensors[name])
         report.tensors += 1
         algorithm = algorithm_of(entry.digest)
@@ -232,7 +238,7 @@ def check_manifest(ckpt: Path, options: VerifyOptions) -> VerifyReport:
 
 
 def _digests(
-    opened: OpenedCheckpoint, entries: dict[str, TensorEntry], progress: bool, diffs: list[Difference]
+    tensors: Mapping[str, SourceTensor], entries: dict[str, TensorEntry], progress: bool, diffs: list[Difference]
 ) -> Iterator[tuple[str, str, bool | None]]:
     """Yield ``(name, digest, finite)`` of each canonical tensor in order, by the algorithm its manifest entry names
     (finite only when the entry records it). A tensor kept as its slices' bytes streams through a small buffer, as
@@ -240,7 +246,6 @@ def _digests(
     the hash and the check release the interpreter; twice as many threads cost more CPU than the wall they save,
     measured: docs/performance.md); any other is gathered here, one at a time. Tensors that cannot be read whole become
     differences."""
-    tensors = opened.by_name()
 
     def streamed(name: str) -> tuple[str, bool | None] | None:
         tensor, entry = tensors[name], entries[name]

@@ -176,7 +176,8 @@ def _carried_note(training: CarriedState, source: SourceCheckpoint, drop: frozen
     trainable = sum(len(group.params) for group in training.groups)
     note = (
         f"training state carried: step {training.step}, {len(training.groups)} param group(s), "
-        f"{', '.join(training.slots)} of {trainable} parameter(s) ({len(training.frozen)} frozen)"
+        f"{', '.join(training.slots)} of {trainable} parameter(s) "
+        f"({len(training.frozen)} without state: frozen or tied)"
     )
     left = [str(item) for item in source.training.not_carried if item.kind in drop] if source.training else []
     return note + (f"; left behind (--drop): {', '.join(left)}" if left else "")

@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO-2 to DCP, resumed by plain FSDP2: ``reshard convert DS --layout dcp --with-optimizer``.
 
 DeepSpeed trains the tiny Llama of ``fixtures/fsdp_resume.py`` at world 2 (fp32, torch's AdamW, the same two groups,
-hyper-parameters and batches, no gradient clipping: ``fixtures/deepspeed_resume.py``), saves, and continues: the
+hyper-parameters and batches, no gradient clipping: ``fixtures/deepspeed_to_dcp.py``), saves, and continues: the
 reference losses. The conversion to DCP is resumed by FSDP2 and torch's AdamW configured with other
 hyper-parameters, at worlds 1 and 3: right after ``set_state_dict`` every fp32 master, moment and step equals, bit
 for bit, what DeepSpeed's own ``ds_to_universal`` gathers from the checkpoint, and the groups are DeepSpeed's; the
@@ -36,7 +36,7 @@ def resumed(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactor
     args = [str(root / "hf"), str(root)]
     python = deepspeed_python(pytestconfig)
     torchrun(
-        "fixtures.deepspeed_resume", ranks=2, args=args, python=python, env={**environment, "DS_ACCELERATOR": "cpu"}
+        "fixtures.deepspeed_to_dcp", ranks=2, args=args, python=python, env={**environment, "DS_ACCELERATOR": "cpu"}
     )
     reshard(
         "convert", root / "ds", "--tp", 1, "--layout", "dcp", "--with-optimizer", "--drop", DROP, "-o", root / "out"

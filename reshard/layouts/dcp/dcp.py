@@ -87,6 +87,9 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
     if groups:
         total = sum(g["bytes"] for g in groups.values())
         source.notes.append(f"skipped, not model weights: {_listed(groups)}; {human_bytes(total)} in all")
+    if source.training is not None and source.training.moments:
+        moments = ", ".join(source.training.moments)
+        source.notes.append(f"optimizer state beside the weights: {moments} (--with-optimizer carries it)")
     return source
 
 

@@ -19,8 +19,7 @@ import pytest
 import torch
 from fixtures.fsdp_resume import DECAY, HYPER, OTHER, STEPS
 from fixtures.models import tiny_llama
-from fixtures.resumed import TOLERANCE, assert_loaded_as_saved, deviation, losses, reshard
-from fixtures.torchrun import torchrun
+from fixtures.resumed import TOLERANCE, assert_loaded_as_saved, deviation, losses, reshard, torchrun
 
 from reshard.layouts import discover
 from reshard.layouts.training import state_name

@@ -17,8 +17,7 @@ import torch
 from fixtures.deepspeed import deepspeed_python, extensions_folder
 from fixtures.fsdp_resume import OTHER
 from fixtures.models import tiny_llama
-from fixtures.resumed import TOLERANCE, assert_loaded_as_saved, deviation, losses, reshard
-from fixtures.torchrun import torchrun
+from fixtures.resumed import TOLERANCE, assert_loaded_as_saved, deviation, losses, reshard, torchrun
 
 WORLDS = (1, 3)
 # What DeepSpeed keeps beside the optimizer that FSDP2 does not run: its loss scaler's state (unused in fp32),

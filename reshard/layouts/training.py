@@ -14,12 +14,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from reshard.errors import SHOWN_LENGTH, shown
-
-if TYPE_CHECKING:
-    from reshard.layouts.base import TensorRef
+from reshard.layouts.refs import TensorRef
 
 # The state tensors a parameter may have, in the order they are written: ``master`` only where the checkpoint keeps
 # an fp32 copy apart from the weight it trains (Megatron's distributed optimizer); elsewhere the weight is the master.

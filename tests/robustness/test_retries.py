@@ -1,9 +1,9 @@
 """Retries and hang-ups, with real processes: a scheduler's retry of a finished ``--resume`` run succeeds without
 rewriting a byte; a retry of another conversion names what differs; SIGHUP, SIGQUIT and SIGTERM sent at many instants
-of a run (before staging, while writing, while publishing) leave either the complete output or nothing (a
-``--resume`` run: its partial output, which the next ``--resume`` finishes); what a SIGKILL left is found and said by
-the next run; and a retry loop killed at random ends with the output an uninterrupted run writes, byte for byte, and
-nothing else beside it."""
+of a run (before staging, while writing, while publishing), with ``--workers`` and under torchrun too, leave either the
+complete output or nothing (a ``--resume`` run: its partial output, which the next ``--resume`` finishes); what a
+SIGKILL left is found and said by the next run; and a retry loop killed at random ends with the output an uninterrupted
+run writes, byte for byte, and nothing else beside it."""
 
 from __future__ import annotations
 
@@ -258,4 +258,39 @@ def test_a_retry_loop_killed_at_random_ends_with_the_uninterrupted_output(tmp_pa
     else:
         raise AssertionError("the loop never finished")
     assert attempt > 0  # at least one try was killed
+    assert output_tree(out) == uninterrupted and beside(out) == ["out"]
+
+
+@pytest.mark.parametrize("resume", [False, True], ids=["plain", "resume"])
+def test_a_hangup_of_torchrun_reaches_both_workers_and_leaves_the_output_or_nothing(
+    tmp_path, uninterrupted, slow_env, resume
+):
+    """torchrun forwards SIGHUP to its two workers: each unwinds as on SIGTERM (rank 0 removes the staged folder and
+    the lock, or with ``--resume`` keeps the partial output, which the next ``--resume`` finishes)."""
+    out = tmp_path / "out"
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "reshard",
+    ]
+    run = subprocess.Popen([*launcher, *args(out, *(["--resume"] if resume else []))], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=slow_env)  # fmt: skip
+    wait_for(lambda: staged(out), run, limit=120)
+    time.sleep(0.2)
+    run.send_signal(signal.SIGHUP)
+    _, stderr = run.communicate(timeout=120)
+    if run.returncode == 0:
+        pytest.skip("the conversion finished before the signal (a loaded machine)")
+    assert stderr.count("Error: interrupted by SIGHUP: ") == 2, stderr
+    if not resume:
+        assert beside(out) == [] and not out.exists()
+        return
+    assert beside(out) == [partial_folder(out).name]
+    finished = reshard(args(out, "--resume", "-q"))
+    assert finished.returncode == 0, finished.stderr
     assert output_tree(out) == uninterrupted and beside(out) == ["out"]

@@ -274,3 +274,45 @@ def test_a_universal_output_verifies_against_its_manifest_state_included(ds_root
     again = discover(out).training
     assert again is not None and again.not_carried == ()
     assert again.groups == discover(ds_root / "zero2_bf16").training.groups
+
+
+KILL_AFTER_FILES = """
+import os, signal, sys
+import reshard.io.journal as journal
+real, count = journal.Journal.file_done, [0]
+def file_done(self, relative):
+    real(self, relative)
+    count[0] += 1
+    if count[0] == 25:
+        os.kill(os.getpid(), signal.SIGKILL)
+journal.Journal.file_done = file_done
+from reshard.cli.main import main
+sys.argv[0] = "reshard"
+main()
+"""
+
+
+def test_a_training_state_conversion_is_shared_by_workers_and_resumed_after_a_kill(ds_root, tmp_path):
+    """The state tensors are units of work like the weights: ``--workers 2`` writes the bytes one process writes, and
+    a run killed after 25 files finishes with ``--resume`` into them too."""
+    import subprocess
+    import sys
+
+    from fixtures.checks import output_tree
+
+    def convert(out: Path, *extra: str, code: str | None = None) -> subprocess.CompletedProcess:
+        argv = ["convert", str(ds_root / "zero2_bf16"), "--tp", "1", "--layout", "deepspeed", "--with-optimizer",
+                "--drop", "dataloader,loss_scaler,other", "-o", str(out), "-q", *extra]  # fmt: skip
+        command = [sys.executable, "-c", code, *argv] if code else [sys.executable, "-m", "reshard", *argv]
+        return subprocess.run(command, capture_output=True, text=True, timeout=600)
+
+    one, two, resumed = tmp_path / "one", tmp_path / "two", tmp_path / "resumed"
+    assert convert(one).returncode == 0
+    shared = convert(two, "--workers", "2")
+    assert shared.returncode == 0, shared.stderr
+    assert output_tree(two) == output_tree(one)
+    killed = convert(resumed, "--resume", code=KILL_AFTER_FILES)
+    assert killed.returncode == -9 and not resumed.exists()
+    finished = convert(resumed, "--resume")
+    assert finished.returncode == 0, finished.stderr
+    assert output_tree(resumed) == output_tree(one)

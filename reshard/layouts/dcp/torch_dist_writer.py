@@ -20,8 +20,10 @@ arrives, from the worker threads, straight from the gathered buffer (memory: one
 tensor); ``.metadata`` comes last. Megatron-LM's loader asks for an ``_extra_state`` object of every
 Transformer Engine (or local-spec) linear and norm it builds, and fails on a missing one: the source's are
 carried (tensor-parallel rank 0's, the copy Megatron keeps), the others written as ``None``, which both
-implementations accept. No optimizer or rng state is written: load a checkpoint of a training run's
-iteration with ``--no-load-optim --no-load-rng`` (or ``--finetune``), as the legacy layout's.
+implementations accept. With ``--with-optimizer`` the training state is written in the distributed optimizer's
+``fully_reshardable`` form (:mod:`reshard.layouts.dcp.torch_dist_state`), with a Megatron source's LR scheduler;
+else no optimizer is written: load with ``--no-load-optim`` (or ``--finetune``). No rng state is written: load
+with ``--no-load-rng``.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ from reshard.io.joined import Joined
 from reshard.layouts.base import ONE_RUN, CheckpointWriter, RunFiles, SourceCheckpoint, TargetSpec
 from reshard.layouts.dcp.torch_dist_keys import GlobalPlan, plan_global
 from reshard.layouts.dcp.torch_dist_keys import check_names as check_global_names
+from reshard.layouts.dcp.torch_dist_state import CONTENT_METADATA as STATE_METADATA
+from reshard.layouts.dcp.torch_dist_state import optimizer_common, state_plan, weights_of
 from reshard.layouts.megatron.args import PICKLE_MODULE, retarget_args
 from reshard.layouts.megatron.reader import TRACKER
 from reshard.layouts.megatron.writer import CHECKPOINT_VERSION, megatron_args_of, megatron_facts
@@ -85,6 +89,8 @@ class TorchDistFilePlan(FilePlan):
         sizes: each data file's size in bytes.
         where: each archive's key -> (data file index, position, length).
         chunks: each incoming tensor name -> (its chunk's archive key, the chunk's header).
+        copies: a trainable weight's name -> the chunk it is written to again, as its fp32 master, where the
+            source keeps none apart (:func:`~reshard.layouts.dcp.torch_dist_state.state_plan`).
     """
 
     global_plan: GlobalPlan
@@ -94,6 +100,7 @@ class TorchDistFilePlan(FilePlan):
     sizes: tuple[int, ...] = ()
     where: Mapping[str, tuple[int, int, int]] = field(default_factory=dict)
     chunks: Mapping[str, tuple[str, TensorHeader]] = field(default_factory=dict)
+    copies: Mapping[str, str] = field(default_factory=dict)
 
 
 class TorchDistWriter(CheckpointWriter):
@@ -101,6 +108,7 @@ class TorchDistWriter(CheckpointWriter):
     names them (``decoder.layers.{i}.*``, experts as ``...local_experts.{e}.*``)."""
 
     concurrent = True
+    holds_training_state = True
 
     @classmethod
     def file_plan(cls, spec: TargetSpec) -> TorchDistFilePlan:
@@ -115,17 +123,20 @@ class TorchDistWriter(CheckpointWriter):
         if spec.tp != 1:
             raise ValueError(f"torch_dist holds global tensors: plan the conversion at tp 1, not {spec.tp}")
         source, headers = spec.source, spec.rank_headers[0]
-        check_global_names(list(headers), source.path)
+        weights = weights_of(headers)
+        check_global_names(list(weights), source.path)
         args = megatron_args_of(source, spec.layout_facts)
-        plan = plan_global(
-            headers,
-            source.extras[0] if isinstance(source.facts, MegatronFacts) and source.extras else {},
+        placing = dict(
             layers=_int(arg(args, "num_layers")),
             experts=_int(arg(args, "num_experts")),
             local_spec=arg(args, "transformer_impl") == "local",
-            homogeneous=_homogeneous(args),
             tied=not arg(args, "untie_embeddings_and_output_weights", False),
         )
+        extras = source.extras[0] if isinstance(source.facts, MegatronFacts) and source.extras else {}
+        plan = plan_global(weights, extras, **placing, homogeneous=_homogeneous(args))
+        copies: dict[str, str] = {}
+        if spec.training is not None:
+            plan, copies = state_plan(plan, headers, spec.training, **placing)
         sizes = {key: TorchZipWriter(Path(key), [value], archive=ARCHIVE).size for key, value in plan.objects.items()}
         chunks: dict[str, tuple[str, TensorHeader]] = {}
         for tensor in plan.tensors:
@@ -145,10 +156,13 @@ class TorchDistWriter(CheckpointWriter):
         facts = megatron_facts(source)
         folder = "release" if facts.release else f"iter_{int(facts.iteration or 0):07d}"
         held: list[set[str]] = [set() for _ in names]
+        copied = set(copies.values())
         for name, (key, _) in chunks.items():
-            held[where[key][0]].add(name)
+            if name not in copied:  # a copy is written with its weight
+                held[where[key][0]].add(name)
         files = {f"{folder}/{name}": frozenset(tensors) for name, tensors in zip(names, held, strict=True)}
-        return TorchDistFilePlan(files, plan, _retarget(args, spec), folder, names, tuple(ends), where, chunks)
+        retargeted = _retarget(args, spec)
+        return TorchDistFilePlan(files, plan, retargeted, folder, names, tuple(ends), where, chunks, copies)
 
     def __init__(self, out_dir: Path, spec: TargetSpec, plan: TorchDistFilePlan, run: RunFiles = ONE_RUN) -> None:
         super().__init__(out_dir, spec, plan, run)
@@ -157,6 +171,7 @@ class TorchDistWriter(CheckpointWriter):
         self._iteration = int(facts.iteration or 0)
         self._args, self._plan, self._sizes = plan.args, plan.global_plan, plan.sizes
         self._folder, self._names, self._where, self._chunks = Path(plan.folder), plan.names, plan.where, plan.chunks
+        self._copies = plan.copies
         self._folder_path = out_dir / self._folder
         self._folder_path.mkdir(parents=True, exist_ok=True)
         self._open()
@@ -212,6 +227,12 @@ class TorchDistWriter(CheckpointWriter):
             "iteration": self._iteration,
             "content_metadata": dict(CONTENT_METADATA),
         }
+        if self.spec.training is not None:
+            common["optimizer"] = optimizer_common(self.spec.training)
+            common["content_metadata"] |= STATE_METADATA
+            scheduler = _scheduler(self.spec.source)
+            if scheduler is not None:
+                common["opt_param_scheduler"] = scheduler
         TorchZipWriter(self._folder_path / COMMON, common, pickle_module=PICKLE_MODULE).close()
         (self._folder_path / CONFIG).write_text(CONFIG_TEXT)
 
@@ -222,6 +243,14 @@ class TorchDistWriter(CheckpointWriter):
         (tensor,) = slices
         if isinstance(tensor, Joined):  # only a slice of a tensor split over ranks is its parts
             raise TypeError(f"{name}: a tp 1 slice is one tensor, not {len(tensor.parts)} parts")
+        self._write_chunk(name, tensor)
+        if name in self._copies:
+            self._write_chunk(self._copies[name], tensor)
+
+    write = write_unordered
+
+    def _write_chunk(self, name: str, tensor: torch.Tensor) -> None:
+        """Write chunk ``name``'s archive from ``tensor``."""
         key, header = self._chunks[name]
         with self._lock:
             if name in self._written:
@@ -234,8 +263,6 @@ class TorchDistWriter(CheckpointWriter):
             archive = TorchZipWriter(self._folder_path / key, TensorSlot(name, header), archive=ARCHIVE, region=region)
             archive.write(name, tensor)  # its only tensor: the archive is complete
         self._landed(key)
-
-    write = write_unordered
 
     def _landed(self, key: str) -> None:
         """Count an archive as written; a data file whose archives are all written is closed and announced."""
@@ -300,6 +327,14 @@ def _retarget(args: Any, spec: TargetSpec) -> Any:
     for key, value in updates.items():
         setattr(out, key, value)
     return out
+
+
+def _scheduler(source: SourceCheckpoint) -> Any:
+    """A Megatron source's ``opt_param_scheduler``: Megatron-LM's ``load_checkpoint`` loads it with the optimizer
+    (a ``KeyError`` without), and it does not depend on the parallelism."""
+    if not isinstance(source.facts, MegatronFacts) or not source.top_level:
+        return None
+    return source.top_level[0].get("opt_param_scheduler")
 
 
 def _homogeneous(args: Any) -> bool:

@@ -7,12 +7,13 @@ Run under ``torchrun`` (gloo) with the Megatron-Core 0.19.2 venv (``tests/layout
 
 Jobs (a JSON list; model parallelism re-initialized between them):
 
-- ``{"command": "train", "spec", "out", "steps", "more"}``: the ``spec``'s model (``mcore_gpt.build``, fp32) wrapped
-  in Megatron-Core's ``DistributedDataParallel``, the optimizer ``get_megatron_optimizer`` builds (Adam, the
-  distributed optimizer: torch's ``Adam`` with ``decoupled_weight_decay`` without Apex / Transformer Engine), trained
-  ``steps`` steps on fixed batches (one per step), then saved as Megatron-LM's ``save_checkpoint`` does for
-  ``--dist-ckpt-optim-fully-reshardable``: ``dist_checkpointing.save({args, iteration, checkpoint_version, model,
-  optimizer: optimizer.sharded_state_dict(model, metadata), opt_param_scheduler, rng_state, ...})`` in
+- ``{"command": "train", "spec", "out", "steps", "more", "sharding"}``: the ``spec``'s model (``mcore_gpt.build``,
+  fp32) wrapped in Megatron-Core's ``DistributedDataParallel``, the optimizer ``get_megatron_optimizer`` builds (Adam,
+  the distributed optimizer: torch's ``Adam`` with ``decoupled_weight_decay`` without Apex / Transformer Engine),
+  trained ``steps`` steps on fixed batches (one per step), then saved as Megatron-LM's ``save_checkpoint`` does
+  with ``--dist-ckpt-optim-fully-reshardable`` (``sharding`` ``dp_reshardable``: without, Megatron-LM's default):
+  ``dist_checkpointing.save({args, iteration, checkpoint_version, model, optimizer:
+  optimizer.sharded_state_dict(model, metadata), opt_param_scheduler, rng_state, ...})`` in
   ``OUT/ckpt/iter_{steps:07d}``, with its ``content_metadata``. Then ``more`` steps: ``OUT/reference.pt`` holds their
   losses and ``OUT/saved_rank{r}.pt`` this rank's state as the optimizer held it at the save (:func:`held_state`).
 - ``{"command": "resume", "spec", "ckpt", "out", "steps", "optimizer": bool}``: a model built from another
@@ -109,11 +110,11 @@ def cpu_training_workarounds() -> None:
     DistributedOptimizer._set_main_param_and_optimizer_states = with_step
 
 
-def content_metadata() -> dict:
-    """``_build_sharded_state_dict_metadata`` with ``--use-distributed-optimizer``
-    ``--dist-ckpt-optim-fully-reshardable``."""
+def content_metadata(sharding: str = "fully_reshardable") -> dict:
+    """``_build_sharded_state_dict_metadata`` with ``--use-distributed-optimizer`` and
+    ``--dist-ckpt-optim-fully-reshardable`` (``sharding`` ``dp_reshardable``: without it)."""
     return {
-        "distrib_optim_sharding_type": "fully_reshardable",
+        "distrib_optim_sharding_type": sharding,
         "distrib_optim_fully_reshardable_mem_efficient": False,
         "singleton_local_shards": False,
         "chained_optim_avoid_prefix": True,
@@ -248,10 +249,12 @@ def train(job: dict) -> None:
         iter_dir.mkdir(parents=True)
     dist.barrier()
     args = megatron_lm.megatron_args(variant, spec, ckpt_format="torch_dist")
-    args.use_distributed_optimizer = args.dist_ckpt_optim_fully_reshardable = True
+    args.use_distributed_optimizer = True
     args.iteration, args.lr, args.weight_decay = steps, LR, HYPER["weight_decay"]
-    state = generate_state_dict(ddp, optimizer, scheduler, args, content_metadata(), iteration=steps, loading=False)
-    dist_checkpointing.save(state, str(iter_dir), content_metadata=content_metadata())
+    metadata = content_metadata(job.get("sharding", "fully_reshardable"))
+    args.dist_ckpt_optim_fully_reshardable = metadata["distrib_optim_sharding_type"] == "fully_reshardable"
+    state = generate_state_dict(ddp, optimizer, scheduler, args, metadata, iteration=steps, loading=False)
+    dist_checkpointing.save(state, str(iter_dir), content_metadata=metadata)
     dist.barrier()
     if dist.get_rank() == 0:
         megatron_lm.write_tracker(out / "ckpt", steps)

@@ -86,8 +86,12 @@ def state_plan(
 
 def optimizer_common(carried: CarriedState) -> dict[str, Any]:
     """The ``optimizer`` entry of the common state: the groups' hyper-parameters with the step, as the distributed
-    optimizer's ``state_dict()`` saves them."""
-    groups = [dict(group.hyper) | {"step": group.hyper.get("step", carried.step)} for group in carried.groups]
+    optimizer's ``state_dict()`` saves them (a list stored is torch's tuple again: ``betas``)."""
+    groups = [
+        {key: tuple(value) if isinstance(value, list) else value for key, value in group.hyper.items()}
+        | {"step": group.hyper.get("step", carried.step)}
+        for group in carried.groups
+    ]
     return {"optimizer": {"param_groups": groups}, "param_state_sharding_type": SHARDING}
 
 

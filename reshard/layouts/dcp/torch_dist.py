@@ -39,7 +39,7 @@ from reshard.layouts.dcp.boxed_reader import BoxedReader, BoxView, StackedView
 from reshard.layouts.dcp.dcp import checked
 from reshard.layouts.dcp.nemo import NEMO_WEIGHTS, nemo_args, nemo_side_files, nemo_tokenizer, refuse_adapters
 from reshard.layouts.dcp.torch_dist_common import read_common
-from reshard.layouts.dcp.torch_dist_training import STATE, training_state
+from reshard.layouts.dcp.torch_dist_training import STATE, training_state, unread_format
 from reshard.layouts.megatron.reader import read_tracker
 from reshard.megatron.facts import MegatronFacts
 from reshard.megatron.model import arg, config_from_args, count_problems, named_tokenizer
@@ -98,18 +98,20 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
         raise CorruptFileError(f"sharded backend {backend!r}: only torch_dist is read", path=folder / CONFIG)
     refuse_adapters(folder)
     index = read_index(folder, trust_pickle=options.trust_pickle)
-    optimizer = {fqn: t for fqn, t in index.tensors.items() if _strip(fqn).startswith(OPTIMIZER)}
-    stored = {fqn: t for fqn, t in index.tensors.items() if not SKIPPED.search(_strip(fqn))}
-    read, sizes = checked(stored | {fqn: t for fqn, t in optimizer.items() if STATE.match(_strip(fqn))})
-    model = {fqn: t for fqn, t in read.items() if fqn in stored}
     common, notes, common_file = read_common(folder, index, options)
     args = nemo_args(path) if folder.name == NEMO_WEIGHTS else common.get("args")
+    optimizer = {fqn: t for fqn, t in index.tensors.items() if _strip(fqn).startswith(OPTIMIZER)}
+    stored = {fqn: t for fqn, t in index.tensors.items() if not SKIPPED.search(_strip(fqn))}
+    distributed = bool(arg(args, "use_distributed_optimizer"))
+    readable = unread_format(common, optimizer, distributed=distributed) is None  # else their boxes are not ours
+    read, sizes = checked(stored | {f: t for f, t in optimizer.items() if readable and STATE.match(_strip(f))})
+    model = {fqn: t for fqn, t in read.items() if fqn in stored}
     views = _spec_names(_views({_strip(fqn): tensor for fqn, tensor in model.items()}), args)
     reader = BoxedReader(folder, views)
     refs = {name: TensorRef(name, 0, reader, name, reader.headers[name]) for name in views}
     source = SourceCheckpoint(path, NAME, [refs], extras=[{}], top_level=[common])
     source.training = training_state(
-        arg(args, "optimizer"),
+        args,
         common,
         {_strip(fqn): read.get(fqn, t) for fqn, t in optimizer.items()},
         list(index.values),

@@ -84,15 +84,19 @@ def state_plan(
     return replace(weights, tensors=tensors), copies
 
 
-def optimizer_common(carried: CarriedState) -> dict[str, Any]:
+def optimizer_common(carried: CarriedState) -> dict[Any, Any]:
     """The ``optimizer`` entry of the common state: the groups' hyper-parameters with the step, as the distributed
-    optimizer's ``state_dict()`` saves them (a list stored is torch's tuple again: ``betas``)."""
+    optimizer's ``state_dict()`` saves them (a list stored is torch's tuple again: ``betas``). With expert groups,
+    the two parts of Megatron-Core's chained optimizer by index, the dense groups' then the experts'
+    (``get_megatron_optimizer``), as ``ChainedOptimizer.sharded_state_dict`` saves them."""
     groups = [
         {key: tuple(value) if isinstance(value, list) else value for key, value in group.hyper.items()}
         | {"step": group.hyper.get("step", carried.step)}
         for group in carried.groups
     ]
-    return {"optimizer": {"param_groups": groups}, "param_state_sharding_type": SHARDING}
+    parts = [[g for g in groups if not g["is_expert_parallel"]], [g for g in groups if g["is_expert_parallel"]]]
+    made = [{"optimizer": {"param_groups": part}, "param_state_sharding_type": SHARDING} for part in parts if part]
+    return made[0] if len(made) == 1 else dict(enumerate(made))
 
 
 def _renamed(tensor: GlobalTensor, slot: str) -> GlobalTensor:

@@ -33,6 +33,7 @@ from reshard.formats.dcp_metadata.read import StoredTensor
 from reshard.layouts.base import TensorRef
 from reshard.layouts.dcp.boxed_reader import BoxedReader, BoxView, StackedView
 from reshard.layouts.training import SLOTS, Leftover, ParamGroup, TrainingState, state_name, stored_value
+from reshard.megatron.model import arg
 
 STATE = re.compile(r"^optimizer\.state\.(?P<slot>param|fp32_param|exp_avg|exp_avg_sq)\.(?P<key>.+)$")
 SLOT = {"param": "master", "fp32_param": "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
@@ -61,7 +62,7 @@ Views = dict[str, BoxView | StackedView]
 
 
 def training_state(
-    optimizer_name: str | None,
+    args: Any,
     common: Mapping[str, Any],
     stored: Mapping[str, StoredTensor],
     values: list[str],
@@ -72,7 +73,7 @@ def training_state(
     """The training state, None when the checkpoint holds no optimizer.
 
     Args:
-        optimizer_name: the optimizer the args name (``--optimizer``, ``adam`` by default).
+        args: Megatron's args (``optimizer``, ``use_distributed_optimizer``).
         common: the common state dict.
         stored: the optimizer's tensors (fqn -> stored tensor), ``optimizer.*`` keys only.
         values: the non-tensor entries' keys (``rng_state/shard_...``).
@@ -85,7 +86,6 @@ def training_state(
         return None
     parts = _parts(optimizer if isinstance(optimizer, Mapping) else {})
     raw_groups = [group for part in parts for group in _groups(part)]
-    sharding = {part.get("param_state_sharding_type") for part in parts} - {None}
     leftovers = _leftovers(common, values, parts)
     by_slot: dict[str, dict[str, StoredTensor]] = {}
     for fqn, tensor in stored.items():
@@ -93,11 +93,11 @@ def training_state(
         if match:
             by_slot.setdefault(SLOT[match["slot"]], {})[match["key"]] = tensor
     moments = tuple(slot for slot in SLOTS if slot != "master" and slot in by_slot)
-    unread = _unread(sharding, stored)
+    unread = unread_format(common, stored, distributed=bool(arg(args, "use_distributed_optimizer")))
     if unread is not None:
         moments = tuple(m for m in ("exp_avg", "exp_avg_sq") if any(f.endswith(f".{m}") for f in stored))
         groups = tuple(ParamGroup(_hyper(g), ()) for g in raw_groups)
-        return TrainingState(optimizer_name, _step(parts), moments, groups, (), leftovers, unread=unread)
+        return TrainingState(arg(args, "optimizer"), _step(parts), moments, groups, (), leftovers, unread=unread)
     states = {
         state_name(name, slot): view for slot, tensors in by_slot.items() for name, view in views_of(tensors).items()
     }
@@ -106,10 +106,10 @@ def training_state(
     groups = tuple(ParamGroup(_hyper(g), tuple(names)) for g, names in zip(raw_groups, members, strict=True))
     frozen = tuple(name for name in weights if name not in trainable)
     if unread is not None:
-        return TrainingState(optimizer_name, _step(parts), moments, groups, frozen, leftovers, unread=unread)
+        return TrainingState(arg(args, "optimizer"), _step(parts), moments, groups, frozen, leftovers, unread=unread)
     boxed = reader(states)
     refs = {name: TensorRef(name, 0, boxed, name, boxed.headers[name]) for name in states}
-    return TrainingState(optimizer_name, _step(parts), moments, groups, frozen, leftovers, (refs,))
+    return TrainingState(arg(args, "optimizer"), _step(parts), moments, groups, frozen, leftovers, (refs,))
 
 
 def _parts(optimizer: Mapping[str, Any]) -> list[Mapping[str, Any]]:
@@ -156,8 +156,21 @@ def _number(value: Any) -> int | None:
     return int(value)
 
 
-def _unread(sharding: set[Any], stored: Mapping[str, StoredTensor]) -> str | None:
-    """Why the state's tensors are not read, for the formats that are not in model space."""
+def unread_format(common: Mapping[str, Any], stored: Mapping[str, Any], *, distributed: bool) -> str | None:
+    """Why the optimizer's tensors are not read, for the formats that are not in model space (None: they are).
+
+    The format is what each optimizer part records (``param_state_sharding_type``), else the content metadata's
+    ``distrib_optim_sharding_type`` (Megatron-Core >= 0.13); a distributed optimizer's state that records neither
+    (``args.use_distributed_optimizer``) is of an older Megatron-Core, in a format reshard does not read.
+    """
+    optimizer = common.get("optimizer")
+    parts = _parts(optimizer) if isinstance(optimizer, Mapping) else []
+    sharding = {part.get("param_state_sharding_type") for part in parts} - {None}
+    metadata = common.get("content_metadata")
+    if not sharding and isinstance(metadata, Mapping) and metadata.get("distrib_optim_sharding_type"):
+        sharding = {metadata["distrib_optim_sharding_type"]}
+    if not sharding and distributed and stored:
+        return f"a distributed optimizer's state that records no format (Megatron-Core <= 0.12); {RESAVE}"
     other = sorted(map(str, sharding - set(READ)))
     if other:
         what = REFUSED.get(other[0], "a format reshard does not know")

@@ -16,7 +16,8 @@ where Megatron-LM's ``save_checkpoint`` puts it (Megatron-Core 0.19, ``optimizer
   ``state.common_step``. Megatron-Core records no group membership: it builds its groups again at load and matches
   the saved ones by ``param_group_identifier_keys`` (``wd_mult``, ``lr_mult``, ``max_lr``, ...). Membership is
   taken from Megatron-Core's standard rule (``get_standard_config_overrides``: no weight decay, ``wd_mult`` 0, for
-  biases and 1-D parameters; expert parameters in the ``is_expert_parallel`` groups); groups it does not explain
+  biases and 1-D parameters; the routed experts' parameters in the ``is_expert_parallel`` groups where there are
+  such, which Megatron-Core makes only under expert parallelism or an expert tp of its own); groups it does not explain
   (other overrides) leave the state unread, by name.
 * **Not carried**: ``opt_param_scheduler``, ``rng_state``, ``rerun_state_machine``, the grad scaler, the FLOPs
   counter, each a :class:`~reshard.layouts.training.Leftover` with its kind.
@@ -189,8 +190,9 @@ def _members(
     """Each group's parameters by Megatron-Core's standard rule (module docstring), or why they cannot be told."""
     members: list[list[str]] = [[] for _ in groups]
     unexplained: list[str] = []
+    apart = any(g.get("is_expert_parallel") for g in groups)  # only with expert parallelism (or its own tp)
     for name in trainable:
-        expert = ".mlp.experts." in name
+        expert = apart and ".mlp.experts." in name
         no_decay = name.endswith(".bias") or len(weights[name].shape) == 1
         wanted = {"is_expert_parallel": expert, "wd_mult": 0.0 if no_decay else 1.0, "lr_mult": 1.0}
         found = [i for i, g in enumerate(groups) if all(g.get(k) == v for k, v in wanted.items())]

@@ -8,6 +8,8 @@ Megatron-Core resumes from the output at tp 1 and tp 2 with its own load of mode
   and the groups' hyper-parameters are the saved ones, though the resuming run was configured with others.
 - The 3 resumed losses equal the run that went on without saving (tp 2) and Megatron-Core's own resume at tp 1.
 - A weights-only conversion, whose resume starts a fresh optimizer, misses them by far more.
+- A Mixtral-like MoE (trained at tp 1: MoE trains at tp > 1 only with sequence parallelism, which the local spec's
+  norms refuse) goes the same way, its experts' state included.
 - Megatron-LM's default format (``dp_reshardable``, flat buffers per bucket) is shown by ``inspect`` and refused by
   name.
 
@@ -37,6 +39,11 @@ pytestmark = pytest.mark.oracle
 
 TRAIN = SCRIPT.with_name("mcore_train.py")
 SPEC = {"variant": "llama", "overrides": {"divisible_by": "4"}}
+MOE = {
+    "variant": "moe",
+    "tp": 1,
+    "overrides": {"divisible_by": "4"},
+}  # MoE trains at tp > 1 only with sequence parallelism
 STEPS = 3
 TOLERANCE = 1e-5  # fp32: the same state resumed at tp 1 and tp 2 differs by ~5e-7; a reset moments by ~5e-3
 SLOTS = {"param": "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}  # Megatron's state key -> reshard's
@@ -59,7 +66,7 @@ def trained(pytestconfig: pytest.Config, mcore19: Path) -> Path:
     (``own-tp1``), written once and cached."""
     oracles = SCRIPT.parent
     sources = [TRAIN, SCRIPT, oracles / "megatron_lm.py", oracles / "variants.py"]
-    key = source_key(sources, f"{' '.join(REQUIREMENTS)} {SPEC} {STEPS}")
+    key = source_key(sources, f"{' '.join(REQUIREMENTS)} {SPEC} {MOE} {STEPS}")
     root = Path(pytestconfig.cache.mkdir("mcore-0.19-training")) / key
 
     def prepare(staging: Path) -> None:
@@ -68,6 +75,7 @@ def trained(pytestconfig: pytest.Config, mcore19: Path) -> Path:
             | {"out": str(staging / sharding)}
             for sharding in ("fully_reshardable", "dp_reshardable")
         ]
+        jobs.append({"command": "train", "spec": MOE, "steps": STEPS, "more": STEPS, "out": str(staging / "moe")})
         jobs.append(
             {"command": "resume", "spec": spec(1), "ckpt": str(staging / "fully_reshardable" / "ckpt")}
             | {"out": str(staging / "own-tp1"), "steps": STEPS, "optimizer": True}
@@ -82,13 +90,17 @@ def trained(pytestconfig: pytest.Config, mcore19: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def resumed(trained: Path, mcore19: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """reshard's conversions of the run (with the optimizer, and the weights alone) and Megatron-Core's resumes
-    from them: ``rs-tp1``, ``rs-tp2`` and ``reset-tp2`` (a fresh optimizer on the weights alone)."""
+    """reshard's conversions of the runs (with the optimizer, and the weights alone) and Megatron-Core's resumes
+    from them: ``rs-tp1``, ``rs-tp2``, ``reset-tp2`` (a fresh optimizer on the weights alone) and ``rs-moe``."""
     out = tmp_path_factory.mktemp("resumed")
-    source = trained / "fully_reshardable" / "ckpt"
     drop = ("--drop", "rng,scheduler,trainer")
-    for name, extra in (("with-optimizer", ("--with-optimizer", *drop)), ("weights", ())):
-        args = ["convert", source, "--tp", 1, "--layout", "torch_dist", *extra, "-o", out / name]
+    conversions = (
+        ("with-optimizer", "fully_reshardable", ("--with-optimizer", *drop)),
+        ("weights", "fully_reshardable", ()),
+        ("moe-with-optimizer", "moe", ("--with-optimizer", *drop)),
+    )
+    for name, run, extra in conversions:
+        args = ["convert", trained / run / "ckpt", "--tp", 1, "--layout", "torch_dist", *extra, "-o", out / name]
         result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
         assert result.exit_code == 0, result.output
     jobs = [
@@ -96,6 +108,10 @@ def resumed(trained: Path, mcore19: Path, tmp_path_factory: pytest.TempPathFacto
         | {"optimizer": ckpt == "with-optimizer"}
         for name, tp, ckpt in RESUMES
     ]
+    jobs.append(
+        {"command": "resume", "spec": MOE, "ckpt": str(out / "moe-with-optimizer"), "out": str(out / "rs-moe")}
+    )
+    jobs[-1] |= {"steps": STEPS, "optimizer": True}
     run_jobs(jobs, nproc=2, python=mcore19, script=TRAIN)
     return out
 
@@ -144,6 +160,19 @@ def test_megatron_core_resumes_from_reshards_output_at_tp1_and_tp2(trained: Path
     for name in ("rs-tp1", "rs-tp2"):
         losses = load(resumed / f"{name}.rank0")["losses"]
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference(trained)), rtol=0, atol=TOLERANCE)
+
+
+def test_an_moe_resumes_with_its_experts_state(trained: Path, resumed: Path) -> None:
+    """Four routed experts stacked ``[L, E, ...]`` and the router, the distributed optimizer sharded over two
+    data-parallel ranks: the resume holds the saved state and takes the reference steps."""
+    for rank in range(2):
+        saved = load(trained / "moe" / f"saved_rank{rank}.pt")["state"]
+        got = load(resumed / f"rs-moe.rank{rank}")["state"]
+        assert any(".local_experts.3." in name for name in saved) and set(got) == set(saved)
+        for param, tensors in saved.items():
+            for key, tensor in tensors.items():
+                assert torch.equal(got[param][key], tensor), (rank, param, key)
+    assert load(resumed / "rs-moe.rank0")["losses"] == load(trained / "moe" / "reference.pt")["losses"]
 
 
 def test_a_weights_only_conversion_misses_the_resumed_losses(trained: Path, resumed: Path) -> None:

@@ -96,20 +96,25 @@ class Manifest:
     vocab: VocabRecord
     tensors: dict[str, TensorEntry] = field(default_factory=dict)
     mapping: dict[str, Any] | None = None
+    conversion: dict[str, Any] | None = None
     reshard_version: str = ""
     created: str = ""
     format: str = FORMAT
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "format": self.format,
-            "reshard_version": self.reshard_version,
-            "created": self.created,
-            "source": self.source,
-            "target": self.target,
-            "vocab": {k: v for k, v in asdict(self.vocab).items() if k in VOCAB_FIELDS[:3] or v is not None},
-            "tensors": {name: entry.to_dict() for name, entry in self.tensors.items()},
-        } | ({"mapping": self.mapping} if self.mapping is not None else {})
+        return (
+            {
+                "format": self.format,
+                "reshard_version": self.reshard_version,
+                "created": self.created,
+                "source": self.source,
+                "target": self.target,
+                "vocab": {k: v for k, v in asdict(self.vocab).items() if k in VOCAB_FIELDS[:3] or v is not None},
+                "tensors": {name: entry.to_dict() for name, entry in self.tensors.items()},
+            }
+            | ({"mapping": self.mapping} if self.mapping is not None else {})
+            | ({"conversion": self.conversion} if self.conversion is not None else {})
+        )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Manifest:
@@ -119,6 +124,7 @@ class Manifest:
             vocab=VocabRecord(**{k: data.get("vocab", {}).get(k) for k in VOCAB_FIELDS}),
             tensors={name: TensorEntry.from_dict(entry) for name, entry in data.get("tensors", {}).items()},
             mapping=data.get("mapping"),
+            conversion=data.get("conversion"),
             reshard_version=data.get("reshard_version", ""),
             created=data.get("created", ""),
             format=data.get("format", FORMAT),

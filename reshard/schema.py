@@ -58,6 +58,7 @@ _HEX256 = re.compile(r"^[0-9a-f]{64}$")  # a sha256 or BLAKE3 digest
 DIGESTS = ("blake3", "sha256")
 # The spelling of a layout name (``hf-ranks``, ``torch_dist``); the registry knows which exist.
 LAYOUT_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
+SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def is_int(value: Any) -> bool:
@@ -123,6 +124,11 @@ def check_manifest_data(data: Any, path: Path) -> None:
         _check_entry(entry, path, name)
     if data.get("mapping") is not None and not isinstance(data["mapping"], dict):
         raise _fail(path, "mapping", data["mapping"], "an object")
+    if data.get("conversion") is not None:
+        conversion = _object(data, "conversion", path)
+        mark = conversion.get("fingerprint")
+        if not (isinstance(mark, str) and SHA256.fullmatch(mark)):
+            raise _fail(path, "conversion.fingerprint", mark, "a sha256 in hex")
 
 
 def _object(data: Mapping[str, Any], key: str, path: Path) -> Mapping[str, Any]:

@@ -7,6 +7,7 @@ headers.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import logging
@@ -61,7 +62,8 @@ class InputError(click.ClickException):
 
 def reports_errors(command: Callable[..., Any]) -> Callable[..., Any]:
     """Turn a library :class:`ReshardError` (or an ``OSError`` of a file) into one line on stderr and exit code 2,
-    and SIGINT / SIGTERM into one line and exit code 128 + the signal, once the run has cleaned up after itself."""
+    and a stopping signal (SIGINT, SIGTERM, SIGHUP, SIGQUIT) into one line and exit code 128 + the signal, once the
+    run has cleaned up after itself."""
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -82,7 +84,8 @@ def reports_errors(command: Callable[..., Any]) -> Callable[..., Any]:
             name = err.name if isinstance(err, Interrupted) else "SIGINT"
             kept = getattr(err, "kept", None)
             left = KEPT.format(staging=kept) if kept else describe_left(remove_leftovers())
-            click.echo(f"Error: interrupted by {name}: {left}", err=True)
+            with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone: the exit code still says it
+                click.echo(f"Error: interrupted by {name}: {left}", err=True)
             raise SystemExit(err.exit_code if isinstance(err, Interrupted) else 130) from None
 
     return wrapper
@@ -423,6 +426,11 @@ def parse_tps(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option("--roundtrip", callback=parse_tps, metavar="2,4,8", help="Convert to each tp and back; compare.")
 @click.option("--atol", type=click.FloatRange(min=0), default=0.0, help="Absolute tolerance for CKPT vs OTHER.")
 @click.option("--rtol", type=click.FloatRange(min=0), default=0.0, help="Relative tolerance for CKPT vs OTHER.")
+@click.option(
+    "--train-state",
+    is_flag=True,
+    help="Check the optimizer state too: moments, masters, step, groups (against OTHER's: bit for bit).",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars and no report (the exit code says it).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON document.")
 @common_read_options

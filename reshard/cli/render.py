@@ -99,6 +99,11 @@ def _partition_args(partition: dict[str, Any] | None) -> str:
 
 
 def render_convert(report: ConvertReport) -> str:
+    if report.already_complete:
+        return (
+            f"{report.output} is already complete ({report.layout}, tp={report.tp}, from {report.source}): its "
+            "reshard.json matches this conversion; nothing was rewritten"
+        )
     vocab = report.vocab
     lines = [
         f"{report.source} ({report.source_layout}, tp={report.source_tp}) -> {report.output} "

@@ -31,6 +31,7 @@ class ConvertReport(Route):
     changed: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     mapping: dict[str, Any] | None = None
+    already_complete: bool = False
 
 
 def convert(ckpt: Path, out: Path, options: ConvertOptions) -> ConvertReport:
@@ -49,7 +50,7 @@ def convert(ckpt: Path, out: Path, options: ConvertOptions) -> ConvertReport:
     """
     ckpt, out = Path(ckpt), Path(out)
     run = run_conversion(open_for_conversion(ckpt, out, options), out, options)
-    if int(os.environ.get("RANK", "0") or 0) == 0:  # under torchrun, rank 0 publishes and reports
+    if int(os.environ.get("RANK", "0") or 0) == 0 and not run.already_complete:  # rank 0 reports, under torchrun
         no_tokenizer_warning(out, run.target.layout, run.files)
     conversion = run.target.conversion
     return ConvertReport(
@@ -62,6 +63,7 @@ def convert(ckpt: Path, out: Path, options: ConvertOptions) -> ConvertReport:
         changed=_changed_shapes(conversion),
         notes=list(run.notes),
         mapping=_mapping_summary(run.target),
+        already_complete=run.already_complete,
     )
 
 

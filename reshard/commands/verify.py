@@ -10,34 +10,31 @@ goes through the same gather. A difference is a result (exit 1); a file that can
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any
 
-from reshard.commands.verify_checks import Difference, check_files, files_of, value_difference
+from reshard.commands.verify_checks import Difference, check_files, files_of
+from reshard.commands.verify_compare import Tolerance, compare_tensors, gather, on_threads
 from reshard.commands.verify_ranks import check_ranks
+from reshard.commands.verify_state import check_state, compare_states
+from reshard.commands.verify_state_plan import state_tensors
 from reshard.dtypes import name_of
-from reshard.engine.move.digest import ALGORITHM, algorithm_of, all_finite_in_blocks, digest_of
+from reshard.engine.move.digest import algorithm_of, all_finite_in_blocks, digest_of
 from reshard.engine.move.stream import canonical_digest
 from reshard.engine.plan.open import OpenedCheckpoint, open_checkpoint
 from reshard.engine.plan.planner import SourceTensor
 from reshard.engine.run.conversion import open_for_conversion, run_conversion
 from reshard.errors import DivergentReplicaError, PlanError, ReshardError, ShapeMismatchError
-from reshard.io.progress import progress_bar
 from reshard.io.staging import temporary_folder
 from reshard.layouts import canonical_layout
+from reshard.layouts.training import split_state_name
 from reshard.manifest import TensorEntry, find_manifest
 from reshard.mappings import HF, naming_of
-from reshard.options import ConvertOptions, ReadOptions, check_tp, cores
-
-if TYPE_CHECKING:
-    import torch
+from reshard.options import ConvertOptions, ReadOptions, check_tp
 
 __all__ = ["Difference", "VerifyOptions", "VerifyReport", "VerifyResult", "verify"]
-
-_Result = TypeVar("_Result")
 
 
 @dataclass(frozen=True)
@@ -51,6 +48,8 @@ class VerifyOptions:
         read: how to read the checkpoints (:class:`ReadOptions`): its ``config`` applies to CKPT only, its ``plan``
             to every side.
         progress: tqdm progress bars on stderr.
+        train_state: check the training state too (:mod:`reshard.commands.verify_state`): on its own, or against
+            OTHER's bit for bit (``atol`` and ``rtol`` apply to the weights only).
     """
 
     roundtrip: tuple[int, ...] = ()
@@ -58,14 +57,15 @@ class VerifyOptions:
     rtol: float = 0.0
     read: ReadOptions = field(default_factory=ReadOptions)
     progress: bool = False
+    train_state: bool = False
 
     def __post_init__(self) -> None:
         for tp in self.roundtrip:
             check_tp(tp, what="--roundtrip")
 
     @property
-    def exact(self) -> bool:
-        return self.atol == 0 and self.rtol == 0
+    def tolerance(self) -> Tolerance:
+        return Tolerance(self.atol, self.rtol)
 
     def reading(self, *, own_config: bool = True) -> ReadOptions:
         """How to open a checkpoint: ``config`` applies to CKPT only (``own_config``), not to OTHER."""
@@ -95,6 +95,8 @@ class VerifyReport:
     def title(self) -> str:
         if self.check == "roundtrip":
             return f"round trip through tp={self.tp}"
+        if self.check == "train-state":
+            return f"training state against {self.against}"
         return f"{self.check} against {self.against}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -118,10 +120,11 @@ class VerifyResult:
 
 
 def verify(ckpt: Path, other: Path | None = None, options: VerifyOptions | None = None) -> VerifyResult:
-    """Check ``ckpt``: against ``other`` when given, else against its ``reshard.json``; plus round trips.
+    """Check ``ckpt``: against ``other`` when given, else against its ``reshard.json``; plus round trips, and its
+    training state (``options.train_state``) on its own or against ``other``'s.
 
-    Without ``other``, the manifest check runs when there is a manifest or no round trip was asked for
-    (so ``verify(ckpt, options=VerifyOptions(roundtrip=(2,)))`` works on any checkpoint).
+    Without ``other``, the manifest check runs when there is a manifest or neither a round trip nor the training
+    state was asked for (so ``verify(ckpt, options=VerifyOptions(roundtrip=(2,)))`` works on any checkpoint).
 
     Raises:
         ReshardError: a checkpoint cannot be read (truncated file, no manifest to check against, ...).
@@ -132,10 +135,12 @@ def verify(ckpt: Path, other: Path | None = None, options: VerifyOptions | None 
     """
     ckpt, options = Path(ckpt), options or VerifyOptions()
     result = VerifyResult(str(ckpt))
+    if options.train_state:  # first: a checkpoint without one is refused before the other checks run
+        result.reports.append(training_report(ckpt, None if other is None else Path(other), options))
     if other is not None:
-        result.reports.append(compare_checkpoints(ckpt, Path(other), options))
-    elif not options.roundtrip or find_manifest(ckpt) is not None:
-        result.reports.append(check_manifest(ckpt, options))
+        result.reports.insert(0, compare_checkpoints(ckpt, Path(other), options))
+    elif not (options.roundtrip or options.train_state) or find_manifest(ckpt) is not None:
+        result.reports.insert(0, check_manifest(ckpt, options))
     missing = [d for r in result.reports for d in r.differences if d.kind == "missing-file"]
     if not any(d.kind in ("missing-file", "duplicate") for r in result.reports for d in r.differences):
         ranks = rank_report(ckpt, options)  # (files that cannot be read as a checkpoint are reported above)
@@ -150,6 +155,23 @@ def verify(ckpt: Path, other: Path | None = None, options: VerifyOptions | None 
     return result
 
 
+def training_report(ckpt: Path, other: Path | None, options: VerifyOptions) -> VerifyReport:
+    """``ckpt``'s training state on its own, or against ``other``'s (:mod:`reshard.commands.verify_state`).
+
+    Raises:
+        ReshardError: ``ckpt`` (and ``other``) holds no training state with its tensors.
+    """
+    a = _open(ckpt, options.reading())
+    if other is None:
+        checked = check_state(a, progress=options.progress)
+        against = "its own records"
+    else:
+        b = _open(other, options.reading(own_config=False))
+        checked = compare_states(a, b, progress=options.progress)
+        against = str(other)
+    return VerifyReport("train-state", str(ckpt), against, checked.tensors, checked.differences)
+
+
 def rank_report(ckpt: Path, options: VerifyOptions) -> VerifyReport | None:
     """Every rank's slice of every tensor against the plan's cut, and each rank's quantized tensors dequantized on
     their own (:mod:`reshard.commands.verify_ranks`); ``None`` for a checkpoint of one rank."""
@@ -162,14 +184,6 @@ def rank_report(ckpt: Path, options: VerifyOptions) -> VerifyReport | None:
 def _open(path: Path, options: ReadOptions) -> OpenedCheckpoint:
     """Open a checkpoint to gather it whole, the way its ``reshard.json`` recorded it (when it has one)."""
     return open_checkpoint(path, options, target_tp=1, recorded_plan=True)
-
-
-def _gather(tensor: SourceTensor, diffs: list[Difference]) -> torch.Tensor | None:
-    """One canonical tensor gathered whole (:func:`reshard.commands.verify_slices.gather`: a tensor that cannot be
-    becomes a difference); imports torch, which a check whose every tensor streams never does."""
-    from reshard.commands.verify_slices import gather
-
-    return gather(tensor, diffs)
 
 
 def check_manifest(ckpt: Path, options: VerifyOptions) -> VerifyReport:
@@ -188,6 +202,9 @@ def check_manifest(ckpt: Path, options: VerifyOptions) -> VerifyReport:
         return report
     opened = _open(ckpt, options.reading())
     tensors = opened.by_name()
+    training = opened.source.training
+    if training is not None and any(split_state_name(n)[1] for n in manifest.tensors):  # written --with-optimizer
+        tensors |= state_tensors(training, tensors)
     diffs = report.differences
     expected = manifest.tensors
     diffs += [Difference("missing", n, "in reshard.json, not in the checkpoint") for n in expected if n not in tensors]
@@ -209,7 +226,7 @@ def check_manifest(ckpt: Path, options: VerifyOptions) -> VerifyReport:
             )
         else:
             to_hash.append(name)
-    for name, digest, finite in _digests(opened, {n: expected[n] for n in to_hash}, options.progress, diffs):
+    for name, digest, finite in _digests(tensors, {n: expected[n] for n in to_hash}, options.progress, diffs):
         entry, files = expected[name], files_of(tensors[name])
         report.tensors += 1
         algorithm = algorithm_of(entry.digest)
@@ -221,7 +238,7 @@ def check_manifest(ckpt: Path, options: VerifyOptions) -> VerifyReport:
 
 
 def _digests(
-    opened: OpenedCheckpoint, entries: dict[str, TensorEntry], progress: bool, diffs: list[Difference]
+    tensors: Mapping[str, SourceTensor], entries: dict[str, TensorEntry], progress: bool, diffs: list[Difference]
 ) -> Iterator[tuple[str, str, bool | None]]:
     """Yield ``(name, digest, finite)`` of each canonical tensor in order, by the algorithm its manifest entry names
     (finite only when the entry records it). A tensor kept as its slices' bytes streams through a small buffer, as
@@ -229,7 +246,6 @@ def _digests(
     the hash and the check release the interpreter; twice as many threads cost more CPU than the wall they save,
     measured: docs/performance.md); any other is gathered here, one at a time. Tensors that cannot be read whole become
     differences."""
-    tensors = opened.by_name()
 
     def streamed(name: str) -> tuple[str, bool | None] | None:
         tensor, entry = tensors[name], entries[name]
@@ -237,7 +253,7 @@ def _digests(
             return None
         return canonical_digest(tensor, finite=bool(entry.finite), algorithm=algorithm_of(entry.digest))
 
-    for name, future in _on_threads(streamed, list(entries), progress):
+    for name, future in on_threads(streamed, list(entries), progress):
         tensor, entry = tensors[name], entries[name]
         try:
             result = future.result()
@@ -247,26 +263,10 @@ def _digests(
         if result is not None:
             yield name, *result
             continue
-        full = _gather(tensor, diffs)  # a problem is reported here
+        full = gather(tensor, diffs)  # a problem is reported here
         if full is not None:
             finite = all_finite_in_blocks(full) if entry.finite else None
             yield name, digest_of(full, algorithm_of(entry.digest)), finite
-
-
-def _on_threads(
-    work: Callable[[str], _Result], names: list[str], progress: bool
-) -> Iterator[tuple[str, Future[_Result]]]:
-    """``work(name)`` of every name on a thread per core, yielded in the order of ``names`` with a progress bar; on
-    leaving (a file that cannot be read ends a check) the names not started are not."""
-    pool = ThreadPoolExecutor(max_workers=cores(), thread_name_prefix="reshard-verify")
-    bar = progress_bar(progress, total=len(names), desc="verify", unit="tensor", leave=False)
-    try:
-        for name, future in zip(names, [pool.submit(work, name) for name in names], strict=True):
-            bar.update()
-            yield name, future
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-        bar.close()
 
 
 def compare_checkpoints(ckpt: Path, other: Path, options: VerifyOptions) -> VerifyReport:
@@ -279,7 +279,14 @@ def compare_checkpoints(ckpt: Path, other: Path, options: VerifyOptions) -> Veri
     report = VerifyReport("compare", str(ckpt), str(other))
     a, b = _open(ckpt, options.reading()), _open(other, options.reading(own_config=False))
     with _same_names(a, b, options) as (a, b):
-        _compare(a, b, options, report)
+        compared = compare_tensors(
+            a.by_name(),
+            b.by_name(),
+            names=(report.checkpoint, report.against),
+            tolerance=options.tolerance,
+            progress=options.progress,
+        )
+    report.tensors, report.differences = compared.tensors, compared.differences
     return report
 
 
@@ -304,71 +311,10 @@ def _same_names(
         yield (a, renamed) if mapped is b else (renamed, b)
 
 
-def _compare(a: OpenedCheckpoint, b: OpenedCheckpoint, options: VerifyOptions, report: VerifyReport) -> None:
-    ckpt, other = report.checkpoint, report.against
-    ours, theirs = a.by_name(), b.by_name()
-    diffs = report.differences
-    diffs += [Difference("missing", n, f"not in {other}", files_of(t)) for n, t in ours.items() if n not in theirs]
-    diffs += [Difference("extra", n, f"not in {ckpt}", files_of(t)) for n, t in theirs.items() if n not in ours]
-    common = []
-    for name in (n for n in ours if n in theirs):
-        ta, tb = ours[name], theirs[name]
-        if ta.shape is None or tb.shape is None:
-            common.append(name)  # a problem: reported as inconsistent by _gather
-        elif ta.shape != tb.shape:
-            diffs.append(Difference("reshaped", name, f"{list(ta.shape)} vs {list(tb.shape)}", files_of(tb)))
-        elif ta.code != tb.code and options.exact:
-            diffs.append(Difference("dtype", name, f"{name_of(ta.code)} vs {name_of(tb.code)}", files_of(tb)))
-        else:
-            common.append(name)
-
-    def same(name: str) -> bool:
-        return _same_bytes(ours[name], theirs[name])
-
-    for name, equal in _on_threads(same, common, options.progress):
-        if equal.result():
-            report.tensors += 1
-            continue
-        left = _gather(ours[name], diffs)  # one tensor of each side at a time
-        if left is None:
-            continue
-        right = _gather(theirs[name], diffs)
-        if right is None:
-            continue
-        report.tensors += 1
-        difference = value_difference(left, right, atol=options.atol, rtol=options.rtol)
-        if difference is not None:
-            what = "bytes differ" if options.exact else f"outside atol={options.atol}, rtol={options.rtol}"
-            diffs.append(
-                Difference(
-                    "values",
-                    name,
-                    f"{what}: max abs difference {difference:.6g}",
-                    files_of(theirs[name]),
-                    difference,
-                )
-            )
-
-
-def _same_bytes(ours: SourceTensor, theirs: SourceTensor) -> bool:
-    """Whether two tensors of one dtype hold the same canonical bytes, by their digests (BLAKE3) streamed from the
-    slices (:func:`~reshard.engine.move.stream.canonical_digest`), with no gather and no torch: equal bytes are equal
-    values at any tolerance. False when they differ, either does not stream, or its copies differ: then both are
-    gathered, and compared (and reported) in torch."""
-    if ours.problem or theirs.problem or ours.code != theirs.code:
-        return False
-    try:
-        left = canonical_digest(ours, finite=False, algorithm=ALGORITHM)
-        right = canonical_digest(theirs, finite=False, algorithm=ALGORITHM) if left else None
-    except DivergentReplicaError:
-        return False
-    return left is not None and left == right
-
-
 def roundtrip(ckpt: Path, tp: int, options: VerifyOptions) -> VerifyReport:
     """Convert ``ckpt`` to ``tp`` ranks in a temporary folder, back to its own tp, and compare bit-exactly.
 
-    The temporary folder (under ``$TMPDIR``) is removed however this ends, with SIGINT / SIGTERM held off
+    The temporary folder (under ``$TMPDIR``) is removed however this ends, with the stopping signals held off
     while it is (:func:`~reshard.io.staging.temporary_folder`), so a second signal cannot cut it short. A tp the
     model cannot be split into is reported as a difference of this round trip, not raised.
     """

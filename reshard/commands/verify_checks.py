@@ -29,7 +29,10 @@ class Difference:
 
     Kinds: ``missing-file``, ``duplicate``, ``missing``, ``extra``, ``inconsistent`` (the ranks do not
     gather), ``dtype``, ``shape``/``reshaped``, ``sha256``, ``non-finite``, ``values``, ``plan`` (a round trip
-    the model cannot make), ``not-run``.
+    the model cannot make), ``not-run``; of a training state (``--train-state``): ``group`` (a parameter in two
+    groups, or one the model does not hold; groups that differ from OTHER's), ``ungrouped``, ``negative`` (an
+    ``exp_avg_sq`` below 0), ``zero-moments``, ``step``, ``hyper``, and ``missing``, ``shape``, ``extra`` of its state
+    tensors.
     """
 
     kind: str

@@ -1,12 +1,13 @@
-"""SIGINT and SIGTERM as an exception, so that a run stopped from outside unwinds like a failed one.
+"""SIGINT, SIGTERM, SIGHUP and SIGQUIT as an exception, so that a run stopped from outside unwinds like a failed one.
 
-Python turns SIGINT into ``KeyboardInterrupt`` but lets SIGTERM end the process on the spot, leaving a
-staged output folder (``.OUT.<random>.reshard-tmp``) or ``verify --roundtrip``'s temporary folder behind.
-Under :func:`handled` (the command line installs it) both signals raise :class:`Interrupted` in the main
-thread instead, so every ``with`` block on the way out runs: the worker threads are joined, the staged
-folder and the temporary folders are removed. After the first signal, more signals are ignored until the
-command ends: a second Ctrl-C must not cut that cleanup short. :func:`deferred` holds a signal off while a
-step must not be split (creating the staged folder, renaming the output into place) and raises it after.
+Python turns SIGINT into ``KeyboardInterrupt`` but lets SIGTERM end the process on the spot, SIGHUP (the terminal or
+the ssh session closing) too, and SIGQUIT with a core, leaving a staged output folder (``.OUT.<random>.reshard-tmp``),
+the output's lock or ``verify --roundtrip``'s temporary folder behind. Under :func:`handled` (the command line
+installs it) each raises :class:`Interrupted` in the main thread instead, so every ``with`` block on the way out runs:
+the worker threads are joined, the staged folder and the temporary folders are removed. After the first signal, more
+signals are ignored until the command ends: a second Ctrl-C must not cut that cleanup short. :func:`deferred` holds a
+signal off while a step must not be split (creating the staged folder, renaming the output into place) and raises it
+after.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ import threading
 from collections.abc import Iterator
 from types import FrameType
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# SIGPIPE is not among them: Python ignores it, so a closed pipe is an ``OSError`` (EPIPE) where it is written, which
+# unwinds the same way; handling it would turn a closed socket of any thread (a Hub download) into a stop.
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
 class Interrupted(KeyboardInterrupt):
-    """The run was stopped by ``signum`` (SIGINT or SIGTERM); the exit code is ``128 + signum``."""
+    """The run was stopped by ``signum`` (one of :data:`SIGNALS`); the exit code is ``128 + signum``."""
 
     def __init__(self, signum: int) -> None:
         self.signum = signum
@@ -58,7 +61,7 @@ def _handler(signum: int, frame: FrameType | None) -> None:
 
 @contextlib.contextmanager
 def handled() -> Iterator[None]:
-    """Raise :class:`Interrupted` on SIGINT and SIGTERM while inside (main thread only; elsewhere a no-op)."""
+    """Raise :class:`Interrupted` on any of :data:`SIGNALS` while inside (main thread only; elsewhere a no-op)."""
     if threading.current_thread() is not threading.main_thread() or _state.active:
         yield
         return
@@ -74,7 +77,7 @@ def handled() -> Iterator[None]:
 
 @contextlib.contextmanager
 def deferred() -> Iterator[None]:
-    """Hold SIGINT / SIGTERM off inside (a step that must not be split); raise :class:`Interrupted` after it
+    """Hold the :data:`SIGNALS` off inside (a step that must not be split); raise :class:`Interrupted` after it
     when one came. Outside :func:`handled` a plain block (Python's own SIGINT handling applies)."""
     if not _state.active or threading.current_thread() is not threading.main_thread():
         yield

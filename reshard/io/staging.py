@@ -1,13 +1,13 @@
 """Output folders are written under a temporary sibling name and renamed into place only when complete.
 
-Nothing is left behind however a run ends: on any error, on SIGINT / SIGTERM (see :mod:`.interrupts`),
-on a full disk or a read-only folder, the staged folder is removed and the output path is as it was. Every
-removal runs with the signals held off (:func:`~.interrupts.deferred`), as the work it cleans up: a second
-signal (torchrun's SIGTERM after a worker died, a second Ctrl-C) cannot cut it short. What this process made
-is recorded until it is published or removed, so :func:`left_behind` can say, by looking, what is still there. Two
-runs to one output cannot both publish: each holds a lock beside the output while it writes (a second run
-fails at once), and the output is published by a ``rename`` that fails on a non-empty folder, so a finished
-output is never replaced without ``--overwrite``, even by a run that took no lock.
+Nothing is left behind however a run ends: on any error, on SIGINT / SIGTERM / SIGHUP / SIGQUIT (see
+:mod:`.interrupts`), on a full disk or a read-only folder, the staged folder is removed and the output path is as it
+was. Every removal runs with the signals held off (:func:`~.interrupts.deferred`), as the work it cleans up: a second
+signal (torchrun's SIGTERM after a worker died, a second Ctrl-C) cannot cut it short. What this process made is
+recorded until it is published or removed, so :func:`left_behind` can say, by looking, what is still there. Two runs to
+one output cannot both publish: each holds a lock beside the output while it writes (a second run fails at once), and
+the output is published by a ``rename`` that fails on a non-empty folder, so a finished output is never replaced
+without ``--overwrite``, even by a run that took no lock.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import glob
+import logging
 import os
 import shutil
 import tempfile
@@ -23,15 +25,19 @@ from pathlib import Path
 
 from reshard.errors import OutputExistsError, ReshardError
 from reshard.io.interrupts import deferred
+from reshard.manifest import MANIFEST_NAME
+from reshard.sizes import human_bytes
 
 LOCK_SUFFIX = ".reshard-lock"
+TMP_SUFFIX = ".reshard-tmp"  # a staged folder of a run without --resume: .OUT.<random>.reshard-tmp
+logger = logging.getLogger(__name__)
 
 # Staged folders, lock files and temporary folders this process made and has neither published nor removed.
 _owned: set[Path] = set()
 
 
 def _remove(path: Path) -> None:
-    """Remove ``path`` (a folder or a file) with SIGINT / SIGTERM held off, and forget it once it is gone."""
+    """Remove ``path`` (a folder or a file) with the stopping signals held off, and forget it once it is gone."""
     with deferred():
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
@@ -73,8 +79,9 @@ def temporary_folder(prefix: str) -> Iterator[Path]:
         _remove(tmp)
 
 
-def check_output(out: Path, *, source: Path, overwrite: bool) -> None:
-    """Refuse an output that is the input, contains it or lies inside it, or exists non-empty without ``overwrite``."""
+def check_output(out: Path, *, source: Path, overwrite: bool, resume: bool = False) -> None:
+    """Refuse an output that is the input, contains it or lies inside it, or exists non-empty without ``overwrite``
+    (with ``resume``, a folder holding a manifest is left to the run to judge: it may be this conversion, done)."""
     out_r, src_r = out.resolve(), source.resolve()
     if out_r == src_r or out_r in src_r.parents or src_r in out_r.parents:
         raise ReshardError(
@@ -82,6 +89,8 @@ def check_output(out: Path, *, source: Path, overwrite: bool) -> None:
             path=out,
             hint="reshard never modifies its input: choose another -o",
         )
+    if resume and (out / MANIFEST_NAME).is_file():
+        return
     if out.exists() and not overwrite and (out.is_file() or any(out.iterdir())):
         raise OutputExistsError("output exists and is not empty", path=out, hint="pass --overwrite to replace it")
 
@@ -171,6 +180,7 @@ def staged_output(out: Path, *, overwrite: bool = True, resume: bool = False) ->
     with _locked(out):
         if out.exists() and not overwrite and (out.is_file() or any(out.iterdir())):
             raise OutputExistsError("output exists and is not empty", path=out, hint="pass --overwrite to replace it")
+        _sweep_orphans(out, resume=resume)
         with deferred():  # a signal now would leave the folder behind before the cleanup below owns it
             try:
                 staging = _make_staging(out, resume=resume)
@@ -200,12 +210,39 @@ def staged_output(out: Path, *, overwrite: bool = True, resume: bool = False) ->
             _remove(partial_folder(out))
 
 
+def _sweep_orphans(out: Path, *, resume: bool) -> None:
+    """What runs killed outright (SIGKILL, a lost node: no cleanup could run) left beside ``out``, found while this
+    run holds the output's lock, so no live run on this machine owns it: a staged folder of a run without
+    ``--resume`` cannot be continued and is removed; a ``--resume`` run's partial output is continued by
+    ``--resume``, and a run without it says it is there, how large, and that it starts over (and removes it when it
+    publishes). Each is said on stderr."""
+    for orphan in sorted(out.parent.glob(f".{glob.escape(out.name)}.*{TMP_SUFFIX}")):
+        if orphan.is_dir() and not orphan.is_symlink():
+            size = _size(orphan)
+            _remove(orphan)
+            logger.warning("removed %s (%s), left by a run that was killed before it could clean up", orphan, size)
+    partial = partial_folder(out)
+    if not resume and partial.is_dir():
+        logger.warning(
+            "%s (%s) holds the work of an earlier --resume run; this run starts over without it and removes it once "
+            "it publishes (stop it and run the same command with --resume to continue that work instead)",
+            partial,
+            _size(partial),
+        )
+
+
+def _size(folder: Path) -> str:
+    """How much a folder holds, for a message."""
+    total = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
+    return human_bytes(total)
+
+
 def _make_staging(out: Path, *, resume: bool) -> Path:
     if resume:
         staging = partial_folder(out)
         staging.mkdir(exist_ok=True)
     else:
-        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".reshard-tmp", dir=out.parent))
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=TMP_SUFFIX, dir=out.parent))
         _owned.add(staging)
     staging.chmod(0o777 & ~_umask())  # mkdtemp makes it private; the output is an ordinary folder
     return staging

@@ -1,11 +1,11 @@
 """Golden outputs: every sample checkpoint through every command, hashed, to prove a refactor changed no byte.
 
-Each case runs one ``reshard`` command line on a committed sample in ``sample_ckpts/`` (every layout,
-tp 1/2/4/8, ``fix``, ``--merge-lora``, refusals included) and records the exit code, the sha256 of every
-file written and of what the command printed. ``reshard.json`` is hashed without its ``created``
-stamp, and with every tensor's digest as sha256 (:func:`_as_sha256`): the stored hashes are of manifests
-that recorded sha256, and a manifest's digest algorithm is not what these cases pin down (each data file's
-bytes are). The temporary output folder is written as ``OUT`` in printed text.
+Each case runs one ``reshard`` command line on a committed sample in ``sample_ckpts/`` (every layout, tp 1/2/4/8,
+``fix``, ``--merge-lora``, refusals included) and records the exit code, the sha256 of every file written and of what
+the command printed. ``reshard.json`` is hashed without its ``created`` stamp and its ``conversion`` record (the source
+files' times), and with every tensor's digest as sha256 (:func:`_as_sha256`): the stored hashes are of manifests that
+recorded sha256, and a manifest's digest algorithm is not what these cases pin down (each data file's bytes are). The
+temporary output folder is written as ``OUT`` in printed text.
 
     python tests/golden/golden.py          # rewrite tests/golden/outputs.json from this code
     pytest tests/test_golden_outputs.py    # compare this code with the stored hashes
@@ -141,6 +141,7 @@ def _file_hash(path: Path) -> str:
     if path.name == "reshard.json":
         manifest = json.loads(path.read_text())
         manifest.pop("created", None)
+        manifest.pop("conversion", None)  # the source files' modification times: of this clone, not of the output
         manifest = _as_sha256(manifest, path.parent)
         return _sha(json.dumps(manifest, sort_keys=True).encode())
     return _sha(path.read_bytes())

@@ -88,7 +88,7 @@ def toy_checkpoint(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
 def test_every_layout_has_one_name_and_the_writable_ones_are_listed() -> None:
     names = [spec.name for spec in LAYOUTS]
     assert sorted(names) == ["dcp", "deepspeed", "hf", "hf-ranks", "loose", "megatron", "sat", "torch_dist"]
-    assert writable_layouts() == ["hf", "hf-ranks", "megatron", "sat", "torch_dist"]
+    assert writable_layouts() == ["deepspeed", "hf", "hf-ranks", "megatron", "sat", "torch_dist"]
     assert all(find_layout(name).name == name for name in names)
     assert find_layout("nope") is None
 
@@ -128,7 +128,9 @@ def test_a_layout_without_a_writer_is_refused_as_a_target_before_any_output(
     toy_checkpoint: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path
 ) -> None:
     folder, _ = toy_checkpoint
-    with pytest.raises(ReshardError, match=r"cannot write the 'toy' layout.*hf, hf-ranks, megatron, sat, torch_dist"):
+    with pytest.raises(
+        ReshardError, match=r"cannot write the 'toy' layout.*deepspeed, hf, hf-ranks, megatron, sat, torch_dist"
+    ):
         convert(folder, tmp_path / "out", ConvertOptions(tp=1, layout="toy", progress=False))
     assert not (tmp_path / "out").exists()
 
@@ -136,7 +138,7 @@ def test_a_layout_without_a_writer_is_refused_as_a_target_before_any_output(
 def test_an_unknown_target_layout_names_the_known_ones(toy_checkpoint, tmp_path: Path) -> None:
     folder, _ = toy_checkpoint
     source = discover(folder)
-    with pytest.raises(ReshardError, match=r"unknown layout 'nope'.*choose one of hf, hf-ranks"):
+    with pytest.raises(ReshardError, match=r"unknown layout 'nope'.*choose one of deepspeed, hf, hf-ranks"):
         target_layout("nope", source, 1)
 
 

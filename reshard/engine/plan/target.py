@@ -162,12 +162,25 @@ def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> TargetPlan
     training = None
     if options.with_optimizer:
         conversion, training = plan_training(conversion, dropped, drop=options.drop)
+        notes = (*notes, _carried_note(training, source, options.drop))
     config = _config(opened, choice)
     if options.dtype is not None and config is not None:
         config = dequantized_config(config, options.dtype)
     tokenizer = carried_tokenizer(opened.tokenizer, spec)
     config = with_token_ids(config, tokenizer)
     return TargetPlan(conversion, spec, config, choice, dropped, notes, tokenizer, training)
+
+
+def _carried_note(training: CarriedState, source: SourceCheckpoint, drop: frozenset[str]) -> str:
+    """What the report says of the training state carried, and of what ``--drop`` left behind."""
+    trainable = sum(len(group.params) for group in training.groups)
+    note = (
+        f"training state carried: step {training.step}, {len(training.groups)} param group(s), "
+        f"{', '.join(training.slots)} of {trainable} parameter(s) "
+        f"({len(training.frozen)} without state: frozen or tied)"
+    )
+    left = [str(item) for item in source.training.not_carried if item.kind in drop] if source.training else []
+    return note + (f"; left behind (--drop): {', '.join(left)}" if left else "")
 
 
 def _check_carries_state(spec: LayoutSpec, options: ConvertOptions, source: SourceCheckpoint) -> None:

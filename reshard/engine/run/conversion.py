@@ -21,7 +21,7 @@ from reshard.engine.plan.target import TargetPlan, plan_target, planned_tp, targ
 from reshard.engine.plan.tokenizer import has_tokenizer, runtime_files
 from reshard.engine.run.conversion_manifest import conversion_manifest
 from reshard.engine.run.group_staging import staged
-from reshard.engine.run.resume import open_journal, still_to_do
+from reshard.engine.run.resume import already_complete, conversion_facts, manifest_record, open_journal, still_to_do
 from reshard.engine.run.route import Route
 from reshard.engine.run.warmup import import_torch_in_background, wait_for_torch
 from reshard.engine.run.worker_shares import share_of
@@ -47,6 +47,7 @@ class ConversionRun:
         manifest: the output's ``reshard.json``.
         notes: what the user should know: the source's notes, divergent replicas, what tp/pp mean for the layout.
         tokenizer: where the output's tokenizer came from (None: it has none; ``"source"``: the source's own files).
+        already_complete: ``--resume`` found the output complete, of this very conversion: nothing was written.
     """
 
     route: Route
@@ -56,6 +57,7 @@ class ConversionRun:
     manifest: Path
     notes: tuple[str, ...]
     tokenizer: str | None = None
+    already_complete: bool = False
 
     @property
     def vocab(self) -> dict[str, Any]:
@@ -82,7 +84,7 @@ class _Moved:
 
 def open_for_conversion(ckpt: Path, out: Path, options: ConvertOptions) -> OpenedCheckpoint:
     """Check ``out`` can be written, then open ``ckpt`` for the tp its target layout is planned at."""
-    check_output(out, source=ckpt, overwrite=options.overwrite)
+    check_output(out, source=ckpt, overwrite=options.overwrite, resume=options.resume)
     return open_checkpoint(
         ckpt, options.read, target_tp=planned_tp(options.layout, options.tp), dequantize=options.dtype is not None
     )
@@ -110,6 +112,13 @@ def run_conversion(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
         check_lora_replicas(opened.tensors)
     spec = target_spec(target, options)
     file_plan = layout.target_writer.file_plan(spec)
+    facts = conversion_facts(opened.path, conversion, layout.name, options)
+    if options.resume and not options.overwrite:
+        finished = already_complete(out, facts)
+        if finished is not None:  # a retry of a run that finished: nothing to do
+            held = tuple(sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()))
+            divergent = frozenset(name for name, entry in finished.tensors.items() if entry.divergent)
+            return _result(opened, target, out, options, held, divergent, None, already_complete=True)
     group = join()
     first = group is None or group.rank == 0
     # once per conversion, heard before publishing: rank 0's refusal reaches every worker through `together`
@@ -117,7 +126,7 @@ def run_conversion(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
     family = built_family.start(opened.source.config, opened.source.names()) if first else None
     _heard_early(family, group)  # a refusal the cache already knows: before any output exists
     with staged(out, overwrite=options.overwrite, resume=options.resume, group=group) as staging:
-        journal, resumed = open_journal(staging, opened.path, conversion, layout.name, options, group)
+        journal, resumed = open_journal(staging, facts, options, group)
         todo, done = conversion, resumed.files
         if group is not None:  # this worker's files; the others' are left to them as a resumed run leaves its own
             todo, others = share_of(group, conversion, file_plan)
@@ -158,7 +167,13 @@ def run_conversion(opened: OpenedCheckpoint, out: Path, options: ConvertOptions)
         files = list(moved[0].files)
         files += runtime_files(staging, opened.source, tokenizer)
         manifest = conversion_manifest(
-            opened.path, target, tp=options.tp, hashes=whole.hashes, finite=whole.finite, divergent=whole.divergent
+            opened.path,
+            target,
+            tp=options.tp,
+            hashes=whole.hashes,
+            finite=whole.finite,
+            divergent=whole.divergent,
+            resumable=manifest_record(facts),
         )
         write_manifest(staging, manifest)
         if journal is not None:
@@ -208,6 +223,8 @@ def _result(
     files: tuple[str, ...],
     divergent: frozenset[str],
     tokenizer: str | None,
+    *,
+    already_complete: bool = False,
 ) -> ConversionRun:
     source = opened.source
     route = Route(
@@ -229,4 +246,6 @@ def _result(
             f"{target.layout} holds global tensors that Megatron-Core loads at any tp/pp; its args record "
             f"tensor_model_parallel_size={options.tp}, pipeline_model_parallel_size={options.pp}"
         )
-    return ConversionRun(route, target, tuple(sorted(files)), divergent, out / MANIFEST_NAME, tuple(notes), tokenizer)
+    return ConversionRun(
+        route, target, tuple(sorted(files)), divergent, out / MANIFEST_NAME, tuple(notes), tokenizer, already_complete
+    )

@@ -22,9 +22,11 @@ def conversion_manifest(
     hashes: Mapping[str, str],
     finite: Mapping[str, bool | None],
     divergent: AbstractSet[str],
+    resumable: dict[str, Any] | None = None,
 ) -> Manifest:
     """The manifest of ``target`` converted from ``ckpt``, every target tensor with its digest, whether it is finite
-    and whether its source replicas differed; partitions are recorded at ``tp``, the tp asked for."""
+    and whether its source replicas differed; partitions are recorded at ``tp``, the tp asked for; ``resumable``:
+    what a later ``--resume`` checks the output against (the manifest's ``conversion``)."""
     conversion = target.conversion
     source, vocab = conversion.source, conversion.vocab
     targets = sorted((t for plan in conversion.tensors for t in plan.targets), key=lambda t: t.name)
@@ -50,6 +52,7 @@ def conversion_manifest(
             for t in targets
         },
         mapping=_mapping_record(target),
+        conversion=resumable,
     )
 
 

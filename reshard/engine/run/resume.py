@@ -15,10 +15,12 @@ from typing import Any
 
 from reshard.engine.plan.planner import ConversionPlan, TensorPlan
 from reshard.engine.run.workers import Group
-from reshard.errors import ReshardError
+from reshard.errors import OutputExistsError, ReshardError
 from reshard.formats.file_plan import FilePlan
 from reshard.io.journal import Journal, Resumed
+from reshard.manifest import MANIFEST_NAME, Manifest, read_manifest
 from reshard.options import ConvertOptions
+from reshard.version import __version__
 
 # Options that change no byte of the output: a resumed run may differ in them.
 NEUTRAL_OPTIONS = ("progress", "jobs", "overwrite", "resume", "force", "allow_vocab_shrink")
@@ -37,7 +39,7 @@ def conversion_facts(ckpt: Path, conversion: ConversionPlan, layout: str, option
             for plan in conversion.tensors
             for t in plan.targets
         ),
-        "options": {name: str(value) for name, value in _flat(options) if name not in NEUTRAL_OPTIONS},
+        "options": {name: _text(value) for name, value in _flat(options) if name not in NEUTRAL_OPTIONS},
     }
 
 
@@ -45,6 +47,12 @@ def _flat(options: ConvertOptions) -> list[tuple[str, Any]]:
     """Every option by the name its flag has: what to write, then how the source is read (``options.read``)."""
     written = [(f.name, getattr(options, f.name)) for f in dataclasses.fields(options) if f.name != "read"]
     return written + [(f.name, getattr(options.read, f.name)) for f in dataclasses.fields(options.read)]
+
+
+def _text(value: Any) -> str:
+    """An option as text that is the same in every process: a set's items sorted (a frozenset's order follows the
+    process's string hashes, so ``--drop a,b`` would otherwise differ between a run and its ``--resume``)."""
+    return str(sorted(value)) if isinstance(value, frozenset | set) else str(value)
 
 
 def fingerprint(ckpt: Path, conversion: ConversionPlan, layout: str, options: ConvertOptions) -> str:
@@ -107,14 +115,53 @@ def still_to_do(conversion: ConversionPlan, file_plan: FilePlan, resumed: Resume
     return dataclasses.replace(conversion, tensors=tuple(plan for plan in conversion.tensors if not finished(plan)))
 
 
+def manifest_record(facts: dict[str, Any]) -> dict[str, Any]:
+    """What the output's ``reshard.json`` keeps of the conversion's facts (``conversion``): its fingerprint, and
+    what :func:`difference` names (the source files, the layout, the options), so a later ``--resume`` knows the
+    output for this conversion's, or says what differs."""
+    return {
+        "fingerprint": _hash(facts),
+        "source": facts["source"],
+        "layout": facts["layout"],
+        "options": facts["options"],
+    }
+
+
+def already_complete(out: Path, facts: dict[str, Any]) -> Manifest | None:
+    """``--resume`` of an output that is already there: its manifest when it is this very conversion's (nothing to
+    do); None when ``out`` holds no output of reshard (the usual refusal of a non-empty folder applies).
+
+    Raises:
+        OutputExistsError: ``out`` is a complete output of another conversion, naming what differs.
+    """
+    path = out / MANIFEST_NAME
+    if not path.is_file():
+        return None
+    manifest = read_manifest(path)
+    record = manifest.conversion or {}
+    if record.get("fingerprint") == _hash(facts) and manifest.reshard_version == __version__:
+        return manifest
+    if not record:
+        what: str | None = "its reshard.json records no conversion (an older reshard wrote it)"
+    elif manifest.reshard_version != __version__:  # its digests and layout rules may differ from this version's
+        what = f"written by reshard {_short(manifest.reshard_version)}, this is {__version__}"
+    else:
+        what = difference(record, facts)
+    raise OutputExistsError(
+        f"output is complete, but of another conversion: {what or 'the target tensors differ'}",
+        path=out,
+        hint="pass --overwrite to replace it, or choose another -o",
+    )
+
+
 def open_journal(
-    staging: Path, ckpt: Path, conversion: ConversionPlan, layout: str, options: ConvertOptions, group: Group | None
+    staging: Path, facts: dict[str, Any], options: ConvertOptions, group: Group | None
 ) -> tuple[Journal | None, Resumed]:
     """With ``--resume``: this worker's journal in the staged folder, and what an earlier run left there that still
-    checks out (rank 0 checks it and tells the others: all must agree on it). Nothing without ``--resume``."""
+    checks out (rank 0 checks it and tells the others: all must agree on it). Nothing without ``--resume``.
+    ``facts``: the conversion's (:func:`conversion_facts`)."""
     if not options.resume:
         return None, Resumed()
-    facts = conversion_facts(ckpt, conversion, layout, options)
     mark = _hash(facts)
 
     def resume() -> tuple[Journal, Resumed]:

@@ -13,7 +13,7 @@ line naming it; one that dies breaks the others' connections, and they stop too.
 
 Joining the group is bounded: a worker that died (or never started) before joining would otherwise keep the
 others waiting a day. :func:`join` waits :data:`SETUP_TIMEOUT` seconds (``RESHARD_WORKER_TIMEOUT``, which
-``convert --worker-timeout`` sets for its workers), on a thread, so that SIGINT and SIGTERM end the wait.
+``convert --worker-timeout`` sets for its workers), on a thread, so that a stopping signal ends the wait.
 """
 
 from __future__ import annotations

@@ -341,7 +341,8 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
             f"fp32 master weights {origin}" + ("" if zero3 else "; --weights module takes the module copy instead")
         )
         if moments:
-            found.notes.append(f"skipped optimizer state: {', '.join(moments)}")
+            carried = f"optimizer state beside the weights: {', '.join(moments)} (--with-optimizer carries it)"
+            found.notes.append(carried)
     source = _source(path, folder, found, shared, options)
     if training is not None and state_pieces:
         training = replace(training, tensors=(_state_refs(folder, state_pieces, found.headers),))

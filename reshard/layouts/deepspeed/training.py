@@ -241,7 +241,7 @@ def _not_carried(
     if not all(isinstance(k, str) and len(k) <= SHOWN_LENGTH for k in other):
         raise CorruptFileError("has a key that is not a short name", path=file, tensor="optimizer_state_dict")
     found = [Leftover(_kind(k), k, "optimizer files") for k in other]
-    kept = [k for k in MODEL_STATES_KEPT if states.obj.get(k) not in (None, {}, [])]
+    kept = [k for k in MODEL_STATES_KEPT if states.obj.get(k) not in (None, {}, [], 0)]  # 0: none skipped, or seen
     found += [Leftover(_kind(k), k, "model states") for k in kept]
     client = [k for k in states.obj if k not in ENGINE_KEYS]
     found += [Leftover("client_state", _name(k), "model states: client_state") for k in client[:SHOWN_FILES]]

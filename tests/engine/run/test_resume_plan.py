@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -143,3 +145,26 @@ def test_the_fingerprint_changes_with_the_source_files_the_layout_and_the_target
     assert resized not in {mark, touched}
     (ckpt / "tokenizer.json").write_text("{}")  # a file more
     assert fingerprint(ckpt, conversion(), "hf", options) not in {mark, touched, resized}
+
+
+def test_the_fingerprint_is_the_same_in_every_process(ckpt: Path) -> None:
+    """A set option (``--drop``) is recorded in the same order whatever the process's string hashes, so that a
+    ``--resume`` (another process) knows the output for this conversion's."""
+    code = (
+        "import json, sys, types; from reshard.engine.run.resume import conversion_facts; "
+        "from reshard.options import ConvertOptions; "
+        "options = ConvertOptions(tp=1, with_optimizer=True, drop=frozenset(sys.argv[2].split(','))); "
+        "print(json.dumps(conversion_facts(sys.argv[1], types.SimpleNamespace(tensors=()), 'hf', options)))"
+    )
+    kinds = "rng,scheduler,loss_scaler,dataloader,other"
+    facts = {
+        subprocess.run(
+            [sys.executable, "-c", code, str(ckpt), kinds],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": str(seed)},
+        ).stdout
+        for seed in range(4)
+    }
+    assert len(facts) == 1, facts

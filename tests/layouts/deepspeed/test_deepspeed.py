@@ -111,7 +111,7 @@ def test_inspect_names_the_stage_and_the_skipped_moments(ds_root, cli):
     assert report["layout"] == "deepspeed" and report["tp"] == 1
     notes = " | ".join(report["notes"])
     assert "ZeRO-3 over 3 data-parallel ranks" in notes
-    assert "skipped optimizer state: exp_avg, exp_avg_sq" in notes
+    assert "optimizer state beside the weights: exp_avg, exp_avg_sq" in notes
     assert "lm_head.weight = model.embed_tokens.weight" in notes
     assert len(report["tensors"]) == 21  # the model, not ZeRO-3's zero-size placeholders
     assert all(0 not in shape for tensor in report["tensors"] for shape in tensor["rank_shapes"])

@@ -254,3 +254,23 @@ def test_drop_needs_with_optimizer_and_known_kinds(ds_root, tmp_path):
     assert alone.exit_code == 2 and "--drop only applies with --with-optimizer" in alone.output
     unknown = CliRunner().invoke(main, [*base, "--with-optimizer", "--drop", "rng,dice"])
     assert unknown.exit_code == 2 and "dice: not one of rng, scheduler" in unknown.output
+
+
+def test_a_universal_output_verifies_against_its_manifest_state_included(ds_root, tmp_path):
+    """``--with-optimizer`` to ``--layout deepspeed``: the manifest holds every moment's digest, and ``verify`` of the
+    output reads the moments back (not 'missing'); the output read again holds the source's state and nothing left
+    over (the model states it writes record no skipped step)."""
+    out = tmp_path / "universal"
+    drop = "dataloader,loss_scaler,other"
+    done = CliRunner().invoke(main, ["convert", str(ds_root / "zero2_bf16"), "--tp", "1", "--layout", "deepspeed",
+                                     "--with-optimizer", "--drop", drop, "-o", str(out), "-q"])  # fmt: skip
+    assert done.exit_code == 0, done.output
+    manifest = json.loads((out / "reshard.json").read_text())
+    moments = [name for name in manifest["tensors"] if split_state_name(name)[1] is not None]
+    assert len(moments) == 40
+    verified = CliRunner().invoke(main, ["verify", str(out), "--json"])
+    assert verified.exit_code == 0, verified.output
+    assert json.loads(verified.output)["checks"][0]["tensors"] == len(manifest["tensors"])
+    again = discover(out).training
+    assert again is not None and again.not_carried == ()
+    assert again.groups == discover(ds_root / "zero2_bf16").training.groups

@@ -162,6 +162,13 @@ def test_megatron_core_resumes_from_reshards_output_at_tp1_and_tp2(trained: Path
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference(trained)), rtol=0, atol=TOLERANCE)
 
 
+def test_verify_reads_the_state_back_against_the_source(cli, trained: Path, resumed: Path) -> None:
+    source = trained / "fully_reshardable" / "ckpt"
+    result = cli("verify", resumed / "with-optimizer", source, "--train-state")
+    assert result.exit_code == 0, result.output
+    assert f"training state against {source}: ok (81 tensors checked)" in result.output
+
+
 def test_an_moe_resumes_with_its_experts_state(trained: Path, resumed: Path) -> None:
     """Four routed experts stacked ``[L, E, ...]`` and the router, the distributed optimizer sharded over two
     data-parallel ranks: the resume holds the saved state and takes the reference steps."""

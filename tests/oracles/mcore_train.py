@@ -11,7 +11,8 @@ Jobs (a JSON list; model parallelism re-initialized between them):
   fp32) wrapped in Megatron-Core's ``DistributedDataParallel``, the optimizer ``get_megatron_optimizer`` builds (Adam,
   the distributed optimizer: torch's ``Adam`` with ``decoupled_weight_decay`` without Apex / Transformer Engine),
   trained ``steps`` steps on fixed batches (one per step), then saved as Megatron-LM's ``save_checkpoint`` does
-  with ``--dist-ckpt-optim-fully-reshardable`` (``sharding`` ``dp_reshardable``: without, Megatron-LM's default):
+  with ``--dist-ckpt-optim-fully-reshardable`` (``sharding`` ``dp_reshardable``: without, Megatron-LM's default;
+  ``none``: without ``--use-distributed-optimizer``, Megatron-Core's ``FP32Optimizer``):
   ``dist_checkpointing.save({args, iteration, checkpoint_version, model, optimizer:
   optimizer.sharded_state_dict(model, metadata), opt_param_scheduler, rng_state, ...})`` in
   ``OUT/ckpt/iter_{steps:07d}``, with its ``content_metadata``. Then ``more`` steps: ``OUT/reference.pt`` holds their
@@ -60,6 +61,7 @@ from torch.overrides import TorchFunctionMode
 from variants import BATCH, BATCH_SEED, SEED, SEQ, Spec, Variant
 
 LR, MIN_LR = 1e-3, 1e-4
+ADAM_STATE = ("exp_avg", "exp_avg_sq")
 # The hyper-parameters the run that saves is configured with; a resume configures others (``OTHER``), which the
 # checkpoint's param groups overwrite. ``lr`` stays: Megatron-Core matches groups by ``max_lr`` (among its
 # ``param_group_identifier_keys``), so a run configured with another refuses the checkpoint's groups (KeyError).
@@ -121,10 +123,15 @@ def content_metadata(sharding: str = "fully_reshardable") -> dict:
     }
 
 
-def setup(variant: Variant, spec: Spec, *, seed: int, hyper: dict):
-    """The DDP-wrapped model, its distributed optimizer and LR scheduler, as Megatron-LM's
-    ``setup_model_and_optimizer`` builds them (constant LR: the scheduler's state is saved, but does not change the
-    steps)."""
+def plain_metadata() -> dict:
+    """``_build_sharded_state_dict_metadata`` without a distributed optimizer."""
+    return {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+
+
+def setup(variant: Variant, spec: Spec, *, seed: int, hyper: dict, distributed: bool = True):
+    """The DDP-wrapped model, its optimizer (``distributed``, else Megatron-Core's ``FP32Optimizer``) and LR scheduler,
+    as Megatron-LM's ``setup_model_and_optimizer`` builds them (constant LR: the scheduler's state is saved, but does
+    not change the steps)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -132,7 +139,7 @@ def setup(variant: Variant, spec: Spec, *, seed: int, hyper: dict):
     (model,) = mcore_gpt.build(variant, spec, seed=seed)
     model.output_layer.gather_output = False  # the vocab-parallel loss takes this rank's logits, as in training
     model.train()
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed, grad_reduce_in_fp32=True)
     ddp = DistributedDataParallel(model.config, ddp_config, model)
     config = OptimizerConfig(
         optimizer="adam",
@@ -140,7 +147,7 @@ def setup(variant: Variant, spec: Spec, *, seed: int, hyper: dict):
         min_lr=MIN_LR,
         **hyper,
         clip_grad=1.0,
-        use_distributed_optimizer=True,
+        use_distributed_optimizer=distributed,
         params_dtype=torch.float32,
     )
     optimizer = get_megatron_optimizer(config, [ddp])
@@ -180,6 +187,13 @@ def held_state(ddp, optimizer) -> dict:
     data-parallel shards gathered by Megatron-Core's own ``get_parameter_state_dp_zero``, by parameter name."""
     (inner,) = optimizer.chained_optimizers
     names = {param: name for name, param in ddp.module.named_parameters()}
+    if not hasattr(inner, "get_parameter_state_dp_zero"):  # FP32Optimizer: the weights are the masters
+        state = inner.optimizer.state
+        return {
+            names[param]: {"param": param.detach().clone()} | {k: state[param][k].clone() for k in ADAM_STATE}
+            for group in inner.optimizer.param_groups
+            for param in group["params"]
+        }
     world = inner.get_parameter_state_dp_zero(use_gloo_comm=False, return_on_all_ranks=True)
     out = {}
     for gbuf_idx, buffer in enumerate(inner.buffers):
@@ -242,17 +256,18 @@ def train(job: dict) -> None:
 
     spec = Spec.from_json(job["spec"])
     variant, out, steps = spec.model(), Path(job["out"]), job["steps"]
-    ddp, optimizer, scheduler = setup(variant, spec, seed=SEED, hyper=HYPER)
+    distributed = job.get("sharding", "fully_reshardable") != "none"  # none: Megatron-Core's FP32Optimizer
+    ddp, optimizer, scheduler = setup(variant, spec, seed=SEED, hyper=HYPER, distributed=distributed)
     before = [train_step(ddp, optimizer, variant, step) for step in range(steps)]
     iter_dir = megatron_lm.iter_dir(out / "ckpt", steps)
     if dist.get_rank() == 0:
         iter_dir.mkdir(parents=True)
     dist.barrier()
     args = megatron_lm.megatron_args(variant, spec, ckpt_format="torch_dist")
-    args.use_distributed_optimizer = True
+    args.use_distributed_optimizer = distributed
     args.iteration, args.lr, args.weight_decay = steps, LR, HYPER["weight_decay"]
-    metadata = content_metadata(job.get("sharding", "fully_reshardable"))
-    args.dist_ckpt_optim_fully_reshardable = metadata["distrib_optim_sharding_type"] == "fully_reshardable"
+    metadata = content_metadata(job.get("sharding", "fully_reshardable")) if distributed else plain_metadata()
+    args.dist_ckpt_optim_fully_reshardable = metadata.get("distrib_optim_sharding_type") == "fully_reshardable"
     state = generate_state_dict(ddp, optimizer, scheduler, args, metadata, iteration=steps, loading=False)
     dist_checkpointing.save(state, str(iter_dir), content_metadata=metadata)
     dist.barrier()

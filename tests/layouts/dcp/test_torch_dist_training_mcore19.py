@@ -8,6 +8,8 @@ Megatron-Core resumes from the output at tp 1 and tp 2 with its own load of mode
   and the groups' hyper-parameters are the saved ones, though the resuming run was configured with others.
 - The 3 resumed losses equal the run that went on without saving (tp 2) and Megatron-Core's own resume at tp 1.
 - A weights-only conversion, whose resume starts a fresh optimizer, misses them by far more.
+- Megatron-Core's non-distributed ``FP32Optimizer`` state (its weights are the masters) resumes in the distributed
+  optimizer at tp 1.
 - A Mixtral-like MoE (trained at tp 1: MoE trains at tp > 1 only with sequence parallelism, which the local spec's
   norms refuse) goes the same way, its experts' state included.
 - Megatron-LM's default format (``dp_reshardable``, flat buffers per bucket) is shown by ``inspect`` and refused by
@@ -66,14 +68,14 @@ def trained(pytestconfig: pytest.Config, mcore19: Path) -> Path:
     (``own-tp1``), written once and cached."""
     oracles = SCRIPT.parent
     sources = [TRAIN, SCRIPT, oracles / "megatron_lm.py", oracles / "variants.py"]
-    key = source_key(sources, f"{' '.join(REQUIREMENTS)} {SPEC} {MOE} {STEPS}")
+    key = source_key(sources, f"{' '.join(REQUIREMENTS)} {SPEC} {MOE} {STEPS} none")
     root = Path(pytestconfig.cache.mkdir("mcore-0.19-training")) / key
 
     def prepare(staging: Path) -> None:
         jobs = [
             {"command": "train", "spec": spec(2), "steps": STEPS, "more": STEPS, "sharding": sharding}
             | {"out": str(staging / sharding)}
-            for sharding in ("fully_reshardable", "dp_reshardable")
+            for sharding in ("fully_reshardable", "dp_reshardable", "none")
         ]
         jobs.append({"command": "train", "spec": MOE, "steps": STEPS, "more": STEPS, "out": str(staging / "moe")})
         jobs.append(
@@ -91,13 +93,15 @@ def trained(pytestconfig: pytest.Config, mcore19: Path) -> Path:
 @pytest.fixture(scope="module")
 def resumed(trained: Path, mcore19: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """reshard's conversions of the runs (with the optimizer, and the weights alone) and Megatron-Core's resumes
-    from them: ``rs-tp1``, ``rs-tp2``, ``reset-tp2`` (a fresh optimizer on the weights alone) and ``rs-moe``."""
+    from them: ``rs-tp1``, ``rs-tp2``, ``reset-tp2`` (a fresh optimizer on the weights alone), ``rs-moe`` and
+    ``rs-plain-tp1`` (the distributed optimizer resuming the non-distributed one's state)."""
     out = tmp_path_factory.mktemp("resumed")
     drop = ("--drop", "rng,scheduler,trainer")
     conversions = (
         ("with-optimizer", "fully_reshardable", ("--with-optimizer", *drop)),
         ("weights", "fully_reshardable", ()),
         ("moe-with-optimizer", "moe", ("--with-optimizer", *drop)),
+        ("plain-with-optimizer", "none", ("--with-optimizer", *drop)),
     )
     for name, run, extra in conversions:
         args = ["convert", trained / run / "ckpt", "--tp", 1, "--layout", "torch_dist", *extra, "-o", out / name]
@@ -112,6 +116,8 @@ def resumed(trained: Path, mcore19: Path, tmp_path_factory: pytest.TempPathFacto
         {"command": "resume", "spec": MOE, "ckpt": str(out / "moe-with-optimizer"), "out": str(out / "rs-moe")}
     )
     jobs[-1] |= {"steps": STEPS, "optimizer": True}
+    jobs.append({"command": "resume", "spec": spec(1), "ckpt": str(out / "plain-with-optimizer")})
+    jobs[-1] |= {"out": str(out / "rs-plain-tp1"), "steps": STEPS, "optimizer": True}
     run_jobs(jobs, nproc=2, python=mcore19, script=TRAIN)
     return out
 
@@ -180,6 +186,17 @@ def test_an_moe_resumes_with_its_experts_state(trained: Path, resumed: Path) -> 
             for key, tensor in tensors.items():
                 assert torch.equal(got[param][key], tensor), (rank, param, key)
     assert load(resumed / "rs-moe.rank0")["losses"] == load(trained / "moe" / "reference.pt")["losses"]
+
+
+def test_the_distributed_optimizer_resumes_the_non_distributed_ones_state(trained: Path, resumed: Path) -> None:
+    """Megatron-Core's ``FP32Optimizer`` (no ``--use-distributed-optimizer``) keeps no master apart: its fp32 weights
+    are written as the distributed optimizer's ``param``, which resumes from them at tp 1 with the reference steps."""
+    got = load(resumed / "rs-plain-tp1.rank0")
+    torch.testing.assert_close(
+        torch.tensor(got["losses"]), torch.tensor(load(trained / "none" / "reference.pt")["losses"]), rtol=0,
+        atol=TOLERANCE,
+    )  # fmt: skip
+    assert [g["weight_decay"] for g in got["groups"]] == [0.1, 0.0] and got["groups"][0]["step"] == STEPS
 
 
 def test_a_weights_only_conversion_misses_the_resumed_losses(trained: Path, resumed: Path) -> None:

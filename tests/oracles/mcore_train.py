@@ -64,9 +64,11 @@ LR, MIN_LR = 1e-3, 1e-4
 ADAM_STATE = ("exp_avg", "exp_avg_sq")
 # The hyper-parameters the run that saves is configured with; a resume configures others (``OTHER``), which the
 # checkpoint's param groups overwrite. ``lr`` stays: Megatron-Core matches groups by ``max_lr`` (among its
-# ``param_group_identifier_keys``), so a run configured with another refuses the checkpoint's groups (KeyError).
+# ``param_group_identifier_keys``), so a run configured with another refuses the checkpoint's groups (KeyError); and
+# so does the weight decay: the LR scheduler's ``load_state_dict`` steps (setting every group's weight decay from
+# the run's configured ``start_wd``) before it restores the saved one, so the first resumed step would take the run's.
 HYPER = {"weight_decay": 0.1, "adam_beta1": 0.9, "adam_beta2": 0.95, "adam_eps": 1e-8}
-OTHER = {"weight_decay": 0.0, "adam_beta1": 0.8, "adam_beta2": 0.999, "adam_eps": 1e-6}
+OTHER = {"weight_decay": 0.1, "adam_beta1": 0.8, "adam_beta2": 0.999, "adam_eps": 1e-6}
 
 
 def cpu_training_workarounds() -> None:
@@ -302,6 +304,7 @@ def resume(job: dict) -> None:
     if with_optimizer:
         optimizer.load_state_dict(loaded["optimizer"])
         unshare_steps(optimizer)
+        scheduler.load_state_dict(loaded["opt_param_scheduler"])  # load_checkpoint: a KeyError without it
     state = held_state(ddp, optimizer) if with_optimizer else None  # a fresh optimizer holds nothing yet
     held_groups = groups(optimizer)
     start = int(common["iteration"])

@@ -130,17 +130,21 @@ def plain_metadata() -> dict:
     return {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 
 
-def setup(variant: Variant, spec: Spec, *, seed: int, hyper: dict, distributed: bool = True):
+def setup(variant: Variant, spec: Spec, *, seed: int, hyper: dict, distributed: bool = True, bf16: bool = False):
     """The DDP-wrapped model, its optimizer (``distributed``, else Megatron-Core's ``FP32Optimizer``) and LR scheduler,
     as Megatron-LM's ``setup_model_and_optimizer`` builds them (constant LR: the scheduler's state is saved, but does
     not change the steps)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.transformer.module import Float16Module
 
     (model,) = mcore_gpt.build(variant, spec, seed=seed)
     model.output_layer.gather_output = False  # the vocab-parallel loss takes this rank's logits, as in training
     model.train()
+    if bf16:  # Megatron-LM's --bf16: the model in bf16 behind Float16Module, fp32 masters in the optimizer
+        model.config.bf16, model.config.params_dtype = True, torch.bfloat16
+        model = Float16Module(model.config, model)
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed, grad_reduce_in_fp32=True)
     ddp = DistributedDataParallel(model.config, ddp_config, model)
     config = OptimizerConfig(
@@ -150,7 +154,8 @@ def setup(variant: Variant, spec: Spec, *, seed: int, hyper: dict, distributed: 
         **hyper,
         clip_grad=1.0,
         use_distributed_optimizer=distributed,
-        params_dtype=torch.float32,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
     )
     optimizer = get_megatron_optimizer(config, [ddp])
     scheduler = OptimizerParamScheduler(
@@ -188,7 +193,7 @@ def held_state(ddp, optimizer) -> dict:
     """Each parameter's (this tp rank's slice) fp32 master and moments as the distributed optimizer holds them, its
     data-parallel shards gathered by Megatron-Core's own ``get_parameter_state_dp_zero``, by parameter name."""
     (inner,) = optimizer.chained_optimizers
-    names = {param: name for name, param in ddp.module.named_parameters()}
+    names = {param: name.removeprefix("module.") for name, param in ddp.module.named_parameters()}  # Float16Module
     if not hasattr(inner, "get_parameter_state_dp_zero"):  # FP32Optimizer: the weights are the masters
         state = inner.optimizer.state
         return {
@@ -259,7 +264,8 @@ def train(job: dict) -> None:
     spec = Spec.from_json(job["spec"])
     variant, out, steps = spec.model(), Path(job["out"]), job["steps"]
     distributed = job.get("sharding", "fully_reshardable") != "none"  # none: Megatron-Core's FP32Optimizer
-    ddp, optimizer, scheduler = setup(variant, spec, seed=SEED, hyper=HYPER, distributed=distributed)
+    bf16 = job.get("bf16", False)
+    ddp, optimizer, scheduler = setup(variant, spec, seed=SEED, hyper=HYPER, distributed=distributed, bf16=bf16)
     before = [train_step(ddp, optimizer, variant, step) for step in range(steps)]
     iter_dir = megatron_lm.iter_dir(out / "ckpt", steps)
     if dist.get_rank() == 0:
@@ -289,7 +295,7 @@ def resume(job: dict) -> None:
     spec = Spec.from_json(job["spec"])
     variant = spec.model()
     iter_dir = megatron_lm.resolve_iteration_dir(Path(job["ckpt"]))
-    ddp, optimizer, scheduler = setup(variant, spec, seed=SEED + 1, hyper=OTHER)
+    ddp, optimizer, scheduler = setup(variant, spec, seed=SEED + 1, hyper=OTHER, bf16=job.get("bf16", False))
     common = dist_checkpointing.load_common_state_dict(str(iter_dir))
     metadata = dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or {}
     with_optimizer = job["optimizer"]

@@ -1,7 +1,8 @@
 """``--with-optimizer`` between ``torch_dist`` checkpoints, proven by Megatron-Core 0.19.2 training on CPU
-(``oracles/mcore_train.py``): its distributed optimizer trains a tiny GPT at tp 2 for 3 steps and saves it with the
-optimizer in model space (``fully_reshardable``); reshard converts it (``--tp 1``, which torch_dist only records) and
-Megatron-Core resumes from the output at tp 1 and tp 2 with its own load of model and optimizer.
+(``oracles/mcore_train.py``): its distributed optimizer trains a tiny GPT at tp 2 for 3 steps (fp32, and bf16 with
+fp32 masters apart) and saves it with the optimizer in model space (``fully_reshardable``); reshard converts it
+(``--tp 1``, which torch_dist only records) and Megatron-Core resumes from the output at tp 1 and tp 2 with its own
+load of model, optimizer and LR scheduler.
 
 - Right after the load, every parameter's fp32 master and moments are, bit for bit, what the optimizer held when it
   saved (tp 2: this rank's slice), and what Megatron-Core gathers when it loads its own checkpoint at tp 1; the step
@@ -41,20 +42,38 @@ pytestmark = pytest.mark.oracle
 
 TRAIN = SCRIPT.with_name("mcore_train.py")
 SPEC = {"variant": "llama", "overrides": {"divisible_by": "4"}}
-MOE = {
-    "variant": "moe",
-    "tp": 1,
-    "overrides": {"divisible_by": "4"},
-}  # MoE trains at tp > 1 only with sequence parallelism
+MOE = {"variant": "moe", "tp": 1, "overrides": {"divisible_by": "4"}}  # at tp > 1 MoE trains only with sequence par.
 STEPS = 3
-TOLERANCE = 1e-5  # fp32: the same state resumed at tp 1 and tp 2 differs by ~5e-7; a reset moments by ~5e-3
+TOLERANCE = {"fp32": 1e-5, "bf16": 2e-3}  # one state resumed at tp 1 and tp 2 differs by ~5e-7 (fp32), ~6e-4 (bf16)
 SLOTS = {"param": "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}  # Megatron's state key -> reshard's
-RESUMES = (("rs-tp1", 1, "with-optimizer"), ("rs-tp2", 2, "with-optimizer"), ("reset-tp2", 2, "weights"))
 SAVED_HYPER = {"betas": (0.9, 0.95), "eps": 1e-8, "step": float(STEPS)}  # the resume is configured otherwise
 
 
 def spec(tp: int) -> dict:
     return SPEC | {"tp": tp}
+
+
+# Megatron-Core's runs, trained 3 steps and saved: folder -> what the train job adds.
+RUNS = {
+    "fp32": {"spec": spec(2)},
+    "bf16": {"spec": spec(2), "bf16": True},  # bf16 weights, fp32 masters apart
+    "dp_reshardable": {"spec": spec(2), "sharding": "dp_reshardable"},  # Megatron-LM's default format
+    "plain": {"spec": spec(2), "sharding": "none"},  # FP32Optimizer: no distributed optimizer
+    "moe": {"spec": MOE},
+}
+OWN = ("fp32", "bf16")  # resumed by Megatron-Core from its own checkpoint at tp 1: RUN/own-tp1
+# reshard's conversions: output -> (run, --with-optimizer); Megatron-Core's resumes: name -> (output, job).
+CONVERSIONS = {"fp32": ("fp32", True), "weights": ("fp32", False), "bf16": ("bf16", True)}
+CONVERSIONS |= {"moe": ("moe", True), "plain": ("plain", True)}
+RESUMES = {
+    "fp32-tp1": ("fp32", {"spec": spec(1)}),
+    "fp32-tp2": ("fp32", {"spec": spec(2)}),
+    "reset-tp2": ("weights", {"spec": spec(2), "optimizer": False}),
+    "bf16-tp1": ("bf16", {"spec": spec(1), "bf16": True}),
+    "bf16-tp2": ("bf16", {"spec": spec(2), "bf16": True}),
+    "moe-tp1": ("moe", {"spec": MOE}),
+    "plain-tp1": ("plain", {"spec": spec(1)}),
+}
 
 
 @pytest.fixture(scope="module")
@@ -64,24 +83,23 @@ def mcore19(pytestconfig: pytest.Config) -> Path:
 
 @pytest.fixture(scope="module")
 def trained(pytestconfig: pytest.Config, mcore19: Path) -> Path:
-    """Megatron-Core's run (``fully_reshardable/``, ``dp_reshardable/``) and its own resume of the first at tp 1
-    (``own-tp1``), written once and cached."""
+    """Megatron-Core's ``RUNS`` (``RUN/ckpt``, ``RUN/reference.pt``, ``RUN/saved_rank{r}.pt``) and its own resumes
+    of ``OWN`` at tp 1 (``RUN/own-tp1.rank{r}``), written once and cached."""
     oracles = SCRIPT.parent
     sources = [TRAIN, SCRIPT, oracles / "megatron_lm.py", oracles / "variants.py"]
-    key = source_key(sources, f"{' '.join(REQUIREMENTS)} {SPEC} {MOE} {STEPS} none")
+    key = source_key(sources, f"{' '.join(REQUIREMENTS)} {RUNS} {OWN} {STEPS}")
     root = Path(pytestconfig.cache.mkdir("mcore-0.19-training")) / key
 
     def prepare(staging: Path) -> None:
         jobs = [
-            {"command": "train", "spec": spec(2), "steps": STEPS, "more": STEPS, "sharding": sharding}
-            | {"out": str(staging / sharding)}
-            for sharding in ("fully_reshardable", "dp_reshardable", "none")
+            {"command": "train", "steps": STEPS, "more": STEPS, "out": str(staging / run)} | extra
+            for run, extra in RUNS.items()
         ]
-        jobs.append({"command": "train", "spec": MOE, "steps": STEPS, "more": STEPS, "out": str(staging / "moe")})
-        jobs.append(
-            {"command": "resume", "spec": spec(1), "ckpt": str(staging / "fully_reshardable" / "ckpt")}
-            | {"out": str(staging / "own-tp1"), "steps": STEPS, "optimizer": True}
-        )
+        jobs += [
+            {"command": "resume", "spec": spec(1), "ckpt": str(staging / run / "ckpt"), "steps": STEPS}
+            | {"out": str(staging / run / "own-tp1"), "optimizer": True, "bf16": RUNS[run].get("bf16", False)}
+            for run in OWN
+        ]
         (staging / "jobs.json").write_text(json.dumps(jobs))
 
     return write_once(
@@ -92,32 +110,19 @@ def trained(pytestconfig: pytest.Config, mcore19: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def resumed(trained: Path, mcore19: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """reshard's conversions of the runs (with the optimizer, and the weights alone) and Megatron-Core's resumes
-    from them: ``rs-tp1``, ``rs-tp2``, ``reset-tp2`` (a fresh optimizer on the weights alone), ``rs-moe`` and
-    ``rs-plain-tp1`` (the distributed optimizer resuming the non-distributed one's state)."""
+    """reshard's ``CONVERSIONS`` of the runs (``OUT/<output>``) and Megatron-Core's ``RESUMES`` from them
+    (``OUT/<name>.rank{r}``), in one torchrun."""
     out = tmp_path_factory.mktemp("resumed")
-    drop = ("--drop", "rng,scheduler,trainer")
-    conversions = (
-        ("with-optimizer", "fully_reshardable", ("--with-optimizer", *drop)),
-        ("weights", "fully_reshardable", ()),
-        ("moe-with-optimizer", "moe", ("--with-optimizer", *drop)),
-        ("plain-with-optimizer", "none", ("--with-optimizer", *drop)),
-    )
-    for name, run, extra in conversions:
+    for name, (run, with_optimizer) in CONVERSIONS.items():
+        extra = ("--with-optimizer", "--drop", "rng,scheduler,trainer") if with_optimizer else ()
         args = ["convert", trained / run / "ckpt", "--tp", 1, "--layout", "torch_dist", *extra, "-o", out / name]
         result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
         assert result.exit_code == 0, result.output
     jobs = [
-        {"command": "resume", "spec": spec(tp), "ckpt": str(out / ckpt), "out": str(out / name), "steps": STEPS}
-        | {"optimizer": ckpt == "with-optimizer"}
-        for name, tp, ckpt in RESUMES
+        {"command": "resume", "ckpt": str(out / output), "out": str(out / name), "steps": STEPS, "optimizer": True}
+        | job
+        for name, (output, job) in RESUMES.items()
     ]
-    jobs.append(
-        {"command": "resume", "spec": MOE, "ckpt": str(out / "moe-with-optimizer"), "out": str(out / "rs-moe")}
-    )
-    jobs[-1] |= {"steps": STEPS, "optimizer": True}
-    jobs.append({"command": "resume", "spec": spec(1), "ckpt": str(out / "plain-with-optimizer")})
-    jobs[-1] |= {"out": str(out / "rs-plain-tp1"), "steps": STEPS, "optimizer": True}
     run_jobs(jobs, nproc=2, python=mcore19, script=TRAIN)
     return out
 
@@ -126,19 +131,27 @@ def load(path: Path) -> dict:
     return torch.load(path, weights_only=True)
 
 
-def reference(trained: Path) -> list[float]:
-    return load(trained / "fully_reshardable" / "reference.pt")["losses"]
+def reference(trained: Path, run: str = "fp32") -> list[float]:
+    return load(trained / run / "reference.pt")["losses"]
 
 
-def test_reshard_reads_the_state_megatron_core_gathers(trained: Path) -> None:
+def assert_same_state(got: dict, held: dict, what: str) -> None:
+    assert set(got) == set(held), what
+    for param, tensors in held.items():
+        for key, tensor in tensors.items():
+            assert torch.equal(got[param][key], tensor), (what, param, key)
+
+
+@pytest.mark.parametrize("run", OWN)
+def test_reshard_reads_the_state_megatron_core_gathers(trained: Path, run: str) -> None:
     """Every parameter's master and moments as reshard reads the checkpoint equal, bit for bit, what Megatron-Core
     holds after loading its own checkpoint at tp 1 (its data-parallel shards gathered)."""
-    source = discover(trained / "fully_reshardable" / "ckpt", ReadOptions())
+    source = discover(trained / run / "ckpt", ReadOptions())
     training = source.training
     assert training is not None and training.step == STEPS and training.moments == ("exp_avg", "exp_avg_sq")
     assert [len(g.params) for g in training.groups] == [18, 9]  # weights; norms (no weight decay)
     (refs,) = training.tensors
-    held = load(trained / "own-tp1.rank0")["state"]
+    held = load(trained / run / "own-tp1.rank0")["state"]
     assert set(held) == set(source.ranks[0])
     for name, tensors in held.items():
         for key, slot in SLOTS.items():
@@ -148,29 +161,35 @@ def test_reshard_reads_the_state_megatron_core_gathers(trained: Path) -> None:
             assert torch.equal(out, tensors[key]), (name, slot)
 
 
-def test_megatron_core_resumes_from_reshards_output_at_tp1_and_tp2(trained: Path, resumed: Path) -> None:
-    saved = [load(trained / "fully_reshardable" / f"saved_rank{r}.pt") for r in range(2)]
-    own = [load(trained / f"own-tp1.rank{r}") for r in range(2)]
-    for name, baseline in (("rs-tp2", saved), ("rs-tp1", own)):
-        for rank in range(2):
-            got = load(resumed / f"{name}.rank{rank}")
-            state = baseline[rank]["state"]
-            assert set(got["state"]) == set(state)
-            for param, tensors in state.items():
-                for key, tensor in tensors.items():
-                    assert torch.equal(got["state"][param][key], tensor), (name, rank, param, key)
+@pytest.mark.parametrize("run", OWN)
+def test_megatron_core_resumes_from_reshards_output_at_tp1_and_tp2(trained: Path, resumed: Path, run: str) -> None:
+    """Right after the load: at tp 2 each rank's state is the one it saved, at tp 1 the one Megatron-Core gathers from
+    its own checkpoint, the step and hyper-parameters the saved ones; then the reference losses (at tp 1 exactly
+    those of Megatron-Core's own resume)."""
+    for rank in range(2):
+        baseline = {"tp2": trained / run / f"saved_rank{rank}.pt", "tp1": trained / run / f"own-tp1.rank{rank}"}
+        for tp, held in baseline.items():
+            got = load(resumed / f"{run}-{tp}.rank{rank}")
+            assert_same_state(got["state"], load(held)["state"], f"{run}-{tp} rank {rank}")
             for group in got["groups"]:
                 assert {key: group[key] for key in SAVED_HYPER} == SAVED_HYPER
             assert [g["weight_decay"] for g in got["groups"]] == [0.1, 0.0]
-    assert load(resumed / "rs-tp1.rank0")["losses"] == own[0]["losses"]  # the same state, the same steps
-    for name in ("rs-tp1", "rs-tp2"):
-        losses = load(resumed / f"{name}.rank0")["losses"]
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference(trained)), rtol=0, atol=TOLERANCE)
+    assert load(resumed / f"{run}-tp1.rank0")["losses"] == load(trained / run / "own-tp1.rank0")["losses"]
+    for tp in ("tp1", "tp2"):
+        losses = torch.tensor(load(resumed / f"{run}-{tp}.rank0")["losses"])
+        torch.testing.assert_close(losses, torch.tensor(reference(trained, run)), rtol=0, atol=TOLERANCE[run])
+
+
+def test_bf16_masters_travel_as_fp32_apart_from_the_weights(resumed: Path) -> None:
+    """A bf16 copy passed off as the master would pass the losses' bf16 tolerance: the bits show it is not one."""
+    state = load(resumed / "bf16-tp1.rank0")["state"]
+    masters = torch.cat([tensors["param"].flatten() for tensors in state.values()])
+    assert masters.dtype == torch.float32 and not torch.equal(masters, masters.bfloat16().float())
 
 
 def test_verify_reads_the_state_back_against_the_source(cli, trained: Path, resumed: Path) -> None:
-    source = trained / "fully_reshardable" / "ckpt"
-    result = cli("verify", resumed / "with-optimizer", source, "--train-state")
+    source = trained / "fp32" / "ckpt"
+    result = cli("verify", resumed / "fp32", source, "--train-state")
     assert result.exit_code == 0, result.output
     assert f"training state against {source}: ok (81 tensors checked)" in result.output
 
@@ -180,29 +199,24 @@ def test_an_moe_resumes_with_its_experts_state(trained: Path, resumed: Path) -> 
     data-parallel ranks: the resume holds the saved state and takes the reference steps."""
     for rank in range(2):
         saved = load(trained / "moe" / f"saved_rank{rank}.pt")["state"]
-        got = load(resumed / f"rs-moe.rank{rank}")["state"]
-        assert any(".local_experts.3." in name for name in saved) and set(got) == set(saved)
-        for param, tensors in saved.items():
-            for key, tensor in tensors.items():
-                assert torch.equal(got[param][key], tensor), (rank, param, key)
-    assert load(resumed / "rs-moe.rank0")["losses"] == load(trained / "moe" / "reference.pt")["losses"]
+        assert any(".local_experts.3." in name for name in saved)
+        assert_same_state(load(resumed / f"moe-tp1.rank{rank}")["state"], saved, f"moe rank {rank}")
+    assert load(resumed / "moe-tp1.rank0")["losses"] == reference(trained, "moe")
 
 
 def test_the_distributed_optimizer_resumes_the_non_distributed_ones_state(trained: Path, resumed: Path) -> None:
     """Megatron-Core's ``FP32Optimizer`` (no ``--use-distributed-optimizer``) keeps no master apart: its fp32 weights
     are written as the distributed optimizer's ``param``, which resumes from them at tp 1 with the reference steps."""
-    got = load(resumed / "rs-plain-tp1.rank0")
-    torch.testing.assert_close(
-        torch.tensor(got["losses"]), torch.tensor(load(trained / "none" / "reference.pt")["losses"]), rtol=0,
-        atol=TOLERANCE,
-    )  # fmt: skip
+    got = load(resumed / "plain-tp1.rank0")
+    losses = torch.tensor(got["losses"])
+    torch.testing.assert_close(losses, torch.tensor(reference(trained, "plain")), rtol=0, atol=TOLERANCE["fp32"])
     assert [g["weight_decay"] for g in got["groups"]] == [0.1, 0.0] and got["groups"][0]["step"] == STEPS
 
 
 def test_a_weights_only_conversion_misses_the_resumed_losses(trained: Path, resumed: Path) -> None:
     losses = torch.tensor(load(resumed / "reset-tp2.rank0")["losses"])
     deviation = (losses - torch.tensor(reference(trained))).abs().max().item()
-    assert deviation > 100 * TOLERANCE, deviation
+    assert deviation > 100 * TOLERANCE["fp32"], deviation
 
 
 def test_dp_reshardable_is_shown_and_refused_by_name(cli, trained: Path, tmp_path: Path) -> None:

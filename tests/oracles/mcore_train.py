@@ -7,17 +7,19 @@ Run under ``torchrun`` (gloo) with the Megatron-Core 0.19.2 venv (``tests/layout
 
 Jobs (a JSON list; model parallelism re-initialized between them):
 
-- ``{"command": "train", "spec", "out", "steps", "more", "sharding"}``: the ``spec``'s model (``mcore_gpt.build``,
-  fp32) wrapped in Megatron-Core's ``DistributedDataParallel``, the optimizer ``get_megatron_optimizer`` builds (Adam,
-  the distributed optimizer: torch's ``Adam`` with ``decoupled_weight_decay`` without Apex / Transformer Engine),
-  trained ``steps`` steps on fixed batches (one per step), then saved as Megatron-LM's ``save_checkpoint`` does
-  with ``--dist-ckpt-optim-fully-reshardable`` (``sharding`` ``dp_reshardable``: without, Megatron-LM's default;
-  ``none``: without ``--use-distributed-optimizer``, Megatron-Core's ``FP32Optimizer``):
+- ``{"command": "train", "spec", "out", "steps", "more", "sharding", "bf16"}``: the ``spec``'s model
+  (``mcore_gpt.build``, fp32; ``bf16``: in bf16 behind ``Float16Module``, the optimizer's fp32 masters apart, as
+  Megatron-LM's ``--bf16``) wrapped in Megatron-Core's ``DistributedDataParallel``, the optimizer
+  ``get_megatron_optimizer`` builds (Adam, the distributed optimizer: torch's ``Adam`` with ``decoupled_weight_decay``
+  without Apex / Transformer Engine), trained ``steps`` steps on fixed batches (one per step), then saved as
+  Megatron-LM's ``save_checkpoint`` does with ``--dist-ckpt-optim-fully-reshardable`` (``sharding``
+  ``dp_reshardable``: without, Megatron-LM's default; ``none``: without ``--use-distributed-optimizer``,
+  Megatron-Core's ``FP32Optimizer``):
   ``dist_checkpointing.save({args, iteration, checkpoint_version, model, optimizer:
   optimizer.sharded_state_dict(model, metadata), opt_param_scheduler, rng_state, ...})`` in
   ``OUT/ckpt/iter_{steps:07d}``, with its ``content_metadata``. Then ``more`` steps: ``OUT/reference.pt`` holds their
   losses and ``OUT/saved_rank{r}.pt`` this rank's state as the optimizer held it at the save (:func:`held_state`).
-- ``{"command": "resume", "spec", "ckpt", "out", "steps", "optimizer": bool}``: a model built from another
+- ``{"command": "resume", "spec", "ckpt", "out", "steps", "optimizer": bool, "bf16"}``: a model built from another
   seed, its optimizer configured with other hyper-parameters (``OTHER``: the saved ones must win), loaded as
   Megatron-LM's ``load_checkpoint`` does (``load_content_metadata``, the sharded state dict with ``is_loading``,
   ``load_state_dict`` of model and optimizer; ``optimizer: false`` loads the model alone: a fresh optimizer, as

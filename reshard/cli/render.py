@@ -64,8 +64,8 @@ def render_inspect(report: InspectReport) -> str:
 
 
 def _training_lines(training: dict[str, Any]) -> list[str]:
-    """The optimizer, step and moments, each group's parameters and hyper-parameters, the frozen parameters and
-    what is not carried."""
+    """The optimizer, step and moments, each group's parameters and hyper-parameters, the frozen parameters, what is
+    not carried and why the state is not read, where it is not."""
     moments = ", ".join(training["moments"]) or "none"
     step = training["step"] if training["step"] is not None else "not recorded"
     lines = [f"training    {training['optimizer'] or 'optimizer not named'}, step {step}, moments {moments}"]
@@ -79,6 +79,8 @@ def _training_lines(training: dict[str, Any]) -> list[str]:
         lines.append(f"frozen      {listed(frozen[:SHOWN_NAMES], len(frozen))} (no moments)")
     if training["not_carried"]:
         lines.append(f"not carried {', '.join(training['not_carried'])}")
+    if training.get("unread"):
+        lines.append(f"not read    {training['unread']}")
     return lines
 
 

@@ -94,6 +94,8 @@ class TrainingState:
             scheduler, RNG, ...), each with its kind and where it is.
         tensors: per source rank (as :attr:`SourceCheckpoint.ranks`), each trainable parameter's state tensors by
             :func:`state_name`, read lazily; empty where the layout reads the state's structure only.
+        unread: why the state's tensors are not read where the checkpoint holds them in a form reshard does not
+            carry (Megatron's bucket-space optimizer); ``--with-optimizer`` is refused with it.
     """
 
     optimizer: str | None
@@ -103,6 +105,7 @@ class TrainingState:
     frozen: tuple[str, ...] = ()
     not_carried: tuple[Leftover, ...] = ()
     tensors: tuple[Mapping[str, TensorRef], ...] = ()
+    unread: str | None = None
 
     @property
     def trainable(self) -> dict[str, int]:
@@ -117,7 +120,7 @@ class TrainingState:
             "groups": [{"hyper": dict(g.hyper), "params": list(g.params)} for g in self.groups],
             "frozen": list(self.frozen),
             "not_carried": [str(item) for item in self.not_carried],
-        }
+        } | ({"unread": self.unread} if self.unread else {})
 
 
 @dataclass(frozen=True)

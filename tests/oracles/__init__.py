@@ -107,9 +107,12 @@ def keep_megatron_out_of_process() -> None:
         sys.meta_path.insert(0, _KeepMegatronOut())
 
 
-def run_jobs(jobs: list[dict], *, nproc: int, timeout: float | None = None, python: Path | None = None) -> str:
-    """Run ``mcore_gpt.py jobs`` under ``torchrun --standalone`` on ``nproc`` processes; returns its output.
-    ``python``: another venv's interpreter with its own Megatron-Core (e.g. 0.19.2, ``fixtures/venvs.py``).
+def run_jobs(
+    jobs: list[dict], *, nproc: int, timeout: float | None = None, python: Path | None = None, script: Path = SCRIPT
+) -> str:
+    """Run ``mcore_gpt.py jobs`` (or another oracle ``script``'s, ``mcore_train.py``) under ``torchrun --standalone``
+    on ``nproc`` processes; returns its output. ``python``: another venv's interpreter with its own Megatron-Core (e.g.
+    0.19.2, ``fixtures/venvs.py``).
 
     On timeout the launcher and all its descendants are killed: torchrun starts each worker in a session of its
     own, so killing torchrun's process group would leave them running (and a hung ``torch_dist`` writer with
@@ -129,7 +132,7 @@ def run_jobs(jobs: list[dict], *, nproc: int, timeout: float | None = None, pyth
             "--standalone",
             f"--nproc-per-node={nproc}",
         ]
-        command += [str(SCRIPT), "jobs", str(jobs_file)]
+        command += [str(script), "jobs", str(jobs_file)]
         env = os.environ | {"PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
         with log.open("w") as sink:
             proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, text=True, env=env)

@@ -93,6 +93,8 @@ def plan_training(
 def _readable(source: SourceCheckpoint, drop: frozenset[str]) -> TrainingState:
     """The source's training state, when it can be carried whole but for what ``drop`` leaves behind."""
     state = source.training
+    if state is not None and state.unread:
+        raise ReshardError(f"its training state is not read: {state.unread}", path=source.path)
     if state is None or not state.tensors:
         raise ReshardError(
             f"holds no training state reshard reads (the {source.layout} layout's optimizer state, if any, is not "

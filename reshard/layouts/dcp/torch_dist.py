@@ -19,7 +19,9 @@ format of the same model uses (``input_layernorm`` / ``pre_mlp_layernorm`` for t
 a MoE layer's MLP norm); the ``_w`` / ``_v`` halves of a SwiGLU fc1 (``singleton_local_shards``) are seen
 as the fused ``[gate; up]``. The stored forms are canonical already: QKV interleaved per query group, fc1
 ``[gate; up]``, the vocab padded (cut to the true size like everywhere else). NeMo's ``module.`` prefix is
-dropped. Optimizer state, rng state and Transformer Engine's ``_extra_state`` objects are skipped and reported.
+dropped. The optimizer's state in model space is the training state
+(:mod:`reshard.layouts.dcp.torch_dist_training`), read under the weights' names; rng state and Transformer Engine's
+``_extra_state`` objects are skipped and reported.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from reshard.layouts.dcp.boxed_reader import BoxedReader, BoxView, StackedView
 from reshard.layouts.dcp.dcp import checked
 from reshard.layouts.dcp.nemo import NEMO_WEIGHTS, nemo_args, nemo_side_files, nemo_tokenizer, refuse_adapters
 from reshard.layouts.dcp.torch_dist_common import read_common
+from reshard.layouts.dcp.torch_dist_training import STATE, training_state, unread_format
 from reshard.layouts.megatron.reader import read_tracker
 from reshard.megatron.facts import MegatronFacts
 from reshard.megatron.model import arg, config_from_args, count_problems, named_tokenizer
@@ -50,6 +53,7 @@ STACKED = re.compile(r"^decoder\.layers\.(?!\d)")
 EXPERTS = ".mlp.experts.experts."
 HALVES = re.compile(r"^(?P<key>.+)_(?P<half>[wv])$")
 SKIPPED = re.compile(r"^(optimizer|rng_state|rerun_state_machine)\b|/")
+OPTIMIZER = "optimizer."
 PREFIXES = ("module.",)
 FUSED_NORM = re.compile(r"^(decoder\.layers\.\d+\.)(self_attention\.linear_qkv|mlp\.linear_fc1)\.layer_norm_(\w+)$")
 MAX_STACKED = 1 << 16  # layers (or experts) on a stacked tensor's leading axis; more is damage, not a model
@@ -94,18 +98,32 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
         raise CorruptFileError(f"sharded backend {backend!r}: only torch_dist is read", path=folder / CONFIG)
     refuse_adapters(folder)
     index = read_index(folder, trust_pickle=options.trust_pickle)
-    stored = {fqn: t for fqn, t in index.tensors.items() if not SKIPPED.search(_strip(fqn))}
-    model, sizes = checked(stored)
     common, notes, common_file = read_common(folder, index, options)
     args = nemo_args(path) if folder.name == NEMO_WEIGHTS else common.get("args")
+    optimizer = {fqn: t for fqn, t in index.tensors.items() if _strip(fqn).startswith(OPTIMIZER)}
+    stored = {fqn: t for fqn, t in index.tensors.items() if not SKIPPED.search(_strip(fqn))}
+    distributed = bool(arg(args, "use_distributed_optimizer"))
+    readable = unread_format(common, optimizer, distributed=distributed) is None  # else their boxes are not ours
+    read, sizes = checked(stored | {f: t for f, t in optimizer.items() if readable and STATE.match(_strip(f))})
+    model = {fqn: t for fqn, t in read.items() if fqn in stored}
     views = _spec_names(_views({_strip(fqn): tensor for fqn, tensor in model.items()}), args)
     reader = BoxedReader(folder, views)
     refs = {name: TensorRef(name, 0, reader, name, reader.headers[name]) for name in views}
     source = SourceCheckpoint(path, NAME, [refs], extras=[{}], top_level=[common])
+    source.training = training_state(
+        args,
+        common,
+        {_strip(fqn): read.get(fqn, t) for fqn, t in optimizer.items()},
+        list(index.values),
+        views,
+        lambda tensors: _spec_names(_views(tensors), args),
+        lambda states: BoxedReader(folder, states),
+    )
     source.config = (
         config_from_args(args, common_file if folder.name != NEMO_WEIGHTS else folder / "..") if args else None
     )
-    skipped = [fqn for fqn in [*index.tensors, *index.values] if fqn not in model]
+    carried = source.training.tensors[0] if source.training and source.training.tensors else {}
+    skipped = [fqn for fqn in [*index.tensors, *index.values] if fqn not in model and not (carried and fqn in read)]
     total = sum(index.tensors[f].stored_bytes for f in skipped if f in index.tensors)
     total += sum(index.values[f] for f in skipped if f in index.values)
     source.notes += notes + [

@@ -20,13 +20,16 @@ arrives, from the worker threads, straight from the gathered buffer (memory: one
 tensor); ``.metadata`` comes last. Megatron-LM's loader asks for an ``_extra_state`` object of every
 Transformer Engine (or local-spec) linear and norm it builds, and fails on a missing one: the source's are
 carried (tensor-parallel rank 0's, the copy Megatron keeps), the others written as ``None``, which both
-implementations accept. No optimizer or rng state is written: load a checkpoint of a training run's
-iteration with ``--no-load-optim --no-load-rng`` (or ``--finetune``), as the legacy layout's.
+implementations accept. With ``--with-optimizer`` the training state is written in the distributed optimizer's
+``fully_reshardable`` form (:mod:`reshard.layouts.dcp.torch_dist_state`), with a Megatron source's LR scheduler;
+else no optimizer is written: load with ``--no-load-optim`` (or ``--finetune``). No rng state is written: load
+with ``--no-load-rng``.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,6 +43,8 @@ from reshard.layouts.base import ONE_RUN, CheckpointWriter, RunFiles, SourceChec
 from reshard.layouts.dcp.distcp_files import METADATA, ArchiveFiles, Archives, metadata, place_archives
 from reshard.layouts.dcp.torch_dist_keys import GlobalPlan, plan_global
 from reshard.layouts.dcp.torch_dist_keys import check_names as check_global_names
+from reshard.layouts.dcp.torch_dist_state import CONTENT_METADATA as STATE_METADATA
+from reshard.layouts.dcp.torch_dist_state import optimizer_common, state_plan, weights_of
 from reshard.layouts.megatron.args import PICKLE_MODULE, retarget_args
 from reshard.layouts.megatron.reader import TRACKER
 from reshard.layouts.megatron.writer import CHECKPOINT_VERSION, megatron_args_of, megatron_facts
@@ -74,12 +79,15 @@ class TorchDistFilePlan(FilePlan):
         args: the Megatron args ``common.pt`` records (the tp asked for, pp, padded vocab, the format).
         folder: ``release`` or ``iter_XXXXXXX``, relative to the output.
         archives: the data files inside ``folder`` and where each archive sits in them.
+        copies: a trainable weight's name -> the chunk it is written to again, as its fp32 master, where the
+            source keeps none apart (:func:`~reshard.layouts.dcp.torch_dist_state.state_plan`).
     """
 
     global_plan: GlobalPlan
     args: Any = None
     folder: str = ""
     archives: Archives = field(default_factory=Archives)
+    copies: Mapping[str, str] = field(default_factory=dict)
 
 
 class TorchDistWriter(CheckpointWriter):
@@ -87,6 +95,7 @@ class TorchDistWriter(CheckpointWriter):
     names them (``decoder.layers.{i}.*``, experts as ``...local_experts.{e}.*``)."""
 
     concurrent = True
+    holds_training_state = True
 
     @classmethod
     def file_plan(cls, spec: TargetSpec) -> TorchDistFilePlan:
@@ -101,21 +110,25 @@ class TorchDistWriter(CheckpointWriter):
         if spec.tp != 1:
             raise ValueError(f"torch_dist holds global tensors: plan the conversion at tp 1, not {spec.tp}")
         source, headers = spec.source, spec.rank_headers[0]
-        check_global_names(list(headers), source.path)
+        weights = weights_of(headers)
+        check_global_names(list(weights), source.path)
         args = megatron_args_of(source, spec.layout_facts)
-        plan = plan_global(
-            headers,
-            source.extras[0] if isinstance(source.facts, MegatronFacts) and source.extras else {},
+        placing = dict(
             layers=_int(arg(args, "num_layers")),
             experts=_int(arg(args, "num_experts")),
             local_spec=arg(args, "transformer_impl") == "local",
-            homogeneous=_homogeneous(args),
             tied=not arg(args, "untie_embeddings_and_output_weights", False),
         )
+        extras = source.extras[0] if isinstance(source.facts, MegatronFacts) and source.extras else {}
+        plan = plan_global(weights, extras, **placing, homogeneous=_homogeneous(args))
+        copies: dict[str, str] = {}
+        if spec.training is not None:
+            plan, copies = state_plan(plan, headers, spec.training, **placing)
         archives = place_archives(plan.tensors, _objects(plan), spec.max_shard_size)
         facts = megatron_facts(source)
         folder = "release" if facts.release else f"iter_{int(facts.iteration or 0):07d}"
-        return TorchDistFilePlan(archives.files(folder), plan, _retarget(args, spec), folder, archives)
+        files = archives.files(folder, written_by_writer=frozenset(copies.values()))  # a copy goes with its weight
+        return TorchDistFilePlan(files, plan, _retarget(args, spec), folder, archives, copies)
 
     def __init__(self, out_dir: Path, spec: TargetSpec, plan: TorchDistFilePlan, run: RunFiles = ONE_RUN) -> None:
         super().__init__(out_dir, spec, plan, run)
@@ -123,7 +136,7 @@ class TorchDistWriter(CheckpointWriter):
         self._release = facts.release
         self._iteration = int(facts.iteration or 0)
         self._args, self._plan, self._archives = plan.args, plan.global_plan, plan.archives
-        self._folder = Path(plan.folder)
+        self._folder, self._copies = Path(plan.folder), plan.copies
         self._folder_path = out_dir / self._folder
         self._files = ArchiveFiles(self._folder_path, plan.archives, _objects(plan.global_plan), run.hooks(out_dir))
         if self.run.writes_shared:
@@ -151,6 +164,12 @@ class TorchDistWriter(CheckpointWriter):
             "iteration": self._iteration,
             "content_metadata": dict(CONTENT_METADATA),
         }
+        if self.spec.training is not None:
+            common["optimizer"] = optimizer_common(self.spec.training)
+            common["content_metadata"] |= STATE_METADATA
+            scheduler = _scheduler(self.spec.source)
+            if scheduler is not None:
+                common["opt_param_scheduler"] = scheduler
         TorchZipWriter(self._folder_path / COMMON, common, pickle_module=PICKLE_MODULE).close()
         (self._folder_path / CONFIG).write_text(CONFIG_TEXT)
 
@@ -162,6 +181,8 @@ class TorchDistWriter(CheckpointWriter):
         if isinstance(tensor, Joined):  # only a slice of a tensor split over ranks is its parts
             raise TypeError(f"{name}: a tp 1 slice is one tensor, not {len(tensor.parts)} parts")
         self._files.write(name, tensor)
+        if name in self._copies:
+            self._files.write(self._copies[name], tensor)
 
     write = write_unordered
 
@@ -195,6 +216,14 @@ def _retarget(args: Any, spec: TargetSpec) -> Any:
     for key, value in updates.items():
         setattr(out, key, value)
     return out
+
+
+def _scheduler(source: SourceCheckpoint) -> Any:
+    """A Megatron source's ``opt_param_scheduler``: Megatron-LM's ``load_checkpoint`` loads it with the optimizer
+    (a ``KeyError`` without), and it does not depend on the parallelism."""
+    if not isinstance(source.facts, MegatronFacts) or not source.top_level:
+        return None
+    return source.top_level[0].get("opt_param_scheduler")
 
 
 def _homogeneous(args: Any) -> bool:

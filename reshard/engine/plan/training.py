@@ -45,6 +45,7 @@ def plan_training(
     """
     source = conversion.source
     state = _readable(source, drop)
+    _check_padding_rows(conversion)
     trainable = state.trainable
     slots = tuple(slot for slot in SLOTS if slot == "master" and _has_master(state) or slot in state.moments)
     problems: list[ReshardError] = [
@@ -122,6 +123,22 @@ def _readable(source: SourceCheckpoint, drop: frozenset[str]) -> TrainingState:
             hint=f"leave it behind with --drop {','.join(kinds)}",
         )
     return state
+
+
+def _check_padding_rows(conversion: ConversionPlan) -> None:
+    """A source whose vocab tensors hold rows past the true vocab (Megatron's padding) trained them: they are in the
+    softmax of every step, with their moments. A conversion cuts them to the true size and pads again with zeros,
+    which changes the training a resume continues (measured against Megatron-Core: 1.8e-3 on the first step's loss),
+    so they are refused unless carried as rows, by saying the vocab is that large."""
+    vocab = conversion.vocab
+    if vocab.original is not None and vocab.source_padded is not None and vocab.source_padded > vocab.original:
+        raise ReshardError(
+            f"the vocab tensors hold {vocab.source_padded} rows for a vocab of {vocab.original} "
+            f"({vocab.origin}): the {vocab.source_padded - vocab.original} padding rows were trained with the rest, "
+            "and cutting them would change the training a resume continues",
+            path=conversion.source.path,
+            hint=f"carry them as rows with --vocab {vocab.source_padded}",
+        )
 
 
 def _has_master(state: TrainingState) -> bool:

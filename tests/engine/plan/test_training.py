@@ -8,15 +8,17 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from engine.plan.test_planner import EMBED, HEAD, NORM, TP2, K, NoBytes, Q, checkpoint, planned
+from engine.plan.test_planner import EMBED, HEAD, NORM, TP2, K, NoBytes, Q, checkpoint
 
 from reshard.dtypes import TensorHeader
-from reshard.engine.plan.planner import ConversionPlan, TensorPlan
+from reshard.engine.plan.planner import ConversionPlan, TensorPlan, plan_conversion, plan_sources
 from reshard.engine.plan.training import plan_training
 from reshard.errors import PlanError, ReshardError
 from reshard.layouts.base import SourceCheckpoint, TensorRef
 from reshard.layouts.training import Leftover, ParamGroup, TrainingState, state_name
 from reshard.mappings.transforms import DropZeros, Parallel, Rename
+from reshard.plans.llama import LLAMA_PLAN
+from reshard.vocab import VocabPlan
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -53,6 +55,12 @@ def with_state(
     return replace(source, training=state)
 
 
+def planned(source: SourceCheckpoint, target_tp: int, vocab: int = 14) -> ConversionPlan:
+    """``source`` planned for ``target_tp`` ranks; its 14 vocab rows are the true vocab unless ``vocab`` says less."""
+    tensors = plan_sources(source, LLAMA_PLAN, vocab_size=vocab, target_tp=target_tp)
+    return plan_conversion(source, tensors, vocab=VocabPlan(vocab, "config.json"), target_tp=target_tp)
+
+
 def states_of(conversion: ConversionPlan) -> dict[str, TensorPlan]:
     return {plan.name: plan for plan in conversion.tensors}
 
@@ -62,8 +70,9 @@ DECAY, NO_DECAY = (EMBED, HEAD, Q, K), (NORM,)
 
 @pytest.mark.parametrize("target_tp", [1, 2, 4])
 def test_each_moment_takes_its_weights_plan(target_tp):
-    """At tp 1, 2 and 4 (the vocab padded to 13, 14 and 16 rows), every moment has its weight's partition, canonical
-    shape, per-rank shapes and cut, float32, read from its own slices; frozen parameters have none."""
+    """At tp 1, 2 and 4 (the vocab of 14 rows padded to 16 at tp 4: those rows zero), every moment has its weight's
+    partition, canonical shape, per-rank shapes and cut, float32, read from its own slices; frozen parameters have
+    none."""
     source = with_state(checkpoint([TP2, TP2]), (DECAY, NO_DECAY))
     conversion, carried = plan_training(planned(source, target_tp), (), drop=frozenset())
     plans = states_of(conversion)
@@ -85,6 +94,17 @@ def test_each_moment_takes_its_weights_plan(target_tp):
     assert set(carried.frozen) == {n for n in TP2 if n not in trainable}
     assert [g.params for g in carried.groups] == [DECAY, NO_DECAY]
     assert [g.hyper["weight_decay"] for g in carried.groups] == [0.0, 0.1]
+
+
+def test_trained_padding_rows_are_refused_unless_carried_as_rows():
+    """13 true rows in 14: the padding row was trained (Megatron's softmax covers it), so cutting it is refused."""
+    source = with_state(checkpoint([TP2, TP2]), (DECAY, NO_DECAY))
+    with pytest.raises(ReshardError) as err:
+        plan_training(planned(source, 1, vocab=13), (), drop=frozenset())
+    assert "the vocab tensors hold 14 rows for a vocab of 13 (config.json): the 1 padding rows were trained" in str(
+        err.value
+    )
+    assert err.value.hint == "carry them as rows with --vocab 14"
 
 
 def test_a_trainable_parameter_without_a_moment_on_one_rank_is_refused_by_name():

@@ -278,7 +278,7 @@ def inspect_command(
 @click.option(
     "--with-optimizer",
     is_flag=True,
-    help="Carry the training state: fp32 masters, Adam's moments, step and param groups (deepspeed, dcp).",
+    help="Carry the training state: fp32 masters, Adam's moments, step and param groups (deepspeed, dcp, torch_dist).",
 )
 @click.option(
     "--drop",

@@ -34,6 +34,7 @@ from reshard.layouts.dcp.distcp_files import (
     Chunk,
     GlobalTensor,
     metadata,
+    one_slice,
     place_archives,
 )
 from reshard.layouts.dcp.param_groups import torch_groups
@@ -133,9 +134,7 @@ class DcpWriter(CheckpointWriter):
         """Write tensor ``name`` (one slice: the plan is at tp 1) as its archive; safe from several threads."""
         if name in self._plan.skipped:
             return
-        (tensor,) = slices
-        if isinstance(tensor, Joined):  # only a slice of a tensor split over ranks is its parts
-            raise TypeError(f"{name}: a tp 1 slice is one tensor, not {len(tensor.parts)} parts")
+        tensor = one_slice(name, slices)
         self._files.write(name, tensor)
 
     write = write_unordered

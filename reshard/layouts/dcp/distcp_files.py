@@ -25,6 +25,7 @@ from reshard.formats.dcp_metadata import write as dcp
 from reshard.formats.safetensors.writer import FileHooks
 from reshard.formats.torch_zip.writer import Region, TensorSlot, TorchZipWriter
 from reshard.io.direct import DirectFile
+from reshard.io.joined import Joined
 
 if TYPE_CHECKING:
     import torch
@@ -80,6 +81,14 @@ class Archives:
                 held[self.where[key][0]].add(name)
         prefix = f"{folder}/" if folder else ""
         return {f"{prefix}{name}": frozenset(tensors) for name, tensors in zip(self.names, held, strict=True)}
+
+
+def one_slice(name: str, slices: Sequence[torch.Tensor | Joined]) -> torch.Tensor:
+    """The one slice of tensor ``name`` a writer of global tensors receives (the plan is at tp 1)."""
+    (tensor,) = slices
+    if isinstance(tensor, Joined):  # only a slice of a tensor split over ranks is its parts
+        raise TypeError(f"{name}: a tp 1 slice is one tensor, not {len(tensor.parts)} parts")
+    return tensor
 
 
 def chunk_key(tensor: GlobalTensor, chunk: Chunk) -> str:

@@ -40,7 +40,7 @@ from reshard.formats.file_plan import FilePlan
 from reshard.formats.torch_zip.writer import TorchZipWriter
 from reshard.io.joined import Joined
 from reshard.layouts.base import ONE_RUN, CheckpointWriter, RunFiles, SourceCheckpoint, TargetSpec
-from reshard.layouts.dcp.distcp_files import METADATA, ArchiveFiles, Archives, metadata, place_archives
+from reshard.layouts.dcp.distcp_files import METADATA, ArchiveFiles, Archives, metadata, one_slice, place_archives
 from reshard.layouts.dcp.torch_dist_keys import GlobalPlan, plan_global
 from reshard.layouts.dcp.torch_dist_keys import check_names as check_global_names
 from reshard.layouts.dcp.torch_dist_state import CONTENT_METADATA as STATE_METADATA
@@ -177,9 +177,7 @@ class TorchDistWriter(CheckpointWriter):
         """Write tensor ``name`` (one slice: the plan is at tp 1) as its chunk's archive; safe from several threads."""
         if name in self._plan.skipped:
             return
-        (tensor,) = slices
-        if isinstance(tensor, Joined):  # only a slice of a tensor split over ranks is its parts
-            raise TypeError(f"{name}: a tp 1 slice is one tensor, not {len(tensor.parts)} parts")
+        tensor = one_slice(name, slices)
         self._files.write(name, tensor)
         if name in self._copies:
             self._files.write(self._copies[name], tensor)

@@ -13,13 +13,12 @@ same checkpoint with its moments reset (what a weights-only conversion gives) fa
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
-from fixtures.deepspeed_runs import run_deepspeed
+from fixtures.deepspeed_runs import moments_reset, run_deepspeed
 from fixtures.models import tiny_llama
 
 from reshard.cli import main
@@ -63,11 +62,7 @@ def universal(trained: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
         made[precision] = root / precision
         source = trained / "run" / "out" / precision / "ckpt"
         convert(source, "--tp", 1, "--layout", "deepspeed", "--with-optimizer", "--drop", DROP, "-o", made[precision])
-    made["reset"] = root / "reset"
-    shutil.copytree(made["fp32"], made["reset"])
-    for file in (made["reset"] / TAG / "zero").glob("*/exp_avg*.pt"):
-        stored = torch.load(file, weights_only=True)
-        torch.save({**stored, "param": torch.zeros_like(stored["param"])}, file)
+    made["reset"] = moments_reset(made["fp32"], root / "reset")
     return made
 
 

@@ -19,6 +19,16 @@ one parameter: its state is its owner's, and ``shared_params`` names the alias a
 parameters are in ``module`` only (DeepSpeed restores none from a universal checkpoint: they come from the model the
 resuming run builds). The rank files are streamed tensor by tensor (:mod:`reshard.layouts.common.torch_rank_writer`);
 the small files (``optimizer_state.pt``, ``step.pt``, the trackers) are written at the end with ``torch.save``.
+
+Not for ZeRO-3, on purpose. DeepSpeed's ZeRO-3 reads a universal checkpoint otherwise (``runtime/zero/stage3.py``
+``load_hp_checkpoint_state_from_checkpoint_dir_stage3``: model states named ``zero_pp_rank_0_mp_rank_00_...``, the
+step and groups from ``optimizer_state_dict``), and it cannot resume one exactly but with a single param group on a
+single sub-group: it gives every group the first group's hyper-parameters (the no-decay group trains with weight
+decay), and it gives every sub-group one and the same step tensor, which torch's AdamW increments in place once per
+sub-group, so the bias correction runs ahead (DeepSpeed 0.19.8, measured: resumed at step 4, two groups read step 10
+three steps later, and the losses leave the run's by 1.6e-3). A model above ``sub_group_size`` (1e9 elements by
+default) has several sub-groups in one group. Without its model-states file a ZeRO-3 engine refuses to load (no
+checkpoint found) rather than train with another optimizer.
 """
 
 from __future__ import annotations

@@ -135,6 +135,8 @@ class CarriedState:
         slots: the state tensors every trainable parameter has (:func:`state_name`), in :data:`SLOTS` order; without
             ``master`` the weight itself is the fp32 master.
         frozen: target parameters in no group (no state).
+        tied: ``(alias, owner)`` target names of tensors that are another parameter (tied weights: the source reads
+            the alias from its owner's bytes): no state of their own, neither grouped nor frozen.
     """
 
     optimizer: str | None
@@ -142,6 +144,7 @@ class CarriedState:
     groups: tuple[ParamGroup, ...]
     slots: tuple[str, ...]
     frozen: tuple[str, ...] = ()
+    tied: tuple[tuple[str, str], ...] = ()
 
     def master(self, name: str) -> str:
         """The target tensor that holds parameter ``name``'s fp32 master: its ``master`` state, else the weight."""

@@ -177,7 +177,7 @@ def _carried_note(training: CarriedState, source: SourceCheckpoint, drop: frozen
     note = (
         f"training state carried: step {training.step}, {len(training.groups)} param group(s), "
         f"{', '.join(training.slots)} of {trainable} parameter(s) "
-        f"({len(training.frozen)} without state: frozen or tied)"
+        f"({len(training.frozen)} frozen and {len(training.tied)} tied to another without state of their own)"
     )
     left = [str(item) for item in source.training.not_carried if item.kind in drop] if source.training else []
     return note + (f"; left behind (--drop): {', '.join(left)}" if left else "")

@@ -57,8 +57,13 @@ def plan_training(
     groups: list[list[tuple[int, str]]] = [[] for _ in state.groups]  # (source position, target name)
     position = {name: i for group in state.groups for i, name in enumerate(group.params)}
     frozen: list[str] = []
+    aliases = _aliases(conversion.tensors, trainable)
+    tied: list[tuple[str, str]] = []
     for plan in conversion.tensors:
         members = {trainable.get(s.name) for s in plan.sources}
+        if members == {None} and plan.name in aliases:
+            tied.append((plan.name, aliases[plan.name]))
+            continue
         if members == {None}:
             frozen += [t.name for t in plan.targets]
             continue
@@ -87,8 +92,30 @@ def plan_training(
         groups=tuple(ParamGroup(g.hyper, _in_order(names)) for g, names in zip(state.groups, groups, strict=True)),
         slots=slots,
         frozen=tuple(frozen),
+        tied=tuple(tied),
     )
     return replace(conversion, tensors=(*conversion.tensors, *states)), carried
+
+
+def _aliases(plans: Sequence[TensorPlan], trainable: Mapping[str, int]) -> dict[str, str]:
+    """``alias -> owner`` target names of the tied weights: a target tensor made of one source tensor in no group
+    whose every slice is read from the bytes of one trainable parameter (DeepSpeed's ``shared_params``, read as the
+    owner's slices), each of the two written as one target tensor. The source says the tie by the slices it gives,
+    whatever its layout."""
+    owners: dict[tuple[int, int, str], str] = {}
+    for plan in plans:
+        for source in plan.sources:
+            if source.name in trainable and len(plan.targets) == 1:
+                for ref in source.refs:
+                    owners.setdefault((id(ref.reader), ref.rank, ref.key), plan.name)
+    found: dict[str, str] = {}
+    for plan in plans:
+        if len(plan.sources) != 1 or len(plan.targets) != 1 or plan.sources[0].name in trainable:
+            continue
+        held = {owners.get((id(ref.reader), ref.rank, ref.key), "") for ref in plan.sources[0].refs}
+        if len(held) == 1 and "" not in held and held != {plan.name}:
+            found[plan.name] = held.pop()
+    return found
 
 
 def _readable(source: SourceCheckpoint, drop: frozenset[str]) -> TrainingState:

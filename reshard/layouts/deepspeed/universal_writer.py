@@ -14,10 +14,21 @@ resumes from it at any data-parallel size::
 Only with the training state (``--with-optimizer``): DeepSpeed resumes a universal checkpoint from its ``zero/``
 files alone and never reads ``module``: weights without their optimizer state would resume with Adam started anew,
 which a user who moves a run must not get silently (DeepSpeed#6691). DeepSpeed matches the param groups by
-position: they are written in the source's order. Frozen parameters are in ``module`` only (DeepSpeed restores none
-from a universal checkpoint: they come from the model the resuming run builds). The rank files are streamed tensor by
-tensor (:mod:`reshard.layouts.common.torch_rank_writer`); the small files (``optimizer_state.pt``, ``step.pt``, the
-trackers) are written at the end with ``torch.save``.
+position: they are written in the source's order. A tied weight (``lm_head.weight`` of ``tie_word_embeddings``) is
+one parameter: its state is its owner's, and ``shared_params`` names the alias as DeepSpeed records it. Frozen
+parameters are in ``module`` only (DeepSpeed restores none from a universal checkpoint: they come from the model the
+resuming run builds). The rank files are streamed tensor by tensor (:mod:`reshard.layouts.common.torch_rank_writer`);
+the small files (``optimizer_state.pt``, ``step.pt``, the trackers) are written at the end with ``torch.save``.
+
+Not for ZeRO-3, on purpose. DeepSpeed's ZeRO-3 reads a universal checkpoint otherwise (``runtime/zero/stage3.py``
+``load_hp_checkpoint_state_from_checkpoint_dir_stage3``: model states named ``zero_pp_rank_0_mp_rank_00_...``, the
+step and groups from ``optimizer_state_dict``), and it cannot resume one exactly but with a single param group on a
+single sub-group: it gives every group the first group's hyper-parameters (the no-decay group trains with weight
+decay), and it gives every sub-group one and the same step tensor, which torch's AdamW increments in place once per
+sub-group, so the bias correction runs ahead (DeepSpeed 0.19.8, measured: resumed at step 4, two groups read step 10
+three steps later, and the losses leave the run's by 1.6e-3). A model above ``sub_group_size`` (1e9 elements by
+default) has several sub-groups in one group. Without its model-states file a ZeRO-3 engine refuses to load (no
+checkpoint found) rather than train with another optimizer.
 """
 
 from __future__ import annotations
@@ -167,7 +178,8 @@ def _trainable(carried: CarriedState) -> list[str]:
 def _model_states(module: dict[str, Any], shapes: list[Any], carried: CarriedState) -> dict[str, Any]:
     """The model-states file as ``engine.save_checkpoint`` writes it (``_common_checkpoint_state``); of it
     ``load_universal`` reads the counters only. It holds whole tensors, as one data-parallel rank of one model-parallel
-    rank would; no frozen-parameter records (as ZeRO-1 writes it: ``module`` holds them), no scheduler, no client
+    rank would; no frozen-parameter records (as ZeRO-1 writes it: ``module`` holds them); a tied weight in ``module``
+    under both its names, and ``shared_params`` (alias -> owner) as DeepSpeed records a tie; no scheduler, no client
     state. The optimizer's name, where the source records one, is the only part of ``ds_config`` written: the rest
     is the resuming run's."""
     return {
@@ -176,7 +188,7 @@ def _model_states(module: dict[str, Any], shapes: list[Any], carried: CarriedSta
         "optimizer": None,
         "param_shapes": shapes,
         "frozen_param_shapes": None,
-        "shared_params": {},
+        "shared_params": dict(carried.tied),
         "frozen_param_fragments": None,
         "lr_scheduler": None,
         "data_sampler": None,

@@ -166,3 +166,15 @@ def test_a_transform_that_computes_values_is_refused():
     conversion = units(planned(source, 1), DropZeros(), (Q, K))
     with pytest.raises(PlanError, match="computes its values, and an optimizer's state cannot follow"):
         plan_training(conversion, (), drop=frozenset())
+
+
+def test_a_weight_read_from_a_trainable_parameters_bytes_is_tied_to_it():
+    """A tied weight (DeepSpeed's ``shared_params``: the reader gives the alias its owner's slices) is neither
+    frozen nor grouped: it is recorded ``(alias, owner)``, and has no state of its own."""
+    source = checkpoint([TP2, TP2])
+    ranks = [{**refs, HEAD: replace(refs[EMBED], name=HEAD)} for refs in source.ranks]
+    source = with_state(replace(source, ranks=ranks), (tuple(n for n in DECAY if n != HEAD), NO_DECAY))
+    conversion, carried = plan_training(planned(source, 2), (), drop=frozenset())
+    assert carried.tied == ((HEAD, EMBED),)
+    assert HEAD not in carried.frozen and all(HEAD not in g.params for g in carried.groups)
+    assert not any(state_name(HEAD, m) in states_of(conversion) for m in MOMENTS)

@@ -12,13 +12,11 @@ weights alone (the moments start afresh) fails the same comparison.
 from __future__ import annotations
 
 import pickle
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from fixtures.fsdp_resume import DECAY, HYPER, OTHER, STEPS
-from fixtures.models import tiny_llama
 from fixtures.resumed import TOLERANCE, assert_loaded_as_saved, deviation, losses, reshard, torchrun
 
 from reshard.layouts import discover
@@ -29,12 +27,12 @@ WORLDS = (1, 3)
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``src/`` (DCP at world 2, with ``config.json``), ``saved.pt`` and ``reference.json``."""
-    root = tmp_path_factory.mktemp("fsdp")
-    tiny_llama(root / "hf", vocab=128, num_attention_heads=4, num_key_value_heads=2)
-    torchrun(MODULE, ranks=2, args=["train", str(root / "hf"), str(root)])
-    shutil.copy(root / "hf" / "config.json", root / "src" / "config.json")
+def trained(fsdp_trained: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session's FSDP2 run (``src/``, ``saved.pt``, ``reference.json``; ``conftest.py``) beside this module's
+    conversions and resumes."""
+    root = tmp_path_factory.mktemp("fsdp-dcp")
+    for name in ("src", "saved.pt", "reference.json"):
+        (root / name).symlink_to(fsdp_trained / name)
     return root
 
 

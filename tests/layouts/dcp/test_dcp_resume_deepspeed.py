@@ -32,7 +32,7 @@ def resumed(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactor
     root = tmp_path_factory.mktemp("deepspeed")
     tiny_llama(root / "hf", vocab=128, num_attention_heads=4, num_key_value_heads=2)
     environment = {"TORCH_EXTENSIONS_DIR": str(extensions_folder(pytestconfig)), "DS_BUILD_OPS": "0"}
-    args = [str(root / "hf"), str(root)]
+    args = ["train", str(root / "hf"), str(root)]
     python = deepspeed_python(pytestconfig)
     torchrun(
         "fixtures.deepspeed_to_dcp", ranks=2, args=args, python=python, env={**environment, "DS_ACCELERATOR": "cpu"}

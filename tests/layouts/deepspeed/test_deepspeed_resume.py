@@ -13,13 +13,12 @@ same checkpoint with its moments reset (what a weights-only conversion gives) fa
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
-from fixtures.deepspeed_runs import run_deepspeed
+from fixtures.deepspeed_runs import moments_reset, run_deepspeed
 from fixtures.models import tiny_llama
 
 from reshard.cli import main
@@ -29,11 +28,11 @@ pytestmark = pytest.mark.oracle
 
 SAVED_AT = 3  # fixtures.deepspeed_resume's (it imports DeepSpeed, so it is not imported here)
 TAG = f"global_step{SAVED_AT}"
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp32-tied")  # fp32-tied: lm_head.weight tied to the embeddings (shared_params)
 # The largest loss deviation of a resume at another world size from the run that went on (DeepSpeed's reductions
 # differ in order): measured up to 8e-7 (fp32) and 9e-5 (bf16) over 3 steps; a reset of the moments moves the loss
 # by ~1e-2.
-TOLERANCE = {"fp32": 2e-6, "bf16": 3e-4}
+TOLERANCE = {"fp32": 2e-6, "bf16": 3e-4, "fp32-tied": 2e-6}
 # What the source holds of its training that the universal checkpoint does not carry (DeepSpeed's loss scaler and
 # clip_grad, its sample counter): left behind.
 DROP = "dataloader,loss_scaler,other"
@@ -63,23 +62,20 @@ def universal(trained: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
         made[precision] = root / precision
         source = trained / "run" / "out" / precision / "ckpt"
         convert(source, "--tp", 1, "--layout", "deepspeed", "--with-optimizer", "--drop", DROP, "-o", made[precision])
-    made["reset"] = root / "reset"
-    shutil.copytree(made["fp32"], made["reset"])
-    for file in (made["reset"] / TAG / "zero").glob("*/exp_avg*.pt"):
-        stored = torch.load(file, weights_only=True)
-        torch.save({**stored, "param": torch.zeros_like(stored["param"])}, file)
+    made["reset"] = moments_reset(made["fp32"], root / "reset")
     return made
 
 
 @pytest.fixture(scope="session")
 def resumed(pytestconfig: pytest.Config, trained: Path, universal: dict[str, Path]) -> dict[tuple[str, int], dict]:
     """What DeepSpeed held right after loading, and its losses, per (label, world): reshard's checkpoints at world 1
-    and 3, the reset one at world 1, ``ds_to_universal``'s at world 3, and reshard's fp32 one by ZeRO-1 at world 3."""
+    and 3, the reset one at world 1, ``ds_to_universal``'s at world 3, reshard's fp32 one by ZeRO-1 at world 3, and
+    the tied model's at world 3."""
     theirs = trained / "run" / "out" / "fp32" / "ckpt"
     runs = {
         1: [f"fp32:{universal['fp32']}:fp32", f"bf16:{universal['bf16']}:bf16", f"fp32:{universal['reset']}:reset"],
         3: [f"fp32:{universal['fp32']}:fp32", f"bf16:{universal['bf16']}:bf16", f"fp32:{theirs}:deepspeed"]
-        + [f"fp32:{universal['fp32']}:zero1:1"],
+        + [f"fp32:{universal['fp32']}:zero1:1", f"fp32-tied:{universal['fp32-tied']}:tied"],
     }
     found = {}
     for world, wanted in runs.items():
@@ -104,11 +100,12 @@ def deviation(losses: list[float], expected: list[float]) -> float:
     return max(abs(a - b) for a, b in zip(losses, expected, strict=True))
 
 
-RESUMES = [("fp32", 1), ("fp32", 3), ("bf16", 1), ("bf16", 3), ("zero1", 3)]  # (label, world); zero1 is fp32
+RESUMES = [("fp32", 1), ("fp32", 3), ("bf16", 1), ("bf16", 3), ("zero1", 3), ("tied", 3)]  # (label, world)
 
 
 def precision_of(label: str) -> str:
-    return "bf16" if label == "bf16" else "fp32"
+    """zero1 resumes the fp32 run; tied the fp32-tied one."""
+    return {"bf16": "bf16", "tied": "fp32-tied"}.get(label, "fp32")
 
 
 @pytest.mark.parametrize(("label", "world"), RESUMES)
@@ -191,3 +188,16 @@ def test_the_output_reads_back_and_converts_to_itself(trained, universal, tmp_pa
     assert written == sorted(p.relative_to(again) for p in again.rglob("*.pt"))
     for relative in written:
         assert (again / relative).read_bytes() == (universal["fp32"] / relative).read_bytes(), relative
+
+
+def test_a_tied_model_keeps_its_tie(trained, universal):
+    """The tie DeepSpeed records (``shared_params``) is in reshard's checkpoint as in the source: ``lm_head.weight``
+    is the embedding, neither frozen nor a parameter with its own state; DeepSpeed resumed it above."""
+    source = discover(trained / "run" / "out" / "fp32-tied" / "ckpt")
+    ours = discover(universal["fp32-tied"])
+    tie = "tied weights (shared_params): lm_head.weight = model.embed_tokens.weight"
+    assert tie in source.notes and tie in ours.notes
+    assert ours.training is not None and source.training is not None
+    assert ours.training.frozen == source.training.frozen == ()
+    assert ours.training.groups == source.training.groups
+    assert not (universal["fp32-tied"] / TAG / "zero" / "lm_head.weight").exists()

@@ -271,9 +271,19 @@ def test_a_universal_output_verifies_against_its_manifest_state_included(ds_root
     verified = CliRunner().invoke(main, ["verify", str(out), "--json"])
     assert verified.exit_code == 0, verified.output
     assert json.loads(verified.output)["checks"][0]["tensors"] == len(manifest["tensors"])
-    again = discover(out).training
+    source, written = discover(ds_root / "zero2_bf16"), discover(out)
+    again = written.training
     assert again is not None and again.not_carried == ()
-    assert again.groups == discover(ds_root / "zero2_bf16").training.groups
+    assert again.groups == source.training.groups
+    # The tie as DeepSpeed records it (shared_params): lm_head.weight is the embedding, neither frozen nor grouped.
+    tie = "tied weights (shared_params): lm_head.weight = model.embed_tokens.weight"
+    assert tie in source.notes and tie in written.notes
+    assert again.frozen == source.training.frozen
+    import torch
+
+    tag = (out / "latest_universal").read_text()
+    states = torch.load(out / tag / "mp_rank_00_model_states.pt", weights_only=True)
+    assert states["shared_params"] == {"lm_head.weight": "model.embed_tokens.weight"}
 
 
 KILL_AFTER_FILES = """

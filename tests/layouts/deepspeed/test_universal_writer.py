@@ -16,7 +16,7 @@ from reshard.layouts.base import SourceCheckpoint, TargetSpec
 from reshard.layouts.deepspeed.universal_writer import UniversalWriter
 from reshard.layouts.training import CarriedState, ParamGroup, state_name
 
-SHAPES = {"w": (3, 4), "n": (4,), "frozen": (2, 2)}
+SHAPES = {"w": (3, 4), "n": (4,), "frozen": (2, 2), "head": (3, 4)}
 HYPER = (
     {"lr": 0.1, "betas": [0.9, 0.99], "weight_decay": 0.1},
     {"lr": 0.1, "betas": [0.9, 0.99], "weight_decay": 0.0},
@@ -30,6 +30,7 @@ def spec(**changes) -> TargetSpec:
         groups=(ParamGroup(HYPER[0], ("w",)), ParamGroup(HYPER[1], ("n",))),
         slots=("exp_avg", "exp_avg_sq"),
         frozen=("frozen",),
+        tied=(("head", "w"),),
     )
     headers = {name: TensorHeader(shape, "F32") for name, shape in SHAPES.items()}
     headers |= {state_name(n, s): headers[n] for n in ("w", "n") for s in carried.slots}
@@ -77,6 +78,7 @@ def test_the_files_hold_what_load_universal_reads(tmp_path):
     assert list(states["module"]) == list(SHAPES) and all(torch.equal(states["module"][n], tensors[n]) for n in SHAPES)
     assert [dict(g) for g in states["param_shapes"]] == [{"w": torch.Size([3, 4])}, {"n": torch.Size([4])}]
     assert (states["global_steps"], states["skipped_steps"], states["mp_world_size"]) == (7, 0, 1)
+    assert states["shared_params"] == {"head": "w"}  # as DeepSpeed records a tie: alias -> owner
     for name in ("w", "n"):
         folder = tmp_path / tag / "zero" / name
         master = torch.load(folder / "fp32.pt", weights_only=True)
@@ -87,7 +89,7 @@ def test_the_files_hold_what_load_universal_reads(tmp_path):
             )
         step = torch.load(folder / "step.pt", weights_only=True)
         assert step.dtype == torch.float32 and step.item() == 7.0
-    assert not (tmp_path / tag / "zero" / "frozen").exists()
+    assert not (tmp_path / tag / "zero" / "frozen").exists() and not (tmp_path / tag / "zero" / "head").exists()
     common = torch.load(tmp_path / tag / "zero" / "optimizer_state.pt", weights_only=True)
     assert common["ds_version"] and common["param_groups"] == [
         {"lr": 0.1, "betas": (0.9, 0.99), "weight_decay": 0.1, "params": [0]},

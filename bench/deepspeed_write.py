@@ -6,7 +6,8 @@ Run in a venv with deepspeed (the tests' one: ``tests/fixtures/deepspeed.py``), 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node 2 bench/deepspeed_write.py OUT 3
 
 A random Llama (hidden 512, 8 layers, vocab 32000, untied: 58.5M parameters) in bf16 with two parameter groups,
-one AdamW step, saved to OUT (``latest``, ``global_step1/``, ``config.json``). Larger models: edit ``SIZES``.
+one AdamW step, saved to OUT (``latest``, ``global_step1/``, ``config.json``). A third argument ``large``: hidden 1024,
+16 layers (268M parameters, 3.8 GB with the optimizer state).
 """
 
 import sys
@@ -20,6 +21,8 @@ stage = int(sys.argv[2])
 deepspeed.init_distributed(dist_backend="gloo")
 torch.manual_seed(0)
 SIZES = {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8, "num_attention_heads": 8}
+if sys.argv[3:] == ["large"]:  # 268M parameters: a 3.8 GB checkpoint, optimizer state included
+    SIZES = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 16, "num_attention_heads": 16}
 cfg = LlamaConfig(vocab_size=32000, num_key_value_heads=8, tie_word_embeddings=False, **SIZES)
 model = LlamaForCausalLM(cfg)
 if dist.get_rank() == 0:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from reshard.commands.verify_checks import Difference, files_of
 from reshard.engine.plan.planner import SourceTensor
-from reshard.layouts.training import SLOTS, TrainingState, split_state_name, state_name
+from reshard.layouts.training import TrainingState, split_state_name, state_name
 
 MASTER = "master"
 
@@ -24,7 +24,7 @@ class StatePlan:
 
     Attributes:
         findings: what the records and headers already show wrong, each naming its tensor.
-        slots: the state tensors every trainable parameter must have, in :data:`SLOTS` order.
+        slots: the state tensors every trainable parameter must have (:attr:`TrainingState.slots`).
         params: each trainable parameter's tensors to read, the slot first (``None``: the weight, its own fp32 master
             where the checkpoint keeps none apart), only those found at their weight's shape.
     """
@@ -48,8 +48,8 @@ def plan_state_check(state: TrainingState, weights: Mapping[str, SourceTensor]) 
     plan = StatePlan()
     grouped = _grouped(state, weights, plan.findings)
     _coverage(state, weights, grouped, plan.findings)
-    has_master = any(state_name(n, MASTER) in rank for rank in state.tensors for n in grouped)
-    plan.slots = tuple(s for s in SLOTS if s in state.moments or s == MASTER and has_master)
+    plan.slots = state.slots
+    has_master = MASTER in plan.slots
     if state.step is None:
         plan.findings.append(Difference("step", None, "the checkpoint records no training step"))
     for name in grouped:

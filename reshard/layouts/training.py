@@ -112,6 +112,14 @@ class TrainingState:
         """Each trainable parameter's group index."""
         return {name: index for index, group in enumerate(self.groups) for name in group.params}
 
+    @property
+    def slots(self) -> tuple[str, ...]:
+        """The state tensors every trainable parameter has, in :data:`SLOTS` order: its moments, and ``master`` where
+        the checkpoint keeps an fp32 copy apart from a weight (on any rank); without it the weights are the masters."""
+        trainable = self.trainable
+        master = any(state_name(name, "master") in rank for rank in self.tensors for name in trainable)
+        return tuple(slot for slot in SLOTS if slot in self.moments or slot == "master" and master)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "optimizer": self.optimizer,

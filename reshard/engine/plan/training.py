@@ -21,7 +21,7 @@ from dataclasses import replace
 from reshard.engine.plan.planner import ConversionPlan, SourceTensor, TensorPlan
 from reshard.errors import PlanError, ReshardError, ShapeMismatchError
 from reshard.layouts.base import SourceCheckpoint, TensorRef
-from reshard.layouts.training import SLOTS, CarriedState, ParamGroup, TrainingState, state_name
+from reshard.layouts.training import CarriedState, ParamGroup, TrainingState, state_name
 
 # Optimizers whose whole per-parameter state is ``exp_avg`` and ``exp_avg_sq`` (and a step), by the names their
 # checkpoints record (DeepSpeed's ``ds_config.optimizer.type``, torch's class), lower case, without ``_``.
@@ -47,7 +47,7 @@ def plan_training(
     state = _readable(source, drop)
     _check_padding_rows(conversion)
     trainable = state.trainable
-    slots = tuple(slot for slot in SLOTS if slot == "master" and _has_master(state) or slot in state.moments)
+    slots = state.slots
     problems: list[ReshardError] = [
         ReshardError("is a trainable parameter the conversion drops", path=source.path, tensor=name)
         for name in dropped
@@ -166,11 +166,6 @@ def _check_padding_rows(conversion: ConversionPlan) -> None:
             path=conversion.source.path,
             hint=f"carry them as rows with --vocab {vocab.source_padded}",
         )
-
-
-def _has_master(state: TrainingState) -> bool:
-    """Whether the source keeps fp32 masters apart from its weights (else the weights are the masters)."""
-    return any(state_name(name, "master") in state.tensors[0] for group in state.groups for name in group.params)
 
 
 def _in_order(names: list[tuple[int, str]]) -> tuple[str, ...]:

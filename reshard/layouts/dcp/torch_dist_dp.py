@@ -243,9 +243,6 @@ def _check(
 ) -> str:
     """Why the layout computed for tp rank ``rank`` is not the one its checkpoint records, if it is not."""
     where = f"{PREFIX}{rank}"
-    stored_buckets = sorted(b for r, b in found if r == rank)
-    if stored_buckets != list(range(len(layout))):
-        return f"{where}: {len(stored_buckets)} bucket(s) stored, {len(layout)} computed from the model's shapes"
     for key, computed in (
         ("per_bucket_numel", [b.numel for b in layout]),
         ("per_bucket_numel_unpadded", [b.numel_unpadded for b in layout]),
@@ -253,6 +250,9 @@ def _check(
         recorded = _numels(objects.get(f"{where}.{key}"))
         if recorded != computed:
             return f"{where}.{key}: the checkpoint records {recorded}, reshard computes {computed} from the model"
+    stored_buckets = sorted(b for r, b in found if r == rank)
+    if stored_buckets != list(range(len(layout))):
+        return f"{where}: {len(stored_buckets)} bucket(s) stored, {len(layout)} computed from the model's shapes"
     for index, bucket in enumerate(layout):
         for tensor in found[(rank, index)].values():
             if tensor.shape != (bucket.numel_unpadded,):

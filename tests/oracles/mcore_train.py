@@ -9,7 +9,8 @@ Jobs (a JSON list; model parallelism re-initialized between them):
 
 - ``{"command": "train", "spec", "out", "steps", "more", "sharding", "bf16", "bucket_size"}``: the ``spec``'s model
   (``mcore_gpt.build``, fp32; ``bf16``: in bf16 behind ``Float16Module``, the optimizer's fp32 masters apart, as
-  Megatron-LM's ``--bf16``) wrapped in Megatron-Core's ``DistributedDataParallel`` (``bucket_size``: with
+  Megatron-LM's ``--bf16``; a ``pp`` > 1 takes :func:`synthetic_step`s, without a pipeline schedule) wrapped in
+  Megatron-Core's ``DistributedDataParallel`` (``bucket_size``: with
   ``--overlap-grad-reduce --ddp-bucket-size``, else one bucket; the args record it as Megatron-LM's do), the optimizer
   ``get_megatron_optimizer`` builds (Adam, the distributed optimizer: torch's ``Adam`` with ``decoupled_weight_decay``
   without Apex / Transformer Engine), trained ``steps`` steps on fixed batches (one per step), then saved as
@@ -54,6 +55,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 from pathlib import Path
 
 import mcore_gpt
@@ -153,7 +155,8 @@ def setup(
     from megatron.core.transformer.module import Float16Module
 
     (model,) = mcore_gpt.build(variant, spec, seed=seed)
-    model.output_layer.gather_output = False  # the vocab-parallel loss takes this rank's logits, as in training
+    if hasattr(model, "output_layer"):  # the last pipeline stage
+        model.output_layer.gather_output = False  # the vocab-parallel loss takes this rank's logits, as in training
     model.train()
     if bf16:  # Megatron-LM's --bf16: the model in bf16 behind Float16Module, fp32 masters in the optimizer
         model.config.bf16, model.config.params_dtype = True, torch.bfloat16
@@ -221,11 +224,40 @@ def train_step(ddp, optimizer, variant: Variant, step: int) -> float:
     return loss.item()
 
 
+def synthetic_step(ddp, optimizer, variant: Variant, step: int) -> float:
+    """A step of a pipeline-parallel run without the pipeline schedule: every stage's grad buffer filled with
+    fixed pseudo-random gradients (by step and stage), then the gradient sync and the optimizer's step as after a
+    backward pass; the loss is not computed (NaN)."""
+    from megatron.core import parallel_state as ps
+
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    gen = torch.Generator().manual_seed(BATCH_SEED + 1000 * (step + 1) + ps.get_pipeline_model_parallel_rank())
+    for buffer in ddp.buffers:
+        buffer.grad_data.copy_(1e-2 * torch.randn(buffer.grad_data.shape, generator=gen))
+    ddp.finish_grad_sync()
+    ok, _, _ = optimizer.step()
+    assert ok, "the optimizer skipped a step"
+    return float("nan")
+
+
+def global_names(ddp) -> dict:
+    """Each parameter's name with its layer's global index (a pipeline stage numbers its layers from 0)."""
+    model = getattr(ddp.module, "module", ddp.module)  # Float16Module
+    names = {}
+    for name, param in model.named_parameters():
+        match = re.match(r"^decoder\.layers\.(\d+)\.(.*)$", name)
+        if match:
+            name = f"decoder.layers.{model.decoder.layers[int(match[1])].layer_number - 1}.{match[2]}"
+        names[param] = name
+    return names
+
+
 def held_state(ddp, optimizer) -> dict:
     """Each parameter's (this tp rank's slice) fp32 master and moments as the distributed optimizer holds them, its
     data-parallel shards gathered by Megatron-Core's own ``get_parameter_state_dp_zero``, by parameter name."""
     (inner,) = optimizer.chained_optimizers
-    names = {param: name.removeprefix("module.") for name, param in ddp.module.named_parameters()}  # Float16Module
+    names = global_names(ddp)
     if not hasattr(inner, "get_parameter_state_dp_zero"):  # FP32Optimizer: the weights are the masters
         state = inner.optimizer.state
         return {
@@ -304,7 +336,8 @@ def train(job: dict) -> None:
     ddp, optimizer, scheduler = setup(
         variant, spec, seed=SEED, hyper=HYPER, distributed=distributed, bf16=bf16, bucket_size=bucket_size
     )
-    before = [train_step(ddp, optimizer, variant, step) for step in range(steps)]
+    step_fn = synthetic_step if spec.pp > 1 else train_step  # no pipeline schedule here
+    before = [step_fn(ddp, optimizer, variant, step) for step in range(steps)]
     iter_dir = megatron_lm.iter_dir(out / "ckpt", steps)
     if dist.get_rank() == 0:
         iter_dir.mkdir(parents=True)
@@ -323,7 +356,7 @@ def train(job: dict) -> None:
     torch.save(
         {"state": held_state(ddp, optimizer), "groups": groups(optimizer)}, out / f"saved_rank{dist.get_rank()}.pt"
     )
-    after = [train_step(ddp, optimizer, variant, step) for step in range(steps, steps + job["more"])]
+    after = [step_fn(ddp, optimizer, variant, step) for step in range(steps, steps + job["more"])]
     if dist.get_rank() == 0:
         torch.save({"before": before, "losses": after, "tp": spec.tp, "steps": steps}, out / "reference.pt")
 
@@ -364,7 +397,7 @@ def run(jobs: list[dict]) -> None:
 
     for job in jobs:
         spec = Spec.from_json(job["spec"])
-        ps.initialize_model_parallel(tensor_model_parallel_size=spec.tp)
+        ps.initialize_model_parallel(tensor_model_parallel_size=spec.tp, pipeline_model_parallel_size=spec.pp)
         {"train": train, "resume": resume}[job["command"]](job)
         dist.barrier()
         ps.destroy_model_parallel()

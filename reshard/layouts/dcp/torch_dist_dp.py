@@ -9,7 +9,11 @@ box (boxes: a SwiGLU ``linear_fc1`` holds its gate and its up rows) of the globa
 weight is saved as. :class:`BucketReader` reads them into the parameter's global shape, so the engine re-slices the
 state exactly as the weight.
 
-Refused by name, never guessed: pipeline or virtual pipeline parallelism, several distributed-optimizer instances,
+Pipeline stages hold the layers split evenly (the embedding on the first, the output layer on the last; the
+rank in the tensor x pipeline group is ``pp_rank * tp + tp_rank``), their buckets off past the first stage.
+
+Refused by name, never guessed: an uneven or virtual pipeline split, embeddings tied across pipeline stages,
+several distributed-optimizer instances,
 a parameter reshard cannot place in Megatron-Core's order (:data:`~reshard.layouts.dcp.torch_dist_buckets.LAYER`),
 buckets the args do not size, more than one buffer, and any disagreement between the layout reshard computes and
 what the checkpoint records (``per_bucket_numel``, ``per_bucket_numel_unpadded``, the stored buckets' sizes and the
@@ -30,7 +34,14 @@ from reshard.formats.dcp_metadata.read import StoredTensor
 from reshard.formats.readers import FileReader, ReadIntoReader
 from reshard.io.direct import Batch
 from reshard.layouts.dcp.boxed_reader import BoxedReader, BoxView, StackedView
-from reshard.layouts.dcp.torch_dist_buckets import Bucket, boundaries, bucket_layout, bucket_size_of, parameter_order
+from reshard.layouts.dcp.torch_dist_buckets import (
+    LAYER_NAME,
+    Bucket,
+    boundaries,
+    bucket_layout,
+    bucket_size_of,
+    parameter_order,
+)
 from reshard.layouts.refs import TensorRef
 from reshard.layouts.training import state_name
 from reshard.megatron.model import arg
@@ -51,6 +62,15 @@ REQUIRED = (
     "num_distributed_optimizer_instances",
 )
 GATED = (".mlp.linear_fc1.weight", ".mlp.linear_fc1.bias")  # [gate; up], each tp rank holding a share of both
+
+# Megatron-LM's args that split the layers other than evenly over the pipeline stages.
+UNEVEN = (
+    "decoder_first_pipeline_num_layers",
+    "decoder_last_pipeline_num_layers",
+    "pipeline_model_parallel_layout",
+    "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split",
+)
 
 Views = Mapping[str, BoxView | StackedView]
 
@@ -91,7 +111,7 @@ class BucketReader(ReadIntoReader):
         import torch
 
         for shard in self.shards[key]:
-            local = torch.empty(shard.flat.box.numel, dtype=out.dtype)
+            local = torch.empty(shard.flat.box.numel, dtype=self.headers[key].dtype)  # as stored; out may differ
             with Batch():
                 self.buckets.read_into_view(shard.flat, local)
             done = 0
@@ -107,22 +127,27 @@ class BucketReader(ReadIntoReader):
 
 @dataclass(frozen=True)
 class _Model:
-    """What the buckets are computed from: the parallel sizes, the bucketing, and each parameter (in
-    ``model.parameters()`` order) with each tp rank's boxes of it (one list alone: every rank holds it whole)."""
+    """What the buckets are computed from: the parallel sizes, the bucketing, each parameter with each tp rank's
+    boxes of it (one list alone: every rank holds it whole), and each pipeline stage's parameters in
+    ``model.parameters()`` order."""
 
     tp: int
     dp: int
     bucket_size: int | None
     high_nccl_busbw: bool
     params: dict[str, list[list[Box]]]
+    stages: list[list[str]]
 
     def boxes(self, name: str, rank: int) -> tuple[Box, ...]:
         shards = self.params[name]
         return tuple(shards[0] if len(shards) == 1 else shards[rank])
 
-    def layout(self, rank: int) -> list[Bucket]:
-        local = [(name, sum(b.numel for b in self.boxes(name, rank))) for name in self.params]
-        return bucket_layout(local, bucket_size=self.bucket_size, dp=self.dp, high_nccl_busbw=self.high_nccl_busbw)
+    def layout(self, tp_rank: int, stage: int) -> list[Bucket]:
+        """The buckets of tp rank ``tp_rank`` of pipeline stage ``stage`` (bucketing is off past the first stage:
+        Megatron-LM's ``per_chunk_bucket_sizes``)."""
+        local = [(name, sum(b.numel for b in self.boxes(name, tp_rank))) for name in self.stages[stage]]
+        size = self.bucket_size if stage == 0 else None
+        return bucket_layout(local, bucket_size=size, dp=self.dp, high_nccl_busbw=self.high_nccl_busbw)
 
 
 def bucket_refs(
@@ -140,21 +165,24 @@ def bucket_refs(
     model = _model(args, weights)
     if isinstance(model, str):
         return model
-    found: dict[tuple[int, int], dict[str, StoredTensor]] = {}  # (tp rank, bucket) -> slot -> tensor
-    problem = _stored(stored, model.tp, found)
+    found: dict[tuple[int, int], dict[str, StoredTensor]] = {}  # (tp x pp rank, bucket) -> slot -> tensor
+    problem = _stored(stored, model.tp * len(model.stages), found)
     placed: dict[str, dict[str, list[Shard]]] = {}  # slot -> name -> shards
-    for rank in range(model.tp):
-        layout = model.layout(rank)
-        problem = problem or _check(rank, layout, objects, found, model.dp)
-        if problem:
-            return problem
-        for index, bucket in enumerate(layout):
-            for name, (begin, end) in bucket.params.items():
-                if rank and len(model.params[name]) == 1:
-                    continue  # held whole by every rank: read from the first
-                for slot, tensor in found[(rank, index)].items():
-                    flat = BoxView(tensor, Box((begin,), (end - begin,)), (end - begin,))
-                    placed.setdefault(slot, {}).setdefault(name, []).append(Shard(model.boxes(name, rank), flat))
+    for stage in range(len(model.stages)):
+        for tp_rank in range(model.tp):
+            group = stage * model.tp + tp_rank  # the rank in the tensor x pipeline group: tp first
+            layout = model.layout(tp_rank, stage)
+            problem = problem or _check(group, layout, objects, found, model.dp)
+            if problem:
+                return problem
+            for index, bucket in enumerate(layout):
+                for name, (begin, end) in bucket.params.items():
+                    if tp_rank and len(model.params[name]) == 1:
+                        continue  # held whole by every tp rank: read from the first
+                    for slot, tensor in found[(group, index)].items():
+                        flat = BoxView(tensor, Box((begin,), (end - begin,)), (end - begin,))
+                        shard = Shard(model.boxes(name, tp_rank), flat)
+                        placed.setdefault(slot, {}).setdefault(name, []).append(shard)
     buckets = BoxedReader(folder, {t.name: BoxView.whole(t) for t in stored.values()})
     refs: dict[str, TensorRef] = {}
     for slot, by_name in placed.items():
@@ -171,8 +199,6 @@ def _model(args: Any, weights: Views) -> _Model | str:
         return f"the args record no {missing[0]}, which decides the optimizer's buckets"
     tp, dp = int(arg(args, "tensor_model_parallel_size")), int(arg(args, "data_parallel_size"))
     dp *= int(arg(args, "context_parallel_size", 1))
-    if int(arg(args, "pipeline_model_parallel_size")) > 1 or arg(args, "virtual_pipeline_model_parallel_size"):
-        return "pipeline parallelism: reshard does not reconstruct the buckets of each pipeline stage yet"
     if int(arg(args, "num_distributed_optimizer_instances")) != 1:
         return "several distributed-optimizer instances (--num-distributed-optimizer-instances)"
     size, high, why = bucket_size_of(args, dp)
@@ -181,13 +207,38 @@ def _model(args: Any, weights: Views) -> _Model | str:
     order, unknown = parameter_order(list(weights))
     if unknown:
         return f"{unknown[0]} and {len(unknown) - 1} more: reshard does not know their place in the buckets"
+    stages = _stages(args, order)
+    if isinstance(stages, str):
+        return stages
     params: dict[str, list[list[Box]]] = {}
     for name in order:
         boxes = _tp_boxes(name, weights[name], tp)
         if isinstance(boxes, str):
             return f"{name}: {boxes}"
         params[name] = boxes
-    return _Model(tp, dp, size, high, params)
+    return _Model(tp, dp, size, high, params, stages)
+
+
+def _stages(args: Any, order: list[str]) -> list[list[str]] | str:
+    """Each pipeline stage's parameters (``order`` kept): the layers split evenly, the embedding on the first
+    stage, the final norm and the output layer on the last; or why the split is not that one."""
+    pp = int(arg(args, "pipeline_model_parallel_size"))
+    if pp == 1:
+        return [order]
+    uneven = [name for name in UNEVEN if arg(args, name)]
+    if uneven or arg(args, "virtual_pipeline_model_parallel_size"):
+        return f"pipeline stages split by --{(uneven or ['virtual-pipeline'])[0].replace('_', '-')}"
+    if "output_layer.weight" not in order:
+        return "embeddings tied across pipeline stages (the last stage's copy of the embedding is not saved)"
+    layers = int(arg(args, "num_layers", 0))
+    if layers <= 0 or layers % pp:
+        return f"{layers} layers over {pp} pipeline stages"
+    stages: list[list[str]] = [[] for _ in range(pp)]
+    for name in order:
+        match = LAYER_NAME.match(name)
+        stage = int(match[1]) * pp // layers if match else 0 if name.startswith("embedding.") else pp - 1
+        stages[stage].append(name)
+    return stages
 
 
 def _tp_boxes(name: str, view: BoxView | StackedView, tp: int) -> list[list[Box]] | str:
@@ -219,15 +270,20 @@ def _chunks_of(view: BoxView) -> list[Box]:
     return sorted((Box(b.offsets[fixed:], b.sizes[fixed:]) for b in inner), key=lambda b: b.offsets)
 
 
-def _stored(stored: Mapping[str, StoredTensor], tp: int, found: dict[tuple[int, int], dict[str, StoredTensor]]) -> str:
-    """Sort the bucket tensors by (tp rank, bucket) and slot; why they are not one buffer per tp rank, if so."""
+def _stored(
+    stored: Mapping[str, StoredTensor], groups: int, found: dict[tuple[int, int], dict[str, StoredTensor]]
+) -> str:
+    """Sort the bucket tensors by (tensor x pipeline rank, bucket) and slot, for ``groups`` such ranks; why they are
+    not one buffer per rank, if so."""
     dtypes: set[str] = set()
     for fqn, tensor in stored.items():
         match = BUCKET.match(fqn)
         if match is None:
             return f"{fqn}: a tensor of the distributed optimizer reshard does not know"
-        if int(match["gbuf"]) != 0 or int(match["group"]) >= tp:
-            return f"{fqn}: more than one grad buffer per tp rank (several dtypes, or experts) is not read"
+        if int(match["group"]) >= groups:
+            return f"{fqn}: a tensor x pipeline rank past the {groups} the args make"
+        if int(match["gbuf"]) != 0:
+            return f"{fqn}: more than one grad buffer per rank (several dtypes, or experts) is not read"
         dtypes.add(match["dtype"])
         found.setdefault((int(match["group"]), int(match["bucket"])), {})[SLOT[match["slot"]]] = tensor
     if len(dtypes) > 1:

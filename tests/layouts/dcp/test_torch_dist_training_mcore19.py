@@ -17,7 +17,9 @@ load of model, optimizer and LR scheduler.
   data-parallel 2 with ``--overlap-grad-reduce`` and small buckets (four, parameters cut across the data-parallel
   shares): every master and moment equals what Megatron-Core gathers, Megatron-Core resumes from the conversion
   at tp 1 and tp 2 with the reference losses, and ``--layout dcp`` and ``deepspeed`` carry the same state. A layout
-  reshard computes that the checkpoint's records contradict is refused, with both numbers.
+  reshard computes that the checkpoint's records contradict is refused, with both numbers. Pipeline stages
+  (tp 1 x pp 2, stepped with synthetic gradients: no pipeline schedule runs here) are read as Megatron-Core gathers
+  them, and Megatron-Core at pp 1 loads their conversion.
 
 The vocab is unpadded (``divisible_by`` 4: 1000 rows at tp 1 and 2): Megatron-Core trains the padded rows of the
 output layer (they take part in the softmax), which reshard writes as zeros, as it does for the weights.
@@ -65,6 +67,8 @@ RUNS = {
     "bf16": {"spec": spec(2), "bf16": True},  # bf16 weights, fp32 masters apart
     "dp_reshardable": {"spec": spec(2), "sharding": "dp_reshardable"},  # Megatron-LM's default format
     "dp2": {"spec": spec(1), "sharding": "dp_reshardable", "bucket_size": BUCKET},  # 4 buckets over dp 2
+    "dp_bf16": {"spec": spec(2), "bf16": True, "sharding": "dp_reshardable"},  # bf16 buffers, fp32 masters
+    "pp2": {"spec": SPEC | {"tp": 1, "pp": 2}, "sharding": "dp_reshardable", "bucket_size": BUCKET},  # synthetic
     "plain": {"spec": spec(2), "sharding": "none"},  # FP32Optimizer: no distributed optimizer
     "moe": {"spec": MOE},
 }
@@ -72,7 +76,7 @@ OWN = ("fp32", "bf16")  # resumed by Megatron-Core from its own checkpoint at tp
 # reshard's conversions: output -> (run, --with-optimizer); Megatron-Core's resumes: name -> (output, job).
 CONVERSIONS = {"fp32": ("fp32", True), "weights": ("fp32", False), "bf16": ("bf16", True)}
 CONVERSIONS |= {"moe": ("moe", True), "plain": ("plain", True)}
-CONVERSIONS |= {"dp_reshardable": ("dp_reshardable", True), "dp2": ("dp2", True)}
+CONVERSIONS |= {"dp_reshardable": ("dp_reshardable", True), "dp2": ("dp2", True), "pp2": ("pp2", True)}
 RESUMES = {
     "fp32-tp1": ("fp32", {"spec": spec(1)}),
     "fp32-tp2": ("fp32", {"spec": spec(2)}),
@@ -85,6 +89,7 @@ RESUMES = {
     "dp_reshardable-tp2": ("dp_reshardable", {"spec": spec(2)}),
     "dp2-tp1": ("dp2", {"spec": spec(1)}),
     "dp2-tp2": ("dp2", {"spec": spec(2)}),
+    "pp2-tp1": ("pp2", {"spec": spec(1)}),
 }
 
 
@@ -232,28 +237,31 @@ def test_a_weights_only_conversion_misses_the_resumed_losses(trained: Path, resu
 
 
 def test_dp_reshardable_is_read_as_megatron_core_gathers_it(trained: Path) -> None:
-    """Megatron-LM's default format, one bucket per tp rank (tp 2) or four buckets cut across two data-parallel
-    shares (tp 1): every parameter's master and moments equal, bit for bit, what Megatron-Core gathers of the same
-    run (tp 2: its own load of the same training saved ``fully_reshardable``, the same states bit for bit)."""
-    for rank in range(2):
-        assert_same_state(
-            load(trained / "dp_reshardable" / f"saved_rank{rank}.pt")["state"],
-            load(trained / "fp32" / f"saved_rank{rank}.pt")["state"],
-            "the same training saved in both formats",
-        )
-    for run, held in (
-        ("dp_reshardable", trained / "fp32" / "own-tp1.rank0"),
-        ("dp2", trained / "dp2" / "saved_rank0.pt"),
-    ):
+    """Megatron-LM's default format, one bucket per tp rank (tp 2, fp32 and bf16 with fp32 masters) or four buckets
+    cut across two data-parallel shares (tp 1): every parameter's master and moments equal, bit for bit, what
+    Megatron-Core gathers of the same run (tp 2: its own load at tp 1 of the same training saved
+    ``fully_reshardable``, whose states are the same bit for bit)."""
+    same = {"dp_reshardable": "fp32", "dp_bf16": "bf16"}  # the same training, saved fully_reshardable
+    for run, twin in same.items():
+        for rank in range(2):
+            assert_same_state(
+                load(trained / run / f"saved_rank{rank}.pt")["state"],
+                load(trained / twin / f"saved_rank{rank}.pt")["state"],
+                f"{run}: the same training saved in both formats",
+            )
+    held = {run: trained / twin / "own-tp1.rank0" for run, twin in same.items()}
+    held["dp2"] = trained / "dp2" / "saved_rank0.pt"
+    for run, held_by in held.items():
         training = discover(trained / run / "ckpt", ReadOptions()).training
         assert training is not None and training.unread is None and training.step == STEPS
         assert [len(g.params) for g in training.groups] == [18, 9]
         (refs,) = training.tensors
-        state = load(held)["state"]
+        state = load(held_by)["state"]
         assert len(state) == 27
         for name, tensors in state.items():
             for key, slot in SLOTS.items():
-                assert torch.equal(refs[state_name(name, slot)].read(), tensors[key]), (run, name, slot)
+                ref = refs[state_name(name, slot)]
+                assert ref.dtype == torch.float32 and torch.equal(ref.read(), tensors[key]), (run, name, slot)
 
 
 @pytest.mark.parametrize("run", ["dp_reshardable", "dp2"])
@@ -274,6 +282,22 @@ def test_megatron_core_resumes_from_dp_reshardable_converted(trained: Path, resu
     for tp in ("tp1", "tp2"):
         losses = torch.tensor(load(resumed / f"{run}-{tp}.rank0")["losses"])
         torch.testing.assert_close(losses, torch.tensor(reference(trained, run)), rtol=0, atol=TOLERANCE["fp32"])
+
+
+def test_dp_reshardable_pipeline_stages_are_read_and_resumed_in_one(trained: Path, resumed: Path) -> None:
+    """tp 1 x pp 2, stage 0 in four buckets and stage 1 in one (Megatron-Core buckets the first stage alone), stepped
+    with synthetic gradients (no pipeline schedule runs here): every master and moment is read as each stage's
+    Megatron-Core gathers it, and Megatron-Core at pp 1 loads the conversion holding all of them."""
+    saved = load(trained / "pp2" / "saved_rank0.pt")["state"] | load(trained / "pp2" / "saved_rank1.pt")["state"]
+    assert len(saved) == 27 and "decoder.layers.3.mlp.linear_fc2.weight" in saved
+    training = discover(trained / "pp2" / "ckpt", ReadOptions()).training
+    assert training is not None and training.unread is None and training.step == STEPS
+    (refs,) = training.tensors
+    for name, tensors in saved.items():
+        for key, slot in SLOTS.items():
+            assert torch.equal(refs[state_name(name, slot)].read(), tensors[key]), (name, slot)
+    for rank in range(2):
+        assert_same_state(load(resumed / f"pp2-tp1.rank{rank}")["state"], saved, f"pp2-tp1 rank {rank}")
 
 
 def test_dp_reshardable_goes_to_dcp_and_deepspeed_with_its_state(cli, trained: Path, tmp_path: Path) -> None:

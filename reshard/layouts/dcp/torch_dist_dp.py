@@ -1,39 +1,37 @@
 """Megatron-Core's ``dp_reshardable`` optimizer state (Megatron-LM's default ``torch_dist`` format) read as each
 parameter's master and moments in model space, as the weights are.
 
-The checkpoint holds, per tp rank (``dp_group_idx_{r}``, the rank in the tensor x pipeline group), grad buffer,
+The checkpoint holds, per tp x pp rank (``dp_group_idx_{r}``, the rank in the tensor x pipeline group), grad buffer,
 dtype and bucket, one flat tensor per state (``param``, the fp32 master; ``exp_avg``; ``exp_avg_sq``): the bucket
 of :mod:`reshard.layouts.dcp.torch_dist_buckets`, its data-parallel shards put back together by DCP. A parameter's
 state is a view: each tp rank's local shard lies flattened at its place in that rank's bucket, and is the rank's
 box (boxes: a SwiGLU ``linear_fc1`` holds its gate and its up rows) of the global tensor, the same boxes the
-weight is saved as. :class:`BucketReader` reads them into the parameter's global shape, so the engine re-slices the
-state exactly as the weight.
+weight is saved as. :class:`~reshard.layouts.dcp.bucket_reader.BucketReader` reads them into the parameter's global
+shape, so the engine re-slices the state exactly as the weight.
 
 Pipeline stages hold the layers split evenly (the embedding on the first, the output layer on the last; the
 rank in the tensor x pipeline group is ``pp_rank * tp + tp_rank``), their buckets off past the first stage.
 
 Refused by name, never guessed: an uneven or virtual pipeline split, embeddings tied across pipeline stages,
-several distributed-optimizer instances,
-a parameter reshard cannot place in Megatron-Core's order (:data:`~reshard.layouts.dcp.torch_dist_buckets.LAYER`),
-buckets the args do not size, more than one buffer, and any disagreement between the layout reshard computes and
-what the checkpoint records (``per_bucket_numel``, ``per_bucket_numel_unpadded``, the stored buckets' sizes and the
-edges of the pieces they were saved as), named with both numbers.
+several distributed-optimizer instances, a parameter reshard cannot place in Megatron-Core's order
+(:data:`~reshard.layouts.dcp.torch_dist_buckets.LAYER`), buckets the args do not size, more than one buffer, and
+any disagreement between the layout reshard computes and what the checkpoint records (``per_bucket_numel``,
+``per_bucket_numel_unpadded``, the stored buckets' sizes and the edges of the pieces they were saved as), named
+with both numbers.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from reshard.dtypes import TensorHeader
-from reshard.formats.boxes import Box, Shape
+from reshard.formats.boxes import Box
 from reshard.formats.dcp_metadata.read import StoredTensor
-from reshard.formats.readers import FileReader, ReadIntoReader
-from reshard.io.direct import Batch
 from reshard.layouts.dcp.boxed_reader import BoxedReader, BoxView, StackedView
+from reshard.layouts.dcp.bucket_reader import BucketReader, Shard
 from reshard.layouts.dcp.torch_dist_buckets import (
     LAYER_NAME,
     Bucket,
@@ -45,9 +43,6 @@ from reshard.layouts.dcp.torch_dist_buckets import (
 from reshard.layouts.refs import TensorRef
 from reshard.layouts.training import state_name
 from reshard.megatron.model import arg
-
-if TYPE_CHECKING:
-    import torch
 
 PREFIX = "optimizer.distributed.dp_group_idx_"
 BUCKET = re.compile(
@@ -73,56 +68,6 @@ UNEVEN = (
 )
 
 Views = Mapping[str, BoxView | StackedView]
-
-
-@dataclass(frozen=True)
-class Shard:
-    """One tp rank's local shard of a parameter: ``boxes`` of the global parameter, one after the other along dim 0
-    of the local tensor, which lies flattened at ``flat`` of the rank's stored bucket."""
-
-    boxes: tuple[Box, ...]
-    flat: BoxView
-
-
-@dataclass
-class BucketReader(ReadIntoReader):
-    """Each parameter's state tensor in its global shape, from its tp ranks' shards in the stored buckets
-    (``shards[key]``: one per tp rank, one alone for a parameter every rank holds whole)."""
-
-    path: Path
-    shards: Mapping[str, tuple[Shard, ...]]
-    shapes: Mapping[str, Shape]
-    buckets: BoxedReader
-    headers: dict[str, TensorHeader] = field(init=False)
-    extras: dict[str, Any] = field(init=False, default_factory=dict)
-    notes: list[str] = field(init=False, default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.headers = {
-            key: TensorHeader(self.shapes[key], self.buckets.headers[shards[0].flat.tensor.name].code)
-            for key, shards in self.shards.items()
-        }
-
-    def read_into(self, key: str, out: torch.Tensor, *, start: int = 0) -> None:
-        """The whole tensor into ``out`` (contiguous or strided); a part of it through a whole copy."""
-        if start or tuple(out.shape) != self.shapes[key]:
-            FileReader.read_into(self, key, out, start=start)
-            return
-        import torch
-
-        for shard in self.shards[key]:
-            local = torch.empty(shard.flat.box.numel, dtype=self.headers[key].dtype)  # as stored; out may differ
-            with Batch():
-                self.buckets.read_into_view(shard.flat, local)
-            done = 0
-            for box in shard.boxes:
-                place = tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes, strict=True))
-                out[place].copy_(local[done : done + box.numel].view(box.sizes))
-                done += box.numel
-
-    def describe(self, key: str) -> str:
-        shard = self.shards[key][0]
-        return f"{len(self.shards[key])} tp shard(s) in {shard.flat.tensor.name} from {shard.flat.box.offsets[0]}"
 
 
 @dataclass(frozen=True)

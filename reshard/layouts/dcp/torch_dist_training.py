@@ -95,7 +95,8 @@ def training_state(
     if not isinstance(optimizer, Mapping) and not stored:
         return None
     bucketed = sharding_types(common) == {BUCKETED}
-    parts, unread = _bucket_parts(objects) if bucketed else (_parts(optimizer or {}), None)
+    plain = _parts(optimizer if isinstance(optimizer, Mapping) else {})
+    parts, unread = _bucket_parts(objects) if bucketed else (plain, None)
     raw_groups = [group for part in parts for group in _groups(part)]
     leftovers = _leftovers(common, values, parts)
     by_slot: dict[str, dict[str, StoredTensor]] = {}

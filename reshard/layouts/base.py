@@ -273,6 +273,10 @@ class CheckpointWriter:
     # tensors (:func:`reshard.layouts.training.state_name`) and :attr:`TargetSpec.training` (``--with-optimizer``).
     holds_training_state: bool = False
 
+    # The :attr:`~reshard.layouts.training.Leftover.key` of what the writer takes over from a source of its own
+    # framework as it is (Megatron's LR scheduler, which does not depend on the parallelism): not left behind.
+    carries: frozenset[str] = frozenset()
+
     # True when :meth:`write_unordered` may be called from several threads at once, in any order
     # (the writer knows every tensor's place up front), so the callers' threads write in parallel.
     concurrent: bool = False

@@ -68,12 +68,15 @@ class ParamGroup:
 
 @dataclass(frozen=True)
 class Leftover:
-    """Something of the training a checkpoint holds that reshard does not carry: ``kind`` (one of
-    :data:`LEFTOVER_KINDS`, what ``--drop`` names), what it is, and where."""
+    """Something of the training a checkpoint holds beside the optimizer's state: ``kind`` (one of
+    :data:`LEFTOVER_KINDS`, what ``--drop`` names), what it is, and where. ``key`` names it for a target layout of the
+    same framework that takes it over as it is (:attr:`~reshard.layouts.base.CheckpointWriter.carries`); anything
+    else is left behind, which ``--drop`` must allow."""
 
     kind: str
     what: str
     where: str
+    key: str = ""
 
     def __str__(self) -> str:
         return f"{self.what} ({self.where})"

@@ -161,8 +161,8 @@ def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> TargetPlan
     _refuse_copied_heads(conversion, spec, source)
     training = None
     if options.with_optimizer:
-        conversion, training = plan_training(conversion, dropped, drop=options.drop)
-        notes = (*notes, _carried_note(training, source, options.drop))
+        conversion, training = plan_training(conversion, dropped, drop=options.drop, carries=writer.carries)
+        notes = (*notes, _carried_note(training, source, options.drop, writer.carries))
     config = _config(opened, choice)
     if options.dtype is not None and config is not None:
         config = dequantized_config(config, options.dtype)
@@ -171,16 +171,25 @@ def plan_target(opened: OpenedCheckpoint, options: ConvertOptions) -> TargetPlan
     return TargetPlan(conversion, spec, config, choice, dropped, notes, tokenizer, training)
 
 
-def _carried_note(training: CarriedState, source: SourceCheckpoint, drop: frozenset[str]) -> str:
-    """What the report says of the training state carried, and of what ``--drop`` left behind."""
+def _carried_note(
+    training: CarriedState, source: SourceCheckpoint, drop: frozenset[str], carries: frozenset[str]
+) -> str:
+    """What the report says of the training state carried, of what the target takes over as it is, and of what
+    ``--drop`` left behind."""
     trainable = sum(len(group.params) for group in training.groups)
     note = (
         f"training state carried: step {training.step}, {len(training.groups)} param group(s), "
         f"{', '.join(training.slots)} of {trainable} parameter(s) "
         f"({len(training.frozen)} frozen and {len(training.tied)} tied to another without state of their own)"
     )
-    left = [str(item) for item in source.training.not_carried if item.kind in drop] if source.training else []
-    return note + (f"; left behind (--drop): {', '.join(left)}" if left else "")
+    leftovers = source.training.not_carried if source.training else ()
+    taken = [str(item) for item in leftovers if item.key in carries]
+    left = [str(item) for item in leftovers if item.key not in carries and item.kind in drop]
+    return (
+        note
+        + (f"; carried as it is: {', '.join(taken)}" if taken else "")
+        + (f"; left behind (--drop): {', '.join(left)}" if left else "")
+    )
 
 
 def _check_carries_state(spec: LayoutSpec, options: ConvertOptions, source: SourceCheckpoint) -> None:

@@ -30,7 +30,7 @@ MOMENTS = frozenset({"exp_avg", "exp_avg_sq"})
 
 
 def plan_training(
-    conversion: ConversionPlan, dropped: Sequence[str], *, drop: frozenset[str]
+    conversion: ConversionPlan, dropped: Sequence[str], *, drop: frozenset[str], carries: frozenset[str] = frozenset()
 ) -> tuple[ConversionPlan, CarriedState]:
     """The conversion with every trainable parameter's state tensors beside its weight, and what its writer needs.
 
@@ -38,13 +38,14 @@ def plan_training(
         conversion: the planned weights.
         dropped: source tensors the mapping drops on purpose (a trainable one cannot be).
         drop: the kinds of leftover training state the user leaves behind.
+        carries: the keys of the leftovers the target takes over as they are (its writer's ``carries``).
 
     Raises:
         PlanError: every problem at once, each naming the tensor.
         ReshardError: the source holds no training state, or more than ``drop`` leaves behind.
     """
     source = conversion.source
-    state = _readable(source, drop)
+    state = _readable(source, drop, carries)
     _check_padding_rows(conversion)
     trainable = state.trainable
     slots = state.slots
@@ -118,8 +119,9 @@ def _aliases(plans: Sequence[TensorPlan], trainable: Mapping[str, int]) -> dict[
     return found
 
 
-def _readable(source: SourceCheckpoint, drop: frozenset[str]) -> TrainingState:
-    """The source's training state, when it can be carried whole but for what ``drop`` leaves behind."""
+def _readable(source: SourceCheckpoint, drop: frozenset[str], carries: frozenset[str]) -> TrainingState:
+    """The source's training state, when it can be carried whole but for what ``drop`` leaves behind (what the
+    target ``carries`` as it is needs no leave)."""
     state = source.training
     if state is not None and state.unread:
         raise ReshardError(f"its training state is not read: {state.unread}", path=source.path)
@@ -141,7 +143,7 @@ def _readable(source: SourceCheckpoint, drop: frozenset[str]) -> TrainingState:
             "exp_avg_sq are carried",
             path=source.path,
         )
-    left = [item for item in state.not_carried if item.kind not in drop]
+    left = [item for item in state.not_carried if item.kind not in drop and item.key not in carries]
     if left:
         kinds = sorted({item.kind for item in left})
         raise ReshardError(

@@ -255,7 +255,7 @@ def _members(
 def _leftovers(common: Mapping[str, Any], values: list[str], parts: list[Mapping[str, Any]]) -> tuple[Leftover, ...]:
     """What the checkpoint holds of its training beside the optimizer's state, each with its kind."""
     found = [
-        Leftover(KINDS.get(key, "other"), f"Megatron's {key}", "common state")
+        Leftover(KINDS.get(key, "other"), f"Megatron's {key}", "common state", key=f"megatron.{key}")
         for key in common
         if key not in KNOWN and not MODEL.match(str(key))
     ]

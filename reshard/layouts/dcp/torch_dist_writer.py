@@ -70,6 +70,9 @@ CONFIG_TEXT = json.dumps(
 CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 
 
+SCHEDULER = "megatron.opt_param_scheduler"  # the Leftover key of a Megatron source's LR scheduler, written along
+
+
 @dataclass(frozen=True)
 class TorchDistFilePlan(FilePlan):
     """Where every archive of a ``torch_dist`` output sits.
@@ -96,6 +99,7 @@ class TorchDistWriter(CheckpointWriter):
 
     concurrent = True
     holds_training_state = True
+    carries = frozenset({SCHEDULER})
 
     @classmethod
     def file_plan(cls, spec: TargetSpec) -> TorchDistFilePlan:

@@ -131,7 +131,7 @@ def resumed(trained: Path, mcore19: Path, tmp_path_factory: pytest.TempPathFacto
     (``OUT/<name>.rank{r}``), in one torchrun."""
     out = tmp_path_factory.mktemp("resumed")
     for name, (run, with_optimizer) in CONVERSIONS.items():
-        extra = ("--with-optimizer", "--drop", "rng,scheduler,trainer") if with_optimizer else ()
+        extra = ("--with-optimizer", "--drop", "rng,trainer") if with_optimizer else ()  # the scheduler goes along
         args = ["convert", trained / run / "ckpt", "--tp", 1, "--layout", "torch_dist", *extra, "-o", out / name]
         result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
         assert result.exit_code == 0, result.output
@@ -346,8 +346,29 @@ def test_a_layout_the_checkpoint_contradicts_is_refused_with_both_numbers(
         "the distributed optimizer's state is 'dp_reshardable', but optimizer.distributed.dp_group_idx_0."
         "per_bucket_numel: the checkpoint records [64000, 47360, 45312, 86656], reshard computes [243328] from"
     )
-    drop = ("--drop", "rng,scheduler,trainer")
+    drop = ("--drop", "rng,trainer")
     result = cli(
         "convert", source, "--layout", "torch_dist", "--tp", 1, "--with-optimizer", *drop, "-o", tmp_path / "o"
     )
     assert result.exit_code == 2 and "reshard computes [243328]" in result.output and not (tmp_path / "o").exists()
+
+
+def test_the_lr_scheduler_goes_along_to_torch_dist_and_is_left_behind_elsewhere_only_by_leave(
+    cli, trained: Path, tmp_path: Path
+) -> None:
+    """Megatron-LM loads the optimizer with its LR scheduler (a KeyError without it), which does not depend on the
+    parallelism: a torch_dist target takes it over as it is and says so; another framework's target leaves it behind,
+    only with ``--drop scheduler``."""
+    source = trained / "fp32" / "ckpt"
+    drop = ("--with-optimizer", "--drop", "rng,trainer")
+    result = cli("convert", source, "--tp", 1, "--layout", "torch_dist", *drop, "-o", tmp_path / "td", "--json")
+    assert result.exit_code == 0, result.output
+    (note,) = [n for n in json.loads(result.stdout)["notes"] if n.startswith("training state carried")]
+    assert "carried as it is: Megatron's opt_param_scheduler (common state)" in note
+    assert "opt_param_scheduler" not in note.partition("left behind")[2]
+    written = discover(tmp_path / "td", ReadOptions()).top_level[0]["opt_param_scheduler"]
+    assert written and written == discover(source, ReadOptions()).top_level[0]["opt_param_scheduler"]
+    result = cli("convert", source, "--tp", 1, "--layout", "dcp", *drop, "-o", tmp_path / "dcp")
+    assert result.exit_code == 2 and "Megatron's opt_param_scheduler (common state)" in result.output
+    assert "--drop rng,scheduler" not in result.output and "--drop scheduler" in result.output
+    assert not (tmp_path / "dcp").exists()

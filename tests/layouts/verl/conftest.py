@@ -19,7 +19,8 @@ def _written(config: pytest.Config, world: int) -> Path:
 @pytest.fixture(scope="session")
 def verl2(pytestconfig: pytest.Config) -> Path:
     """World 2: ``run/`` (tracker, ``global_step_1/actor`` of FSDP2 DTensors, ``data.pt``), ``hsdp/actor`` (mesh
-    ``("ddp", "fsdp")`` of 2 x 1), ``oracle.pt`` and ``hsdp_oracle.pt`` (each model's full state dict)."""
+    ``("ddp", "fsdp")`` of 2 x 1), ``fsdp1/actor`` (FSDP1's sharded state dict), ``oracle.pt``, ``hsdp_oracle.pt`` and
+    ``fsdp1_oracle.pt`` (each model's full state dict)."""
     return _written(pytestconfig, 2)
 
 

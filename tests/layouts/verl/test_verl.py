@@ -84,6 +84,15 @@ def test_an_hsdp_actor_compares_its_replicas_and_converts(verl2, cli, tmp_path):
     _assert_equal(out, _oracle(verl2, "hsdp_oracle.pt"))
 
 
+def test_an_fsdp1_actor_with_uneven_shards_converts(verl2, cli, tmp_path):
+    actor = verl2 / "fsdp1/actor"
+    local = torch.load(actor / "model_world_size_2_rank_1.pt", weights_only=False)["model.embed_tokens.weight"]
+    assert local._local_tensor.shape == (63, 64)  # torch.chunk's last piece of 127 rows: uneven
+    out = tmp_path / "fsdp1"
+    assert cli("convert", actor, "--tp", 1, "--layout", "hf", "-o", out, "-q").exit_code == 0
+    _assert_equal(out, _oracle(verl2, "fsdp1_oracle.pt"))
+
+
 def test_replicas_that_differ_are_refused_with_both_digests(verl2, copied, cli, tmp_path):
     actor = copied(verl2 / "hsdp/actor")
     file = actor / "model_world_size_2_rank_1.pt"

@@ -30,7 +30,7 @@ from reshard.formats.chunks import ChunkLayout
 from reshard.formats.dcp_metadata.read import StoredChunk, StoredTensor
 from reshard.formats.safe_pickle import TRUST_HINT, DeviceMesh, DTensorSpec
 from reshard.formats.torch_zip.checks import check_torch_file
-from reshard.formats.torch_zip.structure import DTensorRecord, TensorRecord, data_start, read_structure
+from reshard.formats.torch_zip.structure import DTensorRecord, Inert, TensorRecord, data_start, read_structure
 from reshard.layouts.base import SourceCheckpoint, TensorRef
 from reshard.layouts.dcp.boxed_reader import BoxView
 from reshard.layouts.hf.folder import side_files
@@ -74,13 +74,13 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
     views: dict[str, BoxView] = {}
     copies: dict[str, tuple[Copy, ...]] = {}
     first_rank: dict[str, int] = {}
-    located: dict[StoredChunk, ChunkLayout] = {}
+    located: dict[tuple[str, StoredChunk], ChunkLayout] = {}
     kinds: dict[str, int] = {}
     for name in names:
         pieces, shape, dtype, kind = _pieces(name, [entries[name] for entries in ranks], files)
         kinds[kind] = kinds.get(kind, 0) + 1
         sets = _copies(name, pieces, shape, files)
-        located.update({piece.chunk: piece.layout for piece in pieces})
+        located.update({(name, piece.chunk): piece.layout for piece in pieces})
         for number, members in enumerate(sets):
             stored = StoredTensor(name, shape, dtype, tuple(p.chunk for p in members), files.model[members[0].rank])
             key = name if number == 0 else f"{name}#copy{number}"
@@ -133,7 +133,13 @@ def _read_rank(file: Path, rank: int, options: ReadOptions) -> dict[str, tuple[A
     for key, value in obj.items():
         local = value.local if isinstance(value, DTensorRecord) else value
         if not isinstance(local, TensorRecord):
-            what = "a DTensor without a local tensor" if isinstance(value, DTensorRecord) else type(value).__name__
+            what = (
+                "a DTensor without a local tensor"
+                if isinstance(value, DTensorRecord)
+                else "an object of a class read as inert (--trust-pickle)"
+                if isinstance(value, Inert)
+                else f"a {type(value).__name__}"
+            )
             raise CorruptFileError(f"holds {what}, not a tensor", path=file, tensor=key)
         start = starts.get(local.storage.key)
         if start is None:

@@ -35,11 +35,12 @@ class Copy:
 
 @dataclass
 class PiecesReader(BoxedReader):
-    """Global tensors of located pieces (``located``: where each piece's storage lies and how it is strided), and
+    """Global tensors of located pieces (``located``: where each piece's storage lies and how it is strided, by the
+    tensor's name and the piece: two tensors may be views of one storage with the same box), and
     the other ``copies`` of each (views of this reader too), compared when read; ``first_rank``: the rank the first
     copy of a tensor is read from, for the message."""
 
-    located: Mapping[StoredChunk, ChunkLayout] = field(default_factory=dict)
+    located: Mapping[tuple[str, StoredChunk], ChunkLayout] = field(default_factory=dict)
     copies: Mapping[str, tuple[Copy, ...]] = field(default_factory=dict)
     first_rank: Mapping[str, int] = field(default_factory=dict)
 
@@ -70,8 +71,16 @@ class PiecesReader(BoxedReader):
                     hint="the ranks drifted apart: restore the files as they were written",
                 )
 
+    def describe(self, key: str) -> str:
+        copies = self.copies.get(key, ())
+        if not copies:
+            return super().describe(key)
+        ranks = ", ".join(str(copy.rank) for copy in copies)
+        whose = f"the copy of rank {ranks}" if len(copies) == 1 else f"the copies of ranks {ranks}"
+        return f"{super().describe(key)}, compared with {whose}"
+
     def _layout(self, tensor: StoredTensor, chunk: StoredChunk) -> ChunkLayout:
-        return self.located[chunk]
+        return self.located[tensor.name, chunk]
 
 
 def _digest(tensor: torch.Tensor) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -168,3 +169,28 @@ def test_trust_pickle_on_one_dtensor_file_is_one_line_naming_file_and_key(verl2,
     line = _one_line(cli("convert", file, "--tp", 1, "-o", tmp_path / "out", "--trust-pickle", "-q"))
     assert f"{file}: model.embed_tokens.weight: holds a torch.distributed.tensor.DTensor (a tensor subclass)" in line
     assert "verl actor folder" in line
+
+
+def test_views_of_one_storage_with_the_same_box_are_read_each_from_its_own_place(verl1, copied, cli, tmp_path):
+    """Two tensors of one rank file that are views of one storage (an FSDP1 flat parameter's pieces) share their
+    file, storage record and box: each is read at its own offset."""
+    actor = copied(verl1 / "actor")
+    file = actor / "model_world_size_1_rank_0.pt"
+    state = torch.load(file, weights_only=True)
+    both = torch.stack([state["model.layers.0.input_layernorm.weight"], state["model.norm.weight"]])
+    state["model.layers.0.input_layernorm.weight"], state["model.norm.weight"] = both[0], both[1]
+    torch.save(state, file)
+    out = tmp_path / "out"
+    assert cli("convert", actor, "--tp", 1, "--layout", "hf", "-o", out, "-q").exit_code == 0
+    _assert_equal(out, _oracle(verl1))
+
+
+def test_a_class_in_a_rank_file_is_refused_by_name_and_with_trust_pickle_read_as_inert(verl1, copied, cli, tmp_path):
+    actor = copied(verl1 / "actor")
+    file = actor / "model_world_size_1_rank_0.pt"
+    state = torch.load(file, weights_only=True)
+    torch.save({**state, "model.scale": Fraction(1, 3)}, file)
+    line = _one_line(cli("inspect", actor))
+    assert f"{file}: pickles fractions.Fraction, neither a tensor nor a DTensor's part" in line
+    line = _one_line(cli("inspect", actor, "--trust-pickle"))
+    assert "model.scale: holds an object of a class read as inert (--trust-pickle), not a tensor" in line

@@ -33,7 +33,7 @@ from reshard.formats.torch_zip.checks import check_torch_file
 from reshard.formats.torch_zip.structure import DTensorRecord, Inert, TensorRecord, data_start, read_structure
 from reshard.layouts.base import SourceCheckpoint, TensorRef
 from reshard.layouts.dcp.boxed_reader import BoxView
-from reshard.layouts.hf.folder import side_files
+from reshard.layouts.hf.folder import TENSOR_SUFFIXES, side_files
 from reshard.layouts.verl.folder import FSDP_CONFIG, Files, classify, locate
 from reshard.layouts.verl.placements import PlacementError, local_box
 from reshard.layouts.verl.reader import Copy, PiecesReader
@@ -271,6 +271,12 @@ def _file_notes(folder: Path, files: Files, kinds: dict[str, int]) -> list[str]:
     if files.side is not None:
         side = sorted(p.name for p in files.side.iterdir())
         notes.append(f"{files.side.name}/: config, tokenizer and generation config ({', '.join(side)})")
+        weights = [name for name in side if Path(name).suffix in TENSOR_SUFFIXES]
+        if weights:  # checkpoint.contents with hf_model: a full copy, saved by verl in bfloat16
+            notes.append(
+                f"{files.side.name}/ holds full weights too ({listed(weights[:3], len(weights))}): not read, the rank "
+                "files are (in the dtype the run trained in)"
+            )
     else:
         notes.append("no huggingface/ folder: no config.json, tokenizer or generation config beside the weights")
     if files.fsdp_config is not None:

@@ -194,3 +194,41 @@ def test_a_class_in_a_rank_file_is_refused_by_name_and_with_trust_pickle_read_as
     assert f"{file}: pickles fractions.Fraction, neither a tensor nor a DTensor's part" in line
     line = _one_line(cli("inspect", actor, "--trust-pickle"))
     assert "model.scale: holds an object of a class read as inert (--trust-pickle), not a tensor" in line
+
+
+def test_a_rank_file_copied_over_another_is_named(verl2, copied, cli):
+    actor = copied(verl2 / ACTOR)
+    shutil.copy(actor / "model_world_size_2_rank_0.pt", actor / "model_world_size_2_rank_1.pt")
+    line = _one_line(cli("inspect", actor))
+    assert "model_world_size_2_rank_1.pt: model.embed_tokens.weight: holds rank 0's DTensor" in line
+
+
+def test_rank_files_of_two_meshes_are_refused(verl2, copied, cli):
+    actor = copied(verl2 / ACTOR)
+    shutil.copy(verl2 / "hsdp/actor/model_world_size_2_rank_1.pt", actor / "model_world_size_2_rank_1.pt")
+    line = _one_line(cli("inspect", actor))
+    assert "model_world_size_2_rank_1.pt: model.embed_tokens.weight: saved as" in line and "on rank 0 as" in line
+
+
+def test_files_of_two_world_sizes_are_refused(verl2, copied, cli):
+    actor = copied(verl2 / ACTOR)
+    shutil.copy(actor / "optim_world_size_2_rank_0.pt", actor / "optim_world_size_4_rank_0.pt")
+    line = _one_line(cli("inspect", actor))
+    assert "holds files of 2 runs (world size 2: " in line and "world size 4: optim_world_size_4_rank_0.pt" in line
+
+
+def test_full_weights_in_huggingface_are_said_and_not_read(verl2, copied, cli, tmp_path):
+    """``checkpoint.contents`` with ``hf_model``: verl saves a bfloat16 copy in ``huggingface/``; the rank files stay
+    the source, in the dtype the run trained in."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    actor = copied(verl2 / ACTOR)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(actor / "huggingface"))
+    model.load_state_dict(_oracle(verl2))
+    model.to(torch.bfloat16).save_pretrained(actor / "huggingface")
+    result = cli("inspect", actor, "--json")
+    notes = "\n".join(json.loads(result.stdout)["notes"])
+    assert "huggingface/ holds full weights too (model.safetensors): not read" in notes
+    out = tmp_path / "out"
+    assert cli("convert", actor, "--tp", 1, "--layout", "hf", "-o", out, "-q").exit_code == 0
+    _assert_equal(out, _oracle(verl2))

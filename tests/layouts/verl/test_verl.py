@@ -57,12 +57,22 @@ def test_the_run_root_follows_verls_tracker_and_a_step_reads_its_actor(verl2, cl
         assert result.exit_code == 0, result.output
         notes = json.loads(result.stdout)["notes"]
         assert any(said in note for note in notes)
-        assert any(
-            "global_step_1/ is a verl step: reading its actor/ (also in it, not read: data.pt)" in n for n in notes
-        )
+        said = "global_step_1/ is a verl step: reading its actor/ (also in it, not read: critic/, data.pt)"
+        assert any(said in note for note in notes)
     out = tmp_path / "root"
     assert cli("convert", verl2 / "run", "--tp", 1, "--layout", "hf", "-o", out, "-q").exit_code == 0
     _assert_equal(out, _oracle(verl2))
+
+
+def test_a_critic_converts_to_the_value_model_transformers_loads(verl2, cli, tmp_path):
+    out = tmp_path / "critic"
+    result = cli("convert", verl2 / ACTOR.parent / "critic", "--tp", 1, "--layout", "hf", "-o", out, "-q")
+    assert result.exit_code == 0, result.output
+    _assert_equal(out, _oracle(verl2, "critic_oracle.pt"))
+    from transformers import AutoModelForTokenClassification
+
+    _, info = AutoModelForTokenClassification.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
 
 
 def test_inspect_says_what_every_file_was_taken_for(verl2, cli):

@@ -41,6 +41,7 @@ Shape = tuple[int, ...]
 STATE_DICT_KEYS = ("state_dict", "module", "model")
 # Types that frameworks pickle next to the weights and that are safe to rebuild (layouts add their own).
 SAFE_GLOBALS: tuple[Any, ...] = (io.BytesIO,)
+DTENSOR_HINT = "point reshard at the folder of every rank's file (a verl actor folder), which reads them together"
 # A DeviceMesh unpickled outside its run logs, on stderr, that it finds no process group: nothing reshard needs.
 DEVICE_MESH_LOGGER = "torch.distributed.device_mesh"
 
@@ -314,9 +315,7 @@ def _refuse_subclass(tensor: torch.Tensor, *, path: Path, key: str) -> None:
         f"holds a {name} (a tensor subclass), not a plain tensor",
         path=path,
         tensor=key,
-        hint="a DTensor is one rank's piece: point reshard at the folder of every rank's file (a verl actor folder)"
-        if dtensor
-        else "save its plain tensors (or a safetensors file) to read it",
+        hint=DTENSOR_HINT if dtensor else "save its plain tensors (or a safetensors file) to read it",
     )
 
 
@@ -391,6 +390,12 @@ def load_torch_file(
                 return torch.load(source, map_location="cpu", mmap=streamable, weights_only=True)
     except pickle.UnpicklingError as err:
         message = str(err)
+        if "to load DTensors" in message:  # torch's refusal of a DTensor when torch.distributed.tensor is not loaded
+            raise UnsafePickleError(
+                "holds DTensors: one rank's pieces of its tensors, not tensors of their own",
+                path=path,
+                hint=DTENSOR_HINT,
+            ) from err
         if "Unsupported global" in message or "weights_only" in message.lower():
             raise UnsafePickleError(
                 _refusal(message),

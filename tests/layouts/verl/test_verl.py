@@ -179,6 +179,8 @@ def test_trust_pickle_on_one_dtensor_file_is_one_line_naming_file_and_key(verl2,
     line = _one_line(cli("convert", file, "--tp", 1, "-o", tmp_path / "out", "--trust-pickle", "-q"))
     assert f"{file}: model.embed_tokens.weight: holds a torch.distributed.tensor.DTensor (a tensor subclass)" in line
     assert "verl actor folder" in line
+    line = _one_line(cli("inspect", file))  # torch refuses a DTensor, or loads it once torch.distributed.tensor is
+    assert f"{file}: " in line and "DTensor" in line and "verl actor folder" in line  # imported: refused then
 
 
 def test_views_of_one_storage_with_the_same_box_are_read_each_from_its_own_place(verl1, copied, cli, tmp_path):

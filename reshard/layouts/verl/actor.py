@@ -28,7 +28,7 @@ from reshard.errors import CorruptFileError, ReshardError, UnsafePickleError
 from reshard.formats.boxes import Box, tiling_problem
 from reshard.formats.chunks import ChunkLayout
 from reshard.formats.dcp_metadata.read import StoredChunk, StoredTensor
-from reshard.formats.safe_pickle import TRUST_HINT, DeviceMesh, DTensorSpec
+from reshard.formats.safe_pickle import DeviceMesh, DTensorSpec
 from reshard.formats.torch_zip.checks import check_torch_file
 from reshard.formats.torch_zip.structure import DTensorRecord, Inert, TensorRecord, data_start, read_structure
 from reshard.layouts.base import SourceCheckpoint, TensorRef
@@ -41,6 +41,7 @@ from reshard.options import ReadOptions
 from reshard.ranks import listed
 
 NAME = "verl"
+MAX_PICKLE = 64 << 20  # a state dict's data.pkl: names, shapes and specs, far below this for any model
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
     """
     folder, notes = locate(path)
     files = classify(folder)
-    ranks = [_read_rank(files.model[r], r, options) for r in range(files.world_size)]
+    ranks = [_read_rank(files.model[r], options) for r in range(files.world_size)]
     names = list(ranks[0])
     for rank, entries in enumerate(ranks[1:], start=1):
         if set(entries) != set(names):
@@ -96,9 +97,10 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
     return source
 
 
-def _read_rank(file: Path, rank: int, options: ReadOptions) -> dict[str, tuple[Any, ChunkLayout, StoredChunk]]:
+def _read_rank(file: Path, options: ReadOptions) -> dict[str, tuple[Any, ChunkLayout, StoredChunk]]:
     """Every tensor of one rank file: its record (plain or DTensor) and where its local bytes lie."""
-    check_torch_file(file)
+    if check_torch_file(file) is None:
+        raise CorruptFileError("a legacy (non-zip) torch file: its tensors cannot be located in it", path=file)
 
     def refuse(module: str, name: str) -> UnsafePickleError | None:
         if options.trust_pickle:
@@ -106,14 +108,15 @@ def _read_rank(file: Path, rank: int, options: ReadOptions) -> dict[str, tuple[A
         return UnsafePickleError(
             f"pickles {module}.{name}, neither a tensor nor a DTensor's part: refused without running it",
             path=file,
-            hint=TRUST_HINT.replace("unpickle it fully", "read it as an inert object (nothing in it runs)"),
+            hint="pass --trust-pickle to read it as an inert object (nothing in it runs), only if you trust the file",
         )
 
     try:
         with file.open("rb") as handle, zipfile.ZipFile(handle) as archive:
             pickled = next((i for i in archive.infolist() if i.filename.endswith("/data.pkl")), None)
-            if pickled is None:
-                raise CorruptFileError("no data.pkl: not a torch.save archive", path=file)
+            if pickled is None or pickled.file_size > MAX_PICKLE:
+                why = "no data.pkl" if pickled is None else f"a data.pkl of {pickled.file_size} bytes"
+                raise CorruptFileError(f"{why}: not a state dict verl saved", path=file)
             prefix = pickled.filename[: -len("data.pkl")]
             obj = read_structure(archive.read(pickled), refuse=refuse)
             starts = {

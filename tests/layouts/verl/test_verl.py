@@ -132,6 +132,8 @@ def test_an_actor_converts_to_two_ranks_and_back(verl2, cli, tmp_path):
         rank1["model.layers.0.mlp.down_proj.weight"], oracle["model.layers.0.mlp.down_proj.weight"][:, 48:]
     )
     assert torch.equal(rank1["model.norm.weight"], oracle["model.norm.weight"])
+    verified = cli("verify", ranks, verl2 / ACTOR, "-q")
+    assert verified.exit_code == 0, verified.output
     back = tmp_path / "back"
     assert cli("convert", ranks, "--tp", 1, "-o", back, "-q").exit_code == 0
     _assert_equal(back, oracle)

@@ -14,9 +14,6 @@ state, skipped with a note.
 from __future__ import annotations
 
 import math
-import pickle
-import struct
-import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,8 +26,8 @@ from reshard.formats.boxes import Box, tiling_problem
 from reshard.formats.chunks import ChunkLayout
 from reshard.formats.dcp_metadata.read import StoredChunk, StoredTensor
 from reshard.formats.safe_pickle import DeviceMesh, DTensorSpec
-from reshard.formats.torch_zip.checks import check_torch_file
-from reshard.formats.torch_zip.structure import DTensorRecord, Inert, TensorRecord, data_start, read_structure
+from reshard.formats.torch_zip.archive import read_archive
+from reshard.formats.torch_zip.structure import DTensorRecord, Inert, TensorRecord
 from reshard.layouts.base import SourceCheckpoint, TensorRef
 from reshard.layouts.dcp.boxed_reader import BoxView
 from reshard.layouts.hf.folder import TENSOR_SUFFIXES, side_files
@@ -99,8 +96,6 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
 
 def _read_rank(file: Path, options: ReadOptions) -> dict[str, tuple[Any, ChunkLayout, StoredChunk]]:
     """Every tensor of one rank file: its record (plain or DTensor) and where its local bytes lie."""
-    if check_torch_file(file) is None:
-        raise CorruptFileError("a legacy (non-zip) torch file: its tensors cannot be located in it", path=file)
 
     def refuse(module: str, name: str) -> UnsafePickleError | None:
         if options.trust_pickle:
@@ -111,25 +106,7 @@ def _read_rank(file: Path, options: ReadOptions) -> dict[str, tuple[Any, ChunkLa
             hint="pass --trust-pickle to read it as an inert object (nothing in it runs), only if you trust the file",
         )
 
-    try:
-        with file.open("rb") as handle, zipfile.ZipFile(handle) as archive:
-            pickled = next((i for i in archive.infolist() if i.filename.endswith("/data.pkl")), None)
-            if pickled is None or pickled.file_size > MAX_PICKLE:
-                why = "no data.pkl" if pickled is None else f"a data.pkl of {pickled.file_size} bytes"
-                raise CorruptFileError(f"{why}: not a state dict verl saved", path=file)
-            prefix = pickled.filename[: -len("data.pkl")]
-            obj = read_structure(archive.read(pickled), refuse=refuse)
-            starts = {
-                info.filename[len(f"{prefix}data/") :]: data_start(handle.fileno(), info)
-                for info in archive.infolist()
-                if info.filename.startswith(f"{prefix}data/")
-            }
-    except (UnsafePickleError, CorruptFileError):
-        raise
-    except (pickle.UnpicklingError, zipfile.BadZipFile, OSError, EOFError, ValueError, TypeError, struct.error) as err:
-        raise CorruptFileError(f"not a readable torch file: {err}", path=file) from err
-    except (RecursionError, MemoryError, OverflowError) as err:
-        raise CorruptFileError(f"not a readable torch file: {type(err).__name__}", path=file) from err
+    obj, starts = read_archive(file, refuse=refuse, max_pickle=MAX_PICKLE)
     if not isinstance(obj, Mapping) or not all(isinstance(k, str) for k in obj):
         raise CorruptFileError(f"holds a {type(obj).__name__}, not a model's state dict", path=file)
     found = {}

@@ -246,3 +246,23 @@ def test_full_weights_in_huggingface_are_said_and_not_read(verl2, copied, cli, t
     out = tmp_path / "out"
     assert cli("convert", actor, "--tp", 1, "--layout", "hf", "-o", out, "-q").exit_code == 0
     _assert_equal(out, _oracle(verl2))
+
+
+def test_a_plain_tensor_every_rank_saved_is_compared_not_concatenated(verl2, copied, cli, tmp_path):
+    """A buffer (a plain tensor beside the DTensors, on every rank): one copy is read, the others compared with it;
+    verl's merger concatenates them (verl PR 7610)."""
+    actor = copied(verl2 / ACTOR)
+    oracle = _oracle(verl2)
+    files = [actor / f"model_world_size_2_rank_{rank}.pt" for rank in (0, 1)]
+    for file in files:
+        state = torch.load(file, weights_only=False)
+        state["model.norm.weight"] = oracle["model.norm.weight"].clone()  # saved whole by each rank, as a buffer is
+        torch.save(state, file)
+    out = tmp_path / "out"
+    assert cli("convert", actor, "--tp", 1, "--layout", "hf", "-o", out, "-q").exit_code == 0
+    _assert_equal(out, oracle)  # [64], not [128]
+    state = torch.load(files[1], weights_only=False)
+    state["model.norm.weight"][0] += 1.0
+    torch.save(state, files[1])
+    line = _one_line(cli("convert", actor, "--tp", 1, "--layout", "hf", "-o", tmp_path / "bad", "-q"))
+    assert "model.norm.weight: a replicated tensor differs between rank 0 (blake3 " in line

@@ -7,6 +7,7 @@ through a memory-mapped ``torch.load`` for torch files.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import logging
@@ -40,6 +41,9 @@ Shape = tuple[int, ...]
 STATE_DICT_KEYS = ("state_dict", "module", "model")
 # Types that frameworks pickle next to the weights and that are safe to rebuild (layouts add their own).
 SAFE_GLOBALS: tuple[Any, ...] = (io.BytesIO,)
+DTENSOR_HINT = "point reshard at the folder of every rank's file (a verl actor folder), which reads them together"
+# A DeviceMesh unpickled outside its run logs, on stderr, that it finds no process group: nothing reshard needs.
+DEVICE_MESH_LOGGER = "torch.distributed.device_mesh"
 
 
 class FileReader:
@@ -275,6 +279,7 @@ class TorchReader(DirectReader):
             raise CorruptFileError(f"holds a {type(obj).__name__}, not a state dict", path=self.path)
         for name, value in _flatten(state):
             if isinstance(value, torch.Tensor):
+                _refuse_subclass(value, path=self.path, key=name)
                 self._tensors[name] = value
             else:
                 self.extras[name] = value
@@ -283,6 +288,35 @@ class TorchReader(DirectReader):
 
     def get(self, key: str) -> torch.Tensor:
         return self._tensors[key]
+
+
+@contextlib.contextmanager
+def _quiet(name: str) -> Iterator[None]:
+    """Logger ``name`` silenced for the block."""
+    logger = logging.getLogger(name)
+    disabled, logger.disabled = logger.disabled, True
+    try:
+        yield
+    finally:
+        logger.disabled = disabled
+
+
+def _refuse_subclass(tensor: torch.Tensor, *, path: Path, key: str) -> None:
+    """A tensor subclass (a DTensor, a quantized wrapper), which ``--trust-pickle`` unpickles, is not one tensor
+    of bytes: refused by name. A DTensor is one rank's piece, read with every rank's by the layout of its folder."""
+    import torch
+
+    kind = type(tensor)
+    if kind in (torch.Tensor, torch.nn.Parameter):
+        return
+    name = f"{kind.__module__}.{kind.__qualname__}"
+    dtensor = name.startswith("torch.distributed.tensor") or kind.__qualname__ == "DTensor"
+    raise CorruptFileError(
+        f"holds a {name} (a tensor subclass), not a plain tensor",
+        path=path,
+        tensor=key,
+        hint=DTENSOR_HINT if dtensor else "save its plain tensors (or a safetensors file) to read it",
+    )
 
 
 def offsets_in_file(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
@@ -344,13 +378,24 @@ def load_torch_file(
         with warnings.catch_warnings():  # torch warns on stderr about protocols it may not read: the error says it
             warnings.simplefilter("ignore", UserWarning)
             if trust_pickle:
-                return torch.load(
-                    source, map_location="cpu", mmap=streamable, weights_only=False, pickle_module=_trusting(allowed)
-                )
+                with _quiet(DEVICE_MESH_LOGGER):
+                    return torch.load(
+                        source,
+                        map_location="cpu",
+                        mmap=streamable,
+                        weights_only=False,
+                        pickle_module=_trusting(allowed),
+                    )
             with torch.serialization.safe_globals([*SAFE_GLOBALS, *_rng_state_globals(), *allowed]):
                 return torch.load(source, map_location="cpu", mmap=streamable, weights_only=True)
     except pickle.UnpicklingError as err:
         message = str(err)
+        if "to load DTensors" in message:  # torch's refusal of a DTensor when torch.distributed.tensor is not loaded
+            raise UnsafePickleError(
+                "holds DTensors: one rank's pieces of its tensors, not tensors of their own",
+                path=path,
+                hint=DTENSOR_HINT,
+            ) from err
         if "Unsupported global" in message or "weights_only" in message.lower():
             raise UnsafePickleError(
                 _refusal(message),

@@ -6,11 +6,21 @@ cannot be reused (it rejects the FRAME opcode). So each format reshard unpickles
 :mod:`reshard.formats.torch_zip.structure`) maps exactly the globals it expects to local stand-ins and refuses
 or neutralises every other global before it is looked up. This module holds what they share: the stand-in base
 class, the pickle input that refuses impossible lengths, the unpickling entry point that avoids a CPython bug,
-the torch dtype names, and the hint shown when a pickle is refused.
+the torch dtype names, the hint shown when a pickle is refused, and the stand-ins of a DTensor's pickle.
+
+A DTensor (``torch.distributed.tensor``, what FSDP2's ``model.state_dict()`` holds) pickles as
+``_rebuild_from_type_v2(_rebuild_wrapper_subclass, DTensor, (DTensor, dtype, size, ...), (None, {"_local_tensor":
+tensor, "_spec": DTensorSpec}))``; the spec holds the ``DeviceMesh`` (its ``_layout`` gives the mesh's shape,
+``_coordinate_on_dim`` the saving rank's place in it; torch 2.5-2.8 pickled the ``mesh`` tensor of ranks instead),
+the placements (``Shard``, ``Replicate``, ``_StridedShard``, ``Partial``) and ``tensor_meta`` (global shape, stride,
+dtype). :data:`DTENSOR_CLASSES` maps each of those globals to an inert stand-in here: nothing of torch's runs, no
+process group is looked up (torch's ``DeviceMesh.__setstate__`` would), and the layout that reads the tensors
+(:mod:`reshard.layouts.verl`) refuses what it cannot place (``_StridedShard``, ``Partial``) by name.
 """
 
 from __future__ import annotations
 
+import math
 import pickle
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -44,6 +54,114 @@ DTYPE_NAMES = frozenset(
     "complex128 float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz float8_e8m0fnu float4_e2m1fn_x2 "
     "qint8 quint8 qint32 quint4x2 quint2x4 half float double long int short".split()
 )
+
+
+class DeviceMesh(StandIn):
+    """A pickled ``DeviceMesh``: its shape and the saving rank's coordinates in it; no process group."""
+
+    _layout: Any = None  # torch >= 2.9: a _MeshLayout of one _FlatLayout per mesh dim
+    mesh: Any = None  # torch 2.5-2.8: the tensor of global ranks, of the mesh's shape
+    _coordinate_on_dim: Any = None
+    _mesh_dim_names: Any = None
+    _rank: Any = None
+
+    def sizes(self) -> tuple[int, ...] | None:
+        """The mesh's shape (None when the pickle does not tell it)."""
+        axes = getattr(self._layout, "axes", None)
+        if isinstance(axes, tuple) and all(isinstance(axis, FlatLayout) for axis in axes):
+            sizes = [axis.numel() for axis in axes]
+            return tuple(s for s in sizes if s is not None) if None not in sizes else None
+        shape = getattr(self.mesh, "sizes", None)
+        return shape if isinstance(shape, tuple) else None
+
+
+class MeshLayout(StandIn):
+    """``torch.distributed._mesh_layout._MeshLayout``: ``axes``, one :class:`FlatLayout` per mesh dim."""
+
+    axes: Any = None
+
+
+class FlatLayout(StandIn):
+    """``torch.distributed._mesh_layout._FlatLayout``: one mesh dim's sizes (``()`` for a dim of 1)."""
+
+    shape: Any = None
+
+    def numel(self) -> int | None:
+        shape = (self.shape,) if type(self.shape) is int else self.shape
+        if not isinstance(shape, tuple) or not all(type(s) is int and s > 0 for s in shape):
+            return None
+        return math.prod(shape)
+
+
+class Shard(StandIn):
+    """``Shard(dim)``: the tensor cut along ``dim`` as ``torch.chunk`` cuts it, one piece per mesh coordinate."""
+
+    dim: Any = None
+
+
+class Replicate(StandIn):
+    """``Replicate()``: every coordinate of the mesh dim holds the whole (so far cut) tensor."""
+
+
+class StridedShard(Shard):
+    """``_StridedShard``: interleaved pieces (FSDP2 over tensor parallelism); not placed, refused by name."""
+
+
+class Partial(StandIn):
+    """``Partial``: pending sums across the mesh dim; not a stored value, refused by name."""
+
+
+class DTensorSpec(StandIn):
+    """A DTensor's ``_spec``: ``mesh``, ``placements`` (one per mesh dim), ``tensor_meta``."""
+
+    mesh: Any = None
+    placements: Any = None
+    tensor_meta: Any = None
+
+
+class TensorMeta(tuple):
+    """``TensorMeta(shape, stride, dtype)``, a named tuple pickled by its arguments."""
+
+    def __new__(cls, *args: Any) -> TensorMeta:
+        return tuple.__new__(cls, args)
+
+
+class DTensorType:
+    """The class ``DTensor`` itself, as ``_rebuild_from_type_v2`` names it."""
+
+
+def wrapper_subclass(*args: Any) -> tuple[Any, ...]:
+    """``torch._utils._rebuild_wrapper_subclass``: its arguments (class, dtype, size, stride, ...), not called."""
+    return args
+
+
+def _named(value: Any) -> str:
+    """``torch.device("cpu")``, ``torch.serialization._get_layout("torch.strided")``: the name."""
+    return str(value)
+
+
+_PLACEMENTS = "torch.distributed.tensor.placement_types"
+# Every global of a DTensor's pickle, under the module names torch 2.5 and later pickle it with.
+DTENSOR_CLASSES: dict[str, Any] = {
+    "torch.distributed.tensor.DTensor": DTensorType,
+    "torch.distributed.tensor._api.DTensor": DTensorType,
+    "torch.distributed._tensor.api.DTensor": DTensorType,
+    "torch._utils._rebuild_wrapper_subclass": wrapper_subclass,
+    "torch.distributed.tensor._dtensor_spec.DTensorSpec": DTensorSpec,
+    "torch.distributed.tensor._dtensor_spec.TensorMeta": TensorMeta,
+    "torch.distributed.tensor._dtensor_spec.ShardOrderEntry": TensorMeta,
+    "torch.distributed.device_mesh.DeviceMesh": DeviceMesh,
+    "torch.distributed._mesh_layout._MeshLayout": MeshLayout,
+    "torch.distributed._mesh_layout._FlatLayout": FlatLayout,
+    f"{_PLACEMENTS}.Shard": Shard,
+    f"{_PLACEMENTS}.Replicate": Replicate,
+    f"{_PLACEMENTS}._StridedShard": StridedShard,
+    f"{_PLACEMENTS}.Partial": Partial,
+    f"{_PLACEMENTS}._MaskPartial": Partial,
+    f"{_PLACEMENTS}._NormPartial": Partial,
+    "torch.device": _named,
+    "torch.serialization._get_layout": _named,
+}
 
 
 class PickleInput:

@@ -20,6 +20,7 @@ from reshard.layouts.hf.folder import TENSOR_SUFFIXES, weight_names  # the weigh
 from reshard.layouts.megatron import MEGATRON
 from reshard.layouts.sat import SAT
 from reshard.layouts.spec import FileProblem, LayoutSpec
+from reshard.layouts.verl import VERL
 from reshard.manifest import MANIFEST_NAME, Manifest
 from reshard.options import ReadOptions
 
@@ -46,10 +47,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# Every layout, in the order a folder is tried: torch_dist before dcp (its data files are DCP) and megatron (the same
-# tracker file); deepspeed before sat (DeepSpeed names its model-states files as SAT does); an HF folder last (a folder
-# of rank files holds weight files too). A single file is read as hf.
-LAYOUTS: tuple[LayoutSpec, ...] = (TORCH_DIST, DCP, MEGATRON, DEEPSPEED, SAT, HF_RANKS, LOOSE, HF)
+# Every layout, in the order a folder is tried: verl first (a verl run's root holds Megatron's tracker file name,
+# latest_checkpointed_iteration.txt, and its rank files carry rank numbers); torch_dist before dcp (its data files
+# are DCP) and megatron (the same tracker file); deepspeed before sat (DeepSpeed names its model-states files as SAT
+# does); an HF folder last (a folder of rank files holds weight files too). A single file is read as hf.
+LAYOUTS: tuple[LayoutSpec, ...] = (VERL, TORCH_DIST, DCP, MEGATRON, DEEPSPEED, SAT, HF_RANKS, LOOSE, HF)
 
 
 def discover(path: Path, options: ReadOptions | None = None) -> SourceCheckpoint:

@@ -18,7 +18,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from reshard.dtypes import code_from_name, itemsize_of
-from reshard.formats.safe_pickle import DTYPE_NAMES, Dtype, PickleInput, load_restricted
+from reshard.formats.safe_pickle import (
+    DTENSOR_CLASSES,
+    DTYPE_NAMES,
+    DTensorSpec,
+    DTensorType,
+    Dtype,
+    PickleInput,
+    load_restricted,
+    wrapper_subclass,
+)
 
 ZIP_MAGIC = b"PK\x03\x04"
 _LOCAL_HEADER = 30  # a zip local header's fixed part; its name and extra field lengths are its last 4 bytes
@@ -102,6 +111,18 @@ class TensorRecord:
         return _itemsize_of_name(self.dtype)
 
 
+@dataclass(frozen=True)
+class DTensorRecord:
+    """A DTensor the pickle rebuilds: this rank's ``local`` tensor (a :class:`TensorRecord` when it is one), its
+    ``spec`` (:class:`~reshard.formats.safe_pickle.DTensorSpec`, checked by who places it) and the global ``shape``
+    and ``dtype`` the wrapper names."""
+
+    local: Any
+    spec: Any
+    shape: Any
+    dtype: Any
+
+
 class Inert:
     """What an unknown global becomes when they are tolerated: takes any arguments and state, does nothing."""
 
@@ -163,9 +184,18 @@ class _TensorType:
 
 def _from_type(function: Any, new_type: Any, args: Any, state: Any) -> Any:
     """``torch._tensor._rebuild_from_type_v2``: a plain tensor that carries Python attributes (DeepSpeed's ZeRO-3
-    ``ds_id``) is the tensor ``function`` rebuilds, its attributes dropped; a subclass is :class:`Inert`."""
+    ``ds_id``) is the tensor ``function`` rebuilds, its attributes dropped; a DTensor a :class:`DTensorRecord`;
+    another subclass is :class:`Inert`."""
     if function is _rebuild and new_type is _TensorType and isinstance(args, tuple):
         return _rebuild(*args)
+    if function is wrapper_subclass and new_type is DTensorType and isinstance(args, tuple) and len(args) >= 4:
+        slots = state[1] if isinstance(state, tuple) and len(state) == 2 else state
+        if not isinstance(slots, dict):
+            raise pickle.UnpicklingError(f"a DTensor with state {type(state).__name__}")
+        spec = slots.get("_spec")
+        return DTensorRecord(
+            slots.get("_local_tensor"), spec if isinstance(spec, DTensorSpec) else None, args[2], args[1]
+        )
     return Inert()
 
 
@@ -198,6 +228,8 @@ class _StructureUnpickler(pickle.Unpickler):
             return _StorageKind(_STORAGE_DTYPES[name])
         if module == "torch" and name in DTYPE_NAMES:
             return Dtype(name)
+        if f"{module}.{name}" in DTENSOR_CLASSES:
+            return DTENSOR_CLASSES[f"{module}.{name}"]
         error = self._refuse(module, name) if self._refuse is not None else None
         if error is not None:
             raise error
@@ -216,7 +248,7 @@ class _StructureUnpickler(pickle.Unpickler):
 
 def read_structure(data: bytes, *, refuse: Callable[[str, str], Exception | None] | None = None) -> Any:
     """Unpickle ``data.pkl`` into plain containers (a ``torch.Size`` a tuple), :class:`TensorRecord` for each tensor,
-    and :class:`Inert`.
+    :class:`DTensorRecord` for each DTensor, and :class:`Inert`.
 
     Args:
         data: the ``data.pkl`` record.

@@ -15,17 +15,14 @@ deepspeed 0.19.8 (``shared/reference/deepspeed-zero-verified.md``). Any other cl
 from __future__ import annotations
 
 import math
-import pickle
-import struct
-import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from reshard.errors import CorruptFileError, UnsafePickleError
-from reshard.formats.torch_zip.checks import check_torch_file
-from reshard.formats.torch_zip.structure import TensorRecord, data_start, read_structure
+from reshard.formats.torch_zip.archive import read_archive
+from reshard.formats.torch_zip.structure import TensorRecord
 from reshard.layouts.deepspeed.pieces import Piece
 
 PICKLED = frozenset({
@@ -69,10 +66,6 @@ def read(file: Path, *, trust_pickle: bool) -> Pickled:
         CorruptFileError: not a torch zip archive (a legacy torch file too), or one whose records do not hold what
             its pickle says.
     """
-    root = check_torch_file(file)
-    if root is None:
-        raise CorruptFileError("a legacy (non-zip) torch file: its tensors cannot be read in place", path=file)
-    prefix = f"{root}/" if root else ""
 
     def refuse(module: str, name: str) -> UnsafePickleError | None:
         if trust_pickle or f"{module}.{name}" in PICKLED | PLAIN:
@@ -83,20 +76,7 @@ def read(file: Path, *, trust_pickle: bool) -> Pickled:
             hint="pass --trust-pickle to read it as an inert object (nothing in it runs), only if you trust the file",
         )
 
-    try:
-        with file.open("rb") as handle, zipfile.ZipFile(handle) as archive:
-            obj = read_structure(archive.read(f"{prefix}data.pkl"), refuse=refuse)
-            records = [info for info in archive.infolist() if info.filename.startswith(f"{prefix}data/")]
-            found = {info.filename[len(f"{prefix}data/") :]: data_start(handle.fileno(), info) for info in records}
-    except UnsafePickleError:
-        raise
-    except (pickle.UnpicklingError, zipfile.BadZipFile, OSError, EOFError, ValueError, TypeError, struct.error) as err:
-        raise CorruptFileError(f"not a readable torch file: {err}", path=file) from err
-    except (RecursionError, MemoryError, OverflowError) as err:
-        raise CorruptFileError(f"not a readable torch file: {type(err).__name__}", path=file) from err
-    starts = {key: start for key, start in found.items() if start is not None}
-    if len(starts) != len(found):
-        raise CorruptFileError("not a readable torch zip archive: a record has no local header", path=file)
+    obj, starts = read_archive(file, refuse=refuse)
     return Pickled(file, obj, starts)
 
 

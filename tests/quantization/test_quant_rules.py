@@ -173,3 +173,13 @@ def test_block_fp8_is_a_rule_on_a_ranks_rows_not_a_heads(cli, tmp_path, heads, k
     model = QWEN3 | dict(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)
     report = json.loads(_check(cli, tmp_path, model | {"quantization_config": FP8}, 3).output)
     assert report["tp_sizes_that_work"] == works
+
+
+def test_check_says_why_a_copied_kv_head_is_refused(cli, tmp_path) -> None:
+    """At tp 8, 4 KV heads of 64 rows would each be copied onto two ranks: half a block each, not a head cut."""
+    model = QWEN3 | dict(num_attention_heads=8, num_key_value_heads=4, head_dim=64, quantization_config=FP8)
+    messages = [p["message"] for p in json.loads(_check(cli, tmp_path, model, 8).output)["problems"]]
+    assert (
+        "num_key_value_heads=4 heads, fewer than the 8 ranks: a head copied onto a rank would not be whole "
+        "quantization blocks or groups" in messages
+    ), messages

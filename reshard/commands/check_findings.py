@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 
 from reshard.config import ModelConfig
-from reshard.geometry import Partition, Replicate, Vocab, head_replicas, padded_size, rank_shapes
+from reshard.geometry import Partition, Replicate, Shard, Vocab, head_replicas, padded_size, rank_shapes
 from reshard.plans import Rule
 from reshard.quantization import QuantScheme
 
@@ -30,6 +30,7 @@ HEAD_COUNTS = (
     (r"linear_attn\.(in_proj_[zab]\.|out_proj\.|A_log|dt_bias)", ("linear_num_value_heads",)),
 )
 FUSED_INPUTS = ("in_proj_qkv.weight", "in_proj_qkvz.weight")
+KV_HEADS = "num_key_value_heads"  # copied onto tp / count ranks past their count, unless quantized in whole units
 
 
 @dataclass
@@ -90,8 +91,18 @@ def head_problems(
             continue
         fewer = f" (fewer than the {tp} ranks)" if count < tp else ""
         message = f"{label(scope, key)}={count} heads do not divide by tp={tp}{fewer}: a head would be cut"
+        if key == KV_HEADS and tp % count == 0 and any(_whole_units(partitions[n][1]) for n in names):
+            message = (
+                f"{label(scope, key)}={count} heads, fewer than the {tp} ranks: a head copied onto a rank would "
+                "not be whole quantization blocks or groups"
+            )
         out.append(Problem(ERROR, message, names))
     return out
+
+
+def _whole_units(partition: Partition) -> bool:
+    """A quantized linear's cut in whole blocks, groups or packed words (no head copied whole)."""
+    return isinstance(partition, Shard) and partition.whole
 
 
 def tensor_problems(

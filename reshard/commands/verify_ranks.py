@@ -46,7 +46,7 @@ def check_ranks(path: Path, read: ReadOptions) -> tuple[int, list[Difference]] |
         return None
     runtime = open_checkpoint(path, read, target_tp=tp).plan
     config = written.source.config
-    quantized = quantized_tensors(config, {n: ref.shape for n, ref in written.source.ranks[0].items()})
+    quantized = quantized_tensors(config, {n: ref.shape for n, ref in written.source.ranks[0].items()}, ranks=tp)
     linears = quantized.linears if quantized is not None else {}
     units: dict[str, list[str]] = defaultdict(list)  # a quantized linear's tensors together, any other alone
     for name in written.by_name():

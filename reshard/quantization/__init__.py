@@ -32,8 +32,11 @@ class QuantizedTensors:
         return companion_partition(self.scheme, name, plan, config, self.linears)
 
 
-def quantized_tensors(config: ModelConfig | None, shapes: Mapping[str, Shape]) -> QuantizedTensors | None:
-    """The quantized linears of a checkpoint of ``shapes`` (``None`` without a ``quantization_config``).
+def quantized_tensors(
+    config: ModelConfig | None, shapes: Mapping[str, Shape], *, ranks: int = 1
+) -> QuantizedTensors | None:
+    """The quantized linears of a checkpoint of ``shapes``, rank 0's of ``ranks`` (``None`` without a
+    ``quantization_config``).
 
     Raises:
         ReshardError: a ``quantization_config`` reshard does not know (named).
@@ -41,7 +44,7 @@ def quantized_tensors(config: ModelConfig | None, shapes: Mapping[str, Shape]) -
     scheme = read_scheme(config.raw if config is not None else None, path=config.path if config else None)
     if scheme is None:
         return None
-    return QuantizedTensors(scheme, quantized_linears(scheme, shapes))
+    return QuantizedTensors(scheme, quantized_linears(scheme, shapes, ranks=ranks))
 
 
 __all__ = ["QuantScheme", "QuantizedLinear", "QuantizedTensors", "quantized_tensors", "read_scheme"]

@@ -17,7 +17,7 @@ from math import lcm
 
 from reshard.config import ModelConfig
 from reshard.errors import AmbiguousPartitionError
-from reshard.geometry import Heads, Packed, Partition, Replicate, ReplicatedHeads, Shard, norm_dim
+from reshard.geometry import Heads, Packed, Partition, Replicate, ReplicatedHeads, Shard, head_replicas, norm_dim
 from reshard.plans.base import Plan
 from reshard.quantization.rules import (
     IN,
@@ -37,14 +37,24 @@ AXIS_NAMES = {OUT: "output rows", IN: "input columns"}
 
 @dataclass(frozen=True)
 class QuantizedLinear:
-    """A quantized linear found in a checkpoint: its module name and the sizes of its weight ``[out, in]``."""
+    """A quantized linear found in a checkpoint: its module name and the sizes of its weight ``[out, in]`` on rank 0
+    of the checkpoint's ``ranks``."""
 
     module: str
     out: int
     inp: int
+    ranks: int = 1
 
     def size(self, axis: int) -> int:
         return self.out if axis == OUT else self.inp
+
+    def head_size(self, base: Heads | ReplicatedHeads) -> int | None:
+        """One head's size along ``base``'s axis (``None``: the sizes are not whole heads): rank 0 holds one copied
+        head, or its share of the heads."""
+        rows = self.size(norm_dim(base.dim, 2))
+        if head_replicas(base, self.ranks) > 1:
+            return rows
+        return rows * self.ranks // base.heads if rows * self.ranks % base.heads == 0 else None
 
 
 def split_name(name: str) -> tuple[str, str]:
@@ -52,9 +62,11 @@ def split_name(name: str) -> tuple[str, str]:
     return module, suffix
 
 
-def quantized_linears(scheme: QuantScheme, shapes: Mapping[str, Shape]) -> dict[str, QuantizedLinear]:
-    """The linears ``shapes`` stores quantized: the tensor holding the weights beside at least one scale, with
-    the linear's sizes read from that tensor's shape (a packed dim times 8)."""
+def quantized_linears(
+    scheme: QuantScheme, shapes: Mapping[str, Shape], *, ranks: int = 1
+) -> dict[str, QuantizedLinear]:
+    """The linears ``shapes`` (rank 0's of ``ranks``) stores quantized: the tensor holding the weights beside at
+    least one scale, with the linear's sizes read from that tensor's shape (a packed dim times 8)."""
     table = companions(scheme)
     holder = table[0]
     others = [c.suffix for c in table[1:] if c.dims]
@@ -66,7 +78,7 @@ def quantized_linears(scheme: QuantScheme, shapes: Mapping[str, Shape]) -> dict[
         sizes: dict[int | None, int] = {OUT: 0, IN: 0}
         for dim, size in zip(holder.dims, shape, strict=True):
             sizes[dim.axis] = size * (dim.per if isinstance(dim.per, int) else 1)
-        found[module] = QuantizedLinear(module, sizes[OUT], sizes[IN])
+        found[module] = QuantizedLinear(module, sizes[OUT], sizes[IN], ranks)
     return found
 
 
@@ -119,10 +131,17 @@ def cut(scheme: QuantScheme, companion: Companion, base: Partition, linear: Quan
     full = linear.size(axis)
     per = per_element(companion.dims[dim].per, scheme, full)
     step = alignment(scheme, axis, full)  # a rank's share of the axis is whole multiples of it
+    head = (linear.head_size(base) or 0) if isinstance(base, (Heads, ReplicatedHeads)) else 0
     match base:
         case Shard(_, unit):
             return Shard(dim, lcm(step, unit) // per, whole=True)
-        case Heads(_, heads):  # whole heads: rank_shapes checks that a head is whole stored elements
+        case Heads() | ReplicatedHeads() if head % step and base.heads > 1:
+            # A head is not whole blocks (head_dim 64, 128-row blocks): the runtime's rule is a rank's rows, not a
+            # head's (vLLM checks each partition's size): whole heads and whole blocks, so a KV head copied alone
+            # on a rank (half a block) is refused, and two heads of 64 on a rank (one block) are not. A single
+            # head is the whole tensor, its partial last block with it: copied whole, as below.
+            return Shard(dim, lcm(step, head) // per, whole=True)
+        case Heads(_, heads):  # each head whole blocks: the grid's heads are whole rows of it
             return Heads(dim, heads)
         case ReplicatedHeads(_, heads):
             return ReplicatedHeads(dim, heads)

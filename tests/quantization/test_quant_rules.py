@@ -147,3 +147,39 @@ def test_whole_units_are_never_cut() -> None:
         rank_shapes(fused, (384, 8), 2, uneven=True)
     for partition in (block, fused):
         assert partition_from_dict(partition_to_dict(partition)) == partition
+
+
+QWEN3 = dict(
+    model_type="qwen3",
+    architectures=["Qwen3ForCausalLM"],
+    hidden_size=1024,
+    intermediate_size=1024,
+    num_hidden_layers=1,
+    vocab_size=1024,
+)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "works"),
+    [  # a rank's rows of q, k, v (and o's columns) are whole 128-row blocks, whatever a head's size
+        (8, 4, 64, [1, 2]),  # two KV heads of 64 a rank at tp 2: one block; one at tp 4: half a block
+        (8, 2, 128, [1, 2, 4, 8]),  # KV heads copied at tp 4 and 8: each rank one head, one block
+        (16, 2, 64, [1]),  # KV heads of 64: no rank ever holds a whole block of k
+        (8, 4, 192, [1, 2]),  # two KV heads of 192 a rank at tp 2: three blocks; one at tp 4: a block and a half
+    ],
+)
+def test_block_fp8_is_a_rule_on_a_ranks_rows_not_a_heads(cli, tmp_path, heads, kv_heads, head_dim, works) -> None:
+    """vLLM ``validate_fp8_block_shape`` checks each partition's size (``output_partition_size % block_n``)."""
+    model = QWEN3 | dict(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)
+    report = json.loads(_check(cli, tmp_path, model | {"quantization_config": FP8}, 3).output)
+    assert report["tp_sizes_that_work"] == works
+
+
+def test_check_says_why_a_copied_kv_head_is_refused(cli, tmp_path) -> None:
+    """At tp 8, 4 KV heads of 64 rows would each be copied onto two ranks: half a block each, not a head cut."""
+    model = QWEN3 | dict(num_attention_heads=8, num_key_value_heads=4, head_dim=64, quantization_config=FP8)
+    messages = [p["message"] for p in json.loads(_check(cli, tmp_path, model, 8).output)["problems"]]
+    assert (
+        "num_key_value_heads=4 heads, fewer than the 8 ranks: a head copied onto a rank would not be whole "
+        "quantization blocks or groups" in messages
+    ), messages

@@ -90,6 +90,24 @@ def test_fp8_block_every_rank_dequantizes_to_its_slice(cli, fp8, tmp_path, tp) -
     assert assert_every_rank(whole, [_fp8_linears(r) for r in ranks]) == 14 * tp
 
 
+def test_fp8_block_loose_ranks_with_copied_kv_heads_gather_back(cli, fp8, tmp_path) -> None:
+    """tp 4 copies each of the 2 KV heads (one 128-row block) onto two ranks; read back as loose rank files, with no
+    record of the cut, each head is told from rank 0's share of the ranks (not taken for a quarter of the tensor)."""
+    out, loose = tmp_path / "tp4", tmp_path / "loose"
+    convert(cli, fp8, out, 4)
+    loose.mkdir()
+    (loose / "config.json").write_bytes((out / "config.json").read_bytes())
+    for rank in range(4):
+        (loose / f"model-rank-{rank}.safetensors").write_bytes(
+            (out / f"rank_{rank:02d}" / "model.safetensors").read_bytes()
+        )
+    result = cli("convert", loose, "--tp", 1, "--layout", "hf", "-o", tmp_path / "back")
+    assert result.exit_code == 0, result.output
+    source, back = load_file(fp8 / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert sorted(back) == sorted(source)
+    assert all(torch.equal(back[n].view(torch.uint8), source[n].view(torch.uint8)) for n in source)
+
+
 def test_fp8_moe_refused_where_vllm_refuses(cli, tmp_path) -> None:
     """Qwen3-30B-A3B-FP8 at tp 4 in small: 256 expert rows / 4 = 64, not whole 128-row blocks; whatever the flags."""
     moe = fp8_block(tmp_path / "moe", moe=True)

@@ -176,7 +176,7 @@ def plan_sources(
     without it (``reshard check`` reads headers only) such a tensor gets a problem instead.
     """
     out = []
-    quantized = quantized_tensors(source.config, {n: ref.shape for n, ref in source.ranks[0].items()})
+    quantized = quantized_tensors(source.config, {n: ref.shape for n, ref in source.ranks[0].items()}, ranks=source.tp)
     for name in source.names():
         refs = [rank.get(name) for rank in source.ranks]
         present = tuple(ref for ref in refs if ref is not None)

@@ -118,18 +118,18 @@ def test_peft_merge_writes_plain_weights(peft_full, tmp_path: Path) -> None:
     options = ConvertOptions(tp=1, layout="hf", read=ReadOptions(merge_lora=True, lora_alpha=8.0), progress=False)
     convert(tmp_path / "tp2", tmp_path / "merged", options)
     merged = load_folder(tmp_path / "merged")
-    assert not any("lora_" in n or "base_layer" in n for n in merged)
+    assert not any("lora_" in n or "base_layer" in n or n.startswith("base_model.") for n in merged)
     p = "base_model.model.model.layers.0.self_attn.q_proj."
     a, b = full[p + "lora_A.default.weight"], full[p + "lora_B.default.weight"]
     want = full[p + "base_layer.weight"] + 8.0 / 4 * (b @ a)
-    assert torch.equal(merged[p + "weight"], want)
+    assert torch.equal(merged["model.layers.0.self_attn.q_proj.weight"], want)  # PEFT's prefix gone
 
 
 def test_merge_without_base_weight_is_refused(tmp_path: Path, cli) -> None:
     p = "base_model.model.model.layers.0.self_attn.q_proj."
     adapter = {p + "lora_A.weight": small_ints((4, 32), 0), p + "lora_B.weight": small_ints((32, 4), 1)}
     folder = write_hf(tmp_path / "adapter", PEFT_LLAMA, adapter)
-    result = cli("convert", folder, "--tp", 1, "--merge-lora", "-o", tmp_path / "out")
+    result = cli("convert", folder, "--tp", 1, "--merge-lora", "--lora-alpha", 8, "-o", tmp_path / "out")
     assert result.exit_code == 2
     assert "without its base weight" in result.stderr and p + "lora_" in result.stderr
     assert not (tmp_path / "out").exists()
@@ -140,7 +140,7 @@ def test_merge_with_unpaired_parts_is_refused(peft_full, tmp_path: Path, cli) ->
     p = "base_model.model.model.layers.0.self_attn.q_proj."
     state = {n: t for n, t in full.items() if n != p + "lora_B.default.weight"}
     broken = write_hf(tmp_path / "broken", PEFT_LLAMA, state)
-    result = cli("convert", broken, "--tp", 2, "--merge-lora", "-o", tmp_path / "out")
+    result = cli("convert", broken, "--tp", 2, "--merge-lora", "--lora-alpha", 8, "-o", tmp_path / "out")
     assert result.exit_code == 2
     assert "1 A and 0 B tensors do not pair up" in result.stderr and p.rstrip(".") in result.stderr
     assert not (tmp_path / "out").exists()

@@ -1,0 +1,185 @@
+"""peft LoRA out of a sharded checkpoint, judged by PEFT itself: a tiny transformers Llama wrapped by PEFT on CPU
+(r 4, alpha 16, every linear, B random and nonzero), its whole state dict (``base_layer`` names) written at tp 2
+by reshard, then merged (``--merge-lora``: the weights of ``merge_and_unload()`` bit for bit, its logits) or
+written as PEFT's adapter folder (``--layout peft``: ``PeftModel.from_pretrained`` gives the PeftModel's logits)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from reshard import ConvertOptions, convert
+
+LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+VARIANTS = {
+    "lora": {"target_modules": LINEARS},
+    "rslora": {"target_modules": [*LINEARS, "embed_tokens", "lm_head"], "use_rslora": True},
+    "dora": {"target_modules": ["q_proj", "o_proj"], "use_dora": True},
+}
+IDS = torch.arange(24).reshape(2, 12) * 5 % 96
+
+
+def _base(folder: Path) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(folder)
+    return model
+
+
+def _trained(base: LlamaForCausalLM, root: Path, name: str, extra: dict) -> None:
+    """``root/name/``: PEFT's own adapter folder (``adapter/``) and the whole state dict at tp 2 (``tp2/``)."""
+    torch.manual_seed(1)
+    model = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=16, init_lora_weights=False, **extra))
+    model.save_pretrained(root / name / "adapter")
+    whole = root / name / "whole"
+    whole.mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, whole / "model.safetensors")
+    base.config.save_pretrained(whole)
+    shutil.copy(root / name / "adapter" / "adapter_config.json", whole)
+    convert(whole, root / name / "tp2", ConvertOptions(tp=2, layout="hf-ranks", progress=False))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The base model (``base/``) and one folder per variant of :data:`VARIANTS`."""
+    root = tmp_path_factory.mktemp("peft")
+    base = _base(root / "base")
+    for name, extra in VARIANTS.items():
+        _trained(base, root, name, extra)
+    return root
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+def _peft(root: Path, adapter: Path) -> PeftModel:
+    return PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(root / "base"), adapter)
+
+
+@pytest.mark.parametrize("variant", ["lora", "rslora"])
+def test_merge_equals_merge_and_unload(runs: Path, cli, variant: str) -> None:
+    out = runs / variant / "merged"
+    result = cli("convert", runs / variant / "tp2", "--tp", 1, "--merge-lora", "-o", out)
+    assert result.exit_code == 0, result.output
+    rule = "lora_alpha / sqrt(r) = 8" if variant == "rslora" else "lora_alpha / r = 4"
+    assert rule in result.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "reshard.json"]
+    oracle = _peft(runs, runs / variant / "adapter").merge_and_unload()
+    want, got = oracle.state_dict(), load_file(out / "model.safetensors")
+    assert set(got) == set(want)
+    assert [name for name in want if not torch.equal(got[name], want[name])] == []  # PEFT merges fp32 in fp32
+    assert torch.equal(_logits(LlamaForCausalLM.from_pretrained(out)), _logits(oracle))
+
+
+@pytest.mark.parametrize("variant", ["lora", "rslora"])
+def test_adapter_folder_loads_in_peft(runs: Path, cli, variant: str) -> None:
+    out = runs / variant / "peft-out"
+    result = cli("convert", runs / variant / "tp2", "--tp", 1, "--layout", "peft", "-o", out)
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in out.iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "reshard.json",
+    ]
+    written = load_file(out / "adapter_model.safetensors")
+    saved = load_file(runs / variant / "adapter" / "adapter_model.safetensors")
+    lora = {k: v for k, v in saved.items() if "lora_" in k}  # PEFT also saves a targeted embedding's base weight
+    assert set(written) == set(lora) and all(torch.equal(written[k], lora[k]) for k in lora)
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["use_rslora"]) == (4, 16, variant == "rslora")
+    assert isinstance(config["lora_alpha"], int)
+    assert config["task_type"] == "CAUSAL_LM"
+    want = _logits(_peft(runs, runs / variant / "adapter"))
+    assert torch.equal(_logits(_peft(runs, out)), want)
+
+
+def test_dora_is_refused_by_name(runs: Path, cli) -> None:
+    for flags in (["--merge-lora"], ["--layout", "peft"]):
+        out = runs / "dora" / "out"
+        result = cli("convert", runs / "dora" / "tp2", "--tp", 1, *flags, "-o", out)
+        assert result.exit_code == 2, result.output
+        assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
+        assert "DoRA" in result.stderr and "lora_magnitude_vector" in result.stderr
+        assert not out.exists()
+
+
+def test_missing_alpha_is_required(runs: Path, tmp_path: Path, cli) -> None:
+    bare = tmp_path / "bare"
+    shutil.copytree(runs / "lora" / "tp2", bare)
+    (bare / "adapter_config.json").unlink()
+    result = cli("convert", bare, "--tp", 1, "--merge-lora", "-o", tmp_path / "out")
+    assert result.exit_code == 2
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "lora_alpha" in result.stderr and "--lora-alpha" in result.stderr
+    assert not (tmp_path / "out").exists()
+    given = cli("convert", bare, "--tp", 1, "--merge-lora", "--lora-alpha", 16, "-o", tmp_path / "out")
+    assert given.exit_code == 0, given.output
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    oracle = _peft(runs, runs / "lora" / "adapter").merge_and_unload().state_dict()
+    assert all(torch.equal(got[k], oracle[k]) for k in oracle)
+
+
+def test_recorded_rank_and_alpha_are_checked(runs: Path, tmp_path: Path, cli) -> None:
+    folder = tmp_path / "tp2"
+    shutil.copytree(runs / "lora" / "tp2", folder)
+    result = cli("convert", folder, "--tp", 1, "--merge-lora", "--lora-alpha", 8, "-o", tmp_path / "out")
+    assert result.exit_code == 2 and "--lora-alpha 8, but lora_alpha = 16 is recorded" in result.stderr
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, "r": 8}))
+    result = cli("convert", folder, "--tp", 1, "--merge-lora", "-o", tmp_path / "out")
+    assert result.exit_code == 2 and "r = 8, but the adapter's tensors have rank 4" in result.stderr
+    (folder / "adapter_config.json").write_text(json.dumps({**config, "alpha_pattern": {"q_proj": 2}}))
+    result = cli("convert", folder, "--tp", 1, "--layout", "peft", "-o", tmp_path / "out")
+    assert result.exit_code == 2 and "per-layer alphas (alpha_pattern)" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_several_adapters_need_a_choice(runs: Path, tmp_path: Path, cli) -> None:
+    """Two adapters in one state dict: refused naming both, unless ``--adapter`` picks one (its config in
+    ``<name>/``, where PEFT's ``save_pretrained`` puts a non-default adapter's)."""
+    base = LlamaForCausalLM.from_pretrained(runs / "base")
+    torch.manual_seed(2)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=16, init_lora_weights=False, target_modules=LINEARS))
+    model.add_adapter("second", LoraConfig(r=2, lora_alpha=3, init_lora_weights=False, target_modules=["v_proj"]))
+    for name in ("default", "second"):
+        model.set_adapter(name)
+        with torch.no_grad():  # add_adapter starts B at zero (peft's init); give it values
+            for param_name, param in model.named_parameters():
+                if f"lora_B.{name}." in param_name:
+                    param.copy_(torch.randn_like(param))
+    model.save_pretrained(tmp_path / "adapters")
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, whole / "model.safetensors")
+    base.config.save_pretrained(whole)
+    shutil.copy(tmp_path / "adapters" / "adapter_config.json", whole)
+    shutil.copytree(tmp_path / "adapters" / "second", whole / "second")
+    result = cli("convert", whole, "--tp", 1, "--merge-lora", "-o", tmp_path / "out")
+    assert result.exit_code == 2 and "holds 2 LoRA adapters: default, second" in result.stderr
+    assert "--adapter NAME" in result.stderr
+    result = cli("convert", whole, "--tp", 1, "--merge-lora", "--adapter", "second", "-o", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert "left behind adapters default" in result.stdout
+    model.set_adapter("second")
+    oracle = model.merge_and_unload().state_dict()  # merges the active adapter, unloads the rest
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    assert set(got) == set(oracle) and all(torch.equal(got[k], oracle[k]) for k in oracle)

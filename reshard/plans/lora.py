@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from reshard.config import ModelConfig
 from reshard.errors import AmbiguousPartitionError
-from reshard.geometry import Packed, Partition, Replicate, ReplicatedHeads, Shard, Vocab
+from reshard.geometry import Grouped, Packed, Partition, Replicate, ReplicatedHeads, Shard, Vocab
 from reshard.plans.base import Plan, Rule
 
 BASE, A, B, MAGNITUDE = "base", "A", "B", "magnitude"
@@ -124,6 +124,8 @@ def lora_partition(base: Partition, lora: LoraName) -> Partition:
         case Shard(1, unit):
             return Shard(1, unit) if lora.role == A else Replicate()
         case ReplicatedHeads(0, _) if lora.index in (None, 0):  # B's rows are the base's KV heads
+            return Replicate() if lora.role == A else base
+        case Grouped(0, _) if lora.index is None:  # one peft B over a fused QKV: its rows are grouped as the base's
             return Replicate() if lora.role == A else base
         case Packed(0, parts, _):
             if lora.role == A:

@@ -14,7 +14,7 @@ from fixtures.tp import rank_piece
 from reshard import ConvertOptions, convert
 from reshard.config import ModelConfig
 from reshard.errors import AmbiguousPartitionError
-from reshard.geometry import Packed, Replicate, Shard, Vocab
+from reshard.geometry import Grouped, Packed, Replicate, Shard, Vocab
 from reshard.plans import select_plan
 from reshard.plans.lora import LoraName, lora_partition, parse_lora_name
 
@@ -71,6 +71,8 @@ QKV = Packed(0, (32, 16, 16), (2, 2, 2))
         (Shard(1, 8), LoraName("x", "B", embedding=True), Shard(0, 8)),
         (Shard(0, 8), LoraName("x", "magnitude"), Shard(0, 8)),  # DoRA's magnitude: one per output row
         (Shard(1, 8), LoraName("x", "magnitude"), Replicate()),
+        (Grouped(0, 2), LoraName("x", "A"), Replicate()),  # peft on Megatron's fused, grouped linear_qkv
+        (Grouped(0, 2), LoraName("x", "B"), Grouped(0, 2)),
     ],
 )
 def test_lora_follows_its_base(base, lora: LoraName, expected) -> None:

@@ -14,11 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from reshard.config import ModelConfig
-from reshard.errors import ReshardError, ShapeMismatchError
+from reshard.errors import MappingError, ReshardError, ShapeMismatchError
 from reshard.formats.adapter_config import AdapterFacts, LoraSettings, find_adapter_config, read_adapter_config
 from reshard.layouts.base import SourceCheckpoint, TensorRef
+from reshard.mappings import HF, naming_of
 from reshard.options import ReadOptions
-from reshard.plans.lora import BASE, MAGNITUDE, LoraName, parse_lora_name
+from reshard.plans.lora import BASE, MAGNITUDE, LoraName, parse_lora_name, plain_name
 
 PEFT_PREFIX = "base_model.model."  # what PeftModel puts before the wrapped model's names
 
@@ -141,8 +142,19 @@ def adapter_source(source: SourceCheckpoint, adapter: PeftAdapter, options: Read
     (``base_model.model.X.lora_A.weight``: no adapter name), with the facts its ``adapter_config.json`` needs.
 
     Raises:
-        ReshardError: bias-training adapters (their biases are not in PEFT's saved A and B alone).
+        ReshardError: bias-training adapters (their biases are not in PEFT's saved A and B alone); an adapter on a
+            training framework's names (Megatron's), which PEFT on transformers' model cannot load.
     """
+    unwrapped = [{plain_name(name): ref for name, ref in rank.items()} for rank in source.ranks[:1]]
+    naming = naming_of(replace(source, ranks=unwrapped))  # told by the base layers' own names
+    if naming not in (None, HF):
+        raise MappingError(
+            f"a peft adapter on {naming}'s names has no exact transformers form: a fused linear_qkv (linear_fc1) "
+            "LoRA has one A shared by q, k and v (gate and up), where PEFT on transformers' split projections has "
+            "one A each",
+            path=source.path,
+            hint="write it merged with --merge-lora",
+        )
     if adapter.settings.bias != "none":
         raise ReshardError(
             f"bias = {adapter.settings.bias!r}: an adapter folder of A and B alone would lose the trained biases",

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from fixtures.hf import load_folder, peft_llama_state, write_hf
+from fixtures.megatron import TINY, full_model, megatron_importable, write_megatron
 from fixtures.sat import RANK, full_tensors, layout, read_sat, sat_config, split_rank, tp_kind, write_sat
 from fixtures.shapes import PEFT_LLAMA
 from fixtures.tp import gather_pieces, small_ints
@@ -143,4 +144,58 @@ def test_merge_with_unpaired_parts_is_refused(peft_full, tmp_path: Path, cli) ->
     result = cli("convert", broken, "--tp", 2, "--merge-lora", "--lora-alpha", 8, "-o", tmp_path / "out")
     assert result.exit_code == 2
     assert "1 A and 0 B tensors do not pair up" in result.stderr and p.rstrip(".") in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def _megatron_with_peft_lora(root: Path) -> tuple[Path, Path]:
+    """A Megatron checkpoint at tp 2 whose linear_qkv (column-parallel, fused and grouped) and linear_proj
+    (row-parallel) carry peft LoRA as ``LoraParallelLinear`` places it (column: A whole, B the rank's rows; row:
+    A the rank's columns, B whole), and the same checkpoint merged by hand on every rank (``W_r + B_r A_r * 16/4``)."""
+    full = full_model(TINY, seed=0)
+    lora, merged = write_megatron(root / "lora", full, 2), write_megatron(root / "merged", full, 2)
+    files = sorted(lora.rglob("model_optim_rng.pt"))
+    with megatron_importable():  # the args pickle Megatron's enums
+        objs = [torch.load(f, weights_only=False) for f in files]
+        hand = [torch.load(str(f).replace("/lora/", "/merged/"), weights_only=False) for f in files]
+    for key in [k for k in objs[0]["model"] if k.endswith(("linear_qkv.weight", "linear_proj.weight"))]:
+        column = "linear_qkv" in key
+        rows, cols = objs[0]["model"][key].shape
+        a_whole, b_whole = small_ints((4, cols), 1), small_ints((rows, 4), 2)
+        for rank, (obj, plain) in enumerate(zip(objs, hand, strict=True)):
+            w = obj["model"].pop(key)
+            a = a_whole if column else small_ints((4, cols), 10 + rank)
+            b = small_ints((rows, 4), 20 + rank) if column else b_whole
+            stem = key.removesuffix(".weight")
+            obj["model"] |= {stem + ".base_layer.weight": w, stem + ".lora_A.default.weight": a}
+            obj["model"][stem + ".lora_B.default.weight"] = b
+            plain["model"][key] = (w.float() + (b.float() @ a.float()) * (16 / 4)).to(w.dtype)
+    with megatron_importable():
+        for file, obj, plain in zip(files, objs, hand, strict=True):
+            torch.save(obj, file)
+            torch.save(plain, str(file).replace("/lora/", "/merged/"))
+    return lora, merged
+
+
+def test_megatron_peft_lora_merges_per_rank(tmp_path: Path, cli) -> None:
+    lora, merged = _megatron_with_peft_lora(tmp_path)
+    args = ("--tp", 1, "--layout", "hf", "--vocab", 50)
+    result = cli("convert", lora, *args, "--merge-lora", "--lora-alpha", 16, "-o", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert cli("convert", merged, *args, "-o", tmp_path / "want").exit_code == 0
+    got, want = load_folder(tmp_path / "out"), load_folder(tmp_path / "want")
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    # unmerged, the LoRA tensors reshard with their layers (A and B of the grouped QKV too): merged at tp 4, the
+    # same model (small integers: every product exact, whatever the slices)
+    assert cli("convert", lora, "--tp", 4, "-o", tmp_path / "tp4").exit_code == 0
+    result = cli("convert", tmp_path / "tp4", *args, "--merge-lora", "--lora-alpha", 16, "-o", tmp_path / "out4")
+    assert result.exit_code == 0, result.output
+    got = load_folder(tmp_path / "out4")
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_megatron_peft_lora_has_no_adapter_folder(tmp_path: Path, cli) -> None:
+    lora, _ = _megatron_with_peft_lora(tmp_path)
+    result = cli("convert", lora, "--tp", 1, "--layout", "peft", "--lora-alpha", 16, "-o", tmp_path / "out")
+    assert result.exit_code == 2
+    assert "one A shared by q, k and v" in result.stderr and "--merge-lora" in result.stderr
     assert not (tmp_path / "out").exists()

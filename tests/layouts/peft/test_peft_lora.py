@@ -183,3 +183,38 @@ def test_several_adapters_need_a_choice(runs: Path, tmp_path: Path, cli) -> None
     oracle = model.merge_and_unload().state_dict()  # merges the active adapter, unloads the rest
     got = load_file(tmp_path / "out" / "model.safetensors")
     assert set(got) == set(oracle) and all(torch.equal(got[k], oracle[k]) for k in oracle)
+
+
+def _rank_files(tp2: Path, out: Path) -> Path:
+    """tp 2 as loose torch rank files (verl's ``model_world_size_2_rank_{r}.pt``: ``torch.save`` of each rank's
+    state dict), beside the config and the adapter config."""
+    out.mkdir()
+    for rank in range(2):
+        torch.save(load_file(tp2 / f"rank_0{rank}" / "model.safetensors"), out / f"model_world_size_2_rank_{rank}.pt")
+    return out
+
+
+def _dcp(tp2: Path, out: Path) -> Path:
+    """The whole PEFT state dict saved by torch's DCP writer (one process), as FSDP trainers save through DCP."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(load_file(tp2.parent / "whole" / "model.safetensors"), checkpoint_id=out)
+    return out
+
+
+@pytest.mark.parametrize("sharding", ["torch-rank-files", "dcp"])
+def test_other_shardings_merge_and_write_the_same(runs: Path, tmp_path: Path, cli, sharding: str) -> None:
+    tp2 = runs / "lora" / "tp2"
+    folder = (_rank_files if sharding == "torch-rank-files" else _dcp)(tp2, tmp_path / sharding)
+    for side in ("config.json", "adapter_config.json"):
+        shutil.copy(tp2 / side, folder)
+    merged = cli("convert", folder, "--tp", 1, "--merge-lora", "-o", tmp_path / "merged")
+    assert merged.exit_code == 0, merged.output
+    oracle = _peft(runs, runs / "lora" / "adapter").merge_and_unload().state_dict()
+    got = load_file(tmp_path / "merged" / "model.safetensors")
+    assert set(got) == set(oracle) and all(torch.equal(got[k], oracle[k]) for k in oracle)
+    adapter = cli("convert", folder, "--tp", 1, "--layout", "peft", "-o", tmp_path / "adapter")
+    assert adapter.exit_code == 0, adapter.output
+    written = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    saved = load_file(runs / "lora" / "adapter" / "adapter_model.safetensors")
+    assert set(written) == set(saved) and all(torch.equal(written[k], saved[k]) for k in saved)

@@ -1,10 +1,11 @@
 """PEFT's ``adapter_config.json``: read as a closed world, and written for an adapter folder.
 
 Every field PEFT's ``LoraConfig`` saves is either carried (it changes what the adapter computes and reshard does
-it: ``r``, ``lora_alpha``, ``use_rslora``), kept for the written config (which modules carry an adapter, the base
+it: ``r``, ``lora_alpha``, ``use_rslora``, ``use_dora``: DoRA's magnitudes are carried into an adapter folder, and
+its merge refused by name), kept for the written config (which modules carry an adapter, the base
 model's id), declared irrelevant (how training initialised or dropped out the adapter; how PEFT builds its parallel
 layers, whose arithmetic is the same), or refused by name at any value but its default: a LoRA variant reshard does
-not compute (DoRA, aLoRA, LoRA biases, per-layer ranks or alphas, Conv1D bases, extra trainable modules).
+not compute (aLoRA, LoRA biases, per-layer ranks or alphas, Conv1D bases, extra trainable modules).
 A field this table does not know is refused the same way unless it holds a default (``None``, ``False``, empty).
 Sources: ``peft/tuners/lora/config.py`` (``LoraConfig``), ``peft/config.py`` (``PeftConfigMixin``), peft 0.22.
 """
@@ -43,7 +44,6 @@ _IRRELEVANT = {
 }
 # Variants reshard does not compute: refused unless at their default.
 _REFUSED = {
-    "use_dora": "DoRA (lora_magnitude_vector)",
     "fan_in_fan_out": "a Conv1D (fan_in_fan_out) base",
     "lora_bias": "LoRA B biases (lora_bias)",
     "rank_pattern": "per-layer ranks (rank_pattern)",
@@ -63,7 +63,8 @@ class LoraSettings:
     """What an ``adapter_config.json`` (or the user) says of a LoRA adapter.
 
     Attributes:
-        alpha: ``lora_alpha``; None when nothing recorded it (then ``--lora-alpha`` must).
+        alpha: ``lora_alpha``; None when nothing recorded it, or recorded 0 (verl wrote 0, verl#4553): then
+            ``--lora-alpha`` must give it.
         r: the recorded rank; None when unrecorded (the tensors say).
         use_rslora: scaling is ``alpha / sqrt(r)`` (rank-stabilised LoRA) instead of ``alpha / r``.
         path: the file read, if any.
@@ -72,6 +73,8 @@ class LoraSettings:
         target_modules: as recorded.
         task_type: as recorded.
         bias: which biases the adapter trained (``none``, ``all``, ``lora_only``).
+        use_dora: DoRA: a magnitude per output row (``lora_magnitude_vector``) rescales ``W + B A``.
+        alpha_zero: the file recorded ``lora_alpha: 0`` (a trainer's bug; the trained alpha is unknown).
     """
 
     alpha: float | None = None
@@ -83,6 +86,8 @@ class LoraSettings:
     target_modules: list[str] | str | None = None
     task_type: str | None = None
     bias: str = "none"
+    use_dora: bool = False
+    alpha_zero: bool = False
 
     def scaling(self, r: int) -> float:
         """``alpha / r``, or ``alpha / sqrt(r)`` under rsLoRA (PEFT's ``LoraLayer.update_layer``)."""
@@ -120,16 +125,18 @@ def read_adapter_config(path: Path) -> LoraSettings:
         if key not in _CARRIED | _KEPT | _RECORDED | set(_IRRELEVANT) | set(_REFUSED) and not _is_default(value):
             raise ReshardError(f"unknown LoRA field {key} = {shown(value)}", path=path, hint="reshard cannot judge it")
     alpha, r, rslora = raw.get("lora_alpha"), raw.get("r"), raw.get("use_rslora", False)
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
+    dora = raw.get("use_dora", False)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha < 0:
         raise CorruptFileError(f"lora_alpha {shown(alpha)} is not a positive number", path=path)
     if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
         raise CorruptFileError(f"r {shown(r)} is not a positive integer", path=path)
-    if not isinstance(rslora, bool):
-        raise CorruptFileError(f"use_rslora {shown(rslora)} is not true or false", path=path)
+    for key, flag in (("use_rslora", rslora), ("use_dora", dora)):
+        if not isinstance(flag, bool):
+            raise CorruptFileError(f"{key} {shown(flag)} is not true or false", path=path)
     base, targets, task = raw.get("base_model_name_or_path"), raw.get("target_modules"), raw.get("task_type")
     kept = tuple((key, raw[key]) for key in sorted(_KEPT) if key in raw)
     return LoraSettings(
-        float(alpha),
+        float(alpha) if alpha else None,  # 0: what verl wrote (verl#4553), not the alpha it trained with
         r,
         rslora,
         path,
@@ -138,6 +145,8 @@ def read_adapter_config(path: Path) -> LoraSettings:
         targets if isinstance(targets, (list, str)) else None,
         task if isinstance(task, str) else None,
         str(raw.get("bias") or "none"),
+        dora,
+        alpha == 0,
     )
 
 
@@ -172,7 +181,7 @@ class AdapterFacts:
             "r": self.r,
             "lora_alpha": int(alpha) if alpha is not None and alpha.is_integer() else alpha,  # as LoraConfig saves 16
             "use_rslora": self.settings.use_rslora,
-            "use_dora": False,
+            "use_dora": self.settings.use_dora,
             "fan_in_fan_out": False,
             "bias": "none",
             "lora_dropout": 0.0,

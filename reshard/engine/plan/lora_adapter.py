@@ -83,20 +83,22 @@ def peft_adapter(source: SourceCheckpoint, options: ReadOptions) -> PeftAdapter 
         )
     chosen = options.adapter if options.adapter is not None else held[0]
     mine = {name: lora for name, lora in names.items() if lora.adapter == chosen}
-    dora = next((name for name, lora in mine.items() if lora.role == MAGNITUDE), None)
-    if dora is not None:
-        raise ReshardError(
-            "DoRA adapters (lora_magnitude_vector) are not supported",
-            path=source.path,
-            tensor=dora,
-            hint="merge it in PEFT (merge_and_unload) and convert the merged model",
-        )
+    dora = any(lora.role == MAGNITUDE for lora in mine.values())
     r = _rank(source, mine)
     config = find_adapter_config(folder, chosen)
     settings = read_adapter_config(config) if config is not None else LoraSettings()
+    if config is not None and settings.use_dora != dora:
+        held_dora = "holds DoRA magnitudes (lora_magnitude_vector)" if dora else "holds no lora_magnitude_vector"
+        raise ReshardError(f"use_dora = {str(settings.use_dora).lower()}, but the checkpoint {held_dora}", path=config)
     if settings.r is not None and settings.r != r:
         raise ShapeMismatchError(f"r = {settings.r}, but the adapter's tensors have rank {r}", path=config)
     alpha = settings.alpha if settings.alpha is not None else options.lora_alpha
+    if alpha is None and settings.alpha_zero:
+        raise ReshardError(
+            "lora_alpha = 0 is recorded (verl wrote 0, verl#4553), not the alpha the adapter trained with",
+            path=config,
+            hint="pass --lora-alpha (the trainer's lora_alpha)",
+        )
     if alpha is None:
         raise ReshardError(
             "no adapter_config.json records lora_alpha for its peft LoRA adapter, and reshard does not assume one",
@@ -110,7 +112,7 @@ def peft_adapter(source: SourceCheckpoint, options: ReadOptions) -> PeftAdapter 
             hint="leave --lora-alpha out, or correct the adapter config",
         )
     others = tuple(a for a in held if a != chosen)
-    return PeftAdapter(chosen, others, replace(settings, alpha=alpha), r)
+    return PeftAdapter(chosen, others, replace(settings, alpha=alpha, use_dora=dora), r)
 
 
 def _rank(source: SourceCheckpoint, names: dict[str, LoraName]) -> int:
@@ -162,6 +164,10 @@ def adapter_source(source: SourceCheckpoint, adapter: PeftAdapter, options: Read
             hint="use --merge-lora",
         )
     names = {name: lora for name, lora in _peft_names(source).items() if lora.adapter == adapter.name}
+    layers = {lora.layer for lora in names.values() if lora.embedding}
+    dora_embedding = next((n for n, lora in names.items() if lora.role == MAGNITUDE and lora.layer in layers), None)
+    if dora_embedding is not None:
+        raise ReshardError("DoRA on an embedding is not supported", path=source.path, tensor=dora_embedding)
     ranks = []
     for rank in source.ranks:
         refs: dict[str, TensorRef] = {}
@@ -172,6 +178,7 @@ def adapter_source(source: SourceCheckpoint, adapter: PeftAdapter, options: Read
                 refs[out] = TensorRef(out, ref.rank, ref.reader, ref.key, ref.header)
         ranks.append(refs)
     modules = sorted({lora.layer.rsplit(".", 1)[-1] for lora in names.values()})
+    dora = "; DoRA magnitudes carried" if adapter.settings.use_dora else ""
     facts = AdapterFacts(
         adapter.settings,
         adapter.r,
@@ -179,14 +186,17 @@ def adapter_source(source: SourceCheckpoint, adapter: PeftAdapter, options: Read
         options.base_model or adapter.settings.base_model or _name_or_path(source.config),
         adapter.settings.task_type or _task_type(source.config),
     )
-    note = f"peft adapter {_shown(adapter.name)}: r = {adapter.r}, lora_alpha = {adapter.settings.alpha:g}" + (
+    note = f"peft adapter {_shown(adapter.name)}: r = {adapter.r}, lora_alpha = {adapter.settings.alpha:g}{dora}" + (
         f"; left behind: {', '.join(map(_shown, adapter.others))}" if adapter.others else ""
     )
     return replace(source, ranks=ranks, side_files=[], adapter=facts, notes=[*source.notes, note])
 
 
 def _saved_name(lora: LoraName) -> str:
-    kind = f"lora_embedding_{lora.role}" if lora.embedding else f"lora_{lora.role}.weight"
+    if lora.role == MAGNITUDE:
+        kind = "lora_magnitude_vector"
+    else:
+        kind = f"lora_embedding_{lora.role}" if lora.embedding else f"lora_{lora.role}.weight"
     layer = lora.layer if lora.layer.startswith(PEFT_PREFIX) else PEFT_PREFIX + lora.layer
     return f"{layer}.{kind}"
 

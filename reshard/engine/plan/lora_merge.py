@@ -29,7 +29,7 @@ from reshard.formats.adapter_config import ADAPTER_CONFIG
 from reshard.formats.readers import FileReader
 from reshard.geometry import Replicate
 from reshard.layouts.base import SourceCheckpoint, TensorRef
-from reshard.plans.lora import BASE, A, B, parse_lora_name
+from reshard.plans.lora import BASE, MAGNITUDE, A, B, parse_lora_name
 
 SAT_ALPHA = 1.0  # SAT's LoraMixin default, for its own lora2 names only
 
@@ -56,7 +56,7 @@ class _Adapter:
         return [parts[i] for i in range(len(parts))]
 
 
-def _adapters(names: Sequence[str], peft: PeftAdapter | None) -> tuple[dict[str, _Adapter], set[str]]:
+def _adapters(names: Sequence[str], peft: PeftAdapter | None, path: Path) -> tuple[dict[str, _Adapter], set[str]]:
     """The LoRA-wrapped layers by name, and the tensors of peft adapters not chosen (left behind)."""
     found: dict[str, _Adapter] = {}
     others: set[str] = set()
@@ -67,6 +67,13 @@ def _adapters(names: Sequence[str], peft: PeftAdapter | None) -> tuple[dict[str,
         if lora.role != BASE and lora.peft and (peft is None or lora.adapter != peft.name):
             others.add(name)
             continue
+        if lora.role == MAGNITUDE:  # W' = m / ||W + s B A||_row * (W + s B A): a row-parallel rank lacks the norm
+            raise ReshardError(
+                "merging a DoRA adapter (lora_magnitude_vector) is not supported",
+                path=path,
+                tensor=name,
+                hint="write the adapter folder with --layout peft, or merge it in PEFT (merge_and_unload)",
+            )
         adapter = found.setdefault(lora.layer, _Adapter(lora.layer))
         if lora.role != BASE:
             adapter.peft, adapter.embedding = lora.peft, lora.embedding
@@ -145,7 +152,7 @@ def merge_lora_source(
         ShapeMismatchError: an adapter without its base weight, parts that do not pair up, or shapes
             that do not fit the base (checked from headers, before any byte is read).
     """
-    adapters, others = _adapters(source.names(), peft)
+    adapters, others = _adapters(source.names(), peft, source.path)
     if not adapters:
         return replace(source, notes=[*source.notes, "--merge-lora: no LoRA adapters found, nothing merged"])
     sat_alpha = SAT_ALPHA if alpha is None else alpha

@@ -112,14 +112,39 @@ def test_adapter_folder_loads_in_peft(runs: Path, cli, variant: str) -> None:
     assert torch.equal(_logits(_peft(runs, out)), want)
 
 
-def test_dora_is_refused_by_name(runs: Path, cli) -> None:
-    for flags in (["--merge-lora"], ["--layout", "peft"]):
-        out = runs / "dora" / "out"
-        result = cli("convert", runs / "dora" / "tp2", "--tp", 1, *flags, "-o", out)
-        assert result.exit_code == 2, result.output
-        assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
-        assert "DoRA" in result.stderr and "lora_magnitude_vector" in result.stderr
-        assert not out.exists()
+def test_dora_merge_is_refused_by_name(runs: Path, cli) -> None:
+    out = runs / "dora" / "merged"
+    result = cli("convert", runs / "dora" / "tp2", "--tp", 1, "--merge-lora", "-o", out)
+    assert result.exit_code == 2, result.output
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
+    assert "DoRA" in result.stderr and "lora_magnitude_vector" in result.stderr and "--layout peft" in result.stderr
+    assert not out.exists()
+
+
+def test_dora_adapter_folder_carries_the_magnitudes(runs: Path, cli) -> None:
+    """DoRA's magnitude (one per output row) is cut like B at tp 2 (q_proj's rows, o_proj's whole) and gathered."""
+    out = runs / "dora" / "peft-out"
+    result = cli("convert", runs / "dora" / "tp2", "--tp", 1, "--layout", "peft", "-o", out)
+    assert result.exit_code == 0, result.output
+    assert "DoRA magnitudes carried" in result.stdout
+    written = load_file(out / "adapter_model.safetensors")
+    saved = load_file(runs / "dora" / "adapter" / "adapter_model.safetensors")
+    assert set(written) == set(saved) and all(torch.equal(written[k], saved[k]) for k in saved)
+    assert json.loads((out / "adapter_config.json").read_text())["use_dora"] is True
+    assert torch.equal(_logits(_peft(runs, out)), _logits(_peft(runs, runs / "dora" / "adapter")))
+
+
+def test_verl_lora_alpha_zero_needs_the_real_alpha(runs: Path, tmp_path: Path, cli) -> None:
+    """verl wrote ``lora_alpha: 0`` (verl#4553): not an alpha to merge with; ``--lora-alpha`` gives the trained one."""
+    folder = tmp_path / "tp2"
+    shutil.copytree(runs / "lora" / "tp2", folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 0}))
+    result = cli("convert", folder, "--tp", 1, "--merge-lora", "-o", tmp_path / "out")
+    assert result.exit_code == 2 and "lora_alpha = 0 is recorded" in result.stderr and "--lora-alpha" in result.stderr
+    result = cli("convert", folder, "--tp", 1, "--layout", "peft", "--lora-alpha", 16, "-o", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "out" / "adapter_config.json").read_text())["lora_alpha"] == 16
 
 
 def test_missing_alpha_is_required(runs: Path, tmp_path: Path, cli) -> None:

@@ -4,7 +4,8 @@
 source rank, before anything is planned: ``X.weight = W_r + scaling * cat_i(B_i A_i)`` (in float32, cast
 back to W's dtype). For SAT's ``lora2`` names ``scaling = lora_alpha / r``, ``lora_alpha`` 1 by default as
 SAT's ``LoraMixin``. For peft's names it is PEFT's ``merge_and_unload``: ``W + (B A) * scaling`` (``(B A)^T`` for
-an embedding), ``scaling`` from the adapter's recorded or given alpha and its rank
+an embedding; DoRA's ``m / ||W + (B A) s||`` row by row times that, from a tp 1 source), ``scaling`` from the
+adapter's recorded or given alpha and its rank
 (:mod:`reshard.engine.plan.lora_adapter`), the one adapter chosen merged and any other left behind, and the
 names lose PEFT's ``base_model.model.``. Each rank's merge uses only that rank's tensors, exactly as SAT's
 ``merge_lora()`` run on every rank does, so the merged slices then reshard like any base weight. Merged
@@ -49,6 +50,7 @@ class _Adapter:
     b: dict[int, str] = field(default_factory=dict)
     peft: bool = False
     embedding: bool = False
+    magnitude: str | None = None  # DoRA's
 
     def ordered(self, parts: dict[int, str], what: str) -> list[str]:
         if sorted(parts) != list(range(len(parts))):
@@ -56,7 +58,7 @@ class _Adapter:
         return [parts[i] for i in range(len(parts))]
 
 
-def _adapters(names: Sequence[str], peft: PeftAdapter | None, path: Path) -> tuple[dict[str, _Adapter], set[str]]:
+def _adapters(names: Sequence[str], peft: PeftAdapter | None) -> tuple[dict[str, _Adapter], set[str]]:
     """The LoRA-wrapped layers by name, and the tensors of peft adapters not chosen (left behind)."""
     found: dict[str, _Adapter] = {}
     others: set[str] = set()
@@ -67,14 +69,10 @@ def _adapters(names: Sequence[str], peft: PeftAdapter | None, path: Path) -> tup
         if lora.role != BASE and lora.peft and (peft is None or lora.adapter != peft.name):
             others.add(name)
             continue
-        if lora.role == MAGNITUDE:  # W' = m / ||W + s B A||_row * (W + s B A): a row-parallel rank lacks the norm
-            raise ReshardError(
-                "merging a DoRA adapter (lora_magnitude_vector) is not supported",
-                path=path,
-                tensor=name,
-                hint="write the adapter folder with --layout peft, or merge it in PEFT (merge_and_unload)",
-            )
         adapter = found.setdefault(lora.layer, _Adapter(lora.layer))
+        if lora.role == MAGNITUDE:
+            adapter.magnitude = name
+            continue
         if lora.role != BASE:
             adapter.peft, adapter.embedding = lora.peft, lora.embedding
         index = 0 if lora.index is None else lora.index
@@ -99,6 +97,7 @@ class MergedLoraReader(FileReader):
     scaling: float
     peft: bool = False
     embedding: bool = False
+    magnitude: TensorRef | None = None
     path: Path = field(init=False)
     headers: dict[str, TensorHeader] = field(init=False)
     extras: dict = field(init=False, default_factory=dict)
@@ -115,7 +114,12 @@ class MergedLoraReader(FileReader):
         scaling = self.scaling
         if self.peft:
             delta = self.b[0].read().float() @ self.a[0].read().float()
-            return (weight.float() + (delta.T if self.embedding else delta) * scaling).to(weight.dtype)
+            delta = (delta.T if self.embedding else delta) * scaling
+            merged = weight.float() + delta
+            if self.magnitude is not None:  # DoRA (PEFT's DoraLinearVariant.merge_unsafe): m / ||W + s B A||_row
+                norm = torch.linalg.norm(weight.float() + delta, dim=1)
+                merged = (self.magnitude.read().float() / norm).view(-1, 1) * merged
+            return merged.to(weight.dtype)
         # SAT's merge_linear_lora: A_i^T B_i^T per part, concatenated on the output dim, transposed back.
         parts = [a.read().T.float() @ b.read().T.float() * scaling for a, b in zip(self.a, self.b, strict=True)]
         delta = torch.cat(parts, -1).T
@@ -152,7 +156,7 @@ def merge_lora_source(
         ShapeMismatchError: an adapter without its base weight, parts that do not pair up, or shapes
             that do not fit the base (checked from headers, before any byte is read).
     """
-    adapters, others = _adapters(source.names(), peft, source.path)
+    adapters, others = _adapters(source.names(), peft)
     if not adapters:
         return replace(source, notes=[*source.notes, "--merge-lora: no LoRA adapters found, nothing merged"])
     sat_alpha = SAT_ALPHA if alpha is None else alpha
@@ -174,7 +178,9 @@ def merge_lora_source(
     clashes = sorted(set(renamed.values()) & {plain(name) for name in source.names() if name not in renamed})
     if clashes:
         raise ShapeMismatchError("both a LoRA base and a plain tensor of this name exist", tensor=clashes[0])
+    _check_dora(source, adapters)
     dropped = others | {n for adapter in adapters.values() for n in [*adapter.a.values(), *adapter.b.values()]}
+    dropped |= {adapter.magnitude for adapter in adapters.values() if adapter.magnitude is not None}
     ranks = []
     for rank in source.ranks:
         refs: dict[str, TensorRef] = {}
@@ -186,7 +192,8 @@ def merge_lora_source(
                 a, b = _refs(rank, a_names, ref), _refs(rank, b_names, ref)
                 _check_shapes(out, ref, a, b, embedding=adapter.embedding)
                 scaling = peft.scaling if adapter.peft and peft is not None else sat_alpha / a[0].shape[0]
-                reader = MergedLoraReader(out, ref, a, b, scaling, adapter.peft, adapter.embedding)
+                magnitude = _refs(rank, [adapter.magnitude], ref)[0] if adapter.magnitude else None
+                reader = MergedLoraReader(out, ref, a, b, scaling, adapter.peft, adapter.embedding, magnitude)
                 refs[out] = TensorRef(out, ref.rank, reader, out, ref.header)
             else:
                 out = renamed.get(name, plain(name))
@@ -200,6 +207,24 @@ def merge_lora_source(
         note = f"--merge-lora: merged {len(merges)} LoRA adapters per rank (scaling = {sat_alpha:g} / rank)"
     sides = [path for path in source.side_files if path.name != ADAPTER_CONFIG]  # a merged model has no adapter
     return replace(source, ranks=ranks, side_files=sides, notes=[*source.notes, note])
+
+
+def _check_dora(source: SourceCheckpoint, adapters: dict[str, _Adapter]) -> None:
+    """Refuse a DoRA merge that is not exact here: ``||W + s B A||`` is over each whole output row, which the ranks of
+    a row-parallel layer split (a tp 1 source holds every row whole); DoRA on an embedding."""
+    dora = [adapter for adapter in adapters.values() if adapter.magnitude is not None]
+    if not dora:
+        return
+    problem = next((adapter for adapter in dora if adapter.embedding), None)
+    if problem is not None:
+        raise ReshardError("merging DoRA on an embedding is not supported", path=source.path, tensor=problem.magnitude)
+    if source.tp > 1:
+        raise ReshardError(
+            f"merging DoRA at tp {source.tp}: its norm is over whole rows, which a row-parallel rank does not hold",
+            path=source.path,
+            tensor=dora[0].magnitude,
+            hint="convert it to --tp 1 first (its LoRA tensors gather exactly), then --merge-lora",
+        )
 
 
 def _refs(rank: dict[str, TensorRef], names: list[str], base: TensorRef) -> list[TensorRef]:

@@ -112,13 +112,24 @@ def test_adapter_folder_loads_in_peft(runs: Path, cli, variant: str) -> None:
     assert torch.equal(_logits(_peft(runs, out)), want)
 
 
-def test_dora_merge_is_refused_by_name(runs: Path, cli) -> None:
+def test_dora_merges_whole_rows_only(runs: Path, cli) -> None:
+    """DoRA's norm is over whole output rows: refused by name at tp 2 (o_proj's ranks hold half of each row);
+    gathered to tp 1 first (unmerged), the merge equals ``merge_and_unload()``'s."""
     out = runs / "dora" / "merged"
     result = cli("convert", runs / "dora" / "tp2", "--tp", 1, "--merge-lora", "-o", out)
     assert result.exit_code == 2, result.output
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
-    assert "DoRA" in result.stderr and "lora_magnitude_vector" in result.stderr and "--layout peft" in result.stderr
+    assert "merging DoRA at tp 2" in result.stderr and "lora_magnitude_vector" in result.stderr
+    assert "convert it to --tp 1 first" in result.stderr
     assert not out.exists()
+    assert cli("convert", runs / "dora" / "tp2", "--tp", 1, "-o", runs / "dora" / "tp1").exit_code == 0
+    result = cli("convert", runs / "dora" / "tp1", "--tp", 1, "--merge-lora", "-o", out)
+    assert result.exit_code == 0, result.output
+    oracle = _peft(runs, runs / "dora" / "adapter").merge_and_unload()
+    got, want = load_file(out / "model.safetensors"), oracle.state_dict()
+    assert set(got) == set(want)
+    assert [name for name in want if not torch.equal(got[name], want[name])] == []
+    assert torch.equal(_logits(LlamaForCausalLM.from_pretrained(out)), _logits(oracle))
 
 
 def test_dora_adapter_folder_carries_the_magnitudes(runs: Path, cli) -> None:

@@ -199,3 +199,18 @@ def test_megatron_peft_lora_has_no_adapter_folder(tmp_path: Path, cli) -> None:
     assert result.exit_code == 2
     assert "one A shared by q, k and v" in result.stderr and "--merge-lora" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_sat_lora_has_no_peft_folder_and_flags_are_checked(tmp_path: Path, cli) -> None:
+    write_sat(tmp_path / "src", CFG, full_tensors(CFG), 8)
+    out = tmp_path / "out"
+    result = cli("convert", tmp_path / "src", "--tp", 1, "--layout", "peft", "-o", out)
+    assert result.exit_code == 2 and "holds no peft LoRA adapter" in result.stderr and "--merge-lora" in result.stderr
+    for flags, said in (
+        (["--layout", "peft", "--merge-lora"], "--layout peft writes the adapter alone"),
+        (["--base-model", "org/base"], "--base-model only applies with --layout peft"),
+        (["--adapter", "default"], "--adapter only applies with --merge-lora or --layout peft"),
+    ):
+        result = cli("convert", tmp_path / "src", "--tp", 1, *flags, "-o", out)
+        assert result.exit_code == 2 and said in result.stderr, (flags, result.stderr)
+    assert not out.exists()

@@ -10,8 +10,11 @@ import json
 import shutil
 from pathlib import Path
 
+import peft
 import pytest
 import torch
+import transformers
+from fixtures.torchrun import HERE, source_key, write_once
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -254,3 +257,38 @@ def test_other_shardings_merge_and_write_the_same(runs: Path, tmp_path: Path, cl
     written = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
     saved = load_file(runs / "lora" / "adapter" / "adapter_model.safetensors")
     assert set(written) == set(saved) and all(torch.equal(written[k], saved[k]) for k in saved)
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(pytestconfig: pytest.Config) -> Path:
+    """``fixtures/peft_fsdp_writer.py`` under torchrun at world 2 (FSDP2 DTensor shards saved by DCP, and PEFT's own
+    adapter of the same trained model), kept in pytest's cache between sessions."""
+    versions = f"{torch.__version__} {transformers.__version__} {peft.__version__}"
+    root = pytestconfig.cache.mkdir("peft-fsdp") / source_key([HERE / "peft_fsdp_writer.py", Path(__file__)], versions)
+    return write_once(
+        root,
+        "fixtures.peft_fsdp_writer",
+        ranks=2,
+        prepare=lambda staging: _base(staging / "base"),
+        args=lambda staging: [str(staging / "base"), str(staging)],
+    )
+
+
+def test_fsdp2_lora_run_merges_and_writes_as_peft(fsdp_run: Path, tmp_path: Path, cli) -> None:
+    """A LoRA trained two steps under FSDP2 and saved by DCP: merged, the weights of ``merge_and_unload()`` of the
+    same trained PeftModel bit for bit; as an adapter folder, PEFT's own save of it, tensor for tensor."""
+    merged = cli("convert", fsdp_run / "dcp", "--tp", 1, "--merge-lora", "-o", tmp_path / "merged")
+    assert merged.exit_code == 0, merged.output
+    trained = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(fsdp_run / "base"), fsdp_run / "adapter")
+    want = _logits(trained)
+    oracle = trained.merge_and_unload()
+    got = load_file(tmp_path / "merged" / "model.safetensors")
+    assert set(got) == set(oracle.state_dict())
+    assert all(torch.equal(got[k], v) for k, v in oracle.state_dict().items())
+    adapter = cli("convert", fsdp_run / "dcp", "--tp", 1, "--layout", "peft", "-o", tmp_path / "adapter")
+    assert adapter.exit_code == 0, adapter.output
+    written = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    saved = load_file(fsdp_run / "adapter" / "adapter_model.safetensors")
+    assert set(written) == set(saved) and all(torch.equal(written[k], saved[k]) for k in saved)
+    base = LlamaForCausalLM.from_pretrained(fsdp_run / "base")
+    assert torch.equal(_logits(PeftModel.from_pretrained(base, tmp_path / "adapter")), want)

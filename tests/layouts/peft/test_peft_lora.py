@@ -292,3 +292,22 @@ def test_fsdp2_lora_run_merges_and_writes_as_peft(fsdp_run: Path, tmp_path: Path
     assert set(written) == set(saved) and all(torch.equal(written[k], saved[k]) for k in saved)
     base = LlamaForCausalLM.from_pretrained(fsdp_run / "base")
     assert torch.equal(_logits(PeftModel.from_pretrained(base, tmp_path / "adapter")), want)
+
+
+def test_base_model_is_named(runs: Path, tmp_path: Path, cli) -> None:
+    """``base_model_name_or_path``: ``--base-model``, else the recorded one, else the config's ``_name_or_path``."""
+    folder = tmp_path / "tp2"
+    shutil.copytree(runs / "lora" / "tp2", folder)
+    recorded = json.loads((folder / "adapter_config.json").read_text())
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "_name_or_path": "org/from-config"}))
+
+    def named(*flags: object) -> str | None:
+        out = tmp_path / f"out{len(list(tmp_path.iterdir()))}"
+        assert cli("convert", folder, "--tp", 1, "--layout", "peft", *flags, "-o", out).exit_code == 0
+        return json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"]
+
+    assert named() == "org/from-config"
+    (folder / "adapter_config.json").write_text(json.dumps({**recorded, "base_model_name_or_path": "org/recorded"}))
+    assert named() == "org/recorded"
+    assert named("--base-model", "/models/base") == "/models/base"

@@ -199,8 +199,9 @@ class TargetSpec:
 @runtime_checkable
 class PartsWriter(Protocol):
     """One rank's file writer that knows where each tensor lands before its bytes arrive, and takes them as byte
-    ranges (the safetensors writers of :mod:`reshard.formats.safetensors.writer`; a torch zip record is not one: its
-    CRC-32 needs the whole slice). A :class:`RankFilesWriter` whose every rank writer is one :attr:`takes_parts`.
+    ranges (the safetensors writers of :mod:`reshard.formats.safetensors.writer`, and the torch zip writer of
+    :mod:`reshard.formats.torch_zip.writer`, which joins its ranges' CRC-32s). A :class:`RankFilesWriter` whose every
+    rank writer is one :attr:`takes_parts`.
 
     The calls for one tensor happen in this order: 1) :meth:`position` (any time); 2) :meth:`begin_parts`;
     3) :meth:`write_part`, any number of times, ranges in any order, from the thread that began it;
@@ -297,7 +298,7 @@ class CheckpointWriter:
     def takes_parts(self) -> bool:
         """Whether a tensor's slices may be written in byte ranges instead (:meth:`begin_parts`, :meth:`write_part`,
         :meth:`end_parts`, the calls of a :class:`PartsWriter` with a rank), as they stream through a small buffer:
-        only writers that need no whole slice (a torch zip record's CRC-32 does)."""
+        only writers that need no whole slice."""
         return False
 
     def begin_parts(self, name: str, shapes: Sequence[tuple[int, ...]], code: str) -> None:

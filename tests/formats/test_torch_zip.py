@@ -20,6 +20,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from reshard.dtypes import code_of
 from reshard.formats.readers import TensorHeader
 from reshard.formats.torch_zip import layout as zip_layout
 from reshard.formats.torch_zip import writer as torch_zip
@@ -213,6 +214,53 @@ def test_out_of_order_and_threaded_writes(tmp_path: Path, threads: int) -> None:
     assert_same_bytes(*save_both(tmp_path, build, order=shuffle, threads=threads))
 
 
+def write_in_parts(writer: TorchZipWriter, key: str, tensor: torch.Tensor, rng: random.Random) -> None:
+    """Write ``tensor`` as byte ranges cut at random places, in a random order, as a stream hands them over."""
+    data = memoryview(tensor.contiguous().view(torch.uint8).numpy()).cast("B")
+    edges = sorted({0, len(data), *rng.sample(range(len(data) + 1), min(len(data), 6))})
+    ranges = list(zip(edges, edges[1:], strict=False))
+    writer.begin_parts(key, tuple(tensor.shape), code_of(tensor.dtype))
+    for start, end in rng.sample(ranges, len(ranges)):
+        writer.write_part(key, [data[start:end]], start)
+    writer.end_parts(key)
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_tensors_written_as_byte_ranges_in_any_order_give_torch_save_bytes(tmp_path: Path, threads: int) -> None:
+    """A streamed tensor's ranges carry their own CRC-32s, joined at the end: the file is torch.save's, CRCs and
+    all (an independent zip reader checks them)."""
+    tensors = {f"w{i}": filled((i % 4 + 1, 97 + i), DTYPES[i % len(DTYPES)], seed=i) for i in range(24)}
+    torch.save(tensors, tmp_path / "ref.pt")
+    (tmp_path / "ours").mkdir()
+    writer = TorchZipWriter(tmp_path / "ours" / "ref.pt", {k: slot_of(k, v) for k, v in tensors.items()})
+    at, first = writer.position("w0"), tensors["w0"].view(torch.uint8).numpy().tobytes()
+    assert writer.takes_parts and at is not None and at % 64 == 0  # where torch.save put its bytes
+    assert (tmp_path / "ref.pt").read_bytes()[at : at + len(first)] == first
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda i: write_in_parts(writer, f"w{i}", tensors[f"w{i}"], random.Random(i)), range(24)))
+    assert writer.done
+    writer.close()
+    assert_same_bytes(tmp_path / "ref.pt", tmp_path / "ours" / "ref.pt")
+    assert zipfile.ZipFile(tmp_path / "ours" / "ref.pt").testzip() is None
+
+
+def test_byte_ranges_that_leave_a_gap_or_overlap_are_refused(tmp_path: Path) -> None:
+    data = memoryview(filled((4, 4), torch.float32).numpy()).cast("B")  # 64 bytes
+    for name, ranges, said in [
+        ("gap", [(0, 16), (32, 64)], r"bytes \[16, 32\) were written never"),
+        ("short", [(0, 48)], r"bytes \[48, 64\) were never written"),
+        ("overlap", [(0, 40), (32, 64)], r"bytes \[32, 40\) were written twice"),
+    ]:
+        writer = TorchZipWriter(tmp_path / f"{name}.pt", {"w": slot_of("w", torch.zeros(4, 4))})
+        writer.begin_parts("w", (4, 4), "F32")
+        for start, end in ranges:
+            writer.write_part("w", [data[start:end]], start)
+        with pytest.raises(ValueError, match=f"{name}.pt: w: {said}"):
+            writer.end_parts("w")
+        writer.abort()
+        assert not (tmp_path / f"{name}.pt").exists()
+
+
 def test_non_contiguous_tensors_are_written_in_c_order(tmp_path: Path) -> None:
     wide = filled((64, 1024), torch.float32)  # rows of 2 KB: written row by row
     narrow = filled((64, 12), torch.float16)  # rows of 12 bytes: written through contiguous copies
@@ -260,9 +308,9 @@ def test_bad_writes_are_refused(tmp_path: Path) -> None:
     writer = TorchZipWriter(tmp_path / "model.pt", {"w": slot_of("w", torch.zeros(2, 3))})
     with pytest.raises(ValueError, match="'v' is not a slot of the template"):
         writer.write("v", torch.zeros(2, 3))
-    with pytest.raises(ValueError, match=r"w: announced \(2, 3\) torch.float32, got \(3, 2\) torch.float32"):
+    with pytest.raises(ValueError, match=r"w: announced \(2, 3\) F32, got \(3, 2\) F32"):
         writer.write("w", torch.zeros(3, 2))
-    with pytest.raises(ValueError, match=r"w: announced \(2, 3\) torch.float32, got \(2, 3\) torch.float16"):
+    with pytest.raises(ValueError, match=r"w: announced \(2, 3\) F32, got \(2, 3\) F16"):
         writer.write("w", torch.zeros(2, 3, dtype=torch.half))
     with pytest.raises(ValueError, match="two slots of the template are written as 'w'"):
         TorchZipWriter(tmp_path / "x.pt", [slot_of("w", torch.zeros(1)), slot_of("w", torch.zeros(1))])

@@ -7,9 +7,11 @@ Run under ``torchrun`` (gloo) with the Megatron-Core 0.19.2 venv (``tests/layout
 
 Jobs (a JSON list; model parallelism re-initialized between them):
 
-- ``{"command": "train", "spec", "out", "steps", "more", "sharding", "bf16"}``: the ``spec``'s model
+- ``{"command": "train", "spec", "out", "steps", "more", "sharding", "bf16", "bucket_size"}``: the ``spec``'s model
   (``mcore_gpt.build``, fp32; ``bf16``: in bf16 behind ``Float16Module``, the optimizer's fp32 masters apart, as
-  Megatron-LM's ``--bf16``) wrapped in Megatron-Core's ``DistributedDataParallel``, the optimizer
+  Megatron-LM's ``--bf16``; a ``pp`` > 1 takes :func:`synthetic_step`s, without a pipeline schedule) wrapped in
+  Megatron-Core's ``DistributedDataParallel`` (``bucket_size``: with
+  ``--overlap-grad-reduce --ddp-bucket-size``, else one bucket; the args record it as Megatron-LM's do), the optimizer
   ``get_megatron_optimizer`` builds (Adam, the distributed optimizer: torch's ``Adam`` with ``decoupled_weight_decay``
   without Apex / Transformer Engine), trained ``steps`` steps on fixed batches (one per step), then saved as
   Megatron-LM's ``save_checkpoint`` does with ``--dist-ckpt-optim-fully-reshardable`` (``sharding``
@@ -53,6 +55,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 from pathlib import Path
 
 import mcore_gpt
@@ -132,22 +135,38 @@ def plain_metadata() -> dict:
     return {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 
 
-def setup(variant: Variant, spec: Spec, *, seed: int, hyper: dict, distributed: bool = True, bf16: bool = False):
+def setup(
+    variant: Variant,
+    spec: Spec,
+    *,
+    seed: int,
+    hyper: dict,
+    distributed: bool = True,
+    bf16: bool = False,
+    bucket_size: int | None = None,
+):
     """The DDP-wrapped model, its optimizer (``distributed``, else Megatron-Core's ``FP32Optimizer``) and LR scheduler,
     as Megatron-LM's ``setup_model_and_optimizer`` builds them (constant LR: the scheduler's state is saved, but does
-    not change the steps)."""
+    not change the steps). ``bucket_size``: Megatron-LM's ``--overlap-grad-reduce --ddp-bucket-size`` (buckets of
+    about that many elements), else one bucket."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.transformer.module import Float16Module
 
     (model,) = mcore_gpt.build(variant, spec, seed=seed)
-    model.output_layer.gather_output = False  # the vocab-parallel loss takes this rank's logits, as in training
+    if hasattr(model, "output_layer"):  # the last pipeline stage
+        model.output_layer.gather_output = False  # the vocab-parallel loss takes this rank's logits, as in training
     model.train()
     if bf16:  # Megatron-LM's --bf16: the model in bf16 behind Float16Module, fp32 masters in the optimizer
         model.config.bf16, model.config.params_dtype = True, torch.bfloat16
         model = Float16Module(model.config, model)
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed, grad_reduce_in_fp32=True)
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=distributed,
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=bucket_size is not None,
+        bucket_size=bucket_size,
+    )
     ddp = DistributedDataParallel(model.config, ddp_config, model)
     config = OptimizerConfig(
         optimizer="adam",
@@ -166,6 +185,20 @@ def setup(variant: Variant, spec: Spec, *, seed: int, hyper: dict, distributed: 
         wd_incr_style="constant",
     )  # fmt: skip
     return ddp, optimizer, scheduler
+
+
+def ddp_args(args, ddp_config, bucket_size: int | None) -> None:
+    """The args Megatron-LM records of the DDP config it built (``get_megatron_ddp_config``,
+    ``resolve_ddp_bucket_size``), and the data-parallel size of the run."""
+    from megatron.core import parallel_state as ps
+
+    args.data_parallel_size = ps.get_data_parallel_world_size()
+    args.overlap_grad_reduce = ddp_config.overlap_grad_reduce
+    args.overlap_param_gather_with_optimizer_step = False
+    args.ddp_bucket_size, args.ddp_num_buckets = bucket_size, None
+    args.ddp_pad_buckets_for_high_nccl_busbw = ddp_config.pad_buckets_for_high_nccl_busbw
+    args.num_distributed_optimizer_instances = ddp_config.num_distributed_optimizer_instances
+    args.accumulate_allreduce_grads_in_fp32 = ddp_config.grad_reduce_in_fp32
 
 
 def step_batch(variant: Variant, step: int) -> torch.Tensor:
@@ -191,11 +224,40 @@ def train_step(ddp, optimizer, variant: Variant, step: int) -> float:
     return loss.item()
 
 
+def synthetic_step(ddp, optimizer, variant: Variant, step: int) -> float:
+    """A step of a pipeline-parallel run without the pipeline schedule: every stage's grad buffer filled with
+    fixed pseudo-random gradients (by step and stage), then the gradient sync and the optimizer's step as after a
+    backward pass; the loss is not computed (NaN)."""
+    from megatron.core import parallel_state as ps
+
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    gen = torch.Generator().manual_seed(BATCH_SEED + 1000 * (step + 1) + ps.get_pipeline_model_parallel_rank())
+    for buffer in ddp.buffers:
+        buffer.grad_data.copy_(1e-2 * torch.randn(buffer.grad_data.shape, generator=gen))
+    ddp.finish_grad_sync()
+    ok, _, _ = optimizer.step()
+    assert ok, "the optimizer skipped a step"
+    return float("nan")
+
+
+def global_names(ddp) -> dict:
+    """Each parameter's name with its layer's global index (a pipeline stage numbers its layers from 0)."""
+    model = getattr(ddp.module, "module", ddp.module)  # Float16Module
+    names = {}
+    for name, param in model.named_parameters():
+        match = re.match(r"^decoder\.layers\.(\d+)\.(.*)$", name)
+        if match:
+            name = f"decoder.layers.{model.decoder.layers[int(match[1])].layer_number - 1}.{match[2]}"
+        names[param] = name
+    return names
+
+
 def held_state(ddp, optimizer) -> dict:
     """Each parameter's (this tp rank's slice) fp32 master and moments as the distributed optimizer holds them, its
     data-parallel shards gathered by Megatron-Core's own ``get_parameter_state_dp_zero``, by parameter name."""
     (inner,) = optimizer.chained_optimizers
-    names = {param: name.removeprefix("module.") for name, param in ddp.module.named_parameters()}  # Float16Module
+    names = global_names(ddp)
     if not hasattr(inner, "get_parameter_state_dp_zero"):  # FP32Optimizer: the weights are the masters
         state = inner.optimizer.state
         return {
@@ -207,7 +269,10 @@ def held_state(ddp, optimizer) -> dict:
     out = {}
     for gbuf_idx, buffer in enumerate(inner.buffers):
         ((_, tensors),) = world[gbuf_idx].items()
-        for param, (start, end, _) in buffer.param_index_map.items():
+        # the buckets coalesced: each one's unpadded elements after the ones before it
+        begins = [sum(b.numel_unpadded for b in buffer.buckets[:i]) - b.offset for i, b in enumerate(buffer.buckets)]
+        for param, (start, end, bucket) in buffer.param_index_map.items():
+            start, end = start + begins[bucket], end + begins[bucket]
             out[names[param]] = {
                 key: tensors[key][start:end].reshape(param.shape).clone()
                 for key in ("param", *inner.optimizer_state_keys)
@@ -267,8 +332,12 @@ def train(job: dict) -> None:
     variant, out, steps = spec.model(), Path(job["out"]), job["steps"]
     distributed = job.get("sharding", "fully_reshardable") != "none"  # none: Megatron-Core's FP32Optimizer
     bf16 = job.get("bf16", False)
-    ddp, optimizer, scheduler = setup(variant, spec, seed=SEED, hyper=HYPER, distributed=distributed, bf16=bf16)
-    before = [train_step(ddp, optimizer, variant, step) for step in range(steps)]
+    bucket_size = job.get("bucket_size")
+    ddp, optimizer, scheduler = setup(
+        variant, spec, seed=SEED, hyper=HYPER, distributed=distributed, bf16=bf16, bucket_size=bucket_size
+    )
+    step_fn = synthetic_step if spec.pp > 1 else train_step  # no pipeline schedule here
+    before = [step_fn(ddp, optimizer, variant, step) for step in range(steps)]
     iter_dir = megatron_lm.iter_dir(out / "ckpt", steps)
     if dist.get_rank() == 0:
         iter_dir.mkdir(parents=True)
@@ -276,6 +345,7 @@ def train(job: dict) -> None:
     args = megatron_lm.megatron_args(variant, spec, ckpt_format="torch_dist")
     args.use_distributed_optimizer = distributed
     args.iteration, args.lr, args.weight_decay = steps, LR, HYPER["weight_decay"]
+    ddp_args(args, ddp.ddp_config, bucket_size)
     metadata = content_metadata(job.get("sharding", "fully_reshardable")) if distributed else plain_metadata()
     args.dist_ckpt_optim_fully_reshardable = metadata.get("distrib_optim_sharding_type") == "fully_reshardable"
     state = generate_state_dict(ddp, optimizer, scheduler, args, metadata, iteration=steps, loading=False)
@@ -286,7 +356,7 @@ def train(job: dict) -> None:
     torch.save(
         {"state": held_state(ddp, optimizer), "groups": groups(optimizer)}, out / f"saved_rank{dist.get_rank()}.pt"
     )
-    after = [train_step(ddp, optimizer, variant, step) for step in range(steps, steps + job["more"])]
+    after = [step_fn(ddp, optimizer, variant, step) for step in range(steps, steps + job["more"])]
     if dist.get_rank() == 0:
         torch.save({"before": before, "losses": after, "tp": spec.tp, "steps": steps}, out / "reference.pt")
 
@@ -327,7 +397,7 @@ def run(jobs: list[dict]) -> None:
 
     for job in jobs:
         spec = Spec.from_json(job["spec"])
-        ps.initialize_model_parallel(tensor_model_parallel_size=spec.tp)
+        ps.initialize_model_parallel(tensor_model_parallel_size=spec.tp, pipeline_model_parallel_size=spec.pp)
         {"train": train, "resume": resume}[job["command"]](job)
         dist.barrier()
         ps.destroy_model_parallel()

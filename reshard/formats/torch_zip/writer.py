@@ -5,7 +5,9 @@ its tensors' shapes and dtypes alone: the pickle refers to each storage by a key
 record's offset follows from the sizes before it (:mod:`reshard.formats.torch_zip.layout`). So
 :class:`TorchZipWriter` takes a *template*, the object with :class:`TensorSlot` placeholders where the
 tensors go, pickles it, lays the file out, and then writes each tensor at its final offset when it
-arrives: in any order, from several threads at once, with ``O_DIRECT`` where the file system allows.
+arrives: in any order, from several threads at once, with ``O_DIRECT`` where the file system allows; a tensor may
+also come as byte ranges as the engine streams it (:meth:`TorchZipWriter.begin_parts`), whose CRC-32s are joined
+(:mod:`reshard.formats.torch_zip.crc`), so no slice is ever whole in memory.
 Nothing is spooled and no state dict is held. The file is byte for byte what
 ``torch.save(obj, path, pickle_module=...)`` writes for the real object whose tensors are contiguous
 and have storages of their own (what a loader or a split hands over), so ``torch.load`` (with
@@ -18,7 +20,7 @@ from __future__ import annotations
 import pickle
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -28,8 +30,11 @@ try:  # ISA-L's CRC-32, far faster than zlib's (measured: docs/performance.md): 
 except ImportError:  # a platform without its wheel: the same CRC, slower
     from zlib import crc32
 
+from reshard.dtypes import code_of
 from reshard.formats.safetensors.writer import byte_chunks
 from reshard.formats.torch_zip import layout as zip_layout
+from reshard.formats.torch_zip.crc import PartsCrc
+from reshard.formats.torch_zip.layout import Record
 from reshard.formats.torch_zip.template import DEFAULT_PROTOCOL, TensorSlot, pickle_template
 from reshard.io.direct import Batch, DirectFile
 from reshard.io.vectored import row_views
@@ -169,6 +174,7 @@ class TorchZipWriter:
         self._static = self._static_runs(known)
         self._written: set[str] = set()
         self._finished: set[str] = set()  # written in full, descriptor included
+        self._parts: dict[str, PartsCrc] = {}  # slots coming as byte ranges: their CRC so far
         self._file: DirectFile | Region | None = None
         self._started = self._complete = self._aborted = False
         self._lock = threading.Lock()
@@ -203,14 +209,63 @@ class TorchZipWriter:
 
     def write(self, key: str, tensor: torch.Tensor | Joined) -> None:
         """Write the tensor of slot ``key`` at its offset; safe to call from several threads at once."""
+        claimed = self._claim(key, tuple(tensor.shape), code_of(tensor.dtype))
+        if claimed is None:
+            return
+        file, record = claimed
+        self._end_slot(key, record, self._write_data(file, tensor, record.data_offset))
+
+    def position(self, key: str) -> int | None:
+        """Where slot ``key``'s bytes start in the file (None for a key it has no slot for)."""
+        entry = self._slots.get(key)
+        if entry is None:
+            return None
+        return entry[1].data_offset + (self._region.base if self._region is not None else 0)
+
+    @property
+    def takes_parts(self) -> bool:
+        """A slot's bytes may come as byte ranges (:meth:`begin_parts`): their CRC-32s are joined at the end."""
+        return True
+
+    def begin_parts(self, key: str, shape: tuple[int, ...], code: str) -> None:
+        """Announce that slot ``key``'s bytes come as ranges, by :meth:`write_part` (any order, one thread per
+        slot), until :meth:`end_parts`; other slots may be written meanwhile, from other threads."""
+        claimed = self._claim(key, shape, code)
+        if claimed is not None:
+            self._parts[key] = PartsCrc(claimed[1].size, self._crc)
+
+    def write_part(self, key: str, views: Sequence[memoryview], start: int) -> None:
+        """Write bytes ``[start, start + len)`` of slot ``key`` (begun by :meth:`begin_parts`), synchronously: the
+        views may be reused once this returns."""
+        if self.keep:
+            return
+        file = self._file
+        assert file is not None  # started by begin_parts
+        with Batch():
+            file.write(list(views), self._slots[key][1].data_offset + start)
+        self._parts[key].add(views, start)
+
+    def end_parts(self, key: str) -> None:
+        """Slot ``key``'s ranges are all written: its CRC-32 and descriptor go out."""
+        if self.keep:
+            return
+        crc = self._parts.pop(key)
+        try:
+            value = crc.value()  # 0 when torch computes no CRCs: every part's is 0
+        except ValueError as err:
+            raise ValueError(f"{self.path.name}: {key}: {err}") from None
+        self._end_slot(key, self._slots[key][1], value)
+
+    def _claim(self, key: str, shape: tuple[int, ...], code: str) -> tuple[DirectFile | Region, Record] | None:
+        """Check slot ``key`` against its announced header and mark it written; its open file and record (None
+        when the file is kept as it is)."""
         entry = self._slots.get(key)
         if entry is None:
             raise ValueError(f"{self.path.name}: tensor {key!r} is not a slot of the template")
         slot, record = entry
-        if tuple(tensor.shape) != slot.header.shape or tensor.dtype != slot.header.dtype:
+        if shape != slot.header.shape or code != slot.header.code:
             raise ValueError(
-                f"{self.path.name}: {key}: announced {slot.header.shape} {slot.header.dtype}, "
-                f"got {tuple(tensor.shape)} {tensor.dtype}"
+                f"{self.path.name}: {key}: announced {slot.header.shape} {slot.header.code}, got {shape} {code}"
             )
         with self._lock:
             if key in self._written:
@@ -219,12 +274,19 @@ class TorchZipWriter:
                 raise ValueError(f"{self.path.name}: the file is already closed")
             self._written.add(key)
             if self.keep:
-                return
+                return None
             if not self._started:
                 self._start()
             file = self._file
         assert file is not None  # started above, and finished only once every slot is written
-        record.crc = self._write_data(file, tensor, record.data_offset)
+        return file, record
+
+    def _end_slot(self, key: str, record: Record, crc: int) -> None:
+        """Slot ``key``'s bytes are written: its descriptor goes out with ``crc``; the file is finished after the
+        last slot."""
+        record.crc = crc
+        file = self._file
+        assert file is not None  # finished only once every slot is written
         if record.size:
             file.write([memoryview(record.descriptor())], record.data_offset + record.size)
         with self._lock:

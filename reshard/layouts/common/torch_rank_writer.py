@@ -2,14 +2,15 @@
 
 Each target rank's file is laid out up front from a template, the object ``torch.save`` would be given
 with a :class:`~reshard.formats.torch_zip.writer.TensorSlot` for every tensor (its state dict in source order), and
-every slice is written at its final offset as it arrives, from the worker threads
-(:class:`~reshard.formats.torch_zip.writer.TorchZipWriter`). The files are byte for byte what ``torch.save`` writes
-for the same state dicts, but no rank's state dict is ever held and nothing is spooled.
+every slice is written at its final offset as it arrives, from the worker threads, whole or as the byte ranges of
+a stream (:class:`~reshard.formats.torch_zip.writer.TorchZipWriter`). The files are byte for byte what ``torch.save``
+writes for the same state dicts, but no rank's state dict is ever held and nothing is spooled.
 """
 
 from __future__ import annotations
 
 import pickle
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
@@ -115,6 +116,27 @@ class _RankFiles:
             file.write(name, tensor)
 
     write = write_unordered
+
+    def position(self, name: str) -> int | None:
+        """Where ``name``'s bytes start in the first of its files (the phase the engine fills its blocks on)."""
+        files = self._by_key.get(name)
+        return files[0].position(name) if files else None
+
+    @property
+    def takes_parts(self) -> bool:
+        return True
+
+    def begin_parts(self, name: str, shape: tuple[int, ...], code: str) -> None:
+        for file in self._by_key[name]:
+            file.begin_parts(name, shape, code)
+
+    def write_part(self, name: str, views: Sequence[memoryview], start: int) -> None:
+        for file in self._by_key[name]:
+            file.write_part(name, views, start)
+
+    def end_parts(self, name: str) -> None:
+        for file in self._by_key[name]:
+            file.end_parts(name)
 
     def close(self) -> None:
         for file in self._files:

@@ -85,7 +85,11 @@ class DcpWriter(CheckpointWriter):
         if spec.tp != 1:
             raise ValueError(f"dcp holds global tensors: plan the conversion at tp 1, not {spec.tp}")
         headers, training = spec.rank_headers[0], spec.training
-        skipped = {name for name in headers if training is not None and training.master(name) != name}
+        skipped = {  # weights whose masters are written in their place (the masters themselves are not skipped)
+            name
+            for name in headers
+            if training is not None and split_state_name(name)[1] is None and training.master(name) != name
+        }
         tensors: list[GlobalTensor] = []
         paths: dict[str, tuple[str | int, ...]] = {}
 

@@ -33,13 +33,14 @@ from typing import Any
 
 from reshard.errors import CorruptFileError, ReshardError
 from reshard.formats.boxes import Box
-from reshard.formats.dcp_metadata.read import StoredTensor, read_index
+from reshard.formats.dcp_metadata.read import DcpIndex, StoredTensor, read_index
 from reshard.layouts.base import SourceCheckpoint, TensorRef
 from reshard.layouts.dcp.boxed_reader import BoxedReader, BoxView, StackedView
 from reshard.layouts.dcp.dcp import checked
 from reshard.layouts.dcp.nemo import NEMO_WEIGHTS, nemo_args, nemo_side_files, nemo_tokenizer, refuse_adapters
-from reshard.layouts.dcp.torch_dist_common import read_common
-from reshard.layouts.dcp.torch_dist_training import STATE, training_state, unread_format
+from reshard.layouts.dcp.torch_dist_common import read_common, read_object
+from reshard.layouts.dcp.torch_dist_dp import bucket_refs
+from reshard.layouts.dcp.torch_dist_training import BUCKETED, STATE, sharding_types, training_state, unread_format
 from reshard.layouts.megatron.reader import read_tracker
 from reshard.megatron.facts import MegatronFacts
 from reshard.megatron.model import arg, config_from_args, count_problems, named_tokenizer
@@ -54,6 +55,7 @@ EXPERTS = ".mlp.experts.experts."
 HALVES = re.compile(r"^(?P<key>.+)_(?P<half>[wv])$")
 SKIPPED = re.compile(r"^(optimizer|rng_state|rerun_state_machine)\b|/")
 OPTIMIZER = "optimizer."
+BUCKETS = "optimizer.distributed."  # dp_reshardable's flat buffers and objects
 PREFIXES = ("module.",)
 FUSED_NORM = re.compile(r"^(decoder\.layers\.\d+\.)(self_attention\.linear_qkv|mlp\.linear_fc1)\.layer_norm_(\w+)$")
 MAX_STACKED = 1 << 16  # layers (or experts) on a stacked tensor's leading axis; more is damage, not a model
@@ -104,7 +106,11 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
     stored = {fqn: t for fqn, t in index.tensors.items() if not SKIPPED.search(_strip(fqn))}
     distributed = bool(arg(args, "use_distributed_optimizer"))
     readable = unread_format(common, optimizer, distributed=distributed) is None  # else their boxes are not ours
-    read, sizes = checked(stored | {f: t for f, t in optimizer.items() if readable and STATE.match(_strip(f))})
+    bucketed = readable and sharding_types(common) == {BUCKETED}
+    read, sizes = checked(
+        stored | {f: t for f, t in optimizer.items() if readable and (bucketed or STATE.match(_strip(f)))}
+    )
+    objects = _objects(index, options, notes) if bucketed else {}
     model = {fqn: t for fqn, t in read.items() if fqn in stored}
     views = _spec_names(_views({_strip(fqn): tensor for fqn, tensor in model.items()}), args)
     reader = BoxedReader(folder, views)
@@ -118,6 +124,10 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
         views,
         lambda tensors: _spec_names(_views(tensors), args),
         lambda states: BoxedReader(folder, states),
+        objects,
+        lambda weights: bucket_refs(
+            args, objects, {f: t for f, t in read.items() if f.startswith(BUCKETS)}, weights, folder
+        ),
     )
     source.config = (
         config_from_args(args, common_file if folder.name != NEMO_WEIGHTS else folder / "..") if args else None
@@ -151,6 +161,18 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
     if source.config is None:
         source.notes.append("no Megatron args or NeMo config: model sizes must come from --config")
     return source
+
+
+def _objects(index: DcpIndex, options: ReadOptions, notes: list[str]) -> dict[str, Any]:
+    """The distributed optimizer's ``ShardedObject`` entries (``optimizer.distributed.*``: param groups, bucket
+    sizes) by key, each unwrapped from the one-item list it is stored as."""
+    found = {}
+    for entry, stored in index.stored_values.items():
+        key, _, _ = entry.partition("/")
+        if key.startswith(BUCKETS):
+            value = read_object(stored, entry, options, notes)
+            found[key] = value[0] if isinstance(value, list) and len(value) == 1 else value
+    return found
 
 
 def _stack_problems(shapes: dict[str, tuple[int, ...]]) -> list[str]:

@@ -50,14 +50,7 @@ def read_common(folder: Path, index: DcpIndex, options: ReadOptions) -> tuple[di
     if stored is None:
         notes.append(f"no Megatron args: neither {COMMON} nor a {COMMON_STATE} entry in the data files")
         return {}, notes, path
-    data = _read(stored)
-    try:
-        obj = load_torch_file(
-            stored.file, trust_pickle=options.trust_pickle, notes=notes, allowed=SAFE_GLOBALS, data=data
-        )
-    except ReshardError as err:  # named by the file alone: add the entry
-        err.tensor = err.tensor or COMMON_STATE
-        raise
+    obj = read_object(stored, COMMON_STATE, options, notes)
     if not (isinstance(obj, list) and len(obj) == 1 and isinstance(obj[0], dict)):
         what = f"a list of {len(obj)}" if isinstance(obj, list) else f"a {type(obj).__name__}"
         raise CorruptFileError(f"holds {what}, not [dict]", path=stored.file, tensor=COMMON_STATE)
@@ -65,18 +58,36 @@ def read_common(folder: Path, index: DcpIndex, options: ReadOptions) -> tuple[di
     return obj[0], notes, stored.file
 
 
-def _read(stored: StoredValue) -> bytes:
+def read_object(stored: StoredValue, key: str, options: ReadOptions, notes: list[str]) -> Any:
+    """A ``ShardedObject`` entry ``key`` of the data files, unpickled under the allow-list.
+
+    Raises:
+        UnsafePickleError: it pickles a type outside the allow-list and ``--trust-pickle`` is off.
+        CorruptFileError: unreadable, or a byte range outside its file or past :data:`MAX_COMMON_STATE`.
+        ReshardError: the entry is stored compressed.
+    """
+    data = _read(stored, key)
+    try:
+        return load_torch_file(
+            stored.file, trust_pickle=options.trust_pickle, notes=notes, allowed=SAFE_GLOBALS, data=data
+        )
+    except ReshardError as err:  # named by the file alone: add the entry
+        err.tensor = err.tensor or key
+        raise
+
+
+def _read(stored: StoredValue, key: str) -> bytes:
     """The entry's bytes: exactly its byte range, refused before reading when it cannot be right."""
     if stored.transforms:
         raise ReshardError(
-            f"stored compressed ({', '.join(stored.transforms)}): not supported", path=stored.file, tensor=COMMON_STATE
+            f"stored compressed ({', '.join(stored.transforms)}): not supported", path=stored.file, tensor=key
         )
     if stored.length > MAX_COMMON_STATE:
         raise CorruptFileError(
             f"{human_bytes(stored.length)} claimed, more than the {human_bytes(MAX_COMMON_STATE)} "
             "Megatron's common state can take",
             path=stored.file,
-            tensor=COMMON_STATE,
+            tensor=key,
         )
     try:
         with stored.file.open("rb") as file:
@@ -85,11 +96,11 @@ def _read(stored: StoredValue) -> bytes:
                 raise CorruptFileError(
                     f"bytes {stored.position}-{stored.position + stored.length} claimed in a file of {size} bytes",
                     path=stored.file,
-                    tensor=COMMON_STATE,
+                    tensor=key,
                 )
             file.seek(stored.position)
             return file.read(stored.length)
     except OSError as err:
         raise CorruptFileError(
-            f"unreadable: {err.strerror or type(err).__name__}", path=stored.file, tensor=COMMON_STATE
+            f"unreadable: {err.strerror or type(err).__name__}", path=stored.file, tensor=key
         ) from err

@@ -7,9 +7,13 @@ where Megatron-LM's ``save_checkpoint`` puts it (Megatron-Core 0.19, ``optimizer
   ``fully_reshardable`` format writes ``param`` (the fp32 master), ``exp_avg``, ``exp_avg_sq``; the non-distributed
   ``Float16OptimizerWithFloat16Params`` writes ``fp32_param``, ``exp_avg``, ``exp_avg_sq`` and ``FP32Optimizer`` the
   moments alone (its weights are the masters). They are read as the weights are, under :func:`state_name`.
-* **Bucket or flattened space** (refused by name, shown by ``inspect``): ``dp_reshardable`` (Megatron-LM's default,
-  ``optimizer.distributed.dp_group_idx_*`` flat buffers), ``fully_sharded_model_space`` (``flattened_range``),
-  ``dp_zero_gather_scatter`` and ``fsdp_dtensor``: the common state's ``param_state_sharding_type`` names them.
+* **Bucket space** (read): ``dp_reshardable``, Megatron-LM's default: per tp rank and bucket, flat buffers
+  ``optimizer.distributed.dp_group_idx_*`` whose layout reshard computes again from the weights' shapes and checks
+  against the checkpoint's records (:mod:`reshard.layouts.dcp.torch_dist_dp`); the step and groups are the
+  ``optimizer.distributed.dp_group_idx_{r}.optimizer`` object of each tp rank (all alike).
+* **Flattened space** (refused by name, shown by ``inspect``): ``fully_sharded_model_space``
+  (``flattened_range``), ``dp_zero_gather_scatter`` and ``fsdp_dtensor``: the common state's
+  ``param_state_sharding_type`` names them.
 * **Step and groups**, in the common state (``common.pt`` or 0.19's ``common_state`` entry): the optimizer's
   ``state_dict()`` without its ``params`` (``optimizer.optimizer.param_groups``, or ``optimizer.param_groups``; a
   chained optimizer with several parts keeps one per index), the step in each group (``step``) or as
@@ -36,12 +40,11 @@ from reshard.layouts.dcp.boxed_reader import BoxedReader, BoxView, StackedView
 from reshard.layouts.training import SLOTS, Leftover, ParamGroup, TrainingState, state_name, stored_value
 from reshard.megatron.model import arg
 
+BUCKETED = "dp_reshardable"
 STATE = re.compile(r"^optimizer\.state\.(?P<slot>param|fp32_param|exp_avg|exp_avg_sq)\.(?P<key>.+)$")
 SLOT = {"param": "master", "fp32_param": "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
-READ = (None, "fully_reshardable")  # the sharding types read: the non-distributed optimizers record none
+READ = (None, "fully_reshardable", BUCKETED)  # the sharding types read: the non-distributed optimizers record none
 REFUSED = {
-    "dp_reshardable": "per-bucket flat buffers (optimizer.distributed.*) that only Megatron-Core at the same tp and "
-    "pp reads",
     "fully_sharded_model_space": "flattened ranges of each parameter (deprecated; Megatron-Core <= 0.14 writes it)",
     "dp_zero_gather_scatter": "one object per tp/pp rank (deprecated)",
     "fsdp_dtensor": "Megatron-FSDP's DTensors",
@@ -58,6 +61,7 @@ KINDS = {
     "num_floating_point_operations_so_far": "trainer",
 }
 MODEL = re.compile(r"^model\d*$")
+BUCKET_OBJECT = re.compile(r"^optimizer\.distributed\.dp_group_idx_(?P<group>\d+)\.(?P<what>optimizer|grad_scaler)$")
 
 Views = dict[str, BoxView | StackedView]
 
@@ -70,6 +74,8 @@ def training_state(
     weights: Views,
     views_of: Callable[[dict[str, StoredTensor]], Views],
     reader: Callable[[Views], BoxedReader],
+    objects: Mapping[str, Any],
+    buckets: Callable[[Views], dict[str, TensorRef] | str],
 ) -> TrainingState | None:
     """The training state, None when the checkpoint holds no optimizer.
 
@@ -81,11 +87,16 @@ def training_state(
         weights: the model's views by name (their shapes are the parameters').
         views_of: the reader's naming of stored tensors (per layer, the ``torch`` format's names).
         reader: a :class:`BoxedReader` over views.
+        objects: the ``optimizer.distributed.*`` objects by key (``dp_reshardable`` only; else empty).
+        buckets: the state tensors of ``dp_reshardable`` by :func:`state_name` from the weights' views, or why
+            they cannot be placed (:func:`reshard.layouts.dcp.torch_dist_dp.bucket_refs`).
     """
     optimizer = common.get("optimizer")
     if not isinstance(optimizer, Mapping) and not stored:
         return None
-    parts = _parts(optimizer if isinstance(optimizer, Mapping) else {})
+    bucketed = sharding_types(common) == {BUCKETED}
+    plain = _parts(optimizer if isinstance(optimizer, Mapping) else {})
+    parts, unread = _bucket_parts(objects) if bucketed else (plain, None)
     raw_groups = [group for part in parts for group in _groups(part)]
     leftovers = _leftovers(common, values, parts)
     by_slot: dict[str, dict[str, StoredTensor]] = {}
@@ -94,23 +105,47 @@ def training_state(
         if match:
             by_slot.setdefault(SLOT[match["slot"]], {})[match["key"]] = tensor
     moments = tuple(slot for slot in SLOTS if slot != "master" and slot in by_slot)
-    unread = unread_format(common, stored, distributed=bool(arg(args, "use_distributed_optimizer")))
-    if unread is not None:
+    if bucketed or not by_slot:  # flat buffers: the slot ends the key
         moments = tuple(m for m in ("exp_avg", "exp_avg_sq") if any(f.endswith(f".{m}") for f in stored))
+    unread = unread_format(common, stored, distributed=bool(arg(args, "use_distributed_optimizer"))) or unread
+    refs = buckets(weights) if bucketed and unread is None else {}
+    if isinstance(refs, str):
+        unread = f"the distributed optimizer's state is {BUCKETED!r}, but {refs}; {RESAVE}"
+    if unread is not None:
         groups = tuple(ParamGroup(_hyper(g), ()) for g in raw_groups)
         return TrainingState(arg(args, "optimizer"), _step(parts), moments, groups, (), leftovers, unread=unread)
-    states = {
-        state_name(name, slot): view for slot, tensors in by_slot.items() for name, view in views_of(tensors).items()
-    }
-    trainable = [name for name in weights if state_name(name, "exp_avg") in states]
+    assert not isinstance(refs, str)
+    if not bucketed:
+        states = {
+            state_name(name, slot): view
+            for slot, tensors in by_slot.items()
+            for name, view in views_of(tensors).items()
+        }
+        boxed = reader(states)
+        refs = {name: TensorRef(name, 0, boxed, name, boxed.headers[name]) for name in states}
+    trainable = [name for name in weights if state_name(name, "exp_avg") in refs]
     members, unread = _members(trainable, weights, raw_groups)
     groups = tuple(ParamGroup(_hyper(g), tuple(names)) for g, names in zip(raw_groups, members, strict=True))
     frozen = tuple(name for name in weights if name not in trainable)
     if unread is not None:
         return TrainingState(arg(args, "optimizer"), _step(parts), moments, groups, frozen, leftovers, unread=unread)
-    boxed = reader(states)
-    refs = {name: TensorRef(name, 0, boxed, name, boxed.headers[name]) for name in states}
     return TrainingState(arg(args, "optimizer"), _step(parts), moments, groups, frozen, leftovers, (refs,))
+
+
+def _bucket_parts(objects: Mapping[str, Any]) -> tuple[list[Mapping[str, Any]], str | None]:
+    """``dp_reshardable``'s optimizer as one part: every tp rank's ``optimizer`` object (param groups, step) and
+    ``grad_scaler``, which must be alike; or why not."""
+    held: dict[int, dict[str, Any]] = {}
+    for key, value in objects.items():
+        match = BUCKET_OBJECT.match(key)
+        if match:
+            held.setdefault(int(match["group"]), {})[match["what"]] = value
+    ranks: list[Mapping[str, Any]] = [part for part in held.values() if "optimizer" in part]
+    if not ranks:
+        return [], f"no optimizer.distributed.dp_group_idx_*.optimizer object: no param groups; {RESAVE}"
+    if any(part != ranks[0] for part in ranks):
+        return ranks[:1], f"the tp ranks' optimizer objects (param groups, step) differ; {RESAVE}"
+    return ranks[:1], None
 
 
 def _parts(optimizer: Mapping[str, Any]) -> list[Mapping[str, Any]]:
@@ -157,6 +192,18 @@ def _number(value: Any) -> int | None:
     return int(value)
 
 
+def sharding_types(common: Mapping[str, Any]) -> set[str]:
+    """The formats the optimizer's parts record (``param_state_sharding_type``), else the content metadata's
+    ``distrib_optim_sharding_type`` (Megatron-Core >= 0.13); empty when neither says."""
+    optimizer = common.get("optimizer")
+    parts = _parts(optimizer) if isinstance(optimizer, Mapping) else []
+    sharding = {str(kind) for part in parts if (kind := part.get("param_state_sharding_type")) is not None}
+    metadata = common.get("content_metadata")
+    if not sharding and isinstance(metadata, Mapping) and metadata.get("distrib_optim_sharding_type"):
+        sharding = {str(metadata["distrib_optim_sharding_type"])}
+    return sharding
+
+
 def unread_format(common: Mapping[str, Any], stored: Mapping[str, Any], *, distributed: bool) -> str | None:
     """Why the optimizer's tensors are not read, for the formats that are not in model space (None: they are).
 
@@ -164,12 +211,7 @@ def unread_format(common: Mapping[str, Any], stored: Mapping[str, Any], *, distr
     ``distrib_optim_sharding_type`` (Megatron-Core >= 0.13); a distributed optimizer's state that records neither
     (``args.use_distributed_optimizer``) is of an older Megatron-Core, in a format reshard does not read.
     """
-    optimizer = common.get("optimizer")
-    parts = _parts(optimizer) if isinstance(optimizer, Mapping) else []
-    sharding = {part.get("param_state_sharding_type") for part in parts} - {None}
-    metadata = common.get("content_metadata")
-    if not sharding and isinstance(metadata, Mapping) and metadata.get("distrib_optim_sharding_type"):
-        sharding = {metadata["distrib_optim_sharding_type"]}
+    sharding = sharding_types(common)
     if not sharding and distributed and stored:
         return f"a distributed optimizer's state that records no format (Megatron-Core <= 0.12); {RESAVE}"
     other = sorted(map(str, sharding - set(READ)))
@@ -179,7 +221,7 @@ def unread_format(common: Mapping[str, Any], stored: Mapping[str, Any], *, distr
     if len(sharding) > 1:
         return f"optimizer parts in different formats: {sorted(map(str, sharding))}"
     bucketed = [fqn for fqn in stored if fqn.startswith("optimizer.distributed.")]
-    if bucketed:
+    if bucketed and sharding != {BUCKETED}:
         return f"the distributed optimizer's state is in flat buffers ({bucketed[0]}); {RESAVE}"
     return None
 

@@ -63,13 +63,29 @@ def test_sat_rank_files_are_torch_save_files(cli, sat_tp8: Path, tmp_path: Path)
         assert_torch_save_bytes(path, tmp_path, pickle)
 
 
-def test_safetensors_writers_take_byte_parts_and_torch_rank_files_do_not() -> None:
-    """The stream writes byte ranges only into a writer whose every rank writer is a PartsWriter (a torch zip
-    record's CRC-32 needs the whole slice)."""
-    from reshard.formats.safetensors.writer import SafetensorsFileWriter, ShardedSafetensorsWriter
-    from reshard.layouts.base import PartsWriter
-    from reshard.layouts.common.torch_rank_writer import _RankFiles
+def test_megatron_rank_files_are_streamed_as_byte_ranges(
+    cli, megatron_tp8: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every tensor of a Megatron conversion goes out as the byte ranges of a stream, never as a whole slice in
+    memory, and the files are still torch.save's (their records' CRC-32s joined from the ranges')."""
+    from reshard.formats.torch_zip.writer import TorchZipWriter
 
-    assert issubclass(SafetensorsFileWriter, PartsWriter)
-    assert issubclass(ShardedSafetensorsWriter, PartsWriter)
-    assert not issubclass(_RankFiles, PartsWriter)
+    wholes, parts = [], []
+    write, write_part = TorchZipWriter.write, TorchZipWriter.write_part
+    monkeypatch.setattr(
+        TorchZipWriter, "write", lambda self, key, tensor: (wholes.append(key), write(self, key, tensor))
+    )
+    monkeypatch.setattr(
+        TorchZipWriter,
+        "write_part",
+        lambda self, key, views, start: (parts.append(key), write_part(self, key, views, start)),
+    )
+    out = tmp_path / "tp4"
+    assert cli("convert", megatron_tp8, "--tp", 4, "--vocab", TINY.vocab, "-o", out, "-q").exit_code == 0
+    held = load_torch_file(sorted(out.rglob("model_optim_rng.pt"))[0], trust_pickle=False, notes=[],
+                           allowed=SAFE_GLOBALS)["model"]  # fmt: skip
+    resharded = {key for key, value in held.items() if isinstance(value, torch.Tensor)}
+    tensors = {key for key in resharded if not key.endswith("._extra_state")}  # carried in the template
+    assert not wholes and set(parts) == tensors
+    for path in sorted(out.rglob("model_optim_rng.pt")):
+        assert_torch_save_bytes(path, tmp_path, PICKLE_MODULE)

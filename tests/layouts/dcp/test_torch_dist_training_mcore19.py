@@ -13,8 +13,13 @@ load of model, optimizer and LR scheduler.
   optimizer at tp 1.
 - A Mixtral-like MoE (trained at tp 1: MoE trains at tp > 1 only with sequence parallelism, which the local spec's
   norms refuse) goes the same way, its experts' state included.
-- Megatron-LM's default format (``dp_reshardable``, flat buffers per bucket) is shown by ``inspect`` and refused by
-  name.
+- Megatron-LM's default format (``dp_reshardable``, flat buffers per bucket) is read, at tp 2 (one bucket) and at
+  data-parallel 2 with ``--overlap-grad-reduce`` and small buckets (four, parameters cut across the data-parallel
+  shares): every master and moment equals what Megatron-Core gathers, Megatron-Core resumes from the conversion
+  at tp 1 and tp 2 with the reference losses, and ``--layout dcp`` and ``deepspeed`` carry the same state. A layout
+  reshard computes that the checkpoint's records contradict is refused, with both numbers. Pipeline stages
+  (tp 1 x pp 2, stepped with synthetic gradients: no pipeline schedule runs here) are read as Megatron-Core gathers
+  them, and Megatron-Core at pp 1 loads their conversion.
 
 The vocab is unpadded (``divisible_by`` 4: 1000 rows at tp 1 and 2): Megatron-Core trains the padded rows of the
 output layer (they take part in the softmax), which reshard writes as zeros, as it does for the weights.
@@ -34,6 +39,8 @@ from oracles import SCRIPT, run_jobs
 from test_torch_dist_mcore19 import REQUIREMENTS
 
 from reshard.cli import main
+from reshard.layouts.dcp import torch_dist_dp
+from reshard.layouts.dcp.dcp import discover as discover_dcp
 from reshard.layouts.dcp.torch_dist import discover
 from reshard.layouts.training import state_name
 from reshard.options import ReadOptions
@@ -46,6 +53,7 @@ MOE = {"variant": "moe", "tp": 1, "overrides": {"divisible_by": "4"}}  # at tp >
 STEPS = 3
 TOLERANCE = {"fp32": 1e-5, "bf16": 2e-3}  # one state resumed at tp 1 and tp 2 differs by ~5e-7 (fp32), ~6e-4 (bf16)
 SLOTS = {"param": "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}  # Megatron's state key -> reshard's
+BUCKET = 40_000  # --ddp-bucket-size: the tiny model's 121,920 parameters in 4 buckets
 SAVED_HYPER = {"betas": (0.9, 0.95), "eps": 1e-8, "step": float(STEPS)}  # the resume is configured otherwise
 
 
@@ -58,6 +66,9 @@ RUNS = {
     "fp32": {"spec": spec(2)},
     "bf16": {"spec": spec(2), "bf16": True},  # bf16 weights, fp32 masters apart
     "dp_reshardable": {"spec": spec(2), "sharding": "dp_reshardable"},  # Megatron-LM's default format
+    "dp2": {"spec": spec(1), "sharding": "dp_reshardable", "bucket_size": BUCKET},  # 4 buckets over dp 2
+    "dp_bf16": {"spec": spec(2), "bf16": True, "sharding": "dp_reshardable"},  # bf16 buffers, fp32 masters
+    "pp2": {"spec": SPEC | {"tp": 1, "pp": 2}, "sharding": "dp_reshardable", "bucket_size": BUCKET},  # synthetic
     "plain": {"spec": spec(2), "sharding": "none"},  # FP32Optimizer: no distributed optimizer
     "moe": {"spec": MOE},
 }
@@ -65,6 +76,7 @@ OWN = ("fp32", "bf16")  # resumed by Megatron-Core from its own checkpoint at tp
 # reshard's conversions: output -> (run, --with-optimizer); Megatron-Core's resumes: name -> (output, job).
 CONVERSIONS = {"fp32": ("fp32", True), "weights": ("fp32", False), "bf16": ("bf16", True)}
 CONVERSIONS |= {"moe": ("moe", True), "plain": ("plain", True)}
+CONVERSIONS |= {"dp_reshardable": ("dp_reshardable", True), "dp2": ("dp2", True), "pp2": ("pp2", True)}
 RESUMES = {
     "fp32-tp1": ("fp32", {"spec": spec(1)}),
     "fp32-tp2": ("fp32", {"spec": spec(2)}),
@@ -73,6 +85,11 @@ RESUMES = {
     "bf16-tp2": ("bf16", {"spec": spec(2), "bf16": True}),
     "moe-tp1": ("moe", {"spec": MOE}),
     "plain-tp1": ("plain", {"spec": spec(1)}),
+    "dp_reshardable-tp1": ("dp_reshardable", {"spec": spec(1)}),
+    "dp_reshardable-tp2": ("dp_reshardable", {"spec": spec(2)}),
+    "dp2-tp1": ("dp2", {"spec": spec(1)}),
+    "dp2-tp2": ("dp2", {"spec": spec(2)}),
+    "pp2-tp1": ("pp2", {"spec": spec(1)}),
 }
 
 
@@ -219,15 +236,118 @@ def test_a_weights_only_conversion_misses_the_resumed_losses(trained: Path, resu
     assert deviation > 100 * TOLERANCE["fp32"], deviation
 
 
-def test_dp_reshardable_is_shown_and_refused_by_name(cli, trained: Path, tmp_path: Path) -> None:
+def test_dp_reshardable_is_read_as_megatron_core_gathers_it(trained: Path) -> None:
+    """Megatron-LM's default format, one bucket per tp rank (tp 2, fp32 and bf16 with fp32 masters) or four buckets
+    cut across two data-parallel shares (tp 1): every parameter's master and moments equal, bit for bit, what
+    Megatron-Core gathers of the same run (tp 2: its own load at tp 1 of the same training saved
+    ``fully_reshardable``, whose states are the same bit for bit)."""
+    same = {"dp_reshardable": "fp32", "dp_bf16": "bf16"}  # the same training, saved fully_reshardable
+    for run, twin in same.items():
+        for rank in range(2):
+            assert_same_state(
+                load(trained / run / f"saved_rank{rank}.pt")["state"],
+                load(trained / twin / f"saved_rank{rank}.pt")["state"],
+                f"{run}: the same training saved in both formats",
+            )
+    held = {run: trained / twin / "own-tp1.rank0" for run, twin in same.items()}
+    held["dp2"] = trained / "dp2" / "saved_rank0.pt"
+    for run, held_by in held.items():
+        training = discover(trained / run / "ckpt", ReadOptions()).training
+        assert training is not None and training.unread is None and training.step == STEPS
+        assert [len(g.params) for g in training.groups] == [18, 9]
+        (refs,) = training.tensors
+        state = load(held_by)["state"]
+        assert len(state) == 27
+        for name, tensors in state.items():
+            for key, slot in SLOTS.items():
+                ref = refs[state_name(name, slot)]
+                assert ref.dtype == torch.float32 and torch.equal(ref.read(), tensors[key]), (run, name, slot)
+
+
+@pytest.mark.parametrize("run", ["dp_reshardable", "dp2"])
+def test_megatron_core_resumes_from_dp_reshardable_converted(trained: Path, resumed: Path, run: str) -> None:
+    """Converted to ``fully_reshardable`` at tp 1, resumed at tp 1 and tp 2: right after the load each rank holds the
+    state Megatron-Core held at the save (at the saving tp) or gathers (tp 1 from tp 2), the saved step and
+    hyper-parameters; then the reference losses."""
+    saved_tp = RUNS[run]["spec"]["tp"]
+    for rank in range(2):
+        held = {f"tp{saved_tp}": trained / run / f"saved_rank{rank}.pt"}
+        if run == "dp_reshardable":
+            held["tp1"] = trained / "fp32" / f"own-tp1.rank{rank}"
+        for tp, baseline in held.items():
+            got = load(resumed / f"{run}-{tp}.rank{rank}")
+            assert_same_state(got["state"], load(baseline)["state"], f"{run}-{tp} rank {rank}")
+            for group in got["groups"]:
+                assert {key: group[key] for key in SAVED_HYPER} == SAVED_HYPER
+    for tp in ("tp1", "tp2"):
+        losses = torch.tensor(load(resumed / f"{run}-{tp}.rank0")["losses"])
+        torch.testing.assert_close(losses, torch.tensor(reference(trained, run)), rtol=0, atol=TOLERANCE["fp32"])
+
+
+def test_dp_reshardable_pipeline_stages_are_read_and_resumed_in_one(trained: Path, resumed: Path) -> None:
+    """tp 1 x pp 2, stage 0 in four buckets and stage 1 in one (Megatron-Core buckets the first stage alone), stepped
+    with synthetic gradients (no pipeline schedule runs here): every master and moment is read as each stage's
+    Megatron-Core gathers it, and Megatron-Core at pp 1 loads the conversion holding all of them."""
+    saved = load(trained / "pp2" / "saved_rank0.pt")["state"] | load(trained / "pp2" / "saved_rank1.pt")["state"]
+    assert len(saved) == 27 and "decoder.layers.3.mlp.linear_fc2.weight" in saved
+    training = discover(trained / "pp2" / "ckpt", ReadOptions()).training
+    assert training is not None and training.unread is None and training.step == STEPS
+    (refs,) = training.tensors
+    for name, tensors in saved.items():
+        for key, slot in SLOTS.items():
+            assert torch.equal(refs[state_name(name, slot)].read(), tensors[key]), (name, slot)
+    for rank in range(2):
+        assert_same_state(load(resumed / f"pp2-tp1.rank{rank}")["state"], saved, f"pp2-tp1 rank {rank}")
+
+
+def test_dp_reshardable_goes_to_dcp_and_deepspeed_with_its_state(cli, trained: Path, tmp_path: Path) -> None:
+    """The same training state in the other targets: DCP's model tensors are the masters and its optimizer holds
+    the moments (Megatron's names); DeepSpeed's universal files hold them under transformers' names (the tp-2
+    ``linear_fc2`` put back together on dim 1, ``linear_fc1``'s gate half as ``gate_proj``)."""
     source = trained / "dp_reshardable" / "ckpt"
+    (refs,) = discover(source, ReadOptions()).training.tensors
+
+    def state(name: str, slot: str) -> torch.Tensor:
+        return refs[state_name(name, slot)].read()
+
+    drop = ("--drop", "rng,scheduler,trainer")
+    for layout in ("dcp", "deepspeed"):
+        result = cli(
+            "convert", source, "--tp", 1, "--layout", layout, "--with-optimizer", *drop, "-o", tmp_path / layout
+        )
+        assert result.exit_code == 0, result.output
+    dcp = discover_dcp(tmp_path / "dcp", ReadOptions())
+    (dcp_refs,) = dcp.training.tensors
+    for name in ("decoder.layers.1.mlp.linear_fc2.weight", "output_layer.weight", "decoder.final_layernorm.weight"):
+        assert torch.equal(dcp.ranks[0][name].read(), state(name, "master")), name
+        for slot in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(dcp_refs[state_name(name, slot)].read(), state(name, slot)), (name, slot)
+    zero = tmp_path / "deepspeed" / f"global_step{STEPS}" / "zero"
+    for hf, name, rows in (
+        ("model.layers.1.mlp.down_proj.weight", "decoder.layers.1.mlp.linear_fc2.weight", None),
+        ("model.layers.1.mlp.gate_proj.weight", "decoder.layers.1.mlp.linear_fc1.weight", slice(0, 96)),
+        ("model.norm.weight", "decoder.final_layernorm.weight", None),
+    ):
+        for file, slot in (("fp32", "master"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
+            written = load(zero / hf / f"{file}.pt")["param"]
+            expected = state(name, slot) if rows is None else state(name, slot)[rows]
+            assert torch.equal(written, expected), (hf, slot)
+
+
+def test_a_layout_the_checkpoint_contradicts_is_refused_with_both_numbers(
+    cli, trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Buckets computed another size than Megatron-Core made them (here: one, where it made four) are refused,
+    named with what the checkpoint records and what reshard computes; inspect shows why the state is not read."""
+    monkeypatch.setattr(torch_dist_dp, "bucket_size_of", lambda args, dp: (None, False, None))
+    source = trained / "dp2" / "ckpt"
     report = json.loads(cli("inspect", source, "--json").stdout)["training"]
-    assert report["moments"] == ["exp_avg", "exp_avg_sq"] and "'dp_reshardable'" in report["unread"]
-    assert "not read    the distributed optimizer's state is 'dp_reshardable'" in cli("inspect", source).stdout
+    assert report["unread"].startswith(
+        "the distributed optimizer's state is 'dp_reshardable', but optimizer.distributed.dp_group_idx_0."
+        "per_bucket_numel: the checkpoint records [64000, 47360, 45312, 86656], reshard computes [243328] from"
+    )
     drop = ("--drop", "rng,scheduler,trainer")
     result = cli(
-        "convert", source, "--tp", 1, "--layout", "torch_dist", "--with-optimizer", *drop, "-o", tmp_path / "o"
+        "convert", source, "--layout", "torch_dist", "--tp", 1, "--with-optimizer", *drop, "-o", tmp_path / "o"
     )
-    assert result.exit_code == 2
-    assert "'dp_reshardable': per-bucket flat buffers" in result.output
-    assert "--dist-ckpt-optim-fully-reshardable" in result.output and not (tmp_path / "o").exists()
+    assert result.exit_code == 2 and "reshard computes [243328]" in result.output and not (tmp_path / "o").exists()

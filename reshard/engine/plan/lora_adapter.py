@@ -115,6 +115,18 @@ def peft_adapter(source: SourceCheckpoint, options: ReadOptions) -> PeftAdapter 
     return PeftAdapter(chosen, others, replace(settings, alpha=alpha, use_dora=dora), r)
 
 
+def lora_hint(source: SourceCheckpoint) -> list[str]:
+    """A note for a checkpoint that holds peft LoRA adapters, read as it is: what would merge or extract them."""
+    held = sorted({_shown(lora.adapter) for lora in _peft_names(source).values()})
+    wrapped = any((lora := parse_lora_name(name)) is not None and lora.role == BASE for name in source.names())
+    if not held or not wrapped:  # an adapter alone (PEFT's own folder) has nothing to merge into
+        return []
+    return [
+        f"holds peft LoRA adapter(s) {', '.join(held)} beside their base weights: --merge-lora merges them, "
+        "--layout peft writes PEFT's adapter folder (docs/lora.md)"
+    ]
+
+
 def _rank(source: SourceCheckpoint, names: dict[str, LoraName]) -> int:
     """The one rank of the adapter: the rows of every A, the columns of every B."""
     ranks: dict[int, str] = {}

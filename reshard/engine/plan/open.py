@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from reshard.config import find_config
-from reshard.engine.plan.lora_adapter import adapter_source, peft_adapter
+from reshard.engine.plan.lora_adapter import adapter_source, lora_hint, peft_adapter
 from reshard.engine.plan.lora_merge import merge_lora_source
 from reshard.engine.plan.planner import SourceTensor, mixed_runs, plan_sources
 from reshard.engine.plan.tokenizer import choose_tokenizer, with_tokenizer_vocab
@@ -101,6 +101,8 @@ def open_checkpoint(
         source.config = find_config(ckpt, options.config)
     if options.merge_lora or options.lora_adapter:
         source = _with_lora(source, options)
+    else:
+        source.notes.extend(lora_hint(source))
     check_manifest(source, manifest)
     tokenizer = choose_tokenizer(source, options.tokenizer)
     if tokenizer is not None:

@@ -311,3 +311,10 @@ def test_base_model_is_named(runs: Path, tmp_path: Path, cli) -> None:
     (folder / "adapter_config.json").write_text(json.dumps({**recorded, "base_model_name_or_path": "org/recorded"}))
     assert named() == "org/recorded"
     assert named("--base-model", "/models/base") == "/models/base"
+
+
+def test_inspect_says_what_merges_or_extracts(runs: Path, cli) -> None:
+    result = cli("inspect", runs / "lora" / "tp2")
+    assert result.exit_code == 0
+    assert "holds peft LoRA adapter(s) default beside their base weights: --merge-lora" in result.stdout
+    assert "holds peft" not in cli("inspect", runs / "lora" / "adapter").stdout  # an adapter alone

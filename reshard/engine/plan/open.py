@@ -133,6 +133,8 @@ def open_checkpoint(
 def _with_lora(source: SourceCheckpoint, options: ReadOptions) -> SourceCheckpoint:
     """``source`` merged (``--merge-lora``) or narrowed to its peft adapter (a PEFT adapter folder's target)."""
     peft = peft_adapter(source, options)
+    if peft is None and options.adapter is not None:
+        raise ReshardError(f"--adapter {options.adapter!r}, but it holds no peft LoRA adapter", path=source.path)
     if options.merge_lora:
         return merge_lora_source(source, alpha=options.lora_alpha, peft=peft)
     if peft is None:

@@ -210,6 +210,7 @@ def test_sat_lora_has_no_peft_folder_and_flags_are_checked(tmp_path: Path, cli) 
         (["--layout", "peft", "--merge-lora"], "--layout peft writes the adapter alone"),
         (["--base-model", "org/base"], "--base-model only applies with --layout peft"),
         (["--adapter", "default"], "--adapter only applies with --merge-lora or --layout peft"),
+        (["--adapter", "default", "--merge-lora"], "--adapter 'default', but it holds no peft LoRA adapter"),
     ):
         result = cli("convert", tmp_path / "src", "--tp", 1, *flags, "-o", out)
         assert result.exit_code == 2 and said in result.stderr, (flags, result.stderr)

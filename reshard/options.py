@@ -55,7 +55,13 @@ class ReadOptions:
         allow_vocab_shrink: accept a ``vocab`` below the true size the manifest or config gives (drops rows).
         uneven: read and split sizes that do not divide as ``torch.chunk`` does.
         merge_lora: merge LoRA adapters into their base weights on every source rank first.
-        lora_alpha: LoRA alpha for merging (scaling = alpha / rank).
+        lora_alpha: LoRA alpha (scaling = alpha / rank) where no ``adapter_config.json`` records it; None: SAT's
+            ``lora2`` names take SAT's default 1, peft's names need it recorded.
+        adapter: the peft adapter to merge or write, of several in one checkpoint (the name in its keys).
+        lora_adapter: open the source narrowed to its LoRA adapter under PEFT's saved names (a conversion into
+            PEFT's adapter folder sets it; :attr:`reshard.layouts.spec.LayoutSpec.lora_adapter`).
+        base_model: the base model's id or path an adapter folder names (``base_model_name_or_path``); None: the
+            recorded adapter config's, else the source config's ``_name_or_path``.
         tokenizer: the tokenizer an HF output carries (``--tokenizer``): a folder, or a Hub repo id as the user
             wrote it; None takes the one the checkpoint names or holds.
         weights: which copy of the weights to read where a checkpoint keeps two (DeepSpeed ZeRO-0/1/2):
@@ -70,7 +76,10 @@ class ReadOptions:
     allow_vocab_shrink: bool = False
     uneven: bool = False
     merge_lora: bool = False
-    lora_alpha: float = 1.0
+    lora_alpha: float | None = None
+    adapter: str | None = None
+    lora_adapter: bool = False
+    base_model: str | None = None
     tokenizer: Path | str | None = None
     weights: str = "master"
 

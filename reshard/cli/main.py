@@ -28,7 +28,7 @@ from reshard.hub.source import HubCheckpoint
 from reshard.io.interrupts import Interrupted, handled
 from reshard.io.staging import KEPT, describe_left, remove_leftovers
 from reshard.io.vectored import return_large_frees_to_os
-from reshard.layouts import writable_layouts
+from reshard.layouts import layout, writable_layouts
 from reshard.layouts.training import LEFTOVER_KINDS
 from reshard.options import ConvertOptions, ReadOptions, composed
 from reshard.plans import TRANSFORMERS
@@ -264,7 +264,17 @@ def inspect_command(
     help="Write floating tensors in this dtype; FP8 weights (fp8, compressed-tensors) dequantized, scales dropped.",
 )
 @click.option("--merge-lora", is_flag=True, help="Merge LoRA adapters into their base weights per rank, then reshard.")
-@click.option("--lora-alpha", type=float, help="LoRA alpha for --merge-lora (scaling = alpha / rank; default 1).")
+@click.option(
+    "--lora-alpha",
+    type=click.FloatRange(min=0, min_open=True),
+    help="LoRA alpha where no adapter_config.json records it (scaling = alpha / rank; SAT's lora2 default 1).",
+)
+@click.option("--adapter", metavar="NAME", help="The peft adapter to merge or write, of several in the checkpoint.")
+@click.option(
+    "--base-model",
+    metavar="ID|PATH",
+    help="The base model a --layout peft adapter folder names (default: the recorded one, else the config's).",
+)
 @click.option(
     "--resume",
     is_flag=True,
@@ -317,11 +327,16 @@ def convert_command(ckpt: Path, out: Path, as_json: bool, quiet: bool, push: Any
     """
     from reshard.commands.convert import convert
 
-    if options["lora_alpha"] is not None and not options["merge_lora"]:
-        raise click.UsageError("--lora-alpha only applies with --merge-lora")
+    adapter_out = options["layout"] is not None and layout(options["layout"]).lora_adapter
+    for flag in ("lora_alpha", "adapter"):
+        if options[flag] is not None and not (options["merge_lora"] or adapter_out):
+            raise click.UsageError(f"--{flag.replace('_', '-')} only applies with --merge-lora or --layout peft")
+    if options["merge_lora"] and adapter_out:
+        raise click.UsageError("--merge-lora writes a merged model; --layout peft writes the adapter alone")
+    if options["base_model"] is not None and not adapter_out:
+        raise click.UsageError("--base-model only applies with --layout peft")
     if options["drop"] and not options["with_optimizer"]:
         raise click.UsageError("--drop only applies with --with-optimizer")
-    options["lora_alpha"] = 1.0 if options["lora_alpha"] is None else options["lora_alpha"]
     workers = options.pop("workers")
     worker_timeout = options.pop("worker_timeout")
     if worker_timeout is not None:  # read by engine/workers.py join(), in this process and the ones launch starts

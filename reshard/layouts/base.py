@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from reshard.config import ModelConfig, SourceFacts
 from reshard.dtypes import TensorHeader
 from reshard.errors import ReshardError
+from reshard.formats.adapter_config import AdapterFacts
 from reshard.formats.file_plan import FilePlan
 from reshard.formats.readers import FileReader
 from reshard.formats.safetensors.writer import FileHooks
@@ -53,6 +54,7 @@ class SourceCheckpoint:
             a Hub repo read from its headers only); raised as soon as a conversion is planned.
         hub: for a Hub repo, the repo, revision and commit read and what the client received.
         training: the training state beside the weights (optimizer, step, groups), where the layout reads it.
+        adapter: the LoRA adapter it was narrowed to for a PEFT adapter folder (:mod:`reshard.layouts.peft`).
     """
 
     path: Path
@@ -69,6 +71,7 @@ class SourceCheckpoint:
     refusal: ReshardError | None = None
     hub: dict[str, Any] | None = None
     training: TrainingState | None = None
+    adapter: AdapterFacts | None = None
 
     @property
     def tp(self) -> int:

@@ -68,6 +68,8 @@ class LayoutSpec:
         missing_rank_files: the files or folders ranks ``source.tp .. tp-1`` would have, when names tell them.
         check_files: the files a folder written in this layout for ``tp`` ranks lacks or holds twice; None: the
             folder is checked by reading it.
+        lora_adapter: holds a LoRA adapter alone (PEFT's folder): a conversion into it opens the source with its
+            chosen adapter's tensors only, under PEFT's saved names.
     """
 
     name: str
@@ -86,6 +88,7 @@ class LayoutSpec:
     rank_folder: re.Pattern[str] | None = None
     missing_rank_files: Callable[[SourceCheckpoint, int], list[str] | None] = _no_names
     check_files: Callable[[Path, int | None], list[FileProblem]] | None = None
+    lora_adapter: bool = False
 
     @property
     def target_writer(self) -> type[CheckpointWriter]:

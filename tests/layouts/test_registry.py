@@ -87,8 +87,10 @@ def toy_checkpoint(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
 
 def test_every_layout_has_one_name_and_the_writable_ones_are_listed() -> None:
     names = [spec.name for spec in LAYOUTS]
-    assert sorted(names) == ["dcp", "deepspeed", "hf", "hf-ranks", "loose", "megatron", "sat", "torch_dist", "verl"]
-    assert writable_layouts() == ["dcp", "deepspeed", "hf", "hf-ranks", "megatron", "sat", "torch_dist"]
+    assert sorted(names) == [
+        "dcp", "deepspeed", "hf", "hf-ranks", "loose", "megatron", "peft", "sat", "torch_dist", "verl"
+    ]  # fmt: skip
+    assert writable_layouts() == ["dcp", "deepspeed", "hf", "hf-ranks", "megatron", "peft", "sat", "torch_dist"]
     assert all(find_layout(name).name == name for name in names)
     assert find_layout("nope") is None
 
@@ -129,7 +131,8 @@ def test_a_layout_without_a_writer_is_refused_as_a_target_before_any_output(
 ) -> None:
     folder, _ = toy_checkpoint
     with pytest.raises(
-        ReshardError, match=r"cannot write the 'toy' layout.*dcp, deepspeed, hf, hf-ranks, megatron, sat, torch_dist"
+        ReshardError,
+        match=r"cannot write the 'toy' layout.*dcp, deepspeed, hf, hf-ranks, megatron, peft, sat, torch_dist",
     ):
         convert(folder, tmp_path / "out", ConvertOptions(tp=1, layout="toy", progress=False))
     assert not (tmp_path / "out").exists()

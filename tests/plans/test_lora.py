@@ -14,7 +14,7 @@ from fixtures.tp import rank_piece
 from reshard import ConvertOptions, convert
 from reshard.config import ModelConfig
 from reshard.errors import AmbiguousPartitionError
-from reshard.geometry import Packed, Replicate, Shard, Vocab
+from reshard.geometry import Grouped, Packed, Replicate, Shard, Vocab
 from reshard.plans import select_plan
 from reshard.plans.lora import LoraName, lora_partition, parse_lora_name
 
@@ -29,7 +29,14 @@ from reshard.plans.lora import LoraName, lora_partition, parse_lora_name
         ("a.dense.original.bias", LoraName("a.dense", "base", None, "bias")),
         ("a.query_key_value.matrix_A.2", LoraName("a.query_key_value", "A", 2)),
         ("a.key_value.matrix_B.1", LoraName("a.key_value", "B", 1)),
-        ("m.layers.0.self_attn.q_proj.lora_A.default.weight", LoraName("m.layers.0.self_attn.q_proj", "A")),
+        (
+            "m.layers.0.self_attn.q_proj.lora_A.default.weight",
+            LoraName("m.layers.0.self_attn.q_proj", "A", adapter="default"),
+        ),
+        ("m.embed_tokens.lora_embedding_A.x", LoraName("m.embed_tokens", "A", adapter="x", embedding=True)),
+        ("m.embed_tokens.lora_embedding_B", LoraName("m.embed_tokens", "B", embedding=True)),
+        ("m.o_proj.lora_magnitude_vector.default.weight", LoraName("m.o_proj", "magnitude", adapter="default")),
+        ("m.o_proj.lora_magnitude_vector", LoraName("m.o_proj", "magnitude")),
         ("m.layers.0.self_attn.q_proj.lora_B.weight", LoraName("m.layers.0.self_attn.q_proj", "B")),
         ("m.layers.0.self_attn.q_proj.base_layer.weight", LoraName("m.layers.0.self_attn.q_proj", "base")),
         ("m.layers.0.self_attn.q_proj.weight", None),
@@ -57,6 +64,15 @@ QKV = Packed(0, (32, 16, 16), (2, 2, 2))
         (QKV, LoraName("x", "B"), QKV),  # one peft B over a fused layer: packed like the base's rows
         (Replicate(), LoraName("x", "B", 0), Replicate()),
         (QKV, LoraName("x", "base"), QKV),
+        (Vocab(0), LoraName("x", "A"), Replicate()),  # a LoRA lm_head: A [r, hidden], B [vocab, r]
+        (Vocab(0), LoraName("x", "B"), Vocab(0)),
+        (Vocab(0), LoraName("x", "A", embedding=True), Vocab(1)),  # PEFT's embedding A [r, vocab]
+        (Vocab(0), LoraName("x", "B", embedding=True), Replicate()),
+        (Shard(1, 8), LoraName("x", "B", embedding=True), Shard(0, 8)),
+        (Shard(0, 8), LoraName("x", "magnitude"), Shard(0, 8)),  # DoRA's magnitude: one per output row
+        (Shard(1, 8), LoraName("x", "magnitude"), Replicate()),
+        (Grouped(0, 2), LoraName("x", "A"), Replicate()),  # peft on Megatron's fused, grouped linear_qkv
+        (Grouped(0, 2), LoraName("x", "B"), Grouped(0, 2)),
     ],
 )
 def test_lora_follows_its_base(base, lora: LoraName, expected) -> None:
@@ -68,7 +84,7 @@ def test_lora_follows_its_base(base, lora: LoraName, expected) -> None:
     [
         (QKV, LoraName("x", "B", 3), "3 packed parts"),
         (Shard(0), LoraName("x", "B", 1), "matrix_B.1"),
-        (Vocab(0), LoraName("x", "A"), "vocab"),
+        (Vocab(1), LoraName("x", "A"), "vocab"),
     ],
 )
 def test_lora_without_a_rule_is_an_error(base, lora: LoraName, match: str) -> None:

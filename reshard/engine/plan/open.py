@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from reshard.config import find_config
+from reshard.engine.plan.lora_adapter import adapter_source, lora_hint, peft_adapter
 from reshard.engine.plan.lora_merge import merge_lora_source
 from reshard.engine.plan.planner import SourceTensor, mixed_runs, plan_sources
 from reshard.engine.plan.tokenizer import choose_tokenizer, with_tokenizer_vocab
@@ -98,8 +99,10 @@ def open_checkpoint(
         source, manifest = discover(ckpt, options), find_manifest(ckpt)
     if options.config is not None:
         source.config = find_config(ckpt, options.config)
-    if options.merge_lora:
-        source = merge_lora_source(source, alpha=options.lora_alpha)
+    if options.merge_lora or options.lora_adapter:
+        source = _with_lora(source, options)
+    else:
+        source.notes.extend(lora_hint(source))
     check_manifest(source, manifest)
     tokenizer = choose_tokenizer(source, options.tokenizer)
     if tokenizer is not None:
@@ -125,6 +128,22 @@ def open_checkpoint(
     if not any(t.problem for t in tensors):  # a --vocab far below the rows is refused by name as more than padding
         check_vocab_shrink(vocab, manifest, source.config, source_tp=source.tp, allow=options.allow_vocab_shrink)
     return OpenedCheckpoint(ckpt, source, manifest, plan, vocab, uneven, tuple(tensors), tokenizer)
+
+
+def _with_lora(source: SourceCheckpoint, options: ReadOptions) -> SourceCheckpoint:
+    """``source`` merged (``--merge-lora``) or narrowed to its peft adapter (a PEFT adapter folder's target)."""
+    peft = peft_adapter(source, options)
+    if peft is None and options.adapter is not None:
+        raise ReshardError(f"--adapter {options.adapter!r}, but it holds no peft LoRA adapter", path=source.path)
+    if options.merge_lora:
+        return merge_lora_source(source, alpha=options.lora_alpha, peft=peft)
+    if peft is None:
+        raise ReshardError(
+            "holds no peft LoRA adapter (lora_A / lora_B tensors) to write as an adapter folder",
+            path=source.path,
+            hint="SAT's lora2 adapters: use --merge-lora" if any(".matrix_A." in n for n in source.names()) else None,
+        )
+    return adapter_source(source, peft, options)
 
 
 def _replicas_equal(refs: Sequence[TensorRef]) -> bool:

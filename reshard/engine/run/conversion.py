@@ -9,7 +9,7 @@ writer's :class:`~reshard.formats.file_plan.FilePlan`); resume and a worker's sh
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from reshard.engine.run.workers import Group, join, together
 from reshard.io.direct import in_memory
 from reshard.io.journal import Resumed
 from reshard.io.staging import check_output
+from reshard.layouts import layout
 from reshard.layouts.base import RunFiles
 from reshard.manifest import MANIFEST_NAME, write_manifest
 from reshard.options import ConvertOptions, default_jobs
@@ -85,8 +86,11 @@ class _Moved:
 def open_for_conversion(ckpt: Path, out: Path, options: ConvertOptions) -> OpenedCheckpoint:
     """Check ``out`` can be written, then open ``ckpt`` for the tp its target layout is planned at."""
     check_output(out, source=ckpt, overwrite=options.overwrite, resume=options.resume)
+    read = options.read
+    if options.layout is not None and layout(options.layout).lora_adapter:  # PEFT's folder: the adapter alone
+        read = replace(read, lora_adapter=True)
     return open_checkpoint(
-        ckpt, options.read, target_tp=planned_tp(options.layout, options.tp), dequantize=options.dtype is not None
+        ckpt, read, target_tp=planned_tp(options.layout, options.tp), dequantize=options.dtype is not None
     )
 
 

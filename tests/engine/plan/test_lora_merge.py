@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from fixtures.hf import load_folder, peft_llama_state, write_hf
+from fixtures.megatron import TINY, full_model, megatron_importable, write_megatron
 from fixtures.sat import RANK, full_tensors, layout, read_sat, sat_config, split_rank, tp_kind, write_sat
 from fixtures.shapes import PEFT_LLAMA
 from fixtures.tp import gather_pieces, small_ints
@@ -118,18 +119,18 @@ def test_peft_merge_writes_plain_weights(peft_full, tmp_path: Path) -> None:
     options = ConvertOptions(tp=1, layout="hf", read=ReadOptions(merge_lora=True, lora_alpha=8.0), progress=False)
     convert(tmp_path / "tp2", tmp_path / "merged", options)
     merged = load_folder(tmp_path / "merged")
-    assert not any("lora_" in n or "base_layer" in n for n in merged)
+    assert not any("lora_" in n or "base_layer" in n or n.startswith("base_model.") for n in merged)
     p = "base_model.model.model.layers.0.self_attn.q_proj."
     a, b = full[p + "lora_A.default.weight"], full[p + "lora_B.default.weight"]
     want = full[p + "base_layer.weight"] + 8.0 / 4 * (b @ a)
-    assert torch.equal(merged[p + "weight"], want)
+    assert torch.equal(merged["model.layers.0.self_attn.q_proj.weight"], want)  # PEFT's prefix gone
 
 
 def test_merge_without_base_weight_is_refused(tmp_path: Path, cli) -> None:
     p = "base_model.model.model.layers.0.self_attn.q_proj."
     adapter = {p + "lora_A.weight": small_ints((4, 32), 0), p + "lora_B.weight": small_ints((32, 4), 1)}
     folder = write_hf(tmp_path / "adapter", PEFT_LLAMA, adapter)
-    result = cli("convert", folder, "--tp", 1, "--merge-lora", "-o", tmp_path / "out")
+    result = cli("convert", folder, "--tp", 1, "--merge-lora", "--lora-alpha", 8, "-o", tmp_path / "out")
     assert result.exit_code == 2
     assert "without its base weight" in result.stderr and p + "lora_" in result.stderr
     assert not (tmp_path / "out").exists()
@@ -140,7 +141,77 @@ def test_merge_with_unpaired_parts_is_refused(peft_full, tmp_path: Path, cli) ->
     p = "base_model.model.model.layers.0.self_attn.q_proj."
     state = {n: t for n, t in full.items() if n != p + "lora_B.default.weight"}
     broken = write_hf(tmp_path / "broken", PEFT_LLAMA, state)
-    result = cli("convert", broken, "--tp", 2, "--merge-lora", "-o", tmp_path / "out")
+    result = cli("convert", broken, "--tp", 2, "--merge-lora", "--lora-alpha", 8, "-o", tmp_path / "out")
     assert result.exit_code == 2
     assert "1 A and 0 B tensors do not pair up" in result.stderr and p.rstrip(".") in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def _megatron_with_peft_lora(root: Path) -> tuple[Path, Path]:
+    """A Megatron checkpoint at tp 2 whose linear_qkv (column-parallel, fused and grouped) and linear_proj
+    (row-parallel) carry peft LoRA as ``LoraParallelLinear`` places it (column: A whole, B the rank's rows; row:
+    A the rank's columns, B whole), and the same checkpoint merged by hand on every rank (``W_r + B_r A_r * 16/4``)."""
+    full = full_model(TINY, seed=0)
+    lora, merged = write_megatron(root / "lora", full, 2), write_megatron(root / "merged", full, 2)
+    files = sorted(lora.rglob("model_optim_rng.pt"))
+    with megatron_importable():  # the args pickle Megatron's enums
+        objs = [torch.load(f, weights_only=False) for f in files]
+        hand = [torch.load(str(f).replace("/lora/", "/merged/"), weights_only=False) for f in files]
+    for key in [k for k in objs[0]["model"] if k.endswith(("linear_qkv.weight", "linear_proj.weight"))]:
+        column = "linear_qkv" in key
+        rows, cols = objs[0]["model"][key].shape
+        a_whole, b_whole = small_ints((4, cols), 1), small_ints((rows, 4), 2)
+        for rank, (obj, plain) in enumerate(zip(objs, hand, strict=True)):
+            w = obj["model"].pop(key)
+            a = a_whole if column else small_ints((4, cols), 10 + rank)
+            b = small_ints((rows, 4), 20 + rank) if column else b_whole
+            stem = key.removesuffix(".weight")
+            obj["model"] |= {stem + ".base_layer.weight": w, stem + ".lora_A.default.weight": a}
+            obj["model"][stem + ".lora_B.default.weight"] = b
+            plain["model"][key] = (w.float() + (b.float() @ a.float()) * (16 / 4)).to(w.dtype)
+    with megatron_importable():
+        for file, obj, plain in zip(files, objs, hand, strict=True):
+            torch.save(obj, file)
+            torch.save(plain, str(file).replace("/lora/", "/merged/"))
+    return lora, merged
+
+
+def test_megatron_peft_lora_merges_per_rank(tmp_path: Path, cli) -> None:
+    lora, merged = _megatron_with_peft_lora(tmp_path)
+    args = ("--tp", 1, "--layout", "hf", "--vocab", 50)
+    result = cli("convert", lora, *args, "--merge-lora", "--lora-alpha", 16, "-o", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert cli("convert", merged, *args, "-o", tmp_path / "want").exit_code == 0
+    got, want = load_folder(tmp_path / "out"), load_folder(tmp_path / "want")
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    # unmerged, the LoRA tensors reshard with their layers (A and B of the grouped QKV too): merged at tp 4, the
+    # same model (small integers: every product exact, whatever the slices)
+    assert cli("convert", lora, "--tp", 4, "-o", tmp_path / "tp4").exit_code == 0
+    result = cli("convert", tmp_path / "tp4", *args, "--merge-lora", "--lora-alpha", 16, "-o", tmp_path / "out4")
+    assert result.exit_code == 0, result.output
+    got = load_folder(tmp_path / "out4")
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_megatron_peft_lora_has_no_adapter_folder(tmp_path: Path, cli) -> None:
+    lora, _ = _megatron_with_peft_lora(tmp_path)
+    result = cli("convert", lora, "--tp", 1, "--layout", "peft", "--lora-alpha", 16, "-o", tmp_path / "out")
+    assert result.exit_code == 2
+    assert "one A shared by q, k and v" in result.stderr and "--merge-lora" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_sat_lora_has_no_peft_folder_and_flags_are_checked(tmp_path: Path, cli) -> None:
+    write_sat(tmp_path / "src", CFG, full_tensors(CFG), 8)
+    out = tmp_path / "out"
+    result = cli("convert", tmp_path / "src", "--tp", 1, "--layout", "peft", "-o", out)
+    assert result.exit_code == 2 and "holds no peft LoRA adapter" in result.stderr and "--merge-lora" in result.stderr
+    for flags, said in (
+        (["--layout", "peft", "--merge-lora"], "--layout peft writes the adapter alone"),
+        (["--base-model", "org/base"], "--base-model only applies with --layout peft"),
+        (["--adapter", "default"], "--adapter only applies with --merge-lora or --layout peft"),
+        (["--adapter", "default", "--merge-lora"], "--adapter 'default', but it holds no peft LoRA adapter"),
+    ):
+        result = cli("convert", tmp_path / "src", "--tp", 1, *flags, "-o", out)
+        assert result.exit_code == 2 and said in result.stderr, (flags, result.stderr)
+    assert not out.exists()

@@ -225,11 +225,11 @@ def test_several_adapters_need_a_choice(runs: Path, tmp_path: Path, cli) -> None
 
 
 def _rank_files(tp2: Path, out: Path) -> Path:
-    """tp 2 as loose torch rank files (verl's ``model_world_size_2_rank_{r}.pt``: ``torch.save`` of each rank's
-    state dict), beside the config and the adapter config."""
+    """tp 2 as loose torch rank files (``pytorch_model_rank{r}.bin``: ``torch.save`` of each rank's state dict),
+    beside the config and the adapter config."""
     out.mkdir()
     for rank in range(2):
-        torch.save(load_file(tp2 / f"rank_0{rank}" / "model.safetensors"), out / f"model_world_size_2_rank_{rank}.pt")
+        torch.save(load_file(tp2 / f"rank_0{rank}" / "model.safetensors"), out / f"pytorch_model_rank{rank}.bin")
     return out
 
 

@@ -33,7 +33,7 @@ def carried(slots: tuple[str, ...], hyper: dict | None = None) -> CarriedState:
         ParamGroup(hyper or MEGATRON, tuple(MATRICES)),
         ParamGroup(hyper or MEGATRON | {"wd_mult": 0.0}, tuple(NORMS)),
     )
-    return CarriedState("adam", 3, groups, slots)  # fmt: skip
+    return CarriedState("adam", 3, groups, slots, "Adam")  # fmt: skip
 
 
 def planned(slots: tuple[str, ...], code: str = "F32", hyper: dict | None = None):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from reshard.errors import SHOWN_LENGTH, shown
-from reshard.layouts.optimizers import CARRIED, STATE_SLOTS
+from reshard.layouts.optimizers import CARRIED, STATE_SLOTS, UnknownOptimizer, recognise
 from reshard.layouts.refs import TensorRef
 
 # The state tensors a parameter may have, in the order they are written: ``master`` only where the checkpoint keeps
@@ -123,9 +123,17 @@ class TrainingState:
         master = any(state_name(name, "master") in rank for rank in self.tensors for name in trainable)
         return tuple(slot for slot in SLOTS if slot in self.moments or slot == "master" and master)
 
+    def carried_as(self) -> str:
+        """The optimizer ``--with-optimizer`` carries the state as, or why it refuses it (one line)."""
+        try:
+            return recognise(self.optimizer, self.moments, {key for group in self.groups for key in group.hyper}).name
+        except UnknownOptimizer as error:
+            return f"not carried: {error}"
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "optimizer": self.optimizer,
+            "carried_as": self.carried_as(),
             "step": self.step,
             "moments": list(self.moments),
             "groups": [{"hyper": dict(g.hyper), "params": list(g.params)} for g in self.groups],

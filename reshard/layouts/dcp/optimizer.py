@@ -223,11 +223,14 @@ def _step(index: DcpIndex, found: StateEntries, stored: Mapping[str, StoredTenso
     if steps:
         distinct = set(steps.values())
         if len(distinct) > 1:
-            shown_steps = ", ".join(f"{p}: {s}" for p, s in list(steps.items())[:4])
+            (first, step), *rest = steps.items()
+            other, its = next((p, s) for p, s in rest if s != step)
+            same = sum(1 for _, s in rest if s == step)
             raise CorruptFileError(
-                f"parameters were stepped {len(distinct)} different numbers of times ({shown_steps})",
+                f"parameters were stepped {len(distinct)} different numbers of times: at step {its:g}, where "
+                f"{first}{f' and {same} more' if same else ''} are at step {step:g} (one step for all is resumed)",
                 path=index.folder,
-                tensor=f"{found.container}.state",
+                tensor=f"{found.container}.state.{other}.step",
             )
         return _whole(distinct.pop(), index.folder, f"{found.container}.state.{next(iter(steps))}.step")
     counter = next((fqn for fqn in index.values if key_path(index, fqn)[-2:] == TRAIN_STEP), None)

@@ -87,8 +87,12 @@ def assert_same_state(ours: dict, theirs: dict) -> None:
 def test_a_carried_optimizer_resumes_as_it_saved(tmp_path: Path, cli, kind: str) -> None:
     make, other, bias = CARRIED[kind]
     model, optimizer = trained(tmp_path / "src", make, bias=bias)
+    training = discover(tmp_path / "src").training
+    assert training is not None and training.carried_as() == type(optimizer).__name__
     result = cli("convert", tmp_path / "src", "--tp", 1, "--layout", "dcp", "--with-optimizer", "-o", tmp_path / "out")
     assert result.exit_code == 0, result.output
+    checked = cli("verify", tmp_path / "src", tmp_path / "out", "--train-state")
+    assert checked.exit_code == 0, checked.output
     torch.manual_seed(1)
     resumed = Tiny(bias=bias)
     reloaded = other(list(resumed.parameters()))
@@ -158,6 +162,9 @@ def test_another_torch_optimizer_is_refused_by_name(tmp_path: Path, cli, kind: s
     make, said = REFUSED[kind]
     trained(tmp_path / "src", make)
     assert said in refused(cli, tmp_path / "src", tmp_path / "out")
+    shown = cli("inspect", tmp_path / "src").output.splitlines()
+    line = shown[shown.index(next(s for s in shown if s.startswith("training "))) + 1]
+    assert line.startswith(" " * 12 + "--with-optimizer: not carried: ") and said in line
 
 
 def test_transformers_adafactor_is_refused_by_name(tmp_path: Path, cli) -> None:

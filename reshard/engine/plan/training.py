@@ -135,6 +135,14 @@ def _readable(source: SourceCheckpoint, drop: frozenset[str]) -> tuple[TrainingS
         raise ReshardError(str(error), path=source.path) from None
     if optimizer.stepped and state.step is None:
         raise ReshardError(f"records no training step: {optimizer.name}'s bias correction needs it", path=source.path)
+    kept = {index: optimizer.required(group.hyper) for index, group in enumerate(state.groups) if group.params}
+    if len(set(kept.values())) > 1:
+        shown = "; ".join(f"group {index}: {', '.join(slots) or 'none'}" for index, slots in kept.items())
+        raise ReshardError(
+            f"{optimizer.name}'s param groups keep different state per parameter ({shown}): reshard carries one set "
+            "of state tensors for every trainable parameter",
+            path=source.path,
+        )
     for index, group in enumerate(state.groups):
         lacking = [slot for slot in optimizer.required(group.hyper) if slot not in state.moments]
         if lacking and group.params:

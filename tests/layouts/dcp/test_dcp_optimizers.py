@@ -213,3 +213,12 @@ def test_lion_and_unknown_state_keys_are_refused_by_name(tmp_path: Path, cli) ->
     dcp.save({"model": weights, "optimizer": state}, checkpoint_id=tmp_path / "more", no_dist=True)
     line = refused(cli, tmp_path / "more", tmp_path / "out")
     assert "keeps hessian per parameter, which Adam does not" in line and "never dropped" in line
+
+
+def test_sgd_groups_with_and_without_momentum_are_refused_by_name(tmp_path: Path, cli) -> None:
+    def make(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.SGD([{"params": params[:2], "momentum": 0.9}, {"params": params[2:]}], lr=0.05)
+
+    trained(tmp_path / "src", make)
+    line = refused(cli, tmp_path / "src", tmp_path / "out")
+    assert "SGD's param groups keep different state per parameter (group 0: momentum_buffer; group 1: none)" in line

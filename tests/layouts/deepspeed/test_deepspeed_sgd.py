@@ -15,12 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
-from fixtures.deepspeed import deepspeed_python, extensions_folder
+from fixtures.deepspeed_runs import deepspeed_launch
 from fixtures.models import tiny_llama
-from fixtures.resumed import torchrun
+from fixtures.resumed import reshard, torchrun
 
-from reshard.cli import main
 from reshard.layouts import discover
 from reshard.layouts.training import state_name
 
@@ -32,24 +30,17 @@ TOLERANCE = 2e-6  # as tests/layouts/deepspeed/test_deepspeed_resume.py's fp32
 DROP = "dataloader,loss_scaler,other"
 
 
-def convert(*args: object) -> None:
-    result = CliRunner().invoke(main, ["convert", *map(str, args), "-q"], catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-
-
 @pytest.fixture(scope="module")
 def runs(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("ds-sgd")
     tiny_llama(root / "hf", vocab=1001)
-    python = deepspeed_python(pytestconfig)
-    extensions = extensions_folder(pytestconfig)
-    extensions.mkdir(parents=True, exist_ok=True)
-    env = {"TORCH_EXTENSIONS_DIR": str(extensions), "DS_BUILD_OPS": "0", "DS_ACCELERATOR": "cpu"}
+    python, env = deepspeed_launch(pytestconfig)
     torchrun(MODULE, ranks=2, args=["train", str(root / "hf"), str(root)], python=python, env=env)
-    convert(root / "ckpt", "--tp", 1, "--layout", "deepspeed", "--with-optimizer", "--drop", DROP, "-o", root / "ds")
-    convert(root / "ckpt", "--tp", 1, "--layout", "dcp", "--with-optimizer", "--drop", DROP, "-o", root / "dcp")
-    torchrun(MODULE, ranks=1, args=["resume", str(root / "hf"), str(root), str(root / "ds"), "ds1"], python=python,
-             env=env)  # fmt: skip
+    for layout in ("deepspeed", "dcp"):
+        out = root / layout
+        reshard("convert", root / "ckpt", "--tp", 1, "--layout", layout, "--with-optimizer", "--drop", DROP, "-o", out)
+    resume = ["resume", str(root / "hf"), str(root), str(root / "deepspeed"), "ds1"]
+    torchrun(MODULE, ranks=1, args=resume, python=python, env=env)
     return root
 
 
@@ -57,7 +48,7 @@ def test_the_universal_checkpoint_holds_the_momentum_and_no_step(runs: Path) -> 
     training = discover(runs / "ckpt").training
     assert training is not None and training.optimizer is None and training.moments == ("momentum_buffer",)
     assert training.carried_as() == "SGD"
-    folder = runs / "ds" / TAG / "zero" / "model.embed_tokens.weight"
+    folder = runs / "deepspeed" / TAG / "zero" / "model.embed_tokens.weight"
     assert sorted(p.name for p in folder.iterdir()) == ["fp32.pt", "momentum_buffer.pt"]
 
 

@@ -123,7 +123,8 @@ def test_sgd_without_momentum_carries_groups_and_weights_alone(tmp_path: Path, c
 
 def test_sgd_to_a_deepspeed_universal_checkpoint_writes_its_momentum_and_no_step(tmp_path: Path, cli) -> None:
     """DeepSpeed's ``load_hp_checkpoint_state`` reads every ``<key>.pt`` of a parameter's folder into the
-    optimizer's state by its name; SGD keeps no step, so none is written."""
+    optimizer's state by its name; SGD keeps no step, so none is written. Converted back to DCP, the state is the
+    source's, bit for bit."""
     _, optimizer = trained(tmp_path / "src", CARRIED["sgd-momentum"][0])
     args = ("--tp", 1, "--layout", "deepspeed", "--with-optimizer", "-o", tmp_path / "out")
     result = cli("convert", tmp_path / "src", *args)
@@ -134,6 +135,10 @@ def test_sgd_to_a_deepspeed_universal_checkpoint_writes_its_momentum_and_no_step
     assert torch.equal(saved, optimizer.state_dict()["state"][0]["momentum_buffer"])
     groups = torch.load(tmp_path / "out" / "global_step0" / "zero" / "optimizer_state.pt", weights_only=False)
     assert groups["param_groups"][0]["momentum"] == 0.9 and groups["param_groups"][0]["nesterov"] is True
+    back = ("--tp", 1, "--layout", "dcp", "--with-optimizer", "-o", tmp_path / "back")
+    assert cli("convert", tmp_path / "out", *back).exit_code == 0  # read back as SGD's state: its keys say it
+    checked = cli("verify", tmp_path / "src", tmp_path / "back", "--train-state")
+    assert checked.exit_code == 0, checked.output
 
 
 REFUSED: dict[str, tuple[Make, str]] = {

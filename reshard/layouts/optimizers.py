@@ -118,7 +118,8 @@ STATE_SLOTS = tuple(dict.fromkeys(slot for o in CARRIED.values() for slot in o.s
 NONNEGATIVE = frozenset(slot for o in CARRIED.values() for slot in o.nonnegative)
 
 # The names checkpoints record, lower case without ``_``: DeepSpeed's ``optimizer.type`` (its own and any
-# ``torch.optim`` class it builds by name), torch's classes.
+# ``torch.optim`` class it builds by name), Megatron's ``--optimizer`` (``adam``, ``sgd``, ``muon``, ...), torch's
+# classes.
 NAMES = {
     **dict.fromkeys(("adam", "adamw", "fusedadam", "cpuadam", "deepspeedcpuadam", "torchadam"), ADAM),
     "sgd": SGD,
@@ -144,6 +145,9 @@ REFUSED_NAMES = {
     "zerooneadam": ("0/1 Adam", "its error-feedback buffers are per data-parallel rank"),
     "onebitlamb": ("1-bit LAMB", "its error-feedback buffers are per data-parallel rank"),
     "muonwithauxadam": ("Muon with an auxiliary Adam", "one flat partition mixes Muon's and Adam's state"),
+    "distmuon": ("Megatron's distributed Muon", _NOT_TAUGHT),
+    "adaptivemuon": ("Megatron's adaptive Muon", _NOT_TAUGHT),
+    "soap": ("SOAP", "its preconditioners are per-dimension matrices, not at the weight's shape"),
     "adam8bit": ("8-bit Adam (bitsandbytes)", _QUANTIZED),
     "adamw8bit": ("8-bit AdamW (bitsandbytes)", _QUANTIZED),
     "pagedadamw8bit": ("paged 8-bit AdamW (bitsandbytes)", _QUANTIZED),

@@ -37,6 +37,8 @@ def test_what_a_state_is_carried_as(recorded, keys, groups, expected) -> None:
         ("OneBitAdam", ADAM_STATE, (), "is 1-bit Adam: its error-feedback buffers are per data-parallel rank"),
         ("Adagrad", ("exp_avg_sq",), (), "keeps exp_avg_sq per parameter, which Adagrad does not (sum)"),
         ("Lamb", ADAM_STATE, (), "optimizer 'Lamb' is LAMB"),
+        ("soap", ADAM_STATE, (), "optimizer 'soap' is SOAP: its preconditioners are per-dimension matrices"),
+        ("dist_muon", ("momentum_buffer",), (), "optimizer 'dist_muon' is Megatron's distributed Muon"),
         (None, ("momentum_buffer", "exp_avg", "exp_avg_sq"), (), "keeps momentum_buffer per parameter, which Adam"),
         (None, (), ("lr",), "its param groups' keys (lr), without per-parameter state, match no optimizer"),
     ],

@@ -69,6 +69,10 @@ def _training_lines(training: dict[str, Any]) -> list[str]:
     moments = ", ".join(training["moments"]) or "none"
     step = training["step"] if training["step"] is not None else "not recorded"
     lines = [f"training    {training['optimizer'] or 'optimizer not named'}, step {step}, moments {moments}"]
+    carried = training["carried_as"]
+    if carried != training["optimizer"]:
+        said = carried if carried.startswith("not carried") else f"carried as {carried}'s state"
+        lines.append(f"{'':12}--with-optimizer: {said}")
     for index, group in enumerate(training["groups"]):
         names = group["params"]
         lines.append(f"group {index:<6}{len(names)} parameters: {listed(names[:SHOWN_NAMES], len(names))}")

@@ -2,7 +2,8 @@
 
 On its own (:func:`check_state`): what the records show (:mod:`reshard.commands.verify_state_plan`), then every
 trainable parameter's fp32 master (its weight where the checkpoint keeps none apart) and moments read one tensor at
-a time, as a conversion reads them: finite, ``exp_avg_sq`` never negative, and the moments not all zero once the
+a time, as a conversion reads them: finite, a sum of squares (``exp_avg_sq``, ``max_exp_avg_sq``, Adagrad's ``sum``)
+never negative, and the moments not all zero once the
 step is past 0 (a state reset on load, as KempnerForge's resumes suffered, keeps the weights and loses the moments:
 only the moments show it). Against another (:func:`compare_states`): the step, each group's parameters and
 hyper-parameters by position (DeepSpeed matches groups by position), and every state tensor bit for bit by name
@@ -21,6 +22,7 @@ from reshard.commands.verify_state_plan import plan_state_check, state_tensors
 from reshard.engine.plan.open import OpenedCheckpoint
 from reshard.errors import ReshardError
 from reshard.io.progress import progress_bar
+from reshard.layouts.optimizers import NONNEGATIVE
 from reshard.layouts.training import ParamGroup, TrainingState
 from reshard.mappings import naming_of
 
@@ -102,8 +104,8 @@ class _Values:
         found = []
         if self.non_finite:
             found.append(Difference("non-finite", name, f"{self.non_finite} NaN/Inf values in its {what}", file))
-        if slot == "exp_avg_sq" and self.negative:
-            detail = f"{self.negative} negative values (least {self.least:.6g}): a second moment is never below 0"
+        if slot in NONNEGATIVE and self.negative:
+            detail = f"{self.negative} negative values (least {self.least:.6g}): a sum of squares is never below 0"
             found.append(Difference("negative", name, detail, file))
         return found
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from reshard.commands.verify_checks import Difference, files_of
 from reshard.engine.plan.planner import SourceTensor
+from reshard.layouts.optimizers import UnknownOptimizer, recognise
 from reshard.layouts.training import TrainingState, split_state_name, state_name
 
 MASTER = "master"
@@ -50,7 +51,7 @@ def plan_state_check(state: TrainingState, weights: Mapping[str, SourceTensor]) 
     _coverage(state, weights, grouped, plan.findings)
     plan.slots = state.slots
     has_master = MASTER in plan.slots
-    if state.step is None:
+    if state.step is None and _stepped(state):
         plan.findings.append(Difference("step", None, "the checkpoint records no training step"))
     for name in grouped:
         weight = weights.get(name)
@@ -64,6 +65,16 @@ def plan_state_check(state: TrainingState, weights: Mapping[str, SourceTensor]) 
         plan.params[name] = found
     plan.findings += _strays(state, grouped)
     return plan
+
+
+def _stepped(state: TrainingState) -> bool:
+    """Whether the state's optimizer keeps a step (SGD and Muon keep none); one reshard does not know is taken to."""
+    try:
+        return recognise(
+            state.optimizer, state.moments, {key for group in state.groups for key in group.hyper}
+        ).stepped
+    except UnknownOptimizer:
+        return True
 
 
 def state_tensor(

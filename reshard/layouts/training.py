@@ -17,11 +17,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from reshard.errors import SHOWN_LENGTH, shown
+from reshard.layouts.optimizers import CARRIED, STATE_SLOTS, UnknownOptimizer, recognise
 from reshard.layouts.refs import TensorRef
 
 # The state tensors a parameter may have, in the order they are written: ``master`` only where the checkpoint keeps
-# an fp32 copy apart from the weight it trains (Megatron's distributed optimizer); elsewhere the weight is the master.
-SLOTS = ("master", "exp_avg", "exp_avg_sq")
+# an fp32 copy apart from the weight it trains (Megatron's distributed optimizer; elsewhere the weight is the master),
+# then the slots of the optimizers carried (:mod:`reshard.layouts.optimizers`: Adam's moments, SGD's momentum, ...).
+SLOTS = ("master", *STATE_SLOTS)
 SEPARATOR = "::"
 # What a checkpoint may hold of its training that reshard does not carry, by the kind ``--drop`` names.
 LEFTOVER_KINDS = ("rng", "scheduler", "loss_scaler", "dataloader", "client_state", "trainer", "other")
@@ -89,8 +91,9 @@ class TrainingState:
     Attributes:
         optimizer: the optimizer's name where the checkpoint records one (a config's ``type``), else None.
         step: the training step the checkpoint records, else None.
-        moments: the per-parameter state each trainable parameter has (``exp_avg``, ``exp_avg_sq``), the scalar
-            ``step`` left out.
+        moments: the keys of the per-parameter state the trainable parameters have (Adam's ``exp_avg`` and
+            ``exp_avg_sq``, SGD's ``momentum_buffer``, ...; any key found, known or not), the scalar ``step`` left
+            out.
         groups: the parameter groups in the optimizer's order, each naming its parameters.
         frozen: parameters in no group: no moments.
         not_carried: what else the checkpoint holds of its training that reshard does not carry (loss scaler,
@@ -123,9 +126,17 @@ class TrainingState:
         master = any(state_name(name, "master") in rank for rank in self.tensors for name in trainable)
         return tuple(slot for slot in SLOTS if slot in self.moments or slot == "master" and master)
 
+    def carried_as(self) -> str:
+        """The optimizer ``--with-optimizer`` carries the state as, or why it refuses it (one line)."""
+        try:
+            return recognise(self.optimizer, self.moments, {key for group in self.groups for key in group.hyper}).name
+        except UnknownOptimizer as error:
+            return f"not carried: {error}"
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "optimizer": self.optimizer,
+            "carried_as": self.carried_as(),
             "step": self.step,
             "moments": list(self.moments),
             "groups": [{"hyper": dict(g.hyper), "params": list(g.params)} for g in self.groups],
@@ -141,10 +152,12 @@ class CarriedState:
 
     Attributes:
         optimizer: the source's optimizer name, where it records one.
-        step: the step every parameter's state was taken at.
+        step: the step every parameter's state was taken at (0 where an optimizer without one records none).
         groups: the source's param groups in its order, each naming its target parameters.
         slots: the state tensors every trainable parameter has (:func:`state_name`), in :data:`SLOTS` order; without
             ``master`` the weight itself is the fp32 master.
+        kind: the optimizer the state is of, a key of :data:`reshard.layouts.optimizers.CARRIED`: which group keys
+            a target needs, and whether each parameter keeps a step.
         frozen: target parameters in no group (no state).
         tied: ``(alias, owner)`` target names of tensors that are another parameter (tied weights: the source reads
             the alias from its owner's bytes): no state of their own, neither grouped nor frozen.
@@ -154,8 +167,19 @@ class CarriedState:
     step: int
     groups: tuple[ParamGroup, ...]
     slots: tuple[str, ...]
+    kind: str
     frozen: tuple[str, ...] = ()
     tied: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def kept(self) -> tuple[str, ...]:
+        """The optimizer's own state tensors of each trainable parameter (its slots but ``master``)."""
+        return tuple(slot for slot in self.slots if slot != "master")
+
+    @property
+    def stepped(self) -> bool:
+        """Whether each parameter keeps a step (Adam, Adagrad; not SGD, Muon)."""
+        return CARRIED[self.kind].stepped
 
     def master(self, name: str) -> str:
         """The target tensor that holds parameter ``name``'s fp32 master: its ``master`` state, else the weight."""

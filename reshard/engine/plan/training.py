@@ -1,16 +1,17 @@
 """``--with-optimizer``: each parameter's training state planned as its weight is. Pure: no torch, no file opened.
 
-A parameter's state tensors (its fp32 master where the source keeps one apart, Adam's ``exp_avg`` and
-``exp_avg_sq``) have its weight's shape, so they take the weight's unit of work with their own bytes: the same
+A parameter's state tensors (its fp32 master where the source keeps one apart, its optimizer's slots: Adam's
+``exp_avg`` and ``exp_avg_sq``, SGD's ``momentum_buffer``, ...; :mod:`reshard.layouts.optimizers`) have its weight's
+shape, so they take the weight's unit of work with their own bytes: the same
 partition and cut, the same mapping (a fused q/k/v, a RoPE permutation, a renamed tensor), the same vocab padding
 (padded rows are zero in the moments as in the weight), under the target names of :func:`state_name`. Nothing
 here decides a cut: the weight's :class:`~reshard.engine.plan.planner.TensorPlan` already did.
 
 What the target cannot carry exactly is refused by name before any output exists: a layout that holds no optimizer
 state, a transform that computes values instead of moving them, a unit fusing parameters of different groups, a
-trainable parameter without its moments, an optimizer that is not Adam, and whatever else the source keeps of its
-training (scheduler, RNG, loss scaler, ...) unless ``--drop`` leaves it behind. Param groups are carried by their
-parameters' names, groups and the parameters in each in the source's order.
+trainable parameter without its state, an optimizer reshard does not carry (named), and whatever else the source
+keeps of its training (scheduler, RNG, loss scaler, ...) unless ``--drop`` leaves it behind. Param groups are
+carried by their parameters' names, groups and the parameters in each in the source's order.
 """
 
 from __future__ import annotations
@@ -21,12 +22,8 @@ from dataclasses import replace
 from reshard.engine.plan.planner import ConversionPlan, SourceTensor, TensorPlan
 from reshard.errors import PlanError, ReshardError, ShapeMismatchError
 from reshard.layouts.base import SourceCheckpoint, TensorRef
+from reshard.layouts.optimizers import Optimizer, UnknownOptimizer, recognise
 from reshard.layouts.training import CarriedState, ParamGroup, TrainingState, state_name
-
-# Optimizers whose whole per-parameter state is ``exp_avg`` and ``exp_avg_sq`` (and a step), by the names their
-# checkpoints record (DeepSpeed's ``ds_config.optimizer.type``, torch's class), lower case, without ``_``.
-ADAM = frozenset({"adam", "adamw", "fusedadam", "cpuadam", "deepspeedcpuadam", "torchadam"})
-MOMENTS = frozenset({"exp_avg", "exp_avg_sq"})
 
 
 def plan_training(
@@ -45,7 +42,7 @@ def plan_training(
         ReshardError: the source holds no training state, or more than ``drop`` leaves behind.
     """
     source = conversion.source
-    state = _readable(source, drop, carries)
+    state, optimizer = _readable(source, drop, carries)
     _check_padding_rows(conversion)
     trainable = state.trainable
     slots = state.slots
@@ -92,6 +89,7 @@ def plan_training(
         step=state.step if state.step is not None else 0,
         groups=tuple(ParamGroup(g.hyper, _in_order(names)) for g, names in zip(state.groups, groups, strict=True)),
         slots=slots,
+        kind=optimizer.name,
         frozen=tuple(frozen),
         tied=tuple(tied),
     )
@@ -119,9 +117,11 @@ def _aliases(plans: Sequence[TensorPlan], trainable: Mapping[str, int]) -> dict[
     return found
 
 
-def _readable(source: SourceCheckpoint, drop: frozenset[str], carries: frozenset[str]) -> TrainingState:
-    """The source's training state, when it can be carried whole but for what ``drop`` leaves behind (what the
-    target ``carries`` as it is needs no leave)."""
+def _readable(
+    source: SourceCheckpoint, drop: frozenset[str], carries: frozenset[str]
+) -> tuple[TrainingState, Optimizer]:
+    """The source's training state and its optimizer, when it can be carried whole but for what ``drop`` leaves
+    behind (what the target ``carries`` as it is needs no leave)."""
     state = source.training
     if state is not None and state.unread:
         raise ReshardError(f"its training state is not read: {state.unread}", path=source.path)
@@ -132,17 +132,28 @@ def _readable(source: SourceCheckpoint, drop: frozenset[str], carries: frozenset
             path=source.path,
             hint="convert without --with-optimizer to carry the weights alone",
         )
-    if state.step is None:
-        raise ReshardError("records no training step: the optimizer's bias correction needs it", path=source.path)
-    name = (state.optimizer or "").lower().replace("_", "")
-    other = sorted(set(state.moments) - MOMENTS)
-    if other or (state.optimizer is not None and name not in ADAM):
-        what = f"optimizer {state.optimizer!r}" if state.optimizer else "the optimizer"
+    try:
+        optimizer = recognise(state.optimizer, state.moments, {key for group in state.groups for key in group.hyper})
+    except UnknownOptimizer as error:
+        raise ReshardError(str(error), path=source.path) from None
+    if optimizer.stepped and state.step is None:
+        raise ReshardError(f"records no training step: {optimizer.name}'s bias correction needs it", path=source.path)
+    kept = {index: optimizer.required(group.hyper) for index, group in enumerate(state.groups) if group.params}
+    if len(set(kept.values())) > 1:
+        shown = "; ".join(f"group {index}: {', '.join(slots) or 'none'}" for index, slots in kept.items())
         raise ReshardError(
-            f"{what} keeps {', '.join(state.moments) or 'no moments'} per parameter: only Adam's exp_avg and "
-            "exp_avg_sq are carried",
+            f"{optimizer.name}'s param groups keep different state per parameter ({shown}): reshard carries one set "
+            "of state tensors for every trainable parameter",
             path=source.path,
         )
+    for index, group in enumerate(state.groups):
+        lacking = [slot for slot in optimizer.required(group.hyper) if slot not in state.moments]
+        if lacking and group.params:
+            raise ReshardError(
+                f"param group {index} keeps no {', '.join(lacking)} for any parameter, which {optimizer.name} with "
+                "its hyper-parameters keeps once stepped: a resume would restart it from zero",
+                path=source.path,
+            )
     left = [item for item in state.not_carried if item.kind not in drop and item.key not in carries]
     if left:
         kinds = sorted({item.kind for item in left})
@@ -151,7 +162,7 @@ def _readable(source: SourceCheckpoint, drop: frozenset[str], carries: frozenset
             path=source.path,
             hint=f"leave it behind with --drop {','.join(kinds)}",
         )
-    return state
+    return state, optimizer
 
 
 def _check_padding_rows(conversion: ConversionPlan) -> None:

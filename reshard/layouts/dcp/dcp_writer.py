@@ -5,14 +5,15 @@
     <out>/__0_{n}.distcp     torch.save archives back to back (split at --max-shard-size)
     <out>/config.json        when the conversion has a config
 
-The tensors are global, one chunk each, so FSDP2 and torchtitan load the output at any world size (DCP reshards
-at load): the conversion is planned at tp 1. Without ``--with-optimizer`` only the model is written; with it the
-optimizer beside it, in ``get_state_dict``'s default (nested) form: ``optimizer.state.<fqn>.exp_avg`` and
-``.exp_avg_sq`` as they arrive, ``.step`` (a float32 scalar, as torch's AdamW keeps it) for each trainable
-parameter, and each param group's keys (:mod:`reshard.layouts.dcp.param_groups`) with its parameters' fqns in
-``optimizer.param_groups.<i>.params``. ``set_state_dict`` matches the groups by fqn: each parameter lands in the
-group it had in the source, in the source's order. Where the source keeps fp32 masters apart from its weights,
-the masters are the model's tensors (FSDP2 trains fp32 parameters) and the weights are not written.
+The tensors are global, one chunk each, so FSDP2 and torchtitan load the output at any world size (DCP reshards at
+load): the conversion is planned at tp 1. Without ``--with-optimizer`` only the model is written; with it the
+optimizer beside it, in ``get_state_dict``'s default (nested) form: ``optimizer.state.<fqn>.<slot>`` as they arrive
+(Adam's ``exp_avg`` and ``exp_avg_sq``, SGD's ``momentum_buffer``, ...), ``.step`` (a float32 scalar, as torch's
+optimizers keep it) for each trainable parameter of an optimizer that keeps one, and each param group's keys
+(:mod:`reshard.layouts.dcp.param_groups`) with its parameters' fqns in ``optimizer.param_groups.<i>.params``.
+``set_state_dict`` matches the groups by fqn: each parameter lands in the group it had in the source, in the
+source's order. Where the source keeps fp32 masters apart from its weights, the masters are the model's tensors
+(FSDP2 trains fp32 parameters) and the weights are not written.
 """
 
 from __future__ import annotations
@@ -38,13 +39,14 @@ from reshard.layouts.dcp.distcp_files import (
     place_archives,
 )
 from reshard.layouts.dcp.param_groups import torch_groups
+from reshard.layouts.optimizers import CARRIED
 from reshard.layouts.training import split_state_name, state_name
 
 if TYPE_CHECKING:
     import torch
 
 MODEL, OPTIMIZER = "model", "optimizer"
-STEP_CODE = "F32"  # torch's AdamW keeps its step as a float32 scalar tensor (``_get_scalar_dtype``)
+STEP_CODE = "F32"  # torch's Adam and Adagrad keep their step as a float32 scalar tensor (``_get_scalar_dtype``)
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,7 @@ class DcpWriter(CheckpointWriter):
         """Lay out the model, the optimizer's state and its param groups, and place every archive.
 
         Raises:
-            PlanError: a param group's key torch's AdamW needs that the source does not give.
+            PlanError: a param group's key torch's optimizer needs that the source does not give.
         """
         if spec.tp != 1:
             raise ValueError(f"dcp holds global tensors: plan the conversion at tp 1, not {spec.tp}")
@@ -109,15 +111,18 @@ class DcpWriter(CheckpointWriter):
             for group in training.groups:
                 for name in group.params:
                     key = f"{OPTIMIZER}.state.{name}.step"
-                    add(key, (OPTIMIZER, "state", name, "step"), key, STEP_CODE, ())
-                    steps[key] = float(training.step)
-                    for slot in training.slots:
-                        if slot != "master":
-                            incoming = state_name(name, slot)
-                            header = headers[incoming]
-                            state = f"{OPTIMIZER}.state.{name}.{slot}"
-                            add(state, (OPTIMIZER, "state", name, slot), incoming, header.code, header.shape)
-            for index, group_dict in enumerate(torch_groups(training.groups, training.optimizer, spec.source.path)):
+                    if training.stepped:
+                        add(key, (OPTIMIZER, "state", name, "step"), key, STEP_CODE, ())
+                        steps[key] = float(training.step)
+                    for slot in training.kept:
+                        incoming = state_name(name, slot)
+                        header = headers[incoming]
+                        state = f"{OPTIMIZER}.state.{name}.{slot}"
+                        add(state, (OPTIMIZER, "state", name, slot), incoming, header.code, header.shape)
+            optimizer = CARRIED[training.kind]
+            amsgrad = "max_exp_avg_sq" in training.slots
+            written = torch_groups(training.groups, optimizer, training.optimizer, spec.source.path, amsgrad=amsgrad)
+            for index, group_dict in enumerate(written):
                 for key, value in group_dict.items():
                     flat = f"{OPTIMIZER}.param_groups.{index}.{key}"
                     objects[flat], paths[flat] = value, (OPTIMIZER, "param_groups", index, key)

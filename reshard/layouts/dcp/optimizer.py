@@ -89,10 +89,11 @@ def state_entries(index: DcpIndex, entries: ModelEntries) -> StateEntries:
     prefix = found.container + "."
     fqns = by_group[found.container]
     found.nested = any(f[len(prefix) :].startswith("param_groups.") and f.endswith(".params") for f in fqns)
+    params = set(entries.names.values())
     for fqn in fqns:
         rest = fqn[len(prefix) :]
         kind, _, inner = rest.partition(".")
-        owner, _, key = inner.rpartition(".")
+        owner, key = _owner(inner, params) if kind == "state" else inner.rpartition(".")[::2]
         if kind == "state" and owner and fqn in index.tensors:
             if key == STEP:
                 found.steps[owner] = fqn
@@ -107,6 +108,18 @@ def state_entries(index: DcpIndex, entries: ModelEntries) -> StateEntries:
             Leftover("other", f"{found.container} entries {', '.join(found.other[:4])}", ".metadata")
         )
     return found
+
+
+def _owner(inner: str, params: set[str]) -> tuple[str, str]:
+    """``(parameter, key)`` of a state entry: the longest leading part that is a parameter of the model, so that
+    a nested state keeps its whole key (bitsandbytes' ``__bnb_optimizer_quant_state__.state1``) and is named by
+    it; else the last part is the key."""
+    parts = inner.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        if ".".join(parts[:cut]) in params:
+            return ".".join(parts[:cut]), ".".join(parts[cut:])
+    owner, _, key = inner.rpartition(".")
+    return owner, key
 
 
 def _entries(fqns: list[str]) -> str:
@@ -210,11 +223,14 @@ def _step(index: DcpIndex, found: StateEntries, stored: Mapping[str, StoredTenso
     if steps:
         distinct = set(steps.values())
         if len(distinct) > 1:
-            shown_steps = ", ".join(f"{p}: {s}" for p, s in list(steps.items())[:4])
+            (first, step), *rest = steps.items()
+            other, its = next((p, s) for p, s in rest if s != step)
+            same = sum(1 for _, s in rest if s == step)
             raise CorruptFileError(
-                f"parameters were stepped {len(distinct)} different numbers of times ({shown_steps})",
+                f"parameters were stepped {len(distinct)} different numbers of times: at step {its:g}, where "
+                f"{first}{f' and {same} more' if same else ''} are at step {step:g} (one step for all is resumed)",
                 path=index.folder,
-                tensor=f"{found.container}.state",
+                tensor=f"{found.container}.state.{other}.step",
             )
         return _whole(distinct.pop(), index.folder, f"{found.container}.state.{next(iter(steps))}.step")
     counter = next((fqn for fqn in index.values if key_path(index, fqn)[-2:] == TRAIN_STEP), None)

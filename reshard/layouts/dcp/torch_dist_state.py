@@ -26,6 +26,7 @@ from typing import Any
 from reshard.dtypes import TensorHeader
 from reshard.errors import ReshardError
 from reshard.layouts.dcp.torch_dist_keys import GlobalPlan, GlobalTensor, plan_global
+from reshard.layouts.optimizers import ADAM
 from reshard.layouts.training import CarriedState, split_state_name, state_name
 
 KEYS = {"master": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}  # slot -> Megatron's state key
@@ -53,9 +54,15 @@ def state_plan(
         placing: :func:`plan_global`'s keywords for the weights (``homogeneous`` is the weights' plan's).
 
     Raises:
-        ReshardError: groups Megatron-Core cannot match, a non-fp32 weight standing for a missing master, or state
-            tensors that stack otherwise than their weights.
+        ReshardError: an optimizer other than Adam, groups Megatron-Core cannot match, a non-fp32 weight standing for
+            a missing master, or state tensors that stack otherwise than their weights.
     """
+    if carried.kind != ADAM.name:
+        raise ReshardError(
+            f"the state is {carried.kind}'s: the torch_dist layout writes Megatron-Core's distributed optimizer, "
+            "whose fully_reshardable form holds Adam's state only (param, exp_avg, exp_avg_sq)",
+            hint="--layout dcp or --layout deepspeed carry it",
+        )
     _check_groups(carried)
     by_slot: dict[str, dict[str, TensorHeader]] = {}
     for name, header in headers.items():

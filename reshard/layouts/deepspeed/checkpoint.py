@@ -37,12 +37,15 @@ from reshard.layouts.deepspeed.pickles import read as read_pickled
 from reshard.layouts.deepspeed.pieces import Piece, PiecesReader
 from reshard.layouts.deepspeed.training import native_state, universal_state
 from reshard.layouts.deepspeed.zero import Flat, Segment, zero2_pieces, zero3_pieces
+from reshard.layouts.optimizers import STATE_SLOTS
 from reshard.layouts.training import TrainingState, split_state_name, state_name
 from reshard.options import MAX_RANKS, ReadOptions
 from reshard.ranks import listed
 
 NAME = "deepspeed"
-MOMENTS = ("exp_avg", "exp_avg_sq")  # the per-parameter state of the Adam optimizers ZeRO runs
+# The per-parameter state read beside the masters: every slot of an optimizer reshard carries (Adam's moments, SGD's
+# momentum, ...); any other key is named by the training state and refused by the planner.
+MOMENTS = STATE_SLOTS
 LATEST = "latest"
 LATEST_UNIVERSAL = "latest_universal"  # ds_to_universal's, beside latest
 UNIVERSAL = "zero"  # a universal checkpoint's folder of per-parameter files
@@ -356,7 +359,7 @@ def _state_refs(
     """The moments as lazy references, each float32 at its parameter's shape."""
     shaped = {key: TensorHeader(headers[split_state_name(key)[0]].shape, "F32") for key in state_pieces}
     pieces = {key: tuple(parts) for key, parts in state_pieces.items()}
-    reader = PiecesReader(folder, pieces, shaped, {key: "Adam moment, from the optimizer files" for key in pieces})
+    reader = PiecesReader(folder, pieces, shaped, {key: "optimizer state, from the optimizer files" for key in pieces})
     return {key: TensorRef(key, 0, reader, key, header) for key, header in shaped.items()}
 
 

@@ -8,8 +8,13 @@ resumes from it at any data-parallel size::
     <out>/<tag>/mp_rank_00_model_states.pt          module (the weights), param_shapes, global_steps, ...
     <out>/<tag>/zero/optimizer_state.pt             param_groups (hyper-parameters; ``params`` the group's index)
     <out>/<tag>/zero/<param>/fp32.pt                {"cat_dim": 0, "param": the fp32 master}
-    <out>/<tag>/zero/<param>/exp_avg.pt, exp_avg_sq.pt   Adam's moments, likewise
-    <out>/<tag>/zero/<param>/step.pt                the step, a float tensor (a Python int breaks torch's AdamW)
+    <out>/<tag>/zero/<param>/exp_avg.pt, exp_avg_sq.pt   Adam's moments, likewise (SGD's momentum_buffer.pt, ...)
+    <out>/<tag>/zero/<param>/step.pt                the step, a float tensor (a Python int breaks torch's AdamW);
+                                                    none for an optimizer without one (SGD)
+
+``load_hp_checkpoint_state`` reads every ``<slot>.pt`` of a parameter's folder into the optimizer's state under
+its file's name, whatever the optimizer (``checkpoint/universal_checkpoint.py``), so each slot the optimizer keeps
+is one file named as torch names it.
 
 Only with the training state (``--with-optimizer``): DeepSpeed resumes a universal checkpoint from its ``zero/``
 files alone and never reads ``module``: weights without their optimizer state would resume with Adam started anew,
@@ -48,8 +53,6 @@ MODEL_STATES = "mp_rank_00_model_states.pt"
 ZERO = "zero"
 OPTIMIZER_STATE = "optimizer_state.pt"
 CONFIG = "config.json"
-# A parameter's moments, each in ``zero/<param>/<slot>.pt`` beside its master's ``fp32.pt``.
-MOMENT_FILES = ("exp_avg", "exp_avg_sq")
 # The DeepSpeed release whose ``load_universal`` reads what this writes (tests/layouts/deepspeed resume with it);
 # DeepSpeed requires a version in ``optimizer_state.pt`` and checks it against ZeRO-1's format change (0.3.17).
 DS_VERSION = "0.19.8"
@@ -71,13 +74,13 @@ class UniversalWriter(TorchRanksWriter):
         headers = spec.rank_headers[0]
         for group in carried.groups:
             for name in group.params:
-                for held in (carried.master(name), *(state_name(name, slot) for slot in MOMENT_FILES)):
+                for held in (carried.master(name), *(state_name(name, slot) for slot in carried.kept)):
                     header = headers.get(held)
                     if header is None:
                         raise ReshardError(f"no {held} to write", path=spec.source.path, tensor=name)
                     if header.code != "F32":
                         raise ReshardError(
-                            f"{held} is {header.code}: DeepSpeed's optimizer keeps float32 masters and moments",
+                            f"{held} is {header.code}: DeepSpeed's optimizer keeps float32 masters and state",
                             path=spec.source.path,
                             tensor=name,
                         )
@@ -104,7 +107,7 @@ class UniversalWriter(TorchRanksWriter):
         for name in _trainable(carried):
             folder = tag / ZERO / name
             files.append((folder / "fp32.pt", {carried.master(name)}))
-            files += [(folder / f"{slot}.pt", {state_name(name, slot)}) for slot in MOMENT_FILES]
+            files += [(folder / f"{slot}.pt", {state_name(name, slot)}) for slot in carried.kept]
         return files
 
     def templates(self, rank: int, state_dict: dict[str, Any]) -> list[Any]:
@@ -120,18 +123,19 @@ class UniversalWriter(TorchRanksWriter):
         ]
         objects: list[Any] = [_model_states(module, shapes, carried)]
         for name in _trainable(carried):
-            held = (carried.master(name), *(state_name(name, slot) for slot in MOMENT_FILES))
+            held = (carried.master(name), *(state_name(name, slot) for slot in carried.kept))
             objects += [{"cat_dim": 0, "param": state_dict[key]} for key in held]
         return objects
 
     def finish(self) -> list[Path]:
-        """The step of every parameter, the param groups, the tracker and the config."""
+        """The step of every parameter (of an optimizer that keeps one), the param groups, the tracker and the
+        config."""
         import torch
 
         carried = _carried(self.spec)
         tag = Path(_tag(carried))
         written = []
-        for name in _trainable(carried):
+        for name in _trainable(carried) if carried.stepped else ():
             step = tag / ZERO / name / "step.pt"
             torch.save(torch.tensor(float(carried.step)), self.out_dir / step)
             written.append(step)

@@ -80,3 +80,18 @@ def test_inconsistent_optimizer_states_are_refused(tmp_path: Path, optimizer: di
     optimizer["param_groups"] = [{**GROUP, "params": sorted(optimizer["state"])}]
     with pytest.raises(CorruptFileError, match=match):
         discover(saved(tmp_path / "ckpt", {"model": model(), "optimizer": optimizer}))
+
+
+def test_verify_names_the_first_parameter_whose_step_differs(tmp_path: Path, cli) -> None:
+    """DCP keeps one step per parameter: they must all agree, and ``verify --train-state`` says which does not, in
+    one line, by its entry."""
+    names = (*NAMES, "c.weight")
+    steps = {**state(names=names[:1]), **state(step=5.0, names=names[1:2]), **state(names=names[2:])}
+    optimizer = {"state": steps, "param_groups": [{**GROUP, "params": list(names)}]}
+    weights = {**model(), "c.weight": torch.ones(3, 4)}
+    ckpt = saved(tmp_path / "ckpt", {"model": weights, "optimizer": optimizer})
+    result = cli("verify", ckpt, "--train-state")
+    assert result.exit_code == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert f"{ckpt}: optimizer.state.b.weight.step: parameters were stepped 2 different numbers of times" in line
+    assert "at step 5, where a.weight and 1 more are at step 3" in line

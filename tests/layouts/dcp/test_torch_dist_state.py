@@ -10,7 +10,7 @@ import pytest
 
 from reshard.dtypes import TensorHeader
 from reshard.errors import ReshardError
-from reshard.layouts.dcp.torch_dist_keys import plan_global
+from reshard.layouts.dcp.torch_dist_keys import GlobalPlan, plan_global
 from reshard.layouts.dcp.torch_dist_state import optimizer_common, state_plan
 from reshard.layouts.dcp.torch_dist_training import _members
 from reshard.layouts.training import CarriedState, ParamGroup, state_name
@@ -33,7 +33,7 @@ def carried(slots: tuple[str, ...], hyper: dict | None = None) -> CarriedState:
         ParamGroup(hyper or MEGATRON, tuple(MATRICES)),
         ParamGroup(hyper or MEGATRON | {"wd_mult": 0.0}, tuple(NORMS)),
     )
-    return CarriedState("adam", 3, groups, slots)  # fmt: skip
+    return CarriedState("adam", 3, groups, slots, "Adam")  # fmt: skip
 
 
 def planned(slots: tuple[str, ...], code: str = "F32", hyper: dict | None = None):
@@ -98,3 +98,9 @@ def test_groups_the_standard_rule_does_not_explain_leave_the_state_unread() -> N
     groups = [MEGATRON, MEGATRON | {"wd_mult": 0.0, "lr_mult": 0.5}]  # the norms' group overridden by name
     _, unread = _members(list(WEIGHTS), views, groups)  # type: ignore[arg-type]
     assert unread is not None and "does not explain for decoder.layers.0.input_layernorm.weight and 1 more" in unread
+
+
+def test_another_optimizer_than_adam_is_refused_by_name() -> None:
+    carried = CarriedState("SGD", 0, (ParamGroup({"lr": 0.1}, ("w",)),), ("momentum_buffer",), "SGD")
+    with pytest.raises(ReshardError, match="the state is SGD's: the torch_dist layout writes Megatron-Core's"):
+        state_plan(GlobalPlan([], {}), {}, carried)

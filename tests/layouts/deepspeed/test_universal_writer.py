@@ -29,6 +29,7 @@ def spec(**changes) -> TargetSpec:
         step=7,
         groups=(ParamGroup(HYPER[0], ("w",)), ParamGroup(HYPER[1], ("n",))),
         slots=("exp_avg", "exp_avg_sq"),
+        kind="Adam",
         frozen=("frozen",),
         tied=(("head", "w"),),
     )

@@ -87,7 +87,18 @@ def toy_checkpoint(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
 
 def test_every_layout_has_one_name_and_the_writable_ones_are_listed() -> None:
     names = [spec.name for spec in LAYOUTS]
-    assert sorted(names) == ["dcp", "deepspeed", "hf", "hf-ranks", "loose", "megatron", "sat", "torch_dist", "verl"]
+    assert sorted(names) == [
+        "dcp",
+        "deepspeed",
+        "hf",
+        "hf-ranks",
+        "loose",
+        "megatron",
+        "nemo-rl",
+        "sat",
+        "torch_dist",
+        "verl",
+    ]
     assert writable_layouts() == ["dcp", "deepspeed", "hf", "hf-ranks", "megatron", "sat", "torch_dist"]
     assert all(find_layout(name).name == name for name in names)
     assert find_layout("nope") is None

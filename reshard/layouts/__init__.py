@@ -19,6 +19,7 @@ from reshard.layouts.hf import HF, HF_RANKS, LOOSE
 from reshard.layouts.hf.folder import TENSOR_SUFFIXES, weight_names  # the weight-file rule every folder follows
 from reshard.layouts.megatron import MEGATRON
 from reshard.layouts.nemo_rl import NEMO_RL
+from reshard.layouts.openrlhf import OPENRLHF
 from reshard.layouts.sat import SAT
 from reshard.layouts.spec import FileProblem, LayoutSpec
 from reshard.layouts.verl import VERL
@@ -51,9 +52,22 @@ logger = logging.getLogger(__name__)
 # Every layout, in the order a folder is tried: verl first (a verl run's root holds Megatron's tracker file name,
 # latest_checkpointed_iteration.txt, and its rank files carry rank numbers); torch_dist before dcp (its data files
 # are DCP) and megatron (the same tracker file); deepspeed before sat (DeepSpeed names its model-states files as SAT
-# does); nemo-rl before dcp (its policy/weights/ is DCP, read with the step's side files); an HF folder last (a
-# folder of rank files holds weight files too). A single file is read as hf.
-LAYOUTS: tuple[LayoutSpec, ...] = (VERL, NEMO_RL, TORCH_DIST, DCP, MEGATRON, DEEPSPEED, SAT, HF_RANKS, LOOSE, HF)
+# does); nemo-rl before dcp (its policy/weights/ is DCP, read with the step's side files), openrlhf before deepspeed
+# (its _actor/ is DeepSpeed's, read with the <tag>_hf/ beside it); an HF folder last (a folder of rank files holds
+# weight files too). A single file is read as hf.
+LAYOUTS: tuple[LayoutSpec, ...] = (
+    VERL,
+    NEMO_RL,
+    OPENRLHF,
+    TORCH_DIST,
+    DCP,
+    MEGATRON,
+    DEEPSPEED,
+    SAT,
+    HF_RANKS,
+    LOOSE,
+    HF,
+)
 
 
 def discover(path: Path, options: ReadOptions | None = None) -> SourceCheckpoint:

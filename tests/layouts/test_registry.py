@@ -95,6 +95,7 @@ def test_every_layout_has_one_name_and_the_writable_ones_are_listed() -> None:
         "loose",
         "megatron",
         "nemo-rl",
+        "openrlhf",
         "sat",
         "torch_dist",
         "verl",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -17,15 +16,3 @@ def nemo_rl(pytestconfig: pytest.Config) -> Path:
         for name in ("TQDM_DISABLE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
             patch.setenv(name, "1")
         return write_nemo_rl_run(pytestconfig.cache.mkdir("nemo-rl") / fixture_key())
-
-
-@pytest.fixture
-def copied(tmp_path: Path):
-    """A private copy of a folder, to change."""
-
-    def copy(folder: Path, name: str | None = None) -> Path:
-        target = tmp_path / "copy" / (name or folder.name)
-        shutil.copytree(folder, target)
-        return target
-
-    return copy

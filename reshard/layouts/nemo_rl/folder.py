@@ -61,6 +61,11 @@ def _is_weights(path: Path) -> bool:
     return path.name == WEIGHTS and path.parent.name == POLICY and _weights(path) is not None
 
 
+def _is_model(path: Path) -> bool:
+    """Version 2's ``policy/weights/model/``."""
+    return path.name == MODEL and _is_weights(path.parent) and _weights(path.parent) == (path, False)
+
+
 def _is_step(path: Path) -> bool:
     return path.is_dir() and _is_weights(path / POLICY / WEIGHTS)
 
@@ -70,10 +75,11 @@ def _steps(run: Path) -> list[Path]:
 
 
 def detect(path: Path) -> bool:
-    """A NeMo-RL run (``step_N/`` folders), a ``step_N/``, its ``policy/`` or its ``policy/weights/``."""
+    """A NeMo-RL run (``step_N/`` folders), a ``step_N/``, its ``policy/``, ``policy/weights/`` or version 2's
+    ``policy/weights/model/``."""
     if not path.is_dir():
         return False
-    if _is_weights(path) or _is_step(path) or (path.name == POLICY and _is_weights(path / WEIGHTS)):
+    if _is_model(path) or _is_weights(path) or _is_step(path) or (path.name == POLICY and _is_weights(path / WEIGHTS)):
         return True
     return bool(_steps(path))
 
@@ -85,6 +91,8 @@ def locate(path: Path) -> tuple[Step, list[str]]:
         ReshardError: a run of several steps (each named: NeMo-RL keeps no tracker), or a file NeMo-RL does not write.
     """
     notes: list[str] = []
+    if _is_model(path):
+        path = path.parent
     if _is_weights(path):
         path = path.parent
     if path.name == POLICY and _is_weights(path / WEIGHTS):

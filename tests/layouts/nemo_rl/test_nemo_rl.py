@@ -40,6 +40,15 @@ def test_each_folder_of_a_run_converts_to_the_models_state_dict(nemo_rl, cli, tm
     _assert_converted(out, nemo_rl)
 
 
+def test_version_2s_model_folder_reads_as_its_step(nemo_rl, cli, tmp_path):
+    out = tmp_path / "hf"
+    config = nemo_rl / "source" / "config.json"
+    model = nemo_rl / "v2" / STEP / "policy/weights/model"
+    result = cli("convert", model, "--tp", 1, "--layout", "hf", "-o", out, "--config", config, "-q")
+    assert result.exit_code == 0, result.output
+    _assert_converted(out, nemo_rl)
+
+
 def test_without_config_json_the_model_named_in_config_yaml_is_said_and_config_asked_for(nemo_rl, cli, tmp_path):
     out = tmp_path / "out"
     line = assert_refused(cli("convert", nemo_rl / "v1", "--tp", 1, "--layout", "hf", "-o", out, "-q"), out)

@@ -106,7 +106,9 @@ def locate(path: Path) -> tuple[Step, list[str]]:
                 path=path,
                 hint=f"point reshard at the step to read (NeMo-RL resumes from the highest, {steps[-1]})",
             )
-        notes.append(f"{path.name}/ holds one NeMo-RL step: reading {steps[0].name}/")
+        others = sorted(c.name + ("/" if c.is_dir() else "") for c in path.iterdir() if c != steps[0])
+        also = f" (also in it, not read: {', '.join(others)})" if others else ""
+        notes.append(f"{path.name}/ holds one NeMo-RL step: reading {steps[0].name}/{also}")
         path = steps[0]
     return classify(path), notes
 

@@ -76,6 +76,9 @@ def test_inspect_says_what_every_file_was_taken_for(nemo_rl, cli):
 
 def test_a_run_of_several_steps_names_them_and_an_unknown_file_is_refused(nemo_rl, copied, cli):
     run = copied(nemo_rl / "v1", "run")
+    (run / "tmp_step_4").mkdir()  # a save NeMo-RL had not finished (renamed step_4 once complete)
+    notes = json.loads(cli("inspect", run, "--json").stdout)["notes"]
+    assert "run/ holds one NeMo-RL step: reading step_3/ (also in it, not read: tmp_step_4/)" in notes
     shutil.copytree(run / STEP, run / "step_10")
     line = assert_refused(cli("inspect", run), None)
     assert "holds 2 NeMo-RL steps (step_3, step_10)" in line and f"{run / 'step_10'}" in line

@@ -18,6 +18,8 @@ from reshard.layouts.deepspeed import DEEPSPEED
 from reshard.layouts.hf import HF, HF_RANKS, LOOSE
 from reshard.layouts.hf.folder import TENSOR_SUFFIXES, weight_names  # the weight-file rule every folder follows
 from reshard.layouts.megatron import MEGATRON
+from reshard.layouts.nemo_rl import NEMO_RL
+from reshard.layouts.openrlhf import OPENRLHF
 from reshard.layouts.peft import PEFT
 from reshard.layouts.sat import SAT
 from reshard.layouts.spec import FileProblem, LayoutSpec
@@ -51,9 +53,23 @@ logger = logging.getLogger(__name__)
 # Every layout, in the order a folder is tried: verl first (a verl run's root holds Megatron's tracker file name,
 # latest_checkpointed_iteration.txt, and its rank files carry rank numbers); torch_dist before dcp (its data files
 # are DCP) and megatron (the same tracker file); deepspeed before sat (DeepSpeed names its model-states files as SAT
-# does); an HF folder last (a folder of rank files holds weight files too). A single file is read as hf.
-# PEFT's adapter folder is written only (an adapter file reads as hf).
-LAYOUTS: tuple[LayoutSpec, ...] = (VERL, TORCH_DIST, DCP, MEGATRON, DEEPSPEED, SAT, HF_RANKS, LOOSE, HF, PEFT)
+# does); nemo-rl before dcp (its policy/weights/ is DCP, read with the step's side files), openrlhf before deepspeed
+# (its _actor/ is DeepSpeed's, read with the <tag>_hf/ beside it); an HF folder last (a folder of rank files holds
+# weight files too). A single file is read as hf. PEFT's adapter folder is written only (an adapter file reads as hf).
+LAYOUTS: tuple[LayoutSpec, ...] = (
+    VERL,
+    NEMO_RL,
+    OPENRLHF,
+    TORCH_DIST,
+    DCP,
+    MEGATRON,
+    DEEPSPEED,
+    SAT,
+    HF_RANKS,
+    LOOSE,
+    HF,
+    PEFT,
+)
 
 
 def discover(path: Path, options: ReadOptions | None = None) -> SourceCheckpoint:

@@ -33,6 +33,18 @@ def dcp_copy(dcp_root: Path, tmp_path: Path):
     return copy
 
 
+@pytest.fixture
+def copied(tmp_path: Path):
+    """A private copy of a folder (under ``name``, else its own), to damage or change."""
+
+    def copy(folder: Path, name: str | None = None) -> Path:
+        target = tmp_path / "copy" / (name or folder.name)
+        shutil.copytree(folder, target)
+        return target
+
+    return copy
+
+
 @pytest.fixture(scope="session")
 def trainer_root(pytestconfig: pytest.Config) -> Path:
     """The folders of ``fixtures/trainer_dirs_writer.py`` (real DCP, accelerate and Trainer writers), cached."""

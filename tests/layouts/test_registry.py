@@ -88,8 +88,19 @@ def toy_checkpoint(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
 def test_every_layout_has_one_name_and_the_writable_ones_are_listed() -> None:
     names = [spec.name for spec in LAYOUTS]
     assert sorted(names) == [
-        "dcp", "deepspeed", "hf", "hf-ranks", "loose", "megatron", "peft", "sat", "torch_dist", "verl"
-    ]  # fmt: skip
+        "dcp",
+        "deepspeed",
+        "hf",
+        "hf-ranks",
+        "loose",
+        "megatron",
+        "nemo-rl",
+        "openrlhf",
+        "peft",
+        "sat",
+        "torch_dist",
+        "verl",
+    ]
     assert writable_layouts() == ["dcp", "deepspeed", "hf", "hf-ranks", "megatron", "peft", "sat", "torch_dist"]
     assert all(find_layout(name).name == name for name in names)
     assert find_layout("nope") is None

@@ -70,7 +70,7 @@ def detect(path: Path) -> bool:
     if not path.is_dir() or (path / SAT_CONFIG).is_file() or (path.parent / SAT_CONFIG).is_file():
         return False
     try:
-        return _locate(path) is not None
+        return tag_folder(path) is not None
     except SeveralTagsError:  # a DeepSpeed root all the same: opening it says which tags it holds
         return True
     except (OSError, ReshardError):
@@ -108,7 +108,7 @@ def _pickles_deepspeed_keys(file: Path) -> bool:
     return isinstance(obj, Mapping) and "ds_version" in obj and "param_shapes" in obj
 
 
-def _locate(path: Path) -> Path | None:
+def tag_folder(path: Path) -> Path | None:
     """The tag folder to read for ``path``: itself, the one ``latest`` names (else ``latest_universal``: the
     folder ``ds_to_universal`` wrote), or the only one inside; several inside and none named are refused, naming
     them (DeepSpeed's own ``zero_to_fp32`` then needs the tag too)."""
@@ -279,7 +279,7 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
     weights = options.weights
     if weights not in WEIGHTS:
         raise ReshardError(f"--weights {weights!r} is not one of {', '.join(WEIGHTS)}")
-    folder = _locate(path)
+    folder = tag_folder(path)
     if folder is None:
         raise MissingRankError("no DeepSpeed checkpoint folder ('latest' names none)", path=path)
     model, zero3, optim = (_numbered(folder, p) for p in (MODEL_STATES, ZERO3_MODEL_STATES, OPTIM_STATES))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -28,15 +27,3 @@ def verl2(pytestconfig: pytest.Config) -> Path:
 def verl1(pytestconfig: pytest.Config) -> Path:
     """World 1: ``actor/`` of plain tensors and ``oracle.pt``."""
     return _written(pytestconfig, 1)
-
-
-@pytest.fixture
-def copied(tmp_path: Path):
-    """A private copy of a folder, to damage."""
-
-    def copy(folder: Path) -> Path:
-        target = tmp_path / "copy" / folder.name
-        shutil.copytree(folder, target)
-        return target
-
-    return copy

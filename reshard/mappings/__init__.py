@@ -23,7 +23,7 @@ from reshard.config import ModelConfig, SourceFacts
 from reshard.errors import MappingError
 from reshard.layouts import SourceCheckpoint, find_layout
 from reshard.mappings.base import Entry, MappedGroup, Mapping
-from reshard.mappings.megatron.gpt import DENSE_FAMILIES, MEGATRON, MLA_FAMILIES, MOE_FAMILIES, megatron_to_hf
+from reshard.mappings.megatron.gpt import FAMILIES, MEGATRON, megatron_to_hf
 from reshard.mappings.torchtitan_config import llama_config, titan_model
 from reshard.mappings.torchtitan_llama import SIGNATURE as TORCHTITAN_SIGNATURE
 from reshard.mappings.torchtitan_llama import TORCHTITAN, torchtitan_to_hf
@@ -99,7 +99,7 @@ def naming_of(source: SourceCheckpoint) -> str | None:
         if any(pattern.search(name) for name in source.names()):
             return naming
     model_type = source.config.model_type if source.config else None
-    if model_type in DENSE_FAMILIES + MOE_FAMILIES + MLA_FAMILIES:
+    if model_type in FAMILIES:
         return HF
     return None
 
@@ -172,9 +172,7 @@ def _megatron_to_hf(
     """
     config = source.config
     args = args_of(source.facts)
-    if (
-        config is not None and config.model_type in DENSE_FAMILIES + MOE_FAMILIES + MLA_FAMILIES
-    ):  # --config gave the target's
+    if config is not None and config.model_type in FAMILIES:  # --config gave the target's
         disagree = config_disagreements(config, args) if args is not None else []
         if disagree:
             raise MappingError(

@@ -30,7 +30,7 @@ from reshard.megatron.defaults import DEFAULTS, RELEASES
 __all__ = ["CARRIED", "DEEPSEEK_V3", "IRRELEVANT", "REFUSED", "RELEASES", "args_problems", "check_args", "classify"]
 
 # Argument -> where it goes in the transformers config (read by ``config.gpt_shape_from_args``, which
-# also refuses the values the families cannot compute: LayerNorm, GeLU, learned positions, partial rotary...).
+# also refuses the values the families cannot compute: LayerNorm, GeLU, learned positions, ...).
 CARRIED: dict[str, str] = {
     "num_layers": "num_hidden_layers",
     "hidden_size": "hidden_size",
@@ -49,7 +49,7 @@ CARRIED: dict[str, str] = {
     "use_rotary_position_embeddings": "rope (older Megatron-LM's flag for position_embedding_type rope)",
     "add_position_embedding": "learned absolute positions: none with rope",
     "rotary_base": "rope_parameters.rope_theta",
-    "rotary_percent": "1.0 (partial rotary refused)",
+    "rotary_percent": "rope_parameters.partial_rotary_factor (glm4_moe, the family that rotates the first channels)",
     "rotary_interleaved": "False (interleaved pairs refused)",
     "rotary_seq_len_interpolation_factor": "rope_parameters rope_type linear, factor",
     "use_rope_scaling": "rope_parameters rope_type llama3",

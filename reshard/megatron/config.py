@@ -5,8 +5,10 @@
 :func:`hf_family` picks the transformers family that computes the same function, and :func:`hf_config`
 writes its ``config.json``; :func:`gpt_shape_from_hf` and :func:`megatron_args` go the other way, for
 writing a Megatron checkpoint from a transformers one. An architecture transformers' Llama-like families
-cannot express (LayerNorm, GeLU, learned positions, interleaved or partial rotary) is refused, naming what
-differs: a config that loads but computes something else is the bug this module exists to avoid.
+cannot express (LayerNorm, GeLU, learned positions, interleaved rotary) is refused, naming what differs: a config
+that loads but computes something else is the bug this module exists to avoid. Partial rotary (``rotary_percent``
+< 1) is ``glm4_moe``'s (GLM-4.5), whose dense layers are Llama's and which rotates the first channels of each head
+with rotate-half pairs, as Megatron-Core does.
 
 A model with multi-latent attention is DeepSeek-V3 (``deepseek_v3``): its YaRN RoPE, softmax scale, sigmoid router
 with the expert bias, group-limited routing, scaled top-k, shared experts and dense first layers are carried where
@@ -38,6 +40,7 @@ _ARCHITECTURES = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
 }
 
 
@@ -82,6 +85,7 @@ class GPTShape:
     rotary_base: float = 10000.0
     rope_scaling_factor: float | None = None  # Llama 3.1 rope scaling (--use-rope-scaling)
     rope_interpolation_factor: float | None = None  # --rotary-seq-len-interpolation-factor: positions / factor
+    rotary_percent: float = 1.0  # the share of each head's channels RoPE rotates (the first ones; the rest pass)
     add_qkv_bias: bool = False
     add_bias_linear: bool = False
     qk_layernorm: bool = False
@@ -114,14 +118,15 @@ def gpt_shape_from_args(args: Any) -> GPTShape:
         problems.append(f"position_embedding_type={position!r} (the families use rope)")
     if arg(args, "rotary_interleaved", False):
         problems.append("rotary_interleaved=True (interleaved rotary embeddings)")
-    if float(arg(args, "rotary_percent", 1.0)) != 1.0:
-        problems.append(f"rotary_percent={arg(args, 'rotary_percent')!r} (partial rotary)")
     if problems:  # with every other argument the table refuses, in the same line
         raise MappingError(
             "this Megatron model has no transformers family: " + "; ".join(problems + args_problems(args)),
             hint="keep Megatron's names with --keep-names, or convert to --layout megatron",
         )
     check_args(args)
+    percent = arg(args, "rotary_percent", 1.0)
+    if isinstance(percent, bool) or not isinstance(percent, (int, float)) or not 0 < percent <= 1:
+        raise MappingError(f"rotary_percent={percent!r}: not a number in (0, 1]")
     interpolation = arg(args, "rotary_seq_len_interpolation_factor")
     if interpolation is not None and (not isinstance(interpolation, (int, float)) or interpolation <= 0):
         raise MappingError(f"rotary_seq_len_interpolation_factor={interpolation!r}: not a positive number")
@@ -159,6 +164,7 @@ def gpt_shape_from_args(args: Any) -> GPTShape:
         moe_router_pre_softmax=bool(arg(args, "moe_router_pre_softmax", False)),
         moe_router_score_function=str(arg(args, "moe_router_score_function", "softmax")),
         rope_interpolation_factor=None if interpolation in (None, 1) else float(interpolation),
+        rotary_percent=float(percent),
         dense_layers=_dense_layers(arg(args, "moe_layer_freq", 1), num_layers) if arg(args, "num_experts") else (),
         mla=_mla_from_args(args) if mla else None,
         moe_router_enable_expert_bias=bool(arg(args, "moe_router_enable_expert_bias", False)),
@@ -222,6 +228,9 @@ def hf_family(shape: GPTShape) -> str:
     if shape.mla is not None:
         _check_deepseek_v3(shape)
         return "deepseek_v3"
+    if shape.rotary_percent != 1.0:
+        _check_glm4_moe(shape)
+        return "glm4_moe"
     if shape.num_experts:
         return _moe_family(shape)
     if shape.qk_layernorm:
@@ -285,6 +294,25 @@ def _check_deepseek_v3(shape: GPTShape) -> None:
         _no_family("; ".join(problems))
 
 
+def _check_glm4_moe(shape: GPTShape) -> None:
+    """Refuse, by argument, what a Megatron GPT with partial rotary computes and transformers' ``glm4_moe`` does not.
+
+    ``glm4_moe`` (GLM-4.5) is the family that rotates the first ``head_dim x partial_rotary_factor`` channels of each
+    head with rotate-half pairs and passes the rest, as Megatron-Core's ``RotaryEmbedding`` with ``rotary_percent``
+    does (its ``dim = int(kv_channels * rotary_percent)``, the same ``inv_freq``); its dense layers are Llama's, with
+    q/k/v biases only (``attention_bias``) and optional per-head query/key norms (``use_qk_norm``).
+    """
+    problems = []
+    if shape.add_bias_linear:
+        problems.append("add_bias_linear=True with partial rotary (glm4_moe has biases on q, k and v only)")
+    if shape.num_experts:
+        problems.append(
+            f"num_experts={shape.num_experts} with partial rotary (glm4_moe's experts are not carried yet)"
+        )
+    if problems:
+        _no_family(f"rotary_percent={shape.rotary_percent}: " + "; ".join(problems))
+
+
 def _deepseek_router_problems(shape: GPTShape, experts: int) -> list[str]:
     problems = []
     if shape.moe_router_score_function != "sigmoid":
@@ -330,18 +358,7 @@ def hf_config(shape: GPTShape, *, vocab_size: int | None, dtype: str, family: st
     family = family or hf_family(shape)
     if family == "deepseek_v3":
         return _deepseek_v3_config(shape, vocab_size=vocab_size, dtype=dtype)
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": shape.rotary_base}
-    if shape.rope_interpolation_factor is not None:
-        rope = {"rope_type": "linear", "rope_theta": shape.rotary_base, "factor": shape.rope_interpolation_factor}
-    if shape.rope_scaling_factor is not None:
-        rope = {
-            "rope_type": "llama3",
-            "rope_theta": shape.rotary_base,
-            "factor": shape.rope_scaling_factor,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        }
+    rope = _rope_parameters(shape)
     config: dict[str, Any] = {
         "architectures": [_ARCHITECTURES[family]],
         "model_type": family,
@@ -361,24 +378,54 @@ def hf_config(shape: GPTShape, *, vocab_size: int | None, dtype: str, family: st
     }
     if family == "llama":
         config |= {"attention_bias": shape.add_bias_linear, "mlp_bias": shape.add_bias_linear}
+    if family == "glm4_moe":  # stated always: glm4_moe's config defaults partial_rotary_factor to 0.5 when absent
+        rope["partial_rotary_factor"] = shape.rotary_percent
+        config |= {
+            "attention_bias": shape.add_qkv_bias,
+            "use_qk_norm": shape.qk_layernorm,
+            "first_k_dense_replace": shape.num_layers,
+            "num_mtp_layers": 0,
+        }
     if family in ("mixtral", "qwen2_moe", "qwen3_moe"):
-        expert_size = shape.moe_ffn_hidden_size or shape.ffn_hidden_size
-        config["num_experts_per_tok"] = shape.moe_router_topk
-        if family == "mixtral":
-            config |= {"num_local_experts": shape.num_experts, "intermediate_size": expert_size}
-        else:
-            config |= {
-                "num_experts": shape.num_experts,
-                "moe_intermediate_size": expert_size,
-                "norm_topk_prob": not shape.moe_router_pre_softmax,
-                "decoder_sparse_step": 1,
-                "mlp_only_layers": list(shape.dense_layers),
-            }
-        if family == "qwen2_moe":
-            config |= {
-                "shared_expert_intermediate_size": shape.moe_shared_expert_intermediate_size,
-                "qkv_bias": shape.add_qkv_bias,
-            }
+        config |= _moe_config(shape, family)
+    return config
+
+
+def _rope_parameters(shape: GPTShape) -> dict[str, Any]:
+    """``rope_parameters`` of the Llama-like families: default, linear (interpolated positions) or llama3."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": shape.rotary_base}
+    if shape.rope_interpolation_factor is not None:
+        rope = {"rope_type": "linear", "rope_theta": shape.rotary_base, "factor": shape.rope_interpolation_factor}
+    if shape.rope_scaling_factor is not None:
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": shape.rotary_base,
+            "factor": shape.rope_scaling_factor,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        }
+    return rope
+
+
+def _moe_config(shape: GPTShape, family: str) -> dict[str, Any]:
+    """The experts' part of a Mixtral / Qwen2-MoE / Qwen3-MoE ``config.json``."""
+    expert_size = shape.moe_ffn_hidden_size or shape.ffn_hidden_size
+    config: dict[str, Any] = {"num_experts_per_tok": shape.moe_router_topk}
+    if family == "mixtral":
+        return config | {"num_local_experts": shape.num_experts, "intermediate_size": expert_size}
+    config |= {
+        "num_experts": shape.num_experts,
+        "moe_intermediate_size": expert_size,
+        "norm_topk_prob": not shape.moe_router_pre_softmax,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(shape.dense_layers),
+    }
+    if family == "qwen2_moe":
+        config |= {
+            "shared_expert_intermediate_size": shape.moe_shared_expert_intermediate_size,
+            "qkv_bias": shape.add_qkv_bias,
+        }
     return config
 
 
@@ -459,6 +506,7 @@ def gpt_shape_from_hf(config: ModelConfig) -> GPTShape:
     if family == "deepseek_v3":
         return _deepseek_v3_shape(config)
     rope = config.get("rope_parameters") or {}
+    partial = _partial_rotary(config, rope)
     scaling = rope.get("factor") if rope.get("rope_type") == "llama3" else None
     interpolation = rope.get("factor") if rope.get("rope_type") == "linear" else None
     if rope.get("rope_type", "default") not in ("default", "llama3", "linear"):
@@ -471,6 +519,9 @@ def gpt_shape_from_hf(config: ModelConfig) -> GPTShape:
     dense = tuple(i for i in range(layers or 0) if i in only or (i + 1) % step) if family != "mixtral" else ()
     experts = config.get("num_local_experts") or config.get("num_experts")
     bias = bool(config.get("attention_bias", False))
+    glm = family == "glm4_moe"
+    if glm and (config.get("first_k_dense_replace") or 0) < (layers or 0):
+        raise MappingError("glm4_moe with experts: not carried to Megatron yet", path=config.path)
     return GPTShape(
         num_layers=layers,
         hidden_size=config.get("hidden_size"),
@@ -483,12 +534,13 @@ def gpt_shape_from_hf(config: ModelConfig) -> GPTShape:
         rotary_base=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
         rope_scaling_factor=scaling,
         rope_interpolation_factor=interpolation,
-        dense_layers=dense if experts else (),
+        rotary_percent=partial,
+        dense_layers=dense if experts and not glm else (),
         add_qkv_bias=family in ("qwen2", "qwen2_moe") or bias,
-        add_bias_linear=bias,
-        qk_layernorm=family in ("qwen3", "qwen3_moe"),
+        add_bias_linear=bias and not glm,  # glm4_moe's attention_bias is on q, k and v only
+        qk_layernorm=family in ("qwen3", "qwen3_moe") or (glm and bool(config.get("use_qk_norm", False))),
         untie_embeddings_and_output_weights=not config.tie_word_embeddings,
-        num_experts=experts,
+        num_experts=None if glm else experts,
         moe_router_topk=config.get("num_experts_per_tok", 2),
         moe_ffn_hidden_size=config.get("moe_intermediate_size")
         or (config.get("intermediate_size") if experts else None),
@@ -496,6 +548,22 @@ def gpt_shape_from_hf(config: ModelConfig) -> GPTShape:
         moe_shared_expert_gate=bool(config.get("shared_expert_intermediate_size")),
         moe_router_pre_softmax=bool(experts) and not config.get("norm_topk_prob", family == "mixtral"),
     )
+
+
+def _partial_rotary(config: ModelConfig, rope: dict[str, Any]) -> float:
+    """The share of each head RoPE rotates: ``partial_rotary_factor`` (in ``rope_parameters`` or beside it), whose
+    default is 0.5 for ``glm4_moe`` (its config's, when absent) and 1 elsewhere; only ``glm4_moe`` computes less."""
+    default = 0.5 if config.model_type == "glm4_moe" else 1.0
+    factor = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", default))
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise MappingError(f"partial_rotary_factor {factor!r}: not a number in (0, 1]", path=config.path)
+    if factor != 1 and config.model_type != "glm4_moe":
+        raise MappingError(
+            f"partial_rotary_factor {factor} in a {config.model_type} config (reshard carries partial rotary as "
+            "glm4_moe's)",
+            path=config.path,
+        )
+    return float(factor)
 
 
 def _deepseek_v3_shape(config: ModelConfig) -> GPTShape:
@@ -624,7 +692,7 @@ def megatron_args(
         swiglu=True,
         position_embedding_type="rope",
         rotary_base=int(shape.rotary_base) if float(shape.rotary_base).is_integer() else shape.rotary_base,
-        rotary_percent=1.0,
+        rotary_percent=shape.rotary_percent,
         use_rope_scaling=shape.rope_scaling_factor is not None,
         rope_scaling_factor=shape.rope_scaling_factor or 8.0,
         add_qkv_bias=shape.add_qkv_bias,

@@ -37,6 +37,30 @@ def tiny_qwen2(path: Path):
     return model
 
 
+def tiny_glm4_moe_dense(path: Path):
+    """GLM-4.5's family without experts (every layer dense): partial rotary (its config's default 0.5), q/k/v
+    biases, per-head query/key norms."""
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Glm4MoeConfig(
+        vocab_size=1001,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=16,
+        attention_bias=True,
+        use_qk_norm=True,
+        first_k_dense_replace=2,
+        num_mtp_layers=0,
+    )
+    model = Glm4MoeForCausalLM(config).eval()
+    model.save_pretrained(path)
+    return model
+
+
 MODELS = {
     "llama-gqa": lambda path: tiny_llama(path, num_key_value_heads=2),
     "llama-tied": lambda path: tiny_llama(path, num_key_value_heads=4, tie=True),
@@ -44,6 +68,7 @@ MODELS = {
     "qwen3-qk-norm": lambda path: tiny_qwen3(path),
     "mixtral": lambda path: build("mixtral", path),
     "qwen2-moe-shared": lambda path: build("qwen2_moe", path),
+    "glm4-moe-dense-partial-rotary": tiny_glm4_moe_dense,
 }
 # (layout, tp, pp) of the Megatron side
 ROUTES = {
@@ -64,7 +89,7 @@ def weights(folder: Path) -> dict[str, torch.Tensor]:
 # every model through the megatron layout at tp 2; pipeline stages and torch_dist on a dense and a MoE model
 CASES = [(model, "megatron-tp2") for model in MODELS] + [
     (model, route)
-    for model in ("llama-gqa", "qwen3-qk-norm", "mixtral")
+    for model in ("llama-gqa", "qwen3-qk-norm", "mixtral", "glm4-moe-dense-partial-rotary")
     for route in ("megatron-tp1-pp2", "torch_dist")
 ]
 
@@ -87,3 +112,7 @@ def test_transformers_to_megatron_and_back_is_bit_exact(cli, tmp_path: Path, mod
     assert again["model_type"] == config["model_type"]
     assert {k: again[k] for k in MODEL_KEYS} == {k: config[k] for k in MODEL_KEYS}
     assert again.get("tie_word_embeddings", False) == config.get("tie_word_embeddings", False)
+    for key in ("attention_bias", "use_qk_norm"):
+        assert again.get(key, False) == config.get(key, False), key
+    partial = again["rope_parameters"].get("partial_rotary_factor")
+    assert partial == config["rope_parameters"].get("partial_rotary_factor"), partial

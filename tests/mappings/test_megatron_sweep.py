@@ -40,7 +40,8 @@ SWEEP: dict[str, tuple[Spec, str | None]] = {
     "gelu": (_spec(act="gelu"), "swiglu=False"),
     "squared-relu": (_spec(act="squared_relu"), "squared_relu=True"),
     "layernorm": (_spec(norm="LayerNorm"), "normalization='LayerNorm'"),
-    "rotary-percent": (_spec(rotary_percent=0.5), "rotary_percent=0.5"),
+    "rotary-percent": (_spec(rotary_percent=0.5), None),  # glm4_moe's partial_rotary_factor
+    "rotary-percent-bias": (_spec(rotary_percent=0.5, bias=True), "add_bias_linear=True with partial rotary"),
     "learned-absolute": (_spec(pos="learned_absolute"), "position_embedding_type='learned_absolute'"),
     "no-positions": (_spec(pos="none"), "position_embedding_type='none'"),
     "softmax-scale": (_spec(softmax_scale=0.5), "softmax_scale=0.5"),

@@ -1,5 +1,6 @@
 """Megatron-LM / Megatron-Core GPT <-> the transformers families it trains: Llama, Mistral, Qwen2, Qwen3,
-their MoE cousins Mixtral, Qwen2-MoE, Qwen3-MoE, and DeepSeek-V3 (multi-latent attention).
+their MoE cousins Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 (multi-latent attention), and GLM-4.5 (``glm4_moe``:
+partial rotary; its dense layers have Llama's names).
 
 What the table does (and why each row is not a plain rename):
 
@@ -42,8 +43,10 @@ from reshard.mappings.transforms import Chunk, Invertible, SplitGroupedQKV, With
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 MLA_FAMILIES = ("deepseek_v3",)
+PARTIAL_ROTARY_FAMILIES = ("glm4_moe",)
 MEGATRON = "megatron"
 
+FAMILIES = DENSE_FAMILIES + MOE_FAMILIES + MLA_FAMILIES + PARTIAL_ROTARY_FAMILIES
 _L = "decoder.layers.{L}."
 _LEGACY = "language_model.encoder.layers.{L}."
 _HF = "model.layers.{L}."
@@ -196,14 +199,11 @@ def _deepseek_v3_mlp(expert_bias: bool) -> tuple[Entry, ...]:
 def megatron_to_hf(family: str | None, *, expert_bias: bool = True) -> Mapping:
     """The Megatron GPT -> transformers table for one family (``llama``, ``qwen2``, ``mixtral``, ...);
     ``expert_bias`` off: DeepSeek-V3's sigmoid router has no expert bias (a zero one is written)."""
-    if family not in DENSE_FAMILIES + MOE_FAMILIES + MLA_FAMILIES:
-        raise MappingError(
-            f"no Megatron mapping to the {family!r} family",
-            hint=f"one of {DENSE_FAMILIES + MOE_FAMILIES + MLA_FAMILIES}",
-        )
+    if family not in FAMILIES:
+        raise MappingError(f"no Megatron mapping to the {family!r} family", hint=f"one of {FAMILIES}")
     if family in MLA_FAMILIES:
         layers = (*_mla_attention(), *_deepseek_v3_mlp(expert_bias))
-    else:
+    else:  # glm4_moe (partial rotary) without experts: Llama's rows
         layers = (*_attention(), *(_moe_mlp(family) if family in MOE_FAMILIES else _dense_mlp()))
     return Mapping(
         MEGATRON,

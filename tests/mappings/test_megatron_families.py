@@ -1,0 +1,106 @@
+"""Megatron models off the Llama path that another transformers family computes exactly (issue 46), proven against
+Megatron-Core 0.19.2 on CPU: it writes each model at tp 2 (``torch_dist`` and the legacy ``torch`` format, random
+nonzero norms and biases), reshard converts it with ``--layout hf``, and transformers gives Megatron-Core's logits;
+the ``hf`` output converted back (``--layout torch_dist``) loads in Megatron-Core with the
+same logits.
+
+- ``rotary_percent`` < 1 (partial rotary): transformers' ``glm4_moe`` rotates the first ``head_dim x
+  partial_rotary_factor`` channels of each head with rotate-half pairs, as Megatron-Core does; its dense layers are
+  Llama's, with q/k/v biases and per-head query/key norms. With biases on every linear it is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from fixtures.mcore19 import mcore19_python, written_by_mcore19
+from oracles import run_jobs
+from oracles.variants import Spec
+
+pytestmark = pytest.mark.oracle
+
+TOLERANCE = 1e-4  # fp32
+
+
+def _spec(**overrides: object) -> Spec:
+    return Spec("llama", tp=2, overrides=tuple(sorted((k, str(v)) for k, v in overrides.items())))
+
+
+# name -> (the writer's model, the transformers family reshard writes)
+SPECS = {
+    "partial-rotary": (_spec(rotary_percent=0.5), "glm4_moe"),
+    "partial-rotary-qk-norm-qkv-bias-tied": (
+        _spec(rotary_percent=0.25, head_dim=16, qk_norm=True, qkv_bias=True, tied=True, layers=2),
+        "glm4_moe",
+    ),
+}
+# name -> (the writer's model, what the one-line refusal names)
+REFUSED = {
+    "partial-rotary-all-biases": (_spec(rotary_percent=0.5, bias=True, layers=2), "add_bias_linear=True with partial"),
+}
+
+
+@pytest.fixture(scope="module")
+def mcore19(pytestconfig: pytest.Config) -> Path:
+    return mcore19_python(pytestconfig)
+
+
+@pytest.fixture(scope="module")
+def written(pytestconfig: pytest.Config, mcore19: Path) -> Path:
+    """Every model of ``SPECS`` and ``REFUSED``, saved by Megatron-Core 0.19.2 in one run, cached across sessions."""
+    specs = {name: spec for name, (spec, _) in (SPECS | REFUSED).items()}
+    return written_by_mcore19(pytestconfig, mcore19, specs, "mcore-0.19-families")
+
+
+def _reference(written: Path, name: str) -> dict:
+    spec = (SPECS | REFUSED)[name][0]
+    ref = torch.load(written / name / "reference.pt", weights_only=True)
+    return ref | {"logits": ref["logits"][..., : spec.model().vocab]}
+
+
+def _transformers_logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    with torch.inference_mode():
+        return model.eval()(ids).logits
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_transformers_computes_megatron_core_s_logits(cli, written: Path, tmp_path: Path, name: str, fmt: str) -> None:
+    out = tmp_path / "hf"
+    result = cli("convert", written / name / fmt, "--tp", 1, "--layout", "hf", "-o", out)
+    assert result.exit_code == 0, result.output
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == SPECS[name][1]
+    ref = _reference(written, name)
+    torch.testing.assert_close(_transformers_logits(out, ref["input_ids"]), ref["logits"], rtol=0, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_back_to_megatron_core_with_its_logits(cli, written: Path, mcore19: Path, tmp_path: Path, name: str) -> None:
+    """Megatron-Core -> transformers -> ``torch_dist``: Megatron-Core builds the model from its own spec at tp 2,
+    loads it and computes the first writer's logits."""
+    hf, dist = tmp_path / "hf", tmp_path / "dist"
+    for source, out, layout in ((written / name / "torch_dist", hf, "hf"), (hf, dist, "torch_dist")):
+        result = cli("convert", source, "--tp", 1, "--layout", layout, "-o", out)
+        assert result.exit_code == 0, result.output
+    job = {"command": "load", "spec": SPECS[name][0].to_json(), "ckpt": str(dist), "format": "torch_dist"}
+    job |= {"strict": "assume_ok_unexpected", "out": str(tmp_path / "logits.pt")}
+    run_jobs([job], nproc=2, python=mcore19)
+    ref = _reference(written, name)
+    logits = torch.load(job["out"], weights_only=True)["logits"][..., : ref["logits"].shape[-1]]
+    torch.testing.assert_close(logits, ref["logits"], rtol=0, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_what_no_family_computes_is_refused_by_name(cli, written: Path, tmp_path: Path, name: str) -> None:
+    out = tmp_path / "hf"
+    result = cli("convert", written / name / "torch_dist", "--tp", 1, "--layout", "hf", "-o", out)
+    assert result.exit_code == 2 and not out.exists(), result.output
+    assert len(result.output.strip().splitlines()) == 1 and REFUSED[name][1] in result.output, result.output

@@ -41,6 +41,7 @@ _ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
 }
 
 
@@ -86,6 +87,9 @@ class GPTShape:
     rope_scaling_factor: float | None = None  # Llama 3.1 rope scaling (--use-rope-scaling)
     rope_interpolation_factor: float | None = None  # --rotary-seq-len-interpolation-factor: positions / factor
     rotary_percent: float = 1.0  # the share of each head's channels RoPE rotates (the first ones; the rest pass)
+    sliding_window: int | None = None  # the keys a query sees, itself included: Megatron's window_size left + 1
+    window_layers: tuple[int, ...] = ()  # the layers with the sliding window (window_attn_skip_freq)
+    no_rope_layers: tuple[int, ...] = ()  # the layers without RoPE (no_rope_freq)
     add_qkv_bias: bool = False
     add_bias_linear: bool = False
     qk_layernorm: bool = False
@@ -165,6 +169,7 @@ def gpt_shape_from_args(args: Any) -> GPTShape:
         moe_router_score_function=str(arg(args, "moe_router_score_function", "softmax")),
         rope_interpolation_factor=None if interpolation in (None, 1) else float(interpolation),
         rotary_percent=float(percent),
+        **_layer_patterns(args, num_layers),
         dense_layers=_dense_layers(arg(args, "moe_layer_freq", 1), num_layers) if arg(args, "num_experts") else (),
         mla=_mla_from_args(args) if mla else None,
         moe_router_enable_expert_bias=bool(arg(args, "moe_router_enable_expert_bias", False)),
@@ -207,6 +212,49 @@ def _yarn_mscale(factor: float, mscale: float) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
+def _layer_patterns(args: Any, num_layers: int) -> dict[str, Any]:
+    """The sliding window and the layers it applies to, and the layers without RoPE, as Megatron-Core reads them.
+
+    ``window_size`` ``(left, right)``: a query at ``i`` sees the keys ``i - left .. i + right``
+    (``get_sliding_window_causal_mask``), so ``left + 1`` keys with itself when ``right`` is 0; transformers'
+    ``sliding_window`` W keeps the keys ``> i - W``, so W is ``left + 1``. ``window_attn_skip_freq`` N leaves every
+    Nth layer (1-based) full; a list marks the windowed layers with 1 (``is_layer_window_attention``).
+    ``no_rope_freq`` N drops RoPE in every Nth layer (1-based); a list marks those layers with 1
+    (``TransformerConfig.__post_init__``, ``Attention.forward``).
+    """
+    window = arg(args, "window_size")
+    patterns: dict[str, Any] = {}
+    if window is not None:
+        ok = isinstance(window, (list, tuple)) and len(window) == 2 and all(_is_int(w) for w in window)
+        if not ok or window[0] < 0 or window[1] != 0:
+            raise MappingError(
+                f"window_size={window!r}: reshard carries a causal sliding window (left >= 0, right 0) only"
+            )
+        skip = arg(args, "window_attn_skip_freq")
+        layers = (
+            range(num_layers) if skip is None else _layers_marked(skip, num_layers, "window_attn_skip_freq", full=True)
+        )
+        patterns |= {"sliding_window": int(window[0]) + 1, "window_layers": tuple(layers)}
+    no_rope = arg(args, "no_rope_freq")
+    if no_rope is not None:
+        patterns["no_rope_layers"] = _layers_marked(no_rope, num_layers, "no_rope_freq")
+    return patterns
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _layers_marked(freq: Any, num_layers: int, name: str, *, full: bool = False) -> tuple[int, ...]:
+    """The layers a Megatron layer pattern marks: an int N marks every Nth layer (1-based), or, ``full``, every
+    other layer; a list of ``num_layers`` 0s and 1s marks those with 1."""
+    if _is_int(freq) and freq > 0:
+        return tuple(i for i in range(num_layers) if ((i + 1) % freq == 0) != full)
+    if isinstance(freq, (list, tuple)) and len(freq) == num_layers and all(f in (0, 1) for f in freq):
+        return tuple(i for i, f in enumerate(freq) if f == 1)
+    raise MappingError(f"{name}={freq!r}: neither a positive int nor a list of {num_layers} 0s and 1s (one per layer)")
+
+
 def _dense_layers(freq: Any, num_layers: int) -> tuple[int, ...]:
     """The layers ``--moe-layer-freq`` leaves dense: every layer not a multiple of an int N, the 0s of a list."""
     if isinstance(freq, int) and not isinstance(freq, bool) and freq > 0:
@@ -231,6 +279,9 @@ def hf_family(shape: GPTShape) -> str:
     if shape.rotary_percent != 1.0:
         _check_glm4_moe(shape)
         return "glm4_moe"
+    if shape.window_layers or shape.no_rope_layers:
+        _check_smollm3(shape)
+        return "smollm3"
     if shape.num_experts:
         return _moe_family(shape)
     if shape.qk_layernorm:
@@ -290,6 +341,7 @@ def _check_deepseek_v3(shape: GPTShape) -> None:
         )
     if shape.num_experts:
         problems += _deepseek_router_problems(shape, shape.num_experts)
+    problems += _pattern_problems(shape, "DeepseekV3")
     if problems:
         _no_family("; ".join(problems))
 
@@ -309,8 +361,39 @@ def _check_glm4_moe(shape: GPTShape) -> None:
         problems.append(
             f"num_experts={shape.num_experts} with partial rotary (glm4_moe's experts are not carried yet)"
         )
+    problems += _pattern_problems(shape, "glm4_moe")
     if problems:
         _no_family(f"rotary_percent={shape.rotary_percent}: " + "; ".join(problems))
+
+
+def _pattern_problems(shape: GPTShape, family: str) -> list[str]:
+    """Sliding-window or RoPE-less layers in a model that becomes ``family``, which computes neither."""
+    problems = []
+    if shape.window_layers:
+        problems.append(f"window_size: sliding-window attention ({family} has none; smollm3 has, without {family}'s)")
+    if shape.no_rope_layers:
+        problems.append(f"no_rope_freq: layers without RoPE ({family} has none; smollm3 has, without {family}'s)")
+    return problems
+
+
+def _check_smollm3(shape: GPTShape) -> None:
+    """Refuse, by argument, what a Megatron GPT with sliding-window or RoPE-less layers computes and transformers'
+    ``smollm3`` does not.
+
+    ``smollm3`` is Llama with two per-layer patterns: ``layer_types`` (``sliding_attention`` masks with
+    ``sliding_window``) and ``no_rope_layers`` (0: the layer skips RoPE), and Llama's ``attention_bias`` (q, k, v, o)
+    and ``mlp_bias``; no query/key norms, no experts, full rotary only.
+    """
+    problems = []
+    what = "sliding-window attention" if shape.window_layers else "layers without RoPE"
+    if shape.qk_layernorm:
+        problems.append(f"qk_layernorm=True with {what} (smollm3 has no query/key norms)")
+    if shape.add_qkv_bias and not shape.add_bias_linear:
+        problems.append(f"add_qkv_bias=True without add_bias_linear with {what} (smollm3 biases every linear or none)")
+    if shape.num_experts:
+        problems.append(f"num_experts={shape.num_experts} with {what} (smollm3 has no experts)")
+    if problems:
+        _no_family("; ".join(problems))
 
 
 def _deepseek_router_problems(shape: GPTShape, experts: int) -> list[str]:
@@ -378,6 +461,20 @@ def hf_config(shape: GPTShape, *, vocab_size: int | None, dtype: str, family: st
     }
     if family == "llama":
         config |= {"attention_bias": shape.add_bias_linear, "mlp_bias": shape.add_bias_linear}
+    if family == "smollm3":  # its config's token ids default to SmolLM3's tokenizer's (pad 128004: past a small vocab)
+        config |= {
+            "pad_token_id": None,
+            "bos_token_id": None,
+            "eos_token_id": None,
+            "attention_bias": shape.add_bias_linear,
+            "mlp_bias": shape.add_bias_linear,
+            "no_rope_layers": [int(i not in shape.no_rope_layers) for i in range(shape.num_layers)],
+            "use_sliding_window": bool(shape.window_layers),
+            "sliding_window": shape.sliding_window,
+            "layer_types": [
+                "sliding_attention" if i in shape.window_layers else "full_attention" for i in range(shape.num_layers)
+            ],
+        }
     if family == "glm4_moe":  # stated always: glm4_moe's config defaults partial_rotary_factor to 0.5 when absent
         rope["partial_rotary_factor"] = shape.rotary_percent
         config |= {
@@ -522,6 +619,8 @@ def gpt_shape_from_hf(config: ModelConfig) -> GPTShape:
     glm = family == "glm4_moe"
     if glm and (config.get("first_k_dense_replace") or 0) < (layers or 0):
         raise MappingError("glm4_moe with experts: not carried to Megatron yet", path=config.path)
+    if family == "smollm3" and bool(config.get("attention_bias", False)) != bool(config.get("mlp_bias", False)):
+        raise MappingError("attention_bias without mlp_bias or the reverse: Megatron biases every linear or none")
     return GPTShape(
         num_layers=layers,
         hidden_size=config.get("hidden_size"),
@@ -535,6 +634,7 @@ def gpt_shape_from_hf(config: ModelConfig) -> GPTShape:
         rope_scaling_factor=scaling,
         rope_interpolation_factor=interpolation,
         rotary_percent=partial,
+        **_hf_layer_patterns(config, layers or 0),
         dense_layers=dense if experts and not glm else (),
         add_qkv_bias=family in ("qwen2", "qwen2_moe") or bias,
         add_bias_linear=bias and not glm,  # glm4_moe's attention_bias is on q, k and v only
@@ -548,6 +648,32 @@ def gpt_shape_from_hf(config: ModelConfig) -> GPTShape:
         moe_shared_expert_gate=bool(config.get("shared_expert_intermediate_size")),
         moe_router_pre_softmax=bool(experts) and not config.get("norm_topk_prob", family == "mixtral"),
     )
+
+
+def _hf_layer_patterns(config: ModelConfig, layers: int) -> dict[str, Any]:
+    """The sliding window, its layers and the layers without RoPE of a transformers config, as :class:`GPTShape`
+    holds them: smollm3's ``layer_types`` and ``no_rope_layers`` (their defaults as ``SmolLM3Config`` makes them:
+    every 4th layer without RoPE, windowed when ``use_sliding_window``), Mistral's window on every layer (4096 when
+    its config does not say, as ``MistralConfig`` defaults it)."""
+    window = config.get("sliding_window", 4096 if config.model_type == "mistral" else None)
+    if config.model_type == "mistral" and window is not None:
+        return {"sliding_window": int(window), "window_layers": tuple(range(layers))}
+    if config.model_type != "smollm3":
+        return {}
+    interval = config.get("no_rope_layer_interval", 4)
+    rope = config.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+    windowed = bool(config.get("use_sliding_window", False)) and window is not None
+    types = config.get("layer_types") or [
+        "sliding_attention" if windowed and not rope[i] else "full_attention" for i in range(layers)
+    ]
+    if len(rope) != layers or len(types) != layers:
+        raise MappingError(f"no_rope_layers / layer_types do not list {layers} layers", path=config.path)
+    sliding = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention") if windowed else ()
+    return {
+        "sliding_window": int(window) if sliding else None,
+        "window_layers": sliding,
+        "no_rope_layers": tuple(i for i, r in enumerate(rope) if not r),
+    }
 
 
 def _partial_rotary(config: ModelConfig, rope: dict[str, Any]) -> float:
@@ -672,6 +798,19 @@ def _mla_args(shape: GPTShape) -> dict[str, Any]:
     }
 
 
+def _pattern_args(shape: GPTShape) -> dict[str, Any]:
+    """``window_size``, ``window_attn_skip_freq`` and ``no_rope_freq`` for the layer patterns (lists of 0s and 1s)."""
+    every = range(shape.num_layers)
+    window = shape.sliding_window if shape.window_layers else None
+    return {
+        "window_size": None if window is None else (window - 1, 0),
+        "window_attn_skip_freq": None
+        if window is None or len(shape.window_layers) == shape.num_layers
+        else [int(i in shape.window_layers) for i in every],
+        "no_rope_freq": [int(i in shape.no_rope_layers) for i in every] if shape.no_rope_layers else None,
+    }
+
+
 def megatron_args(
     shape: GPTShape, *, vocab_size: int | None, divisible_by: int = DEFAULT_MEGATRON_MULTIPLE
 ) -> argparse.Namespace:
@@ -693,6 +832,7 @@ def megatron_args(
         position_embedding_type="rope",
         rotary_base=int(shape.rotary_base) if float(shape.rotary_base).is_integer() else shape.rotary_base,
         rotary_percent=shape.rotary_percent,
+        **_pattern_args(shape),
         use_rope_scaling=shape.rope_scaling_factor is not None,
         rope_scaling_factor=shape.rope_scaling_factor or 8.0,
         add_qkv_bias=shape.add_qkv_bias,

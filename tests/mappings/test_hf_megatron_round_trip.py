@@ -61,6 +61,34 @@ def tiny_glm4_moe_dense(path: Path):
     return model
 
 
+def tiny_smollm3(path: Path):
+    """SmolLM3: a sliding window on layers 0 and 2, no RoPE in layers 1 and 3, biases on every linear, untied."""
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+    torch.manual_seed(0)
+    config = SmolLM3Config(
+        vocab_size=1001,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        use_sliding_window=True,
+        sliding_window=5,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        no_rope_layers=[1, 0, 1, 0],
+        attention_bias=True,
+        mlp_bias=True,
+        tie_word_embeddings=False,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    model = SmolLM3ForCausalLM(config).eval()
+    model.save_pretrained(path)
+    return model
+
+
 MODELS = {
     "llama-gqa": lambda path: tiny_llama(path, num_key_value_heads=2),
     "llama-tied": lambda path: tiny_llama(path, num_key_value_heads=4, tie=True),
@@ -69,6 +97,12 @@ MODELS = {
     "mixtral": lambda path: build("mixtral", path),
     "qwen2-moe-shared": lambda path: build("qwen2_moe", path),
     "glm4-moe-dense-partial-rotary": tiny_glm4_moe_dense,
+    "smollm3-windows-no-rope": tiny_smollm3,
+}
+# what each family's config says beyond MODEL_KEYS that Megatron's args carry there and back
+KEPT = {
+    "glm4_moe": ("attention_bias", "use_qk_norm"),
+    "smollm3": ("attention_bias", "mlp_bias", "sliding_window", "layer_types", "no_rope_layers"),
 }
 # (layout, tp, pp) of the Megatron side
 ROUTES = {
@@ -89,7 +123,7 @@ def weights(folder: Path) -> dict[str, torch.Tensor]:
 # every model through the megatron layout at tp 2; pipeline stages and torch_dist on a dense and a MoE model
 CASES = [(model, "megatron-tp2") for model in MODELS] + [
     (model, route)
-    for model in ("llama-gqa", "qwen3-qk-norm", "mixtral", "glm4-moe-dense-partial-rotary")
+    for model in ("llama-gqa", "qwen3-qk-norm", "mixtral", "glm4-moe-dense-partial-rotary", "smollm3-windows-no-rope")
     for route in ("megatron-tp1-pp2", "torch_dist")
 ]
 
@@ -112,7 +146,7 @@ def test_transformers_to_megatron_and_back_is_bit_exact(cli, tmp_path: Path, mod
     assert again["model_type"] == config["model_type"]
     assert {k: again[k] for k in MODEL_KEYS} == {k: config[k] for k in MODEL_KEYS}
     assert again.get("tie_word_embeddings", False) == config.get("tie_word_embeddings", False)
-    for key in ("attention_bias", "use_qk_norm"):
-        assert again.get(key, False) == config.get(key, False), key
+    for key in KEPT.get(config["model_type"], ()):
+        assert again[key] == config[key], key
     partial = again["rope_parameters"].get("partial_rotary_factor")
     assert partial == config["rope_parameters"].get("partial_rotary_factor"), partial

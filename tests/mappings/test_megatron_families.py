@@ -7,6 +7,9 @@ same logits.
 - ``rotary_percent`` < 1 (partial rotary): transformers' ``glm4_moe`` rotates the first ``head_dim x
   partial_rotary_factor`` channels of each head with rotate-half pairs, as Megatron-Core does; its dense layers are
   Llama's, with q/k/v biases and per-head query/key norms. With biases on every linear it is refused by name.
+- ``window_size`` / ``window_attn_skip_freq`` (sliding windows, on some layers) and ``no_rope_freq`` (layers without
+  RoPE): transformers' ``smollm3`` (Llama with ``layer_types`` and ``no_rope_layers``); Megatron's window ``(left,
+  0)`` is ``sliding_window`` ``left + 1``. With query/key norms it is refused by name.
 """
 
 from __future__ import annotations
@@ -16,9 +19,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 from fixtures.mcore19 import mcore19_python, written_by_mcore19
 from oracles import run_jobs
 from oracles.variants import Spec
+
+from reshard.cli import main
 
 pytestmark = pytest.mark.oracle
 
@@ -36,10 +42,14 @@ SPECS = {
         _spec(rotary_percent=0.25, head_dim=16, qk_norm=True, qkv_bias=True, tied=True, layers=2),
         "glm4_moe",
     ),
+    # a query sees itself and 3 keys before it (of 12), in layers 1 and 3 (every 2nd layer full)
+    "sliding-window": (_spec(window=3, window_skip=2), "smollm3"),
+    "no-rope-biases-tied": (_spec(no_rope=2, bias=True, tied=True), "smollm3"),  # layers 2 and 4 without RoPE
 }
 # name -> (the writer's model, what the one-line refusal names)
 REFUSED = {
     "partial-rotary-all-biases": (_spec(rotary_percent=0.5, bias=True, layers=2), "add_bias_linear=True with partial"),
+    "sliding-window-qk-norm": (_spec(window=3, qk_norm=True, layers=2), "qk_layernorm=True with sliding-window"),
 }
 
 
@@ -82,19 +92,28 @@ def test_transformers_computes_megatron_core_s_logits(cli, written: Path, tmp_pa
     torch.testing.assert_close(_transformers_logits(out, ref["input_ids"]), ref["logits"], rtol=0, atol=TOLERANCE)
 
 
+@pytest.fixture(scope="module")
+def loaded_back(written: Path, mcore19: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """Each model of ``SPECS`` through transformers and back to ``torch_dist``, loaded by Megatron-Core 0.19.2 at
+    tp 2 (built from its own spec, other random weights first): its logits, every model in one run."""
+    runner, root = CliRunner(), tmp_path_factory.mktemp("back")
+    jobs = []
+    for name, (spec, _) in SPECS.items():
+        hf, dist = root / name / "hf", root / name / "dist"
+        for source, out, layout in ((written / name / "torch_dist", hf, "hf"), (hf, dist, "torch_dist")):
+            result = runner.invoke(main, ["convert", str(source), "--tp", "1", "--layout", layout, "-o", str(out)])
+            assert result.exit_code == 0, result.output
+        job = {"command": "load", "spec": spec.to_json(), "ckpt": str(dist), "format": "torch_dist"}
+        jobs.append(job | {"strict": "assume_ok_unexpected", "out": str(root / name / "logits.pt")})
+    run_jobs(jobs, nproc=2, python=mcore19)
+    return {name: torch.load(job["out"], weights_only=True)["logits"] for name, job in zip(SPECS, jobs, strict=True)}
+
+
 @pytest.mark.parametrize("name", list(SPECS))
-def test_back_to_megatron_core_with_its_logits(cli, written: Path, mcore19: Path, tmp_path: Path, name: str) -> None:
-    """Megatron-Core -> transformers -> ``torch_dist``: Megatron-Core builds the model from its own spec at tp 2,
-    loads it and computes the first writer's logits."""
-    hf, dist = tmp_path / "hf", tmp_path / "dist"
-    for source, out, layout in ((written / name / "torch_dist", hf, "hf"), (hf, dist, "torch_dist")):
-        result = cli("convert", source, "--tp", 1, "--layout", layout, "-o", out)
-        assert result.exit_code == 0, result.output
-    job = {"command": "load", "spec": SPECS[name][0].to_json(), "ckpt": str(dist), "format": "torch_dist"}
-    job |= {"strict": "assume_ok_unexpected", "out": str(tmp_path / "logits.pt")}
-    run_jobs([job], nproc=2, python=mcore19)
+def test_back_to_megatron_core_with_its_logits(written: Path, loaded_back: dict, name: str) -> None:
+    """Megatron-Core -> transformers -> ``torch_dist`` -> Megatron-Core: the first writer's logits."""
     ref = _reference(written, name)
-    logits = torch.load(job["out"], weights_only=True)["logits"][..., : ref["logits"].shape[-1]]
+    logits = loaded_back[name][..., : ref["logits"].shape[-1]]
     torch.testing.assert_close(logits, ref["logits"], rtol=0, atol=TOLERANCE)
 
 

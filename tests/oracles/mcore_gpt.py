@@ -51,6 +51,8 @@ CPU workarounds (each one fails without it; see ``/work/shared/reference/megatro
 5a. Multi-latent attention (``dsv3`` variants): ``multi_latent_attention.HAVE_TE = False`` (an importable stub of
    Transformer Engine's module makes it take TE's paths), and the local ``DotProductAttention`` wrapped to take the
    ``k_channels`` / ``v_channels`` MLA passes (its output is heads x ``v_channels`` wide).
+5b. ``fused_softmax.get_sliding_window_causal_mask`` builds the same mask on the CPU: Megatron-Core's (0.19) makes
+   it on ``"cuda"`` (sliding-window variants).
 6. The causal ``attention_mask`` (bool ``[b, 1, s, s]``, True = masked) is passed: the default one is built on
    ``"cuda"``.
 7. ``TorchDistSaveShardedStrategy("torch_dist", 1)`` gets its positional arguments (0.16.1).
@@ -94,6 +96,13 @@ def cpu_workarounds() -> None:
     from megatron.core.transformer import multi_latent_attention
 
     multi_latent_attention.HAVE_TE = False
+    from megatron.core.fusions import fused_softmax
+
+    def sliding_window_mask(sq: int, skv: int, window_size: tuple[int, int]) -> torch.Tensor:
+        ones = torch.ones(sq, skv, dtype=torch.bool)  # Megatron-Core's get_sliding_window_causal_mask, on the CPU
+        return ~torch.tril(torch.triu(ones, diagonal=skv - sq - window_size[0]), diagonal=skv - sq + window_size[1])
+
+    fused_softmax.get_sliding_window_causal_mask = sliding_window_mask
 
 
 def mla_core_attention():
@@ -191,6 +200,9 @@ def build(variant: Variant, spec: Spec, *, seed: int) -> list:
         gradient_accumulation_fusion=False,
         **mla,
         **router,
+        window_size=variant.window_size,
+        window_attn_skip_freq=variant.window_skip or None,
+        no_rope_freq=variant.no_rope or None,
     )
     if variant.dense_first or variant.mla:  # dense and MoE layers: one spec per layer, from moe_layer_freq
         layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=variant.norm)

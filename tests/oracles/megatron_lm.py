@@ -113,6 +113,9 @@ def megatron_args(variant: Variant, spec: Spec, *, ckpt_format: str) -> argparse
         moe_token_dispatcher_type="allgather",
         moe_layer_freq=variant.moe_layer_freq,
         rotary_seq_len_interpolation_factor=variant.interpolation or None,
+        window_size=variant.window_size,
+        window_attn_skip_freq=variant.window_skip or None,
+        no_rope_freq=variant.no_rope or None,
         # Megatron-LM records these for every model; MLA (and its YaRN) reads them.
         multi_latent_attention=variant.mla,
         q_lora_rank=variant.q_lora or None,

@@ -70,6 +70,13 @@ class Variant:
     softmax_scale: float = 0.0  # softmax_scale (0: None, 1/sqrt(head_dim))
     pre_softmax: bool = False  # moe_router_pre_softmax
     fp32_residual: bool = False  # fp32_residual_connection
+    window: int = -1  # window_size (window, 0): a query sees itself and `window` keys before it (-1: None)
+    window_skip: int = 0  # window_attn_skip_freq (0: None, every layer windowed): every Nth layer full
+    no_rope: int = 0  # no_rope_freq (0: None): every Nth layer without RoPE
+
+    @property
+    def window_size(self) -> tuple[int, int] | None:
+        return (self.window, 0) if self.window >= 0 else None
 
     @property
     def moe_layer_freq(self) -> int | list[int]:

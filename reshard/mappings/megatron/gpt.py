@@ -40,7 +40,7 @@ from reshard.errors import MappingError
 from reshard.mappings.base import Entry, Mapping, rename
 from reshard.mappings.transforms import Chunk, Invertible, SplitGroupedQKV, WithZeros
 
-DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 MLA_FAMILIES = ("deepseek_v3",)
 PARTIAL_ROTARY_FAMILIES = ("glm4_moe",)

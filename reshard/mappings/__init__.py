@@ -181,13 +181,16 @@ def _megatron_to_hf(
                 hint="correct --config, or leave it out: the args describe the model",
             )
         target = config.raw if vocab_size is None else config.with_vocab_size(vocab_size)
-        bias = args is None or gpt_shape_from_args(args).moe_router_enable_expert_bias
-        return MappingChoice(megatron_to_hf(config.model_type, expert_bias=bias), target)
+        shape = gpt_shape_from_args(args) if args is not None else None
+        bias = shape is None or shape.moe_router_enable_expert_bias
+        zero = shape is not None and shape.softmax_type == "off-by-one"
+        return MappingChoice(megatron_to_hf(config.model_type, expert_bias=bias, zero_sinks=zero), target)
     if args is None:  # Megatron's names without Megatron's files (written with --keep-names): they stay
         return None
     shape = gpt_shape_from_args(args)
     family = hf_family(shape)
-    mapping = megatron_to_hf(family, expert_bias=shape.moe_router_enable_expert_bias)
+    sinks = shape.softmax_type == "off-by-one"
+    mapping = megatron_to_hf(family, expert_bias=shape.moe_router_enable_expert_bias, zero_sinks=sinks)
     return MappingChoice(mapping, hf_config(shape, vocab_size=vocab_size, dtype=dtype, family=family))
 
 

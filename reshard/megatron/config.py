@@ -42,7 +42,9 @@ _ARCHITECTURES = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "granite_swa": "GraniteSWAForCausalLM",
 }
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,8 @@ class GPTShape:
     sliding_window: int | None = None  # the keys a query sees, itself included: Megatron's window_size left + 1
     window_layers: tuple[int, ...] = ()  # the layers with the sliding window (window_attn_skip_freq)
     no_rope_layers: tuple[int, ...] = ()  # the layers without RoPE (no_rope_freq)
+    softmax_type: str = "vanilla"  # off-by-one: a zero logit in every softmax; learnable: one per head (a sink)
+    softmax_scale: float | None = None  # None: 1 / sqrt(kv_channels)
     add_qkv_bias: bool = False
     add_bias_linear: bool = False
     qk_layernorm: bool = False
@@ -131,6 +135,11 @@ def gpt_shape_from_args(args: Any) -> GPTShape:
     percent = arg(args, "rotary_percent", 1.0)
     if isinstance(percent, bool) or not isinstance(percent, (int, float)) or not 0 < percent <= 1:
         raise MappingError(f"rotary_percent={percent!r}: not a number in (0, 1]")
+    softmax_type, softmax_scale = arg(args, "softmax_type", "vanilla"), arg(args, "softmax_scale")
+    if softmax_type not in SOFTMAX_TYPES:
+        raise MappingError(f"softmax_type={softmax_type!r}: Megatron-Core computes {', '.join(SOFTMAX_TYPES)}")
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))):
+        raise MappingError(f"softmax_scale={softmax_scale!r}: not a number")
     interpolation = arg(args, "rotary_seq_len_interpolation_factor")
     if interpolation is not None and (not isinstance(interpolation, (int, float)) or interpolation <= 0):
         raise MappingError(f"rotary_seq_len_interpolation_factor={interpolation!r}: not a positive number")
@@ -170,6 +179,8 @@ def gpt_shape_from_args(args: Any) -> GPTShape:
         rope_interpolation_factor=None if interpolation in (None, 1) else float(interpolation),
         rotary_percent=float(percent),
         **_layer_patterns(args, num_layers),
+        softmax_type=softmax_type,
+        softmax_scale=None if softmax_scale is None else float(softmax_scale),
         dense_layers=_dense_layers(arg(args, "moe_layer_freq", 1), num_layers) if arg(args, "num_experts") else (),
         mla=_mla_from_args(args) if mla else None,
         moe_router_enable_expert_bias=bool(arg(args, "moe_router_enable_expert_bias", False)),
@@ -279,8 +290,13 @@ def hf_family(shape: GPTShape) -> str:
     if shape.rotary_percent != 1.0:
         _check_glm4_moe(shape)
         return "glm4_moe"
+    if shape.softmax_type != "vanilla" or shape.softmax_scale is not None:
+        _check_llama_like(shape, "granite_swa", "an attention sink or softmax scale")
+        return "granite_swa"
     if shape.window_layers or shape.no_rope_layers:
-        _check_smollm3(shape)
+        _check_llama_like(
+            shape, "smollm3", "sliding-window attention" if shape.window_layers else "layers without RoPE"
+        )
         return "smollm3"
     if shape.num_experts:
         return _moe_family(shape)
@@ -367,8 +383,13 @@ def _check_glm4_moe(shape: GPTShape) -> None:
 
 
 def _pattern_problems(shape: GPTShape, family: str) -> list[str]:
-    """Sliding-window or RoPE-less layers in a model that becomes ``family``, which computes neither."""
+    """Sliding-window or RoPE-less layers, attention sinks or a softmax scale in a model that becomes ``family``,
+    which computes none of them."""
     problems = []
+    if shape.softmax_type != "vanilla":
+        problems.append(f"softmax_type={shape.softmax_type!r}: attention sinks ({family} has none)")
+    if shape.softmax_scale is not None:
+        problems.append(f"softmax_scale={shape.softmax_scale}: another softmax scale ({family} has none)")
     if shape.window_layers:
         problems.append(f"window_size: sliding-window attention ({family} has none; smollm3 has, without {family}'s)")
     if shape.no_rope_layers:
@@ -376,22 +397,24 @@ def _pattern_problems(shape: GPTShape, family: str) -> list[str]:
     return problems
 
 
-def _check_smollm3(shape: GPTShape) -> None:
-    """Refuse, by argument, what a Megatron GPT with sliding-window or RoPE-less layers computes and transformers'
-    ``smollm3`` does not.
+def _check_llama_like(shape: GPTShape, family: str, what: str) -> None:
+    """Refuse, by argument, what a Megatron GPT with ``what`` computes and ``family`` does not.
 
     ``smollm3`` is Llama with two per-layer patterns: ``layer_types`` (``sliding_attention`` masks with
-    ``sliding_window``) and ``no_rope_layers`` (0: the layer skips RoPE), and Llama's ``attention_bias`` (q, k, v, o)
-    and ``mlp_bias``; no query/key norms, no experts, full rotary only.
+    ``sliding_window``) and ``no_rope_layers`` (0: the layer skips RoPE). ``granite_swa`` has the same patterns
+    (``layer_rope_theta`` 0: no RoPE) and a learnable sink per head (``sinks``: a logit beside every softmax's, as
+    Megatron-Core's ``SoftmaxOne``) and its softmax scale (``attention_multiplier``). Both have Llama's
+    ``attention_bias`` (q, k, v, o) and ``mlp_bias``; no query/key norms, no experts, full rotary only.
     """
     problems = []
-    what = "sliding-window attention" if shape.window_layers else "layers without RoPE"
     if shape.qk_layernorm:
-        problems.append(f"qk_layernorm=True with {what} (smollm3 has no query/key norms)")
+        problems.append(f"qk_layernorm=True with {what} ({family} has no query/key norms)")
     if shape.add_qkv_bias and not shape.add_bias_linear:
-        problems.append(f"add_qkv_bias=True without add_bias_linear with {what} (smollm3 biases every linear or none)")
+        problems.append(
+            f"add_qkv_bias=True without add_bias_linear with {what} ({family} biases every linear or none)"
+        )
     if shape.num_experts:
-        problems.append(f"num_experts={shape.num_experts} with {what} (smollm3 has no experts)")
+        problems.append(f"num_experts={shape.num_experts} with {what} ({family} has no experts)")
     if problems:
         _no_family("; ".join(problems))
 
@@ -461,19 +484,33 @@ def hf_config(shape: GPTShape, *, vocab_size: int | None, dtype: str, family: st
     }
     if family == "llama":
         config |= {"attention_bias": shape.add_bias_linear, "mlp_bias": shape.add_bias_linear}
-    if family == "smollm3":  # its config's token ids default to SmolLM3's tokenizer's (pad 128004: past a small vocab)
+    if family in ("smollm3", "granite_swa"):  # their token ids default to their tokenizers' (past a small vocab)
         config |= {
             "pad_token_id": None,
             "bos_token_id": None,
             "eos_token_id": None,
             "attention_bias": shape.add_bias_linear,
             "mlp_bias": shape.add_bias_linear,
-            "no_rope_layers": [int(i not in shape.no_rope_layers) for i in range(shape.num_layers)],
-            "use_sliding_window": bool(shape.window_layers),
-            "sliding_window": shape.sliding_window,
             "layer_types": [
                 "sliding_attention" if i in shape.window_layers else "full_attention" for i in range(shape.num_layers)
             ],
+        }
+    if family == "granite_swa":  # sinks, the softmax scale; no multipliers; RoPE theta 0: the layer has none
+        config |= {
+            "attention_multiplier": shape.softmax_scale or shape.kv_channels**-0.5,
+            "embedding_multiplier": 1.0,
+            "residual_multiplier": 1.0,
+            "logits_scaling": 1.0,
+            "sliding_window": shape.sliding_window or shape.max_position_embeddings,  # unused when no layer slides
+            "layer_rope_theta": [
+                0 if i in shape.no_rope_layers else shape.rotary_base for i in range(shape.num_layers)
+            ],
+        }
+    if family == "smollm3":
+        config |= {
+            "no_rope_layers": [int(i not in shape.no_rope_layers) for i in range(shape.num_layers)],
+            "use_sliding_window": bool(shape.window_layers),
+            "sliding_window": shape.sliding_window,
         }
     if family == "glm4_moe":  # stated always: glm4_moe's config defaults partial_rotary_factor to 0.5 when absent
         rope["partial_rotary_factor"] = shape.rotary_percent
@@ -619,7 +656,8 @@ def gpt_shape_from_hf(config: ModelConfig) -> GPTShape:
     glm = family == "glm4_moe"
     if glm and (config.get("first_k_dense_replace") or 0) < (layers or 0):
         raise MappingError("glm4_moe with experts: not carried to Megatron yet", path=config.path)
-    if family == "smollm3" and bool(config.get("attention_bias", False)) != bool(config.get("mlp_bias", False)):
+    granite = _granite_swa(config, rope) if family == "granite_swa" else {}
+    if family in ("smollm3", "granite_swa") and bool(config.get("attention_bias")) != bool(config.get("mlp_bias")):
         raise MappingError("attention_bias without mlp_bias or the reverse: Megatron biases every linear or none")
     return GPTShape(
         num_layers=layers,
@@ -634,7 +672,7 @@ def gpt_shape_from_hf(config: ModelConfig) -> GPTShape:
         rope_scaling_factor=scaling,
         rope_interpolation_factor=interpolation,
         rotary_percent=partial,
-        **_hf_layer_patterns(config, layers or 0),
+        **(_hf_layer_patterns(config, layers or 0) | granite),
         dense_layers=dense if experts and not glm else (),
         add_qkv_bias=family in ("qwen2", "qwen2_moe") or bias,
         add_bias_linear=bias and not glm,  # glm4_moe's attention_bias is on q, k and v only
@@ -648,6 +686,37 @@ def gpt_shape_from_hf(config: ModelConfig) -> GPTShape:
         moe_shared_expert_gate=bool(config.get("shared_expert_intermediate_size")),
         moe_router_pre_softmax=bool(experts) and not config.get("norm_topk_prob", family == "mixtral"),
     )
+
+
+def _granite_swa(config: ModelConfig, rope: dict[str, Any]) -> dict[str, Any]:
+    """The :class:`GPTShape` fields of a granite_swa config: its learnable sinks, its softmax scale, its windowed
+    layers and those without RoPE (``layer_rope_theta`` 0); multipliers other than 1 and a per-layer RoPE theta other
+    than the model's have no Megatron argument and are refused by field."""
+    get, layers = config.get, config.get("num_hidden_layers") or 0
+    problems = [
+        f"{key} {get(key)}"
+        for key in ("embedding_multiplier", "residual_multiplier", "logits_scaling")
+        if get(key, 1.0) != 1.0
+    ]
+    theta = float(rope.get("rope_theta", get("rope_theta", 10000.0)))
+    thetas = get("layer_rope_theta") or [theta] * layers
+    if len(thetas) != layers or any(t not in (0, theta) for t in thetas):
+        problems.append(f"layer_rope_theta {thetas} (Megatron has one rotary_base, or no RoPE in a layer)")
+    types = get("layer_types") or ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(layers)]
+    if len(types) != layers:
+        problems.append(f"layer_types of {len(types)} layers, not {layers}")
+    if problems:
+        raise MappingError("this granite_swa model has no Megatron-Core equivalent: " + "; ".join(problems))
+    scale = get("attention_multiplier", 1.0)
+    head_dim = config.head_dim or 1
+    window = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+    return {
+        "softmax_type": "learnable",
+        "softmax_scale": None if math.isclose(scale, head_dim**-0.5, rel_tol=1e-12) else float(scale),
+        "window_layers": window,
+        "sliding_window": int(get("sliding_window", 128)) if window else None,
+        "no_rope_layers": tuple(i for i, t in enumerate(thetas) if t == 0),
+    }
 
 
 def _hf_layer_patterns(config: ModelConfig, layers: int) -> dict[str, Any]:
@@ -833,6 +902,8 @@ def megatron_args(
         rotary_base=int(shape.rotary_base) if float(shape.rotary_base).is_integer() else shape.rotary_base,
         rotary_percent=shape.rotary_percent,
         **_pattern_args(shape),
+        softmax_type=shape.softmax_type,
+        softmax_scale=shape.softmax_scale,
         use_rope_scaling=shape.rope_scaling_factor is not None,
         rope_scaling_factor=shape.rope_scaling_factor or 8.0,
         add_qkv_bias=shape.add_qkv_bias,

@@ -89,6 +89,35 @@ def tiny_smollm3(path: Path):
     return model
 
 
+def tiny_granite_swa(path: Path):
+    """granite_swa: random sinks per head, a softmax scale of 0.3, a window on layer 1, no RoPE in layer 0, tied."""
+    from transformers import GraniteSWAConfig, GraniteSWAForCausalLM
+
+    torch.manual_seed(0)
+    config = GraniteSWAConfig(
+        vocab_size=1001,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        attention_multiplier=0.3,
+        sliding_window=5,
+        layer_types=["full_attention", "sliding_attention"],
+        layer_rope_theta=[0, 10000.0],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    model = GraniteSWAForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_()
+    model.save_pretrained(path)
+    return model
+
+
 MODELS = {
     "llama-gqa": lambda path: tiny_llama(path, num_key_value_heads=2),
     "llama-tied": lambda path: tiny_llama(path, num_key_value_heads=4, tie=True),
@@ -98,11 +127,13 @@ MODELS = {
     "qwen2-moe-shared": lambda path: build("qwen2_moe", path),
     "glm4-moe-dense-partial-rotary": tiny_glm4_moe_dense,
     "smollm3-windows-no-rope": tiny_smollm3,
+    "granite-swa-sinks": tiny_granite_swa,
 }
 # what each family's config says beyond MODEL_KEYS that Megatron's args carry there and back
 KEPT = {
     "glm4_moe": ("attention_bias", "use_qk_norm"),
     "smollm3": ("attention_bias", "mlp_bias", "sliding_window", "layer_types", "no_rope_layers"),
+    "granite_swa": ("attention_multiplier", "sliding_window", "layer_types", "layer_rope_theta"),
 }
 # (layout, tp, pp) of the Megatron side
 ROUTES = {
@@ -123,7 +154,14 @@ def weights(folder: Path) -> dict[str, torch.Tensor]:
 # every model through the megatron layout at tp 2; pipeline stages and torch_dist on a dense and a MoE model
 CASES = [(model, "megatron-tp2") for model in MODELS] + [
     (model, route)
-    for model in ("llama-gqa", "qwen3-qk-norm", "mixtral", "glm4-moe-dense-partial-rotary", "smollm3-windows-no-rope")
+    for model in (
+        "llama-gqa",
+        "qwen3-qk-norm",
+        "mixtral",
+        "glm4-moe-dense-partial-rotary",
+        "smollm3-windows-no-rope",
+        "granite-swa-sinks",
+    )
     for route in ("megatron-tp1-pp2", "torch_dist")
 ]
 

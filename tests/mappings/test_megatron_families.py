@@ -1,8 +1,7 @@
 """Megatron models off the Llama path that another transformers family computes exactly (issue 46), proven against
 Megatron-Core 0.19.2 on CPU: it writes each model at tp 2 (``torch_dist`` and the legacy ``torch`` format, random
 nonzero norms and biases), reshard converts it with ``--layout hf``, and transformers gives Megatron-Core's logits;
-the ``hf`` output converted back (``--layout torch_dist``) loads in Megatron-Core with the
-same logits.
+the ``hf`` output converted back (``--layout torch_dist``) loads in Megatron-Core with the same logits.
 
 - ``rotary_percent`` < 1 (partial rotary): transformers' ``glm4_moe`` rotates the first ``head_dim x
   partial_rotary_factor`` channels of each head with rotate-half pairs, as Megatron-Core does; its dense layers are
@@ -10,6 +9,9 @@ same logits.
 - ``window_size`` / ``window_attn_skip_freq`` (sliding windows, on some layers) and ``no_rope_freq`` (layers without
   RoPE): transformers' ``smollm3`` (Llama with ``layer_types`` and ``no_rope_layers``); Megatron's window ``(left,
   0)`` is ``sliding_window`` ``left + 1``. With query/key norms it is refused by name.
+- ``softmax_type`` ``learnable`` / ``off-by-one`` (a logit per head, or zero, beside every softmax row) and
+  ``softmax_scale``: transformers' ``granite_swa`` (Llama with ``sinks`` per head, ``attention_multiplier``, the same
+  layer patterns); off-by-one's sinks are zeros.
 """
 
 from __future__ import annotations
@@ -45,6 +47,11 @@ SPECS = {
     # a query sees itself and 3 keys before it (of 12), in layers 1 and 3 (every 2nd layer full)
     "sliding-window": (_spec(window=3, window_skip=2), "smollm3"),
     "no-rope-biases-tied": (_spec(no_rope=2, bias=True, tied=True), "smollm3"),  # layers 2 and 4 without RoPE
+    "sinks-learnable-window-biases": (_spec(softmax="learnable", window=3, bias=True), "granite_swa"),
+    "sinks-off-by-one-scale-no-rope": (
+        _spec(softmax="off-by-one", softmax_scale=0.5, no_rope=2, tied=True, layers=2),
+        "granite_swa",
+    ),
 }
 # name -> (the writer's model, what the one-line refusal names)
 REFUSED = {

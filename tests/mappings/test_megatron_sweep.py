@@ -44,7 +44,7 @@ SWEEP: dict[str, tuple[Spec, str | None]] = {
     "rotary-percent-bias": (_spec(rotary_percent=0.5, bias=True), "add_bias_linear=True with partial rotary"),
     "learned-absolute": (_spec(pos="learned_absolute"), "position_embedding_type='learned_absolute'"),
     "no-positions": (_spec(pos="none"), "position_embedding_type='none'"),
-    "softmax-scale": (_spec(softmax_scale=0.5), "softmax_scale=0.5"),
+    "softmax-scale": (_spec(softmax_scale=0.5), None),  # granite_swa's attention_multiplier
     "moe": (_spec("moe"), None),
     "moe-pre-softmax": (_spec("moe", pre_softmax=True), "moe_router_pre_softmax=True"),  # Mixtral renormalizes
     "moe-qk-norm-pre-softmax": (_spec("moe", qk_norm=True, pre_softmax=True), None),

@@ -36,7 +36,7 @@ REFUSED = {
     "moe_router_num_groups": {"moe_router_num_groups": 2, "moe_router_group_topk": 1},
     "moe_router_enable_expert_bias": {"moe_router_enable_expert_bias": True},
     "apply_layernorm_1p": {"apply_layernorm_1p": True},
-    "softmax_scale": {"softmax_scale": 0.5},
+    "mrope_section": {"mrope_section": [2, 2]},
     "frobnicate": {"frobnicate": 3},  # unknown to the table and set: refused too
 }
 
@@ -65,7 +65,8 @@ def test_irrelevant_and_default_arguments_pass(cli, full: Full, tmp_path: Path) 
 def test_the_table_classifies() -> None:
     assert classify("rotary_seq_len_interpolation_factor") == "carried"
     assert classify("moe_router_group_topk") == "carried"  # into DeepSeek-V3 only: refused by value elsewhere
-    assert classify("softmax_scale") == "refused"
+    assert classify("mrope_section") == "refused"
+    assert classify("softmax_type") == classify("window_size") == classify("no_rope_freq") == "carried"
     assert args_problems({"moe_router_group_topk": 1, "multi_latent_attention": True}) == []
     assert args_problems({"moe_router_group_topk": 1}) == [
         "moe_router_group_topk=1 (group-limited routing (DeepSeek-V3's topk_group, with multi-latent attention))"
@@ -118,8 +119,25 @@ def test_layer_patterns_are_carried_into_smollm3(cli, full: Full, tmp_path: Path
         ({"no_rope_freq": 2, "rotary_percent": 0.5}, "no_rope_freq: layers without RoPE (glm4_moe has none"),
         ({"window_size": (4, 0), "qk_layernorm": True}, "qk_layernorm=True with sliding-window attention"),
         ({"rotary_percent": 1.5}, "rotary_percent=1.5: not a number in (0, 1]"),
+        ({"softmax_type": "learnable", "qk_layernorm": True}, "qk_layernorm=True with an attention sink"),
+        ({"softmax_type": "sigmoid"}, "softmax_type='sigmoid': Megatron-Core computes vanilla, off-by-one, learnable"),
+        (
+            {"softmax_scale": 0.5, "rotary_percent": 0.5},
+            "softmax_scale=0.5: another softmax scale (glm4_moe has none)",
+        ),
     ],
-    ids=["right", "unbounded", "skip-list", "no-rope-0", "no-rope-partial", "window-qk-norm", "percent"],
+    ids=[
+        "right",
+        "unbounded",
+        "skip-list",
+        "no-rope-0",
+        "no-rope-partial",
+        "window-qk-norm",
+        "percent",
+        "sinks-qk-norm",
+        "softmax-type",
+        "scale-partial",
+    ],
 )
 def test_layer_patterns_no_family_computes_are_refused(
     cli, full: Full, tmp_path: Path, extra: dict, message: str

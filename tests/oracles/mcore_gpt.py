@@ -203,6 +203,7 @@ def build(variant: Variant, spec: Spec, *, seed: int) -> list:
         window_size=variant.window_size,
         window_attn_skip_freq=variant.window_skip or None,
         no_rope_freq=variant.no_rope or None,
+        softmax_type=variant.softmax,
     )
     if variant.dense_first or variant.mla:  # dense and MoE layers: one spec per layer, from moe_layer_freq
         layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=variant.norm)
@@ -242,7 +243,8 @@ def build(variant: Variant, spec: Spec, *, seed: int) -> list:
 
 
 def _randomize_constants(model, where: str) -> None:
-    """Norms start as ones and biases as zeros: make them random so that a misplaced one shows.
+    """Norms start as ones and biases as zeros (learnable softmax offsets uninitialized): make them random so that a
+    misplaced one shows.
 
     The values depend on the parameter's name and stage (``where``), and on the tp rank for tp-sharded ones, so
     replicas agree across tp ranks and no two stages or shards hold the same values.
@@ -251,9 +253,11 @@ def _randomize_constants(model, where: str) -> None:
 
     with torch.no_grad():
         for name, param in [*model.named_parameters(), *model.named_buffers()]:
-            if "norm" not in name and not name.endswith((".bias", ".expert_bias")):
+            if "norm" not in name and not name.endswith((".bias", ".expert_bias", ".softmax_offset")):
                 continue
-            shard = ps.get_tensor_model_parallel_rank() if getattr(param, "tensor_model_parallel", False) else -1
+            # the learnable softmax offset holds this rank's heads, though Megatron-Core does not mark it tp-sharded
+            sharded = getattr(param, "tensor_model_parallel", False) or name.endswith(".softmax_offset")
+            shard = ps.get_tensor_model_parallel_rank() if sharded else -1
             gen = torch.Generator().manual_seed(zlib.crc32(f"{where}/{shard}/{name}".encode()))
             base = 1.0 if "norm" in name else 0.0
             param.copy_(base + 0.2 * torch.randn(param.shape, generator=gen, dtype=param.dtype))

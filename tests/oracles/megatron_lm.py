@@ -116,6 +116,7 @@ def megatron_args(variant: Variant, spec: Spec, *, ckpt_format: str) -> argparse
         window_size=variant.window_size,
         window_attn_skip_freq=variant.window_skip or None,
         no_rope_freq=variant.no_rope or None,
+        softmax_type=variant.softmax,
         # Megatron-LM records these for every model; MLA (and its YaRN) reads them.
         multi_latent_attention=variant.mla,
         q_lora_rank=variant.q_lora or None,

@@ -40,7 +40,7 @@ from reshard.errors import MappingError
 from reshard.mappings.base import Entry, Mapping, rename
 from reshard.mappings.transforms import Chunk, Invertible, SplitGroupedQKV, WithZeros
 
-DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
+DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "granite_swa")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 MLA_FAMILIES = ("deepseek_v3",)
 PARTIAL_ROTARY_FAMILIES = ("glm4_moe",)
@@ -196,15 +196,34 @@ def _deepseek_v3_mlp(expert_bias: bool) -> tuple[Entry, ...]:
     )
 
 
-def megatron_to_hf(family: str | None, *, expert_bias: bool = True) -> Mapping:
+def _sinks(zeros: bool) -> tuple[Entry, ...]:
+    """granite_swa's ``sinks``: Megatron's learnable ``softmax_offset``, or (``zeros``: softmax_type off-by-one, a
+    fixed zero logit) a zero vector of the heads, made beside ``linear_proj`` (whose rename it then replaces)."""
+    sinks = _HF + "self_attn.sinks"
+    if not zeros:
+        return (rename(_L + "self_attention.core_attention.softmax_offset", sinks),)
+    return (Entry((_L + "self_attention.linear_proj.weight",), (_HF + "self_attn.o_proj.weight", sinks), head_zeros),)
+
+
+def head_zeros(config: ModelConfig | None) -> Invertible:
+    """A zero vector of the attention heads beside the tensor (off-by-one's sinks)."""
+    return WithZeros(_need(config, "num_attention_heads"))
+
+
+def megatron_to_hf(family: str | None, *, expert_bias: bool = True, zero_sinks: bool = False) -> Mapping:
     """The Megatron GPT -> transformers table for one family (``llama``, ``qwen2``, ``mixtral``, ...);
-    ``expert_bias`` off: DeepSeek-V3's sigmoid router has no expert bias (a zero one is written)."""
+    ``expert_bias`` off: DeepSeek-V3's sigmoid router has no expert bias (a zero one is written); ``zero_sinks``:
+    granite_swa's sinks are zeros (Megatron's off-by-one softmax), else its learnable softmax offsets."""
     if family not in FAMILIES:
         raise MappingError(f"no Megatron mapping to the {family!r} family", hint=f"one of {FAMILIES}")
     if family in MLA_FAMILIES:
         layers = (*_mla_attention(), *_deepseek_v3_mlp(expert_bias))
-    else:  # glm4_moe (partial rotary) without experts: Llama's rows
+    else:  # glm4_moe (partial rotary) without experts, smollm3, granite_swa: Llama's rows
         layers = (*_attention(), *(_moe_mlp(family) if family in MOE_FAMILIES else _dense_mlp()))
+    if family == "granite_swa":
+        proj = _L + "self_attention.linear_proj.weight"
+        kept = (row for row in layers if not (zero_sinks and row.sources == (proj,)))
+        layers = (*kept, *_sinks(zero_sinks))
     return Mapping(
         MEGATRON,
         family,

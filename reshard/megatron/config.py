@@ -43,6 +43,7 @@ _ARCHITECTURES = {
     "glm4_moe": "Glm4MoeForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "granite_swa": "GraniteSWAForCausalLM",
+    "stablelm": "StableLmForCausalLM",
 }
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 
@@ -94,6 +95,7 @@ class GPTShape:
     no_rope_layers: tuple[int, ...] = ()  # the layers without RoPE (no_rope_freq)
     softmax_type: str = "vanilla"  # off-by-one: a zero logit in every softmax; learnable: one per head (a sink)
     softmax_scale: float | None = None  # None: 1 / sqrt(kv_channels)
+    normalization: str = "RMSNorm"  # or LayerNorm (with biases)
     add_qkv_bias: bool = False
     add_bias_linear: bool = False
     qk_layernorm: bool = False
@@ -117,10 +119,12 @@ def gpt_shape_from_args(args: Any) -> GPTShape:
     """The model in Megatron-LM's ``args``; refuses what transformers' Llama-like families cannot compute."""
     problems = []
     mla = bool(arg(args, "multi_latent_attention", False))
-    if arg(args, "normalization", "LayerNorm") != "RMSNorm":
-        problems.append(f"normalization={arg(args, 'normalization', 'LayerNorm')!r} (the families need RMSNorm)")
+    normalization = arg(args, "normalization", "LayerNorm")
+    if normalization not in ("RMSNorm", "LayerNorm"):
+        problems.append(f"normalization={normalization!r} (the families need RMSNorm, or LayerNorm as StableLM)")
     if not arg(args, "swiglu", False):
-        problems.append(f"swiglu={arg(args, 'swiglu', False)!r} (the families use gated SiLU MLPs)")
+        what = "the families use gated SiLU MLPs" + (", LayerNorm ones too" if normalization == "LayerNorm" else "")
+        problems.append(f"swiglu={arg(args, 'swiglu', False)!r} ({what})")
     position = arg(args, "position_embedding_type", "learned_absolute")
     if position not in (("rope", "none") if mla else ("rope",)):
         problems.append(f"position_embedding_type={position!r} (the families use rope)")
@@ -181,6 +185,7 @@ def gpt_shape_from_args(args: Any) -> GPTShape:
         **_layer_patterns(args, num_layers),
         softmax_type=softmax_type,
         softmax_scale=None if softmax_scale is None else float(softmax_scale),
+        normalization=str(normalization),
         dense_layers=_dense_layers(arg(args, "moe_layer_freq", 1), num_layers) if arg(args, "num_experts") else (),
         mla=_mla_from_args(args) if mla else None,
         moe_router_enable_expert_bias=bool(arg(args, "moe_router_enable_expert_bias", False)),
@@ -287,12 +292,20 @@ def hf_family(shape: GPTShape) -> str:
     if shape.mla is not None:
         _check_deepseek_v3(shape)
         return "deepseek_v3"
+    if shape.normalization == "LayerNorm":
+        _check_stablelm(shape)
+        return "stablelm"
     if shape.rotary_percent != 1.0:
         _check_glm4_moe(shape)
         return "glm4_moe"
-    if shape.softmax_type != "vanilla" or shape.softmax_scale is not None:
-        _check_llama_like(shape, "granite_swa", "an attention sink or softmax scale")
+    if shape.softmax_type != "vanilla":
+        _check_llama_like(shape, "granite_swa", "an attention sink")
         return "granite_swa"
+    if shape.softmax_scale is not None:
+        _no_family(
+            f"softmax_scale={shape.softmax_scale} with softmax_type 'vanilla' (granite_swa, the family with a softmax "
+            "scale, always has attention sinks)"
+        )
     if shape.window_layers or shape.no_rope_layers:
         _check_llama_like(
             shape, "smollm3", "sliding-window attention" if shape.window_layers else "layers without RoPE"
@@ -395,6 +408,28 @@ def _pattern_problems(shape: GPTShape, family: str) -> list[str]:
     if shape.no_rope_layers:
         problems.append(f"no_rope_freq: layers without RoPE ({family} has none; smollm3 has, without {family}'s)")
     return problems
+
+
+def _check_stablelm(shape: GPTShape) -> None:
+    """Refuse, by argument, what a Megatron GPT with LayerNorm computes and transformers' ``stablelm`` does not.
+
+    ``stablelm`` is Llama with ``nn.LayerNorm`` (weight and bias: input, post-attention and final norms, Megatron's
+    LayerNorm), partial rotary (``partial_rotary_factor``, rotate-half on the first channels, as ``glm4_moe``), and
+    biases on q, k and v only (``use_qkv_bias``); its heads are ``hidden_size / num_attention_heads`` wide and its
+    query/key norms are one LayerNorm per head, where Megatron shares one across heads.
+    """
+    problems = []
+    if shape.add_bias_linear:
+        problems.append("add_bias_linear=True with LayerNorm (stablelm has biases on q, k and v only)")
+    if shape.qk_layernorm:
+        problems.append("qk_layernorm=True with LayerNorm (stablelm's query/key norms are one per head, not shared)")
+    if shape.kv_channels * shape.num_attention_heads != shape.hidden_size:
+        problems.append(f"kv_channels={shape.kv_channels} with LayerNorm (stablelm's heads are hidden / heads wide)")
+    if shape.num_experts:
+        problems.append(f"num_experts={shape.num_experts} with LayerNorm (stablelm has no experts)")
+    problems += _pattern_problems(shape, "stablelm")
+    if problems:
+        _no_family("normalization='LayerNorm': " + "; ".join(problems))
 
 
 def _check_llama_like(shape: GPTShape, family: str, what: str) -> None:
@@ -511,6 +546,18 @@ def hf_config(shape: GPTShape, *, vocab_size: int | None, dtype: str, family: st
             "no_rope_layers": [int(i not in shape.no_rope_layers) for i in range(shape.num_layers)],
             "use_sliding_window": bool(shape.window_layers),
             "sliding_window": shape.sliding_window,
+        }
+    if family == "stablelm":  # partial_rotary_factor stated always: its config defaults it to 0.25
+        rope["partial_rotary_factor"] = shape.rotary_percent
+        config.pop("rms_norm_eps")
+        config.pop("head_dim")
+        config |= {
+            "layer_norm_eps": shape.norm_epsilon,
+            "use_qkv_bias": shape.add_qkv_bias,
+            "qk_layernorm": False,
+            "use_parallel_residual": False,
+            "bos_token_id": None,
+            "eos_token_id": None,
         }
     if family == "glm4_moe":  # stated always: glm4_moe's config defaults partial_rotary_factor to 0.5 when absent
         rope["partial_rotary_factor"] = shape.rotary_percent
@@ -657,6 +704,12 @@ def gpt_shape_from_hf(config: ModelConfig) -> GPTShape:
     if glm and (config.get("first_k_dense_replace") or 0) < (layers or 0):
         raise MappingError("glm4_moe with experts: not carried to Megatron yet", path=config.path)
     granite = _granite_swa(config, rope) if family == "granite_swa" else {}
+    stablelm = family == "stablelm"
+    if stablelm and (config.get("qk_layernorm", False) or config.get("use_parallel_residual", False)):
+        raise MappingError(
+            "stablelm with qk_layernorm (one norm per head) or use_parallel_residual: Megatron-Core computes neither",
+            path=config.path,
+        )
     if family in ("smollm3", "granite_swa") and bool(config.get("attention_bias")) != bool(config.get("mlp_bias")):
         raise MappingError("attention_bias without mlp_bias or the reverse: Megatron biases every linear or none")
     return GPTShape(
@@ -667,14 +720,15 @@ def gpt_shape_from_hf(config: ModelConfig) -> GPTShape:
         num_query_groups=_given(config, config.num_key_value_heads, "num_key_value_heads"),
         kv_channels=_given(config, config.head_dim, "head_dim"),
         max_position_embeddings=config.get("max_position_embeddings", 4096),
-        norm_epsilon=config.get("rms_norm_eps", 1e-6),
+        norm_epsilon=config.get("layer_norm_eps", 1e-5) if stablelm else config.get("rms_norm_eps", 1e-6),
+        normalization="LayerNorm" if stablelm else "RMSNorm",
         rotary_base=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
         rope_scaling_factor=scaling,
         rope_interpolation_factor=interpolation,
         rotary_percent=partial,
         **(_hf_layer_patterns(config, layers or 0) | granite),
         dense_layers=dense if experts and not glm else (),
-        add_qkv_bias=family in ("qwen2", "qwen2_moe") or bias,
+        add_qkv_bias=family in ("qwen2", "qwen2_moe") or bias or bool(stablelm and config.get("use_qkv_bias")),
         add_bias_linear=bias and not glm,  # glm4_moe's attention_bias is on q, k and v only
         qk_layernorm=family in ("qwen3", "qwen3_moe") or (glm and bool(config.get("use_qk_norm", False))),
         untie_embeddings_and_output_weights=not config.tie_word_embeddings,
@@ -747,12 +801,13 @@ def _hf_layer_patterns(config: ModelConfig, layers: int) -> dict[str, Any]:
 
 def _partial_rotary(config: ModelConfig, rope: dict[str, Any]) -> float:
     """The share of each head RoPE rotates: ``partial_rotary_factor`` (in ``rope_parameters`` or beside it), whose
-    default is 0.5 for ``glm4_moe`` (its config's, when absent) and 1 elsewhere; only ``glm4_moe`` computes less."""
-    default = 0.5 if config.model_type == "glm4_moe" else 1.0
+    default is 0.5 for ``glm4_moe`` and 0.25 for ``stablelm`` (their configs', when absent) and 1 elsewhere; only they
+    compute less."""
+    default = {"glm4_moe": 0.5, "stablelm": 0.25}.get(config.model_type or "", 1.0)
     factor = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", default))
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
         raise MappingError(f"partial_rotary_factor {factor!r}: not a number in (0, 1]", path=config.path)
-    if factor != 1 and config.model_type != "glm4_moe":
+    if factor != 1 and config.model_type not in ("glm4_moe", "stablelm"):
         raise MappingError(
             f"partial_rotary_factor {factor} in a {config.model_type} config (reshard carries partial rotary as "
             "glm4_moe's)",
@@ -895,7 +950,7 @@ def megatron_args(
         kv_channels=shape.kv_channels,
         max_position_embeddings=shape.max_position_embeddings,
         seq_length=shape.max_position_embeddings,
-        normalization="RMSNorm",
+        normalization=shape.normalization,
         norm_epsilon=shape.norm_epsilon,
         swiglu=True,
         position_embedding_type="rope",

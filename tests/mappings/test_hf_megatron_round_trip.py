@@ -118,6 +118,29 @@ def tiny_granite_swa(path: Path):
     return model
 
 
+def tiny_stablelm(path: Path):
+    """StableLM: LayerNorm with random biases, partial rotary (its config's default 0.25), q/k/v biases, GQA."""
+    from transformers import StableLmConfig, StableLmForCausalLM
+
+    torch.manual_seed(0)
+    config = StableLmConfig(
+        vocab_size=1001,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        use_qkv_bias=True,
+    )
+    model = StableLmForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_()
+    model.save_pretrained(path)
+    return model
+
+
 MODELS = {
     "llama-gqa": lambda path: tiny_llama(path, num_key_value_heads=2),
     "llama-tied": lambda path: tiny_llama(path, num_key_value_heads=4, tie=True),
@@ -128,12 +151,14 @@ MODELS = {
     "glm4-moe-dense-partial-rotary": tiny_glm4_moe_dense,
     "smollm3-windows-no-rope": tiny_smollm3,
     "granite-swa-sinks": tiny_granite_swa,
+    "stablelm-layernorm": tiny_stablelm,
 }
 # what each family's config says beyond MODEL_KEYS that Megatron's args carry there and back
 KEPT = {
     "glm4_moe": ("attention_bias", "use_qk_norm"),
     "smollm3": ("attention_bias", "mlp_bias", "sliding_window", "layer_types", "no_rope_layers"),
     "granite_swa": ("attention_multiplier", "sliding_window", "layer_types", "layer_rope_theta"),
+    "stablelm": ("use_qkv_bias", "layer_norm_eps"),
 }
 # (layout, tp, pp) of the Megatron side
 ROUTES = {
@@ -161,6 +186,7 @@ CASES = [(model, "megatron-tp2") for model in MODELS] + [
         "glm4-moe-dense-partial-rotary",
         "smollm3-windows-no-rope",
         "granite-swa-sinks",
+        "stablelm-layernorm",
     )
     for route in ("megatron-tp1-pp2", "torch_dist")
 ]

@@ -12,6 +12,8 @@ the ``hf`` output converted back (``--layout torch_dist``) loads in Megatron-Cor
 - ``softmax_type`` ``learnable`` / ``off-by-one`` (a logit per head, or zero, beside every softmax row) and
   ``softmax_scale``: transformers' ``granite_swa`` (Llama with ``sinks`` per head, ``attention_multiplier``, the same
   layer patterns); off-by-one's sinks are zeros.
+- ``normalization`` ``LayerNorm`` (weights and biases) with SwiGLU: transformers' ``stablelm`` (partial rotary and
+  q/k/v biases too). With biases on every linear it is refused by name.
 """
 
 from __future__ import annotations
@@ -52,11 +54,13 @@ SPECS = {
         _spec(softmax="off-by-one", softmax_scale=0.5, no_rope=2, tied=True, layers=2),
         "granite_swa",
     ),
+    "layernorm-partial-rotary-qkv-bias": (_spec(norm="LayerNorm", rotary_percent=0.5, qkv_bias=True), "stablelm"),
 }
 # name -> (the writer's model, what the one-line refusal names)
 REFUSED = {
     "partial-rotary-all-biases": (_spec(rotary_percent=0.5, bias=True, layers=2), "add_bias_linear=True with partial"),
     "sliding-window-qk-norm": (_spec(window=3, qk_norm=True, layers=2), "qk_layernorm=True with sliding-window"),
+    "layernorm-all-biases": (_spec(norm="LayerNorm", bias=True, layers=2), "add_bias_linear=True with LayerNorm"),
 }
 
 

@@ -40,7 +40,7 @@ from reshard.errors import MappingError
 from reshard.mappings.base import Entry, Mapping, rename
 from reshard.mappings.transforms import Chunk, Invertible, SplitGroupedQKV, WithZeros
 
-DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "granite_swa")
+DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "granite_swa", "stablelm")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 MLA_FAMILIES = ("deepseek_v3",)
 PARTIAL_ROTARY_FAMILIES = ("glm4_moe",)
@@ -196,6 +196,17 @@ def _deepseek_v3_mlp(expert_bias: bool) -> tuple[Entry, ...]:
     )
 
 
+def _norm_biases() -> tuple[Entry, ...]:
+    """LayerNorm's biases, under the names its weights have (Transformer Engine's fused ones written)."""
+    return (
+        rename(_L + "self_attention.linear_qkv.layer_norm_bias", _HF + "input_layernorm.bias"),
+        rename(_L + "input_layernorm.bias", _HF + "input_layernorm.bias", alternative=True),
+        rename(_L + "mlp.linear_fc1.layer_norm_bias", _HF + "post_attention_layernorm.bias"),
+        rename(_L + "pre_mlp_layernorm.bias", _HF + "post_attention_layernorm.bias", alternative=True),
+        rename("decoder.final_layernorm.bias", "model.norm.bias"),
+    )
+
+
 def _sinks(zeros: bool) -> tuple[Entry, ...]:
     """granite_swa's ``sinks``: Megatron's learnable ``softmax_offset``, or (``zeros``: softmax_type off-by-one, a
     fixed zero logit) a zero vector of the heads, made beside ``linear_proj`` (whose rename it then replaces)."""
@@ -220,6 +231,8 @@ def megatron_to_hf(family: str | None, *, expert_bias: bool = True, zero_sinks: 
         layers = (*_mla_attention(), *_deepseek_v3_mlp(expert_bias))
     else:  # glm4_moe (partial rotary) without experts, smollm3, granite_swa: Llama's rows
         layers = (*_attention(), *(_moe_mlp(family) if family in MOE_FAMILIES else _dense_mlp()))
+    if family == "stablelm":  # LayerNorm: the norms' biases
+        layers = (*layers, *_norm_biases())
     if family == "granite_swa":
         proj = _L + "self_attention.linear_proj.weight"
         kept = (row for row in layers if not (zero_sinks and row.sources == (proj,)))

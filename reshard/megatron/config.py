@@ -44,6 +44,7 @@ _ARCHITECTURES = {
     "smollm3": "SmolLM3ForCausalLM",
     "granite_swa": "GraniteSWAForCausalLM",
     "stablelm": "StableLmForCausalLM",
+    "glm": "GlmForCausalLM",
 }
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 
@@ -96,6 +97,7 @@ class GPTShape:
     softmax_type: str = "vanilla"  # off-by-one: a zero logit in every softmax; learnable: one per head (a sink)
     softmax_scale: float | None = None  # None: 1 / sqrt(kv_channels)
     normalization: str = "RMSNorm"  # or LayerNorm (with biases)
+    rotary_interleaved: bool = False  # RoPE pairs channels 2i and 2i + 1 (GPT-J), not i and i + d/2
     add_qkv_bias: bool = False
     add_bias_linear: bool = False
     qk_layernorm: bool = False
@@ -128,8 +130,6 @@ def gpt_shape_from_args(args: Any) -> GPTShape:
     position = arg(args, "position_embedding_type", "learned_absolute")
     if position not in (("rope", "none") if mla else ("rope",)):
         problems.append(f"position_embedding_type={position!r} (the families use rope)")
-    if arg(args, "rotary_interleaved", False):
-        problems.append("rotary_interleaved=True (interleaved rotary embeddings)")
     if problems:  # with every other argument the table refuses, in the same line
         raise MappingError(
             "this Megatron model has no transformers family: " + "; ".join(problems + args_problems(args)),
@@ -186,6 +186,7 @@ def gpt_shape_from_args(args: Any) -> GPTShape:
         softmax_type=softmax_type,
         softmax_scale=None if softmax_scale is None else float(softmax_scale),
         normalization=str(normalization),
+        rotary_interleaved=bool(arg(args, "rotary_interleaved", False)),
         dense_layers=_dense_layers(arg(args, "moe_layer_freq", 1), num_layers) if arg(args, "num_experts") else (),
         mla=_mla_from_args(args) if mla else None,
         moe_router_enable_expert_bias=bool(arg(args, "moe_router_enable_expert_bias", False)),
@@ -295,6 +296,9 @@ def hf_family(shape: GPTShape) -> str:
     if shape.normalization == "LayerNorm":
         _check_stablelm(shape)
         return "stablelm"
+    if shape.rotary_interleaved:
+        _check_glm(shape)
+        return "glm"
     if shape.rotary_percent != 1.0:
         _check_glm4_moe(shape)
         return "glm4_moe"
@@ -399,6 +403,8 @@ def _pattern_problems(shape: GPTShape, family: str) -> list[str]:
     """Sliding-window or RoPE-less layers, attention sinks or a softmax scale in a model that becomes ``family``,
     which computes none of them."""
     problems = []
+    if shape.rotary_interleaved and family != "glm":
+        problems.append(f"rotary_interleaved=True: interleaved RoPE pairs ({family} rotates halves; glm pairs)")
     if shape.softmax_type != "vanilla":
         problems.append(f"softmax_type={shape.softmax_type!r}: attention sinks ({family} has none)")
     if shape.softmax_scale is not None:
@@ -408,6 +414,27 @@ def _pattern_problems(shape: GPTShape, family: str) -> list[str]:
     if shape.no_rope_layers:
         problems.append(f"no_rope_freq: layers without RoPE ({family} has none; smollm3 has, without {family}'s)")
     return problems
+
+
+def _check_glm(shape: GPTShape) -> None:
+    """Refuse, by argument, what a Megatron GPT with interleaved rotary pairs computes and transformers' ``glm``
+    (GLM-4) does not.
+
+    ``glm`` rotates channel pairs (2i, 2i + 1) of the first ``head_dim x partial_rotary_factor`` channels (its
+    ``rotate_half`` and ``repeat_interleave``d cos / sin), as Megatron-Core's ``_rotate_half`` and ``get_emb`` with
+    ``rotary_interleaved``; its MLP is SwiGLU with ``gate_up_proj`` ``[gate; up]`` (Megatron's ``linear_fc1`` as it
+    is), RMSNorm, biases on q, k and v only; no query/key norms, no experts.
+    """
+    problems = []
+    if shape.add_bias_linear:
+        problems.append("add_bias_linear=True with rotary_interleaved (glm has biases on q, k and v only)")
+    if shape.qk_layernorm:
+        problems.append("qk_layernorm=True with rotary_interleaved (glm has no query/key norms)")
+    if shape.num_experts:
+        problems.append(f"num_experts={shape.num_experts} with rotary_interleaved (glm has no experts)")
+    problems += _pattern_problems(shape, "glm")
+    if problems:
+        _no_family("; ".join(problems))
 
 
 def _check_stablelm(shape: GPTShape) -> None:
@@ -450,6 +477,8 @@ def _check_llama_like(shape: GPTShape, family: str, what: str) -> None:
         )
     if shape.num_experts:
         problems.append(f"num_experts={shape.num_experts} with {what} ({family} has no experts)")
+    if shape.rotary_interleaved:
+        problems.append(f"rotary_interleaved=True with {what} ({family} rotates halves; glm pairs)")
     if problems:
         _no_family("; ".join(problems))
 
@@ -559,6 +588,10 @@ def hf_config(shape: GPTShape, *, vocab_size: int | None, dtype: str, family: st
             "bos_token_id": None,
             "eos_token_id": None,
         }
+    if family == "glm":  # partial_rotary_factor stated always: its config defaults it to 0.5
+        rope["partial_rotary_factor"] = shape.rotary_percent
+        config |= {"attention_bias": shape.add_qkv_bias, "pad_token_id": None, "bos_token_id": None}
+        config["eos_token_id"] = None
     if family == "glm4_moe":  # stated always: glm4_moe's config defaults partial_rotary_factor to 0.5 when absent
         rope["partial_rotary_factor"] = shape.rotary_percent
         config |= {
@@ -704,7 +737,7 @@ def gpt_shape_from_hf(config: ModelConfig) -> GPTShape:
     if glm and (config.get("first_k_dense_replace") or 0) < (layers or 0):
         raise MappingError("glm4_moe with experts: not carried to Megatron yet", path=config.path)
     granite = _granite_swa(config, rope) if family == "granite_swa" else {}
-    stablelm = family == "stablelm"
+    stablelm, glm_dense = family == "stablelm", family == "glm"
     if stablelm and (config.get("qk_layernorm", False) or config.get("use_parallel_residual", False)):
         raise MappingError(
             "stablelm with qk_layernorm (one norm per head) or use_parallel_residual: Megatron-Core computes neither",
@@ -722,6 +755,7 @@ def gpt_shape_from_hf(config: ModelConfig) -> GPTShape:
         max_position_embeddings=config.get("max_position_embeddings", 4096),
         norm_epsilon=config.get("layer_norm_eps", 1e-5) if stablelm else config.get("rms_norm_eps", 1e-6),
         normalization="LayerNorm" if stablelm else "RMSNorm",
+        rotary_interleaved=glm_dense,
         rotary_base=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
         rope_scaling_factor=scaling,
         rope_interpolation_factor=interpolation,
@@ -729,7 +763,7 @@ def gpt_shape_from_hf(config: ModelConfig) -> GPTShape:
         **(_hf_layer_patterns(config, layers or 0) | granite),
         dense_layers=dense if experts and not glm else (),
         add_qkv_bias=family in ("qwen2", "qwen2_moe") or bias or bool(stablelm and config.get("use_qkv_bias")),
-        add_bias_linear=bias and not glm,  # glm4_moe's attention_bias is on q, k and v only
+        add_bias_linear=bias and not glm and not glm_dense,  # glm / glm4_moe's attention_bias: q, k and v only
         qk_layernorm=family in ("qwen3", "qwen3_moe") or (glm and bool(config.get("use_qk_norm", False))),
         untie_embeddings_and_output_weights=not config.tie_word_embeddings,
         num_experts=None if glm else experts,
@@ -803,11 +837,11 @@ def _partial_rotary(config: ModelConfig, rope: dict[str, Any]) -> float:
     """The share of each head RoPE rotates: ``partial_rotary_factor`` (in ``rope_parameters`` or beside it), whose
     default is 0.5 for ``glm4_moe`` and 0.25 for ``stablelm`` (their configs', when absent) and 1 elsewhere; only they
     compute less."""
-    default = {"glm4_moe": 0.5, "stablelm": 0.25}.get(config.model_type or "", 1.0)
+    default = {"glm4_moe": 0.5, "glm": 0.5, "stablelm": 0.25}.get(config.model_type or "", 1.0)
     factor = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", default))
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
         raise MappingError(f"partial_rotary_factor {factor!r}: not a number in (0, 1]", path=config.path)
-    if factor != 1 and config.model_type not in ("glm4_moe", "stablelm"):
+    if factor != 1 and config.model_type not in ("glm4_moe", "glm", "stablelm"):
         raise MappingError(
             f"partial_rotary_factor {factor} in a {config.model_type} config (reshard carries partial rotary as "
             "glm4_moe's)",
@@ -952,6 +986,7 @@ def megatron_args(
         seq_length=shape.max_position_embeddings,
         normalization=shape.normalization,
         norm_epsilon=shape.norm_epsilon,
+        rotary_interleaved=shape.rotary_interleaved,
         swiglu=True,
         position_embedding_type="rope",
         rotary_base=int(shape.rotary_base) if float(shape.rotary_base).is_integer() else shape.rotary_base,

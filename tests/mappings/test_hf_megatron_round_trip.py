@@ -141,6 +141,29 @@ def tiny_stablelm(path: Path):
     return model
 
 
+def tiny_glm(path: Path):
+    """GLM-4 (``glm``): interleaved RoPE pairs on half of each head (its default), q/k/v biases, fused gate_up_proj."""
+    from transformers import GlmConfig, GlmForCausalLM
+
+    torch.manual_seed(0)
+    config = GlmConfig(
+        vocab_size=1001,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=8,
+        attention_bias=True,
+        pad_token_id=None,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
+    model = GlmForCausalLM(config).eval()
+    model.save_pretrained(path)
+    return model
+
+
 MODELS = {
     "llama-gqa": lambda path: tiny_llama(path, num_key_value_heads=2),
     "llama-tied": lambda path: tiny_llama(path, num_key_value_heads=4, tie=True),
@@ -152,6 +175,7 @@ MODELS = {
     "smollm3-windows-no-rope": tiny_smollm3,
     "granite-swa-sinks": tiny_granite_swa,
     "stablelm-layernorm": tiny_stablelm,
+    "glm-interleaved": tiny_glm,
 }
 # what each family's config says beyond MODEL_KEYS that Megatron's args carry there and back
 KEPT = {
@@ -159,6 +183,7 @@ KEPT = {
     "smollm3": ("attention_bias", "mlp_bias", "sliding_window", "layer_types", "no_rope_layers"),
     "granite_swa": ("attention_multiplier", "sliding_window", "layer_types", "layer_rope_theta"),
     "stablelm": ("use_qkv_bias", "layer_norm_eps"),
+    "glm": ("attention_bias",),
 }
 # (layout, tp, pp) of the Megatron side
 ROUTES = {
@@ -187,6 +212,7 @@ CASES = [(model, "megatron-tp2") for model in MODELS] + [
         "smollm3-windows-no-rope",
         "granite-swa-sinks",
         "stablelm-layernorm",
+        "glm-interleaved",
     )
     for route in ("megatron-tp1-pp2", "torch_dist")
 ]

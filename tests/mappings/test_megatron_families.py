@@ -14,6 +14,8 @@ the ``hf`` output converted back (``--layout torch_dist``) loads in Megatron-Cor
   layer patterns); off-by-one's sinks are zeros.
 - ``normalization`` ``LayerNorm`` (weights and biases) with SwiGLU: transformers' ``stablelm`` (partial rotary and
   q/k/v biases too). With biases on every linear it is refused by name.
+- ``rotary_interleaved`` (GPT-J pairs): transformers' ``glm`` (GLM-4: interleaved pairs, partial rotary, q/k/v
+  biases, ``gate_up_proj`` = ``linear_fc1``).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ SPECS = {
         "granite_swa",
     ),
     "layernorm-partial-rotary-qkv-bias": (_spec(norm="LayerNorm", rotary_percent=0.5, qkv_bias=True), "stablelm"),
+    "interleaved-partial-rotary-qkv-bias": (_spec(interleaved=True, rotary_percent=0.5, qkv_bias=True), "glm"),
 }
 # name -> (the writer's model, what the one-line refusal names)
 REFUSED = {

@@ -125,6 +125,8 @@ def test_layer_patterns_are_carried_into_smollm3(cli, full: Full, tmp_path: Path
             {"softmax_scale": 0.5, "rotary_percent": 0.5},
             "softmax_scale=0.5: another softmax scale (glm4_moe has none)",
         ),
+        ({"rotary_interleaved": True, "qk_layernorm": True}, "qk_layernorm=True with rotary_interleaved (glm has no"),
+        ({"rotary_interleaved": True, "window_size": (3, 0)}, "window_size: sliding-window attention (glm has none"),
     ],
     ids=[
         "right",
@@ -137,6 +139,8 @@ def test_layer_patterns_are_carried_into_smollm3(cli, full: Full, tmp_path: Path
         "sinks-qk-norm",
         "softmax-type",
         "scale-partial",
+        "interleaved-qk-norm",
+        "interleaved-window",
     ],
 )
 def test_layer_patterns_no_family_computes_are_refused(

@@ -204,6 +204,7 @@ def build(variant: Variant, spec: Spec, *, seed: int) -> list:
         window_attn_skip_freq=variant.window_skip or None,
         no_rope_freq=variant.no_rope or None,
         softmax_type=variant.softmax,
+        rotary_interleaved=variant.interleaved,
     )
     if variant.dense_first or variant.mla:  # dense and MoE layers: one spec per layer, from moe_layer_freq
         layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=variant.norm)

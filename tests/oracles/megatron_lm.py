@@ -79,7 +79,7 @@ def megatron_args(variant: Variant, spec: Spec, *, ckpt_format: str) -> argparse
         use_rotary_position_embeddings=variant.pos == "rope",
         rotary_base=variant.rotary_base,
         rotary_percent=variant.rotary_percent,
-        rotary_interleaved=False,
+        rotary_interleaved=variant.interleaved,
         normalization=variant.norm,
         norm_epsilon=variant.norm_eps,
         apply_layernorm_1p=False,

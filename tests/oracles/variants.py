@@ -73,6 +73,7 @@ class Variant:
     window: int = -1  # window_size (window, 0): a query sees itself and `window` keys before it (-1: None)
     window_skip: int = 0  # window_attn_skip_freq (0: None, every layer windowed): every Nth layer full
     no_rope: int = 0  # no_rope_freq (0: None): every Nth layer without RoPE
+    interleaved: bool = False  # rotary_interleaved: RoPE pairs channels 2i, 2i + 1 (GPT-J), not i, i + d/2
     softmax: str = "vanilla"  # softmax_type: vanilla, off-by-one (a zero logit beside each row), learnable (per head)
 
     @property

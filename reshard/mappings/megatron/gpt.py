@@ -40,7 +40,7 @@ from reshard.errors import MappingError
 from reshard.mappings.base import Entry, Mapping, rename
 from reshard.mappings.transforms import Chunk, Invertible, SplitGroupedQKV, WithZeros
 
-DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "granite_swa", "stablelm")
+DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "granite_swa", "stablelm", "glm")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 MLA_FAMILIES = ("deepseek_v3",)
 PARTIAL_ROTARY_FAMILIES = ("glm4_moe",)
@@ -231,6 +231,13 @@ def megatron_to_hf(family: str | None, *, expert_bias: bool = True, zero_sinks: 
         layers = (*_mla_attention(), *_deepseek_v3_mlp(expert_bias))
     else:  # glm4_moe (partial rotary) without experts, smollm3, granite_swa: Llama's rows
         layers = (*_attention(), *(_moe_mlp(family) if family in MOE_FAMILIES else _dense_mlp()))
+    if family == "glm":  # SwiGLU fused as Megatron's: gate_up_proj is linear_fc1 ([gate; up]) as it is
+        fused = {_L + "mlp.linear_fc1.weight", _LEGACY + "mlp.dense_h_to_4h.weight"}
+        gate_up = _HF + "mlp.gate_up_proj.weight"
+        layers = tuple(
+            rename(row.sources[0], gate_up, alternative=row.alternative) if row.sources[0] in fused else row
+            for row in layers
+        )
     if family == "stablelm":  # LayerNorm: the norms' biases
         layers = (*layers, *_norm_biases())
     if family == "granite_swa":

@@ -17,151 +17,71 @@ from fixtures.families import build
 from fixtures.models import tiny_llama, tiny_qwen3
 from safetensors.torch import load_file
 
-
-def tiny_qwen2(path: Path):
-    """Qwen2: biases on q, k and v (they go through the fused QKV too)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=1001,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
-    model = Qwen2ForCausalLM(config).eval()
-    model.save_pretrained(path)
-    return model
+# The sizes of the tiny models below: GQA, 8 heads in 2 groups, an odd vocab; no token ids past it.
+SIZES = dict(
+    vocab_size=1001,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    pad_token_id=None,
+    bos_token_id=None,
+    eos_token_id=None,
+)
 
 
-def tiny_glm4_moe_dense(path: Path):
-    """GLM-4.5's family without experts (every layer dense): partial rotary (its config's default 0.5), q/k/v
-    biases, per-head query/key norms."""
-    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+def tiny(path: Path, family: str, *, randomize: str = "", **fields: object):
+    """transformers' ``{family}Config(**SIZES, **fields)`` as ``{family}ForCausalLM``, seeded and saved; parameters
+    whose names hold ``randomize`` (zeros or ones at init) are drawn from a normal distribution."""
+    import transformers
 
     torch.manual_seed(0)
-    config = Glm4MoeConfig(
-        vocab_size=1001,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=16,
-        attention_bias=True,
-        use_qk_norm=True,
-        first_k_dense_replace=2,
-        num_mtp_layers=0,
-    )
-    model = Glm4MoeForCausalLM(config).eval()
-    model.save_pretrained(path)
-    return model
-
-
-def tiny_smollm3(path: Path):
-    """SmolLM3: a sliding window on layers 0 and 2, no RoPE in layers 1 and 3, biases on every linear, untied."""
-    from transformers import SmolLM3Config, SmolLM3ForCausalLM
-
-    torch.manual_seed(0)
-    config = SmolLM3Config(
-        vocab_size=1001,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        use_sliding_window=True,
-        sliding_window=5,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-        no_rope_layers=[1, 0, 1, 0],
-        attention_bias=True,
-        mlp_bias=True,
-        tie_word_embeddings=False,
-        pad_token_id=None,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    model = SmolLM3ForCausalLM(config).eval()
-    model.save_pretrained(path)
-    return model
-
-
-def tiny_granite_swa(path: Path):
-    """granite_swa: random sinks per head, a softmax scale of 0.3, a window on layer 1, no RoPE in layer 0, tied."""
-    from transformers import GraniteSWAConfig, GraniteSWAForCausalLM
-
-    torch.manual_seed(0)
-    config = GraniteSWAConfig(
-        vocab_size=1001,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        attention_multiplier=0.3,
-        sliding_window=5,
-        layer_types=["full_attention", "sliding_attention"],
-        layer_rope_theta=[0, 10000.0],
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        pad_token_id=None,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    model = GraniteSWAForCausalLM(config).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.sinks.normal_()
-    model.save_pretrained(path)
-    return model
-
-
-def tiny_stablelm(path: Path):
-    """StableLM: LayerNorm with random biases, partial rotary (its config's default 0.25), q/k/v biases, GQA."""
-    from transformers import StableLmConfig, StableLmForCausalLM
-
-    torch.manual_seed(0)
-    config = StableLmConfig(
-        vocab_size=1001,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        use_qkv_bias=True,
-    )
-    model = StableLmForCausalLM(config).eval()
+    config = getattr(transformers, f"{family}Config")(**(SIZES | fields))
+    model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name:
+            if randomize and randomize in name:
                 param.normal_()
     model.save_pretrained(path)
     return model
 
 
+def tiny_qwen2(path: Path):
+    """Qwen2: biases on q, k and v (they go through the fused QKV too)."""
+    return tiny(path, "Qwen2", tie_word_embeddings=False)
+
+
+def tiny_glm4_moe_dense(path: Path):
+    """GLM-4.5's family without experts (every layer dense): partial rotary (its config's default 0.5), q/k/v
+    biases, per-head query/key norms."""
+    fields = dict(head_dim=16, attention_bias=True, use_qk_norm=True, first_k_dense_replace=2, num_mtp_layers=0)
+    return tiny(path, "Glm4Moe", **fields)
+
+
+def tiny_smollm3(path: Path):
+    """SmolLM3: a sliding window on layers 0 and 2, no RoPE in layers 1 and 3, biases on every linear, untied."""
+    types = ["sliding_attention", "full_attention"] * 2
+    fields = dict(num_hidden_layers=4, use_sliding_window=True, sliding_window=5, layer_types=types)
+    fields |= dict(no_rope_layers=[1, 0, 1, 0], attention_bias=True, mlp_bias=True, tie_word_embeddings=False)
+    return tiny(path, "SmolLM3", **fields)
+
+
+def tiny_granite_swa(path: Path):
+    """granite_swa: random sinks per head, a softmax scale of 0.3, a window on layer 1, no RoPE in layer 0, tied."""
+    fields = dict(attention_multiplier=0.3, sliding_window=5, layer_types=["full_attention", "sliding_attention"])
+    fields |= dict(layer_rope_theta=[0, 10000.0], rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    return tiny(path, "GraniteSWA", randomize="sinks", **fields)
+
+
+def tiny_stablelm(path: Path):
+    """StableLM: LayerNorm with random weights and biases, partial rotary (its config's default 0.25), q/k/v biases."""
+    return tiny(path, "StableLm", randomize="norm", use_qkv_bias=True)
+
+
 def tiny_glm(path: Path):
     """GLM-4 (``glm``): interleaved RoPE pairs on half of each head (its default), q/k/v biases, fused gate_up_proj."""
-    from transformers import GlmConfig, GlmForCausalLM
-
-    torch.manual_seed(0)
-    config = GlmConfig(
-        vocab_size=1001,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=8,
-        attention_bias=True,
-        pad_token_id=None,
-        eos_token_id=None,
-        bos_token_id=None,
-    )
-    model = GlmForCausalLM(config).eval()
-    model.save_pretrained(path)
-    return model
+    return tiny(path, "Glm", head_dim=8, attention_bias=True)
 
 
 MODELS = {

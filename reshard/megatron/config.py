@@ -98,6 +98,7 @@ class GPTShape:
     softmax_scale: float | None = None  # None: 1 / sqrt(kv_channels)
     normalization: str = "RMSNorm"  # or LayerNorm (with biases)
     rotary_interleaved: bool = False  # RoPE pairs channels 2i and 2i + 1 (GPT-J), not i and i + d/2
+    hidden_act: str = "silu"  # the gated MLP's activation: silu (--swiglu) or quick_gelu (--quick-geglu)
     add_qkv_bias: bool = False
     add_bias_linear: bool = False
     qk_layernorm: bool = False
@@ -124,9 +125,9 @@ def gpt_shape_from_args(args: Any) -> GPTShape:
     normalization = arg(args, "normalization", "LayerNorm")
     if normalization not in ("RMSNorm", "LayerNorm"):
         problems.append(f"normalization={normalization!r} (the families need RMSNorm, or LayerNorm as StableLM)")
-    if not arg(args, "swiglu", False):
+    if not (arg(args, "swiglu", False) or arg(args, "quick_geglu", False)):
         what = "the families use gated SiLU MLPs" + (", LayerNorm ones too" if normalization == "LayerNorm" else "")
-        problems.append(f"swiglu={arg(args, 'swiglu', False)!r} ({what})")
+        problems.append(f"swiglu={arg(args, 'swiglu', False)!r} ({what}, or quick-GeGLU ones)")
     position = arg(args, "position_embedding_type", "learned_absolute")
     if position not in (("rope", "none") if mla else ("rope",)):
         problems.append(f"position_embedding_type={position!r} (the families use rope)")
@@ -187,6 +188,7 @@ def gpt_shape_from_args(args: Any) -> GPTShape:
         softmax_scale=None if softmax_scale is None else float(softmax_scale),
         normalization=str(normalization),
         rotary_interleaved=bool(arg(args, "rotary_interleaved", False)),
+        hidden_act="silu" if arg(args, "swiglu", False) else "quick_gelu",
         dense_layers=_dense_layers(arg(args, "moe_layer_freq", 1), num_layers) if arg(args, "num_experts") else (),
         mla=_mla_from_args(args) if mla else None,
         moe_router_enable_expert_bias=bool(arg(args, "moe_router_enable_expert_bias", False)),
@@ -539,7 +541,7 @@ def hf_config(shape: GPTShape, *, vocab_size: int | None, dtype: str, family: st
         "num_attention_heads": shape.num_attention_heads,
         "num_key_value_heads": shape.num_query_groups,
         "head_dim": shape.kv_channels,
-        "hidden_act": "silu",
+        "hidden_act": shape.hidden_act,
         "max_position_embeddings": shape.max_position_embeddings,
         "rms_norm_eps": shape.norm_epsilon,
         "rope_parameters": rope,
@@ -679,7 +681,7 @@ def _deepseek_v3_config(shape: GPTShape, *, vocab_size: int | None, dtype: str) 
         "qk_rope_head_dim": mla.qk_pos_emb_head_dim,
         "v_head_dim": mla.v_head_dim,
         "rope_interleave": True,  # Megatron's MLA de-interleaves the rope dims, as transformers does here
-        "hidden_act": "silu",
+        "hidden_act": shape.hidden_act,
         "max_position_embeddings": shape.max_position_embeddings,
         "rms_norm_eps": shape.norm_epsilon,
         "rope_parameters": rope,
@@ -738,6 +740,12 @@ def gpt_shape_from_hf(config: ModelConfig) -> GPTShape:
         raise MappingError("glm4_moe with experts: not carried to Megatron yet", path=config.path)
     granite = _granite_swa(config, rope) if family == "granite_swa" else {}
     stablelm, glm_dense = family == "stablelm", family == "glm"
+    act = config.get("hidden_act", "silu")
+    if act not in ("silu", "quick_gelu"):
+        raise MappingError(
+            f"hidden_act {act!r}: Megatron's gated MLPs compute silu (--swiglu) or quick_gelu (--quick-geglu)",
+            path=config.path,
+        )
     if stablelm and (config.get("qk_layernorm", False) or config.get("use_parallel_residual", False)):
         raise MappingError(
             "stablelm with qk_layernorm (one norm per head) or use_parallel_residual: Megatron-Core computes neither",
@@ -756,6 +764,7 @@ def gpt_shape_from_hf(config: ModelConfig) -> GPTShape:
         norm_epsilon=config.get("layer_norm_eps", 1e-5) if stablelm else config.get("rms_norm_eps", 1e-6),
         normalization="LayerNorm" if stablelm else "RMSNorm",
         rotary_interleaved=glm_dense,
+        hidden_act=act,
         rotary_base=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
         rope_scaling_factor=scaling,
         rope_interpolation_factor=interpolation,
@@ -987,7 +996,8 @@ def megatron_args(
         normalization=shape.normalization,
         norm_epsilon=shape.norm_epsilon,
         rotary_interleaved=shape.rotary_interleaved,
-        swiglu=True,
+        swiglu=shape.hidden_act == "silu",
+        quick_geglu=shape.hidden_act == "quick_gelu",
         position_embedding_type="rope",
         rotary_base=int(shape.rotary_base) if float(shape.rotary_base).is_integer() else shape.rotary_base,
         rotary_percent=shape.rotary_percent,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures.checks import assert_refused
 from fixtures.families import build
 from fixtures.models import tiny_llama, tiny_qwen3
 from safetensors.torch import load_file
@@ -96,6 +97,7 @@ MODELS = {
     "granite-swa-sinks": tiny_granite_swa,
     "stablelm-layernorm": tiny_stablelm,
     "glm-interleaved": tiny_glm,
+    "llama-quick-gelu": lambda path: tiny(path, "Llama", hidden_act="quick_gelu"),  # Megatron's --quick-geglu
 }
 # what each family's config says beyond MODEL_KEYS that Megatron's args carry there and back
 KEPT = {
@@ -104,6 +106,7 @@ KEPT = {
     "granite_swa": ("attention_multiplier", "sliding_window", "layer_types", "layer_rope_theta"),
     "stablelm": ("use_qkv_bias", "layer_norm_eps"),
     "glm": ("attention_bias",),
+    "llama": ("hidden_act",),
 }
 # (layout, tp, pp) of the Megatron side
 ROUTES = {
@@ -160,3 +163,10 @@ def test_transformers_to_megatron_and_back_is_bit_exact(cli, tmp_path: Path, mod
         assert again[key] == config[key], key
     partial = again["rope_parameters"].get("partial_rotary_factor")
     assert partial == config["rope_parameters"].get("partial_rotary_factor"), partial
+
+
+def test_an_activation_megatron_does_not_gate_is_refused(cli, tmp_path: Path) -> None:
+    """A gated GeLU Llama: Megatron's gated MLPs are SiLU (--swiglu) or quick GeLU (--quick-geglu) only."""
+    tiny(tmp_path / "hf", "Llama", hidden_act="gelu")
+    result = cli("convert", tmp_path / "hf", "--layout", "torch_dist", "--tp", 1, "-o", tmp_path / "mg")
+    assert_refused(result, tmp_path / "mg", "hidden_act 'gelu'", "--quick-geglu")

@@ -16,6 +16,8 @@ the ``hf`` output converted back (``--layout torch_dist``) loads in Megatron-Cor
   q/k/v biases too). With biases on every linear it is refused by name.
 - ``rotary_interleaved`` (GPT-J pairs): transformers' ``glm`` (GLM-4: interleaved pairs, partial rotary, q/k/v
   biases, ``gate_up_proj`` = ``linear_fc1``).
+- ``quick_geglu`` (quick_gelu(gate) x up, without ``glu_linear_offset`` and clamp): Llama with ``hidden_act``
+  ``quick_gelu``.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ SPECS = {
     ),
     "layernorm-partial-rotary-qkv-bias": (_spec(norm="LayerNorm", rotary_percent=0.5, qkv_bias=True), "stablelm"),
     "interleaved-partial-rotary-qkv-bias": (_spec(interleaved=True, rotary_percent=0.5, qkv_bias=True), "glm"),
+    "quick-geglu": (_spec(act="quick_geglu", layers=2), "llama"),  # hidden_act quick_gelu
 }
 # name -> (the writer's model, what the one-line refusal names)
 REFUSED = {

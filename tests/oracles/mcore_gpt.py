@@ -124,7 +124,7 @@ def build(variant: Variant, spec: Spec, *, seed: int) -> list:
     """This rank's model chunks (one per virtual stage): GPTModel, local (non-TE) spec, fp32, eval mode."""
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
-    from megatron.core.activations import squared_relu
+    from megatron.core.activations import quick_gelu, squared_relu
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -166,8 +166,10 @@ def build(variant: Variant, spec: Spec, *, seed: int) -> list:
         ffn_hidden_size=variant.ffn,
         normalization=variant.norm,
         layernorm_epsilon=variant.norm_eps,
-        gated_linear_unit=variant.act == "swiglu",
-        activation_func={"swiglu": F.silu, "gelu": F.gelu, "squared_relu": squared_relu}[variant.act],
+        gated_linear_unit=variant.act in ("swiglu", "quick_geglu"),
+        activation_func={"swiglu": F.silu, "gelu": F.gelu, "squared_relu": squared_relu, "quick_geglu": quick_gelu}[
+            variant.act
+        ],
         add_bias_linear=variant.bias,
         softmax_scale=variant.softmax_scale or None,
         moe_router_pre_softmax=variant.pre_softmax,

@@ -84,6 +84,7 @@ def megatron_args(variant: Variant, spec: Spec, *, ckpt_format: str) -> argparse
         norm_epsilon=variant.norm_eps,
         apply_layernorm_1p=False,
         swiglu=variant.act == "swiglu",
+        quick_geglu=variant.act == "quick_geglu",
         squared_relu=variant.act == "squared_relu",
         bias_gelu_fusion=False,  # the oracle builds unfused: exact (erf) GeLU
         add_bias_linear=variant.bias,

@@ -62,7 +62,7 @@ class Variant:
     group_topk: int = 0  # moe_router_group_topk (0: None)
     te_names: bool = False  # files under Transformer Engine's names (the latent norms fused in the up projections)
     # The argument sweep (tests/mappings/test_megatron_sweep.py): one Megatron argument away from the Llama shape.
-    act: str = "swiglu"  # swiglu (gated silu), gelu, squared_relu: swiglu, squared_relu
+    act: str = "swiglu"  # swiglu (gated silu), gelu, squared_relu, quick_geglu (gated quick_gelu): their args flags
     bias: bool = False  # add_bias_linear (biases on qkv, proj, fc1, fc2)
     norm: str = "RMSNorm"  # normalization (RMSNorm, LayerNorm)
     rotary_percent: float = 1.0

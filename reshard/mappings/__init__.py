@@ -23,7 +23,7 @@ from reshard.config import ModelConfig, SourceFacts
 from reshard.errors import MappingError
 from reshard.layouts import SourceCheckpoint, find_layout
 from reshard.mappings.base import Entry, MappedGroup, Mapping
-from reshard.mappings.megatron.gpt import DENSE_FAMILIES, MEGATRON, MLA_FAMILIES, MOE_FAMILIES, megatron_to_hf
+from reshard.mappings.megatron.gpt import FAMILIES, MEGATRON, megatron_to_hf
 from reshard.mappings.torchtitan_config import llama_config, titan_model
 from reshard.mappings.torchtitan_llama import SIGNATURE as TORCHTITAN_SIGNATURE
 from reshard.mappings.torchtitan_llama import TORCHTITAN, torchtitan_to_hf
@@ -99,7 +99,7 @@ def naming_of(source: SourceCheckpoint) -> str | None:
         if any(pattern.search(name) for name in source.names()):
             return naming
     model_type = source.config.model_type if source.config else None
-    if model_type in DENSE_FAMILIES + MOE_FAMILIES + MLA_FAMILIES:
+    if model_type in FAMILIES:
         return HF
     return None
 
@@ -172,9 +172,7 @@ def _megatron_to_hf(
     """
     config = source.config
     args = args_of(source.facts)
-    if (
-        config is not None and config.model_type in DENSE_FAMILIES + MOE_FAMILIES + MLA_FAMILIES
-    ):  # --config gave the target's
+    if config is not None and config.model_type in FAMILIES:  # --config gave the target's
         disagree = config_disagreements(config, args) if args is not None else []
         if disagree:
             raise MappingError(
@@ -183,13 +181,16 @@ def _megatron_to_hf(
                 hint="correct --config, or leave it out: the args describe the model",
             )
         target = config.raw if vocab_size is None else config.with_vocab_size(vocab_size)
-        bias = args is None or gpt_shape_from_args(args).moe_router_enable_expert_bias
-        return MappingChoice(megatron_to_hf(config.model_type, expert_bias=bias), target)
+        shape = gpt_shape_from_args(args) if args is not None else None
+        bias = shape is None or shape.moe_router_enable_expert_bias
+        zero = shape is not None and shape.softmax_type == "off-by-one"
+        return MappingChoice(megatron_to_hf(config.model_type, expert_bias=bias, zero_sinks=zero), target)
     if args is None:  # Megatron's names without Megatron's files (written with --keep-names): they stay
         return None
     shape = gpt_shape_from_args(args)
     family = hf_family(shape)
-    mapping = megatron_to_hf(family, expert_bias=shape.moe_router_enable_expert_bias)
+    sinks = shape.softmax_type == "off-by-one"
+    mapping = megatron_to_hf(family, expert_bias=shape.moe_router_enable_expert_bias, zero_sinks=sinks)
     return MappingChoice(mapping, hf_config(shape, vocab_size=vocab_size, dtype=dtype, family=family))
 
 

@@ -334,19 +334,21 @@ class RopeUnpermute(_Maker):
 
 @dataclass(frozen=True)
 class WithZeros(_Maker):
-    """One tensor -> itself and a zero vector, one element per row: a bias the target family always has, which the
-    source lacks because it is zero (a router without an expert bias, as DeepSeek-V3's ``e_score_correction_bias``)."""
+    """One tensor -> itself and a zero vector, one element per row (or ``length``): a bias the target family always
+    has, which the source lacks because it is zero (a router without an expert bias, as DeepSeek-V3's
+    ``e_score_correction_bias``; an off-by-one softmax, as granite_swa's ``sinks`` of zero, one per head)."""
 
+    length: int | None = None
     sources: int = 1
     targets: int = 2
 
     def target_shapes(self, shapes: Sequence[Shape]) -> list[Shape]:
         (shape,) = shapes
-        return [tuple(shape), (shape[0],)]
+        return [tuple(shape), (shape[0] if self.length is None else self.length,)]
 
     def _made(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         (tensor,) = tensors
-        return [tensor, tensor.new_zeros(tensor.shape[0])]
+        return [tensor, tensor.new_zeros(tensor.shape[0] if self.length is None else self.length)]
 
     def inverse(self) -> DropZeros:
         return DropZeros()

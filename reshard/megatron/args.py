@@ -30,7 +30,7 @@ from reshard.megatron.defaults import DEFAULTS, RELEASES
 __all__ = ["CARRIED", "DEEPSEEK_V3", "IRRELEVANT", "REFUSED", "RELEASES", "args_problems", "check_args", "classify"]
 
 # Argument -> where it goes in the transformers config (read by ``config.gpt_shape_from_args``, which
-# also refuses the values the families cannot compute: LayerNorm, GeLU, learned positions, partial rotary...).
+# also refuses the values the families cannot compute: LayerNorm, GeLU, learned positions, ...).
 CARRIED: dict[str, str] = {
     "num_layers": "num_hidden_layers",
     "hidden_size": "hidden_size",
@@ -45,13 +45,19 @@ CARRIED: dict[str, str] = {
     "layernorm_epsilon": "rms_norm_eps (older Megatron-LM)",
     "normalization": "RMSNorm, the families' norm (else refused)",
     "swiglu": "hidden_act silu, gated MLP (else refused)",
+    "quick_geglu": "hidden_act quick_gelu, gated MLP (its glu_linear_offset and clamp refused)",
     "position_embedding_type": "rope (else refused)",
     "use_rotary_position_embeddings": "rope (older Megatron-LM's flag for position_embedding_type rope)",
     "add_position_embedding": "learned absolute positions: none with rope",
     "rotary_base": "rope_parameters.rope_theta",
-    "rotary_percent": "1.0 (partial rotary refused)",
-    "rotary_interleaved": "False (interleaved pairs refused)",
+    "rotary_percent": "rope_parameters.partial_rotary_factor (glm4_moe, the family that rotates the first channels)",
+    "rotary_interleaved": "glm (GLM-4), the family that rotates interleaved pairs (2i, 2i + 1)",
     "rotary_seq_len_interpolation_factor": "rope_parameters rope_type linear, factor",
+    "window_size": "sliding_window = left + 1, a causal window only (smollm3)",
+    "window_attn_skip_freq": "layer_types: the sliding_attention layers (smollm3)",
+    "no_rope_freq": "no_rope_layers: 0 for the layers without RoPE (smollm3; granite_swa's layer_rope_theta 0)",
+    "softmax_type": "granite_swa's sinks (learnable: the softmax_offset per head; off-by-one: zeros)",
+    "softmax_scale": "granite_swa's attention_multiplier",
     "use_rope_scaling": "rope_parameters rope_type llama3",
     "rope_scaling_factor": "rope_parameters.factor (llama3)",
     "add_bias_linear": "attention_bias, mlp_bias (Llama), the family",
@@ -120,16 +126,14 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "apply_layernorm_1p": (_OFF, "zero-centered norm weights (the norm multiplies by weight + 1)"),
     "layernorm_zero_centered_gamma": (_OFF, "zero-centered norm weights (the norm multiplies by weight + 1)"),
     "squared_relu": (_OFF, "a squared-ReLU MLP"),
-    "quick_geglu": (_OFF, "a quick-GeGLU MLP"),
     "openai_gelu": (_OFF, "a GeLU MLP"),
     "glu_linear_offset": ((None, 0, 0.0), "an offset on the GLU's linear half"),
     "activation_func_clamp_value": ((None,), "clamped activations"),
-    "apply_residual_connection_post_layernorm": (_OFF, "residuals taken after the norm"),
-    "softmax_scale": ((None,), "an attention softmax scale other than 1/sqrt(head_dim)"),
-    "softmax_type": ((None, "vanilla"), "an attention softmax with sinks"),
-    "window_size": ((None,), "sliding-window attention"),
-    "window_attn_skip_freq": ((None,), "sliding-window attention"),
-    "no_rope_freq": ((None,), "layers without RoPE"),
+    "apply_residual_connection_post_layernorm": (
+        _OFF,
+        "residuals taken after the norm (Megatron-LM's legacy models; Megatron-Core reads it nowhere, but the args do "
+        "not say which code ran, and no transformers family takes the residual after the norm)",
+    ),
     "mrope_section": ((None,), "multimodal RoPE"),
     "mtp_num_layers": ((None, 0), "multi-token-prediction layers"),
     "qk_l2_norm": (_OFF, "L2-normalized queries and keys"),

@@ -5,8 +5,10 @@
 :func:`hf_family` picks the transformers family that computes the same function, and :func:`hf_config`
 writes its ``config.json``; :func:`gpt_shape_from_hf` and :func:`megatron_args` go the other way, for
 writing a Megatron checkpoint from a transformers one. An architecture transformers' Llama-like families
-cannot express (LayerNorm, GeLU, learned positions, interleaved or partial rotary) is refused, naming what
-differs: a config that loads but computes something else is the bug this module exists to avoid.
+cannot express (LayerNorm, GeLU, learned positions, interleaved rotary) is refused, naming what differs: a config
+that loads but computes something else is the bug this module exists to avoid. Partial rotary (``rotary_percent``
+< 1) is ``glm4_moe``'s (GLM-4.5), whose dense layers are Llama's and which rotates the first channels of each head
+with rotate-half pairs, as Megatron-Core does.
 
 A model with multi-latent attention is DeepSeek-V3 (``deepseek_v3``): its YaRN RoPE, softmax scale, sigmoid router
 with the expert bias, group-limited routing, scaled top-k, shared experts and dense first layers are carried where
@@ -38,7 +40,13 @@ _ARCHITECTURES = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "granite_swa": "GraniteSWAForCausalLM",
+    "stablelm": "StableLmForCausalLM",
+    "glm": "GlmForCausalLM",
 }
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 
 
 @dataclass(frozen=True)
@@ -82,6 +90,15 @@ class GPTShape:
     rotary_base: float = 10000.0
     rope_scaling_factor: float | None = None  # Llama 3.1 rope scaling (--use-rope-scaling)
     rope_interpolation_factor: float | None = None  # --rotary-seq-len-interpolation-factor: positions / factor
+    rotary_percent: float = 1.0  # the share of each head's channels RoPE rotates (the first ones; the rest pass)
+    sliding_window: int | None = None  # the keys a query sees, itself included: Megatron's window_size left + 1
+    window_layers: tuple[int, ...] = ()  # the layers with the sliding window (window_attn_skip_freq)
+    no_rope_layers: tuple[int, ...] = ()  # the layers without RoPE (no_rope_freq)
+    softmax_type: str = "vanilla"  # off-by-one: a zero logit in every softmax; learnable: one per head (a sink)
+    softmax_scale: float | None = None  # None: 1 / sqrt(kv_channels)
+    normalization: str = "RMSNorm"  # or LayerNorm (with biases)
+    rotary_interleaved: bool = False  # RoPE pairs channels 2i and 2i + 1 (GPT-J), not i and i + d/2
+    hidden_act: str = "silu"  # the gated MLP's activation: silu (--swiglu) or quick_gelu (--quick-geglu)
     add_qkv_bias: bool = False
     add_bias_linear: bool = False
     qk_layernorm: bool = False
@@ -105,23 +122,29 @@ def gpt_shape_from_args(args: Any) -> GPTShape:
     """The model in Megatron-LM's ``args``; refuses what transformers' Llama-like families cannot compute."""
     problems = []
     mla = bool(arg(args, "multi_latent_attention", False))
-    if arg(args, "normalization", "LayerNorm") != "RMSNorm":
-        problems.append(f"normalization={arg(args, 'normalization', 'LayerNorm')!r} (the families need RMSNorm)")
-    if not arg(args, "swiglu", False):
-        problems.append(f"swiglu={arg(args, 'swiglu', False)!r} (the families use gated SiLU MLPs)")
+    normalization = arg(args, "normalization", "LayerNorm")
+    if normalization not in ("RMSNorm", "LayerNorm"):
+        problems.append(f"normalization={normalization!r} (the families need RMSNorm, or LayerNorm as StableLM)")
+    if not (arg(args, "swiglu", False) or arg(args, "quick_geglu", False)):
+        what = "the families use gated SiLU MLPs" + (", LayerNorm ones too" if normalization == "LayerNorm" else "")
+        problems.append(f"swiglu={arg(args, 'swiglu', False)!r} ({what}, or quick-GeGLU ones)")
     position = arg(args, "position_embedding_type", "learned_absolute")
     if position not in (("rope", "none") if mla else ("rope",)):
         problems.append(f"position_embedding_type={position!r} (the families use rope)")
-    if arg(args, "rotary_interleaved", False):
-        problems.append("rotary_interleaved=True (interleaved rotary embeddings)")
-    if float(arg(args, "rotary_percent", 1.0)) != 1.0:
-        problems.append(f"rotary_percent={arg(args, 'rotary_percent')!r} (partial rotary)")
     if problems:  # with every other argument the table refuses, in the same line
         raise MappingError(
             "this Megatron model has no transformers family: " + "; ".join(problems + args_problems(args)),
             hint="keep Megatron's names with --keep-names, or convert to --layout megatron",
         )
     check_args(args)
+    percent = arg(args, "rotary_percent", 1.0)
+    if isinstance(percent, bool) or not isinstance(percent, (int, float)) or not 0 < percent <= 1:
+        raise MappingError(f"rotary_percent={percent!r}: not a number in (0, 1]")
+    softmax_type, softmax_scale = arg(args, "softmax_type", "vanilla"), arg(args, "softmax_scale")
+    if softmax_type not in SOFTMAX_TYPES:
+        raise MappingError(f"softmax_type={softmax_type!r}: Megatron-Core computes {', '.join(SOFTMAX_TYPES)}")
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))):
+        raise MappingError(f"softmax_scale={softmax_scale!r}: not a number")
     interpolation = arg(args, "rotary_seq_len_interpolation_factor")
     if interpolation is not None and (not isinstance(interpolation, (int, float)) or interpolation <= 0):
         raise MappingError(f"rotary_seq_len_interpolation_factor={interpolation!r}: not a positive number")
@@ -159,6 +182,13 @@ def gpt_shape_from_args(args: Any) -> GPTShape:
         moe_router_pre_softmax=bool(arg(args, "moe_router_pre_softmax", False)),
         moe_router_score_function=str(arg(args, "moe_router_score_function", "softmax")),
         rope_interpolation_factor=None if interpolation in (None, 1) else float(interpolation),
+        rotary_percent=float(percent),
+        **_layer_patterns(args, num_layers),
+        softmax_type=softmax_type,
+        softmax_scale=None if softmax_scale is None else float(softmax_scale),
+        normalization=str(normalization),
+        rotary_interleaved=bool(arg(args, "rotary_interleaved", False)),
+        hidden_act="silu" if arg(args, "swiglu", False) else "quick_gelu",
         dense_layers=_dense_layers(arg(args, "moe_layer_freq", 1), num_layers) if arg(args, "num_experts") else (),
         mla=_mla_from_args(args) if mla else None,
         moe_router_enable_expert_bias=bool(arg(args, "moe_router_enable_expert_bias", False)),
@@ -201,6 +231,49 @@ def _yarn_mscale(factor: float, mscale: float) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
+def _layer_patterns(args: Any, num_layers: int) -> dict[str, Any]:
+    """The sliding window and the layers it applies to, and the layers without RoPE, as Megatron-Core reads them.
+
+    ``window_size`` ``(left, right)``: a query at ``i`` sees the keys ``i - left .. i + right``
+    (``get_sliding_window_causal_mask``), so ``left + 1`` keys with itself when ``right`` is 0; transformers'
+    ``sliding_window`` W keeps the keys ``> i - W``, so W is ``left + 1``. ``window_attn_skip_freq`` N leaves every
+    Nth layer (1-based) full; a list marks the windowed layers with 1 (``is_layer_window_attention``).
+    ``no_rope_freq`` N drops RoPE in every Nth layer (1-based); a list marks those layers with 1
+    (``TransformerConfig.__post_init__``, ``Attention.forward``).
+    """
+    window = arg(args, "window_size")
+    patterns: dict[str, Any] = {}
+    if window is not None:
+        ok = isinstance(window, (list, tuple)) and len(window) == 2 and all(_is_int(w) for w in window)
+        if not ok or window[0] < 0 or window[1] != 0:
+            raise MappingError(
+                f"window_size={window!r}: reshard carries a causal sliding window (left >= 0, right 0) only"
+            )
+        skip = arg(args, "window_attn_skip_freq")
+        layers = (
+            range(num_layers) if skip is None else _layers_marked(skip, num_layers, "window_attn_skip_freq", full=True)
+        )
+        patterns |= {"sliding_window": int(window[0]) + 1, "window_layers": tuple(layers)}
+    no_rope = arg(args, "no_rope_freq")
+    if no_rope is not None:
+        patterns["no_rope_layers"] = _layers_marked(no_rope, num_layers, "no_rope_freq")
+    return patterns
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _layers_marked(freq: Any, num_layers: int, name: str, *, full: bool = False) -> tuple[int, ...]:
+    """The layers a Megatron layer pattern marks: an int N marks every Nth layer (1-based), or, ``full``, every
+    other layer; a list of ``num_layers`` 0s and 1s marks those with 1."""
+    if _is_int(freq) and freq > 0:
+        return tuple(i for i in range(num_layers) if ((i + 1) % freq == 0) != full)
+    if isinstance(freq, (list, tuple)) and len(freq) == num_layers and all(f in (0, 1) for f in freq):
+        return tuple(i for i, f in enumerate(freq) if f == 1)
+    raise MappingError(f"{name}={freq!r}: neither a positive int nor a list of {num_layers} 0s and 1s (one per layer)")
+
+
 def _dense_layers(freq: Any, num_layers: int) -> tuple[int, ...]:
     """The layers ``--moe-layer-freq`` leaves dense: every layer not a multiple of an int N, the 0s of a list."""
     if isinstance(freq, int) and not isinstance(freq, bool) and freq > 0:
@@ -222,6 +295,28 @@ def hf_family(shape: GPTShape) -> str:
     if shape.mla is not None:
         _check_deepseek_v3(shape)
         return "deepseek_v3"
+    if shape.normalization == "LayerNorm":
+        _check_stablelm(shape)
+        return "stablelm"
+    if shape.rotary_interleaved:
+        _check_glm(shape)
+        return "glm"
+    if shape.rotary_percent != 1.0:
+        _check_glm4_moe(shape)
+        return "glm4_moe"
+    if shape.softmax_type != "vanilla":
+        _check_llama_like(shape, "granite_swa", "an attention sink")
+        return "granite_swa"
+    if shape.softmax_scale is not None:
+        _no_family(
+            f"softmax_scale={shape.softmax_scale} with softmax_type 'vanilla' (granite_swa, the family with a softmax "
+            "scale, always has attention sinks)"
+        )
+    if shape.window_layers or shape.no_rope_layers:
+        _check_llama_like(
+            shape, "smollm3", "sliding-window attention" if shape.window_layers else "layers without RoPE"
+        )
+        return "smollm3"
     if shape.num_experts:
         return _moe_family(shape)
     if shape.qk_layernorm:
@@ -281,6 +376,111 @@ def _check_deepseek_v3(shape: GPTShape) -> None:
         )
     if shape.num_experts:
         problems += _deepseek_router_problems(shape, shape.num_experts)
+    problems += _pattern_problems(shape, "DeepseekV3")
+    if problems:
+        _no_family("; ".join(problems))
+
+
+def _check_glm4_moe(shape: GPTShape) -> None:
+    """Refuse, by argument, what a Megatron GPT with partial rotary computes and transformers' ``glm4_moe`` does not.
+
+    ``glm4_moe`` (GLM-4.5) is the family that rotates the first ``head_dim x partial_rotary_factor`` channels of each
+    head with rotate-half pairs and passes the rest, as Megatron-Core's ``RotaryEmbedding`` with ``rotary_percent``
+    does (its ``dim = int(kv_channels * rotary_percent)``, the same ``inv_freq``); its dense layers are Llama's, with
+    q/k/v biases only (``attention_bias``) and optional per-head query/key norms (``use_qk_norm``).
+    """
+    problems = []
+    if shape.add_bias_linear:
+        problems.append("add_bias_linear=True with partial rotary (glm4_moe has biases on q, k and v only)")
+    if shape.num_experts:
+        problems.append(
+            f"num_experts={shape.num_experts} with partial rotary (glm4_moe's experts are not carried yet)"
+        )
+    problems += _pattern_problems(shape, "glm4_moe")
+    if problems:
+        _no_family(f"rotary_percent={shape.rotary_percent}: " + "; ".join(problems))
+
+
+def _pattern_problems(shape: GPTShape, family: str) -> list[str]:
+    """Sliding-window or RoPE-less layers, attention sinks or a softmax scale in a model that becomes ``family``,
+    which computes none of them."""
+    problems = []
+    if shape.rotary_interleaved and family != "glm":
+        problems.append(f"rotary_interleaved=True: interleaved RoPE pairs ({family} rotates halves; glm pairs)")
+    if shape.softmax_type != "vanilla":
+        problems.append(f"softmax_type={shape.softmax_type!r}: attention sinks ({family} has none)")
+    if shape.softmax_scale is not None:
+        problems.append(f"softmax_scale={shape.softmax_scale}: another softmax scale ({family} has none)")
+    if shape.window_layers:
+        problems.append(f"window_size: sliding-window attention ({family} has none; smollm3 has, without {family}'s)")
+    if shape.no_rope_layers:
+        problems.append(f"no_rope_freq: layers without RoPE ({family} has none; smollm3 has, without {family}'s)")
+    return problems
+
+
+def _check_glm(shape: GPTShape) -> None:
+    """Refuse, by argument, what a Megatron GPT with interleaved rotary pairs computes and transformers' ``glm``
+    (GLM-4) does not.
+
+    ``glm`` rotates channel pairs (2i, 2i + 1) of the first ``head_dim x partial_rotary_factor`` channels (its
+    ``rotate_half`` and ``repeat_interleave``d cos / sin), as Megatron-Core's ``_rotate_half`` and ``get_emb`` with
+    ``rotary_interleaved``; its MLP is SwiGLU with ``gate_up_proj`` ``[gate; up]`` (Megatron's ``linear_fc1`` as it
+    is), RMSNorm, biases on q, k and v only; no query/key norms, no experts.
+    """
+    problems = []
+    if shape.add_bias_linear:
+        problems.append("add_bias_linear=True with rotary_interleaved (glm has biases on q, k and v only)")
+    if shape.qk_layernorm:
+        problems.append("qk_layernorm=True with rotary_interleaved (glm has no query/key norms)")
+    if shape.num_experts:
+        problems.append(f"num_experts={shape.num_experts} with rotary_interleaved (glm has no experts)")
+    problems += _pattern_problems(shape, "glm")
+    if problems:
+        _no_family("; ".join(problems))
+
+
+def _check_stablelm(shape: GPTShape) -> None:
+    """Refuse, by argument, what a Megatron GPT with LayerNorm computes and transformers' ``stablelm`` does not.
+
+    ``stablelm`` is Llama with ``nn.LayerNorm`` (weight and bias: input, post-attention and final norms, Megatron's
+    LayerNorm), partial rotary (``partial_rotary_factor``, rotate-half on the first channels, as ``glm4_moe``), and
+    biases on q, k and v only (``use_qkv_bias``); its heads are ``hidden_size / num_attention_heads`` wide and its
+    query/key norms are one LayerNorm per head, where Megatron shares one across heads.
+    """
+    problems = []
+    if shape.add_bias_linear:
+        problems.append("add_bias_linear=True with LayerNorm (stablelm has biases on q, k and v only)")
+    if shape.qk_layernorm:
+        problems.append("qk_layernorm=True with LayerNorm (stablelm's query/key norms are one per head, not shared)")
+    if shape.kv_channels * shape.num_attention_heads != shape.hidden_size:
+        problems.append(f"kv_channels={shape.kv_channels} with LayerNorm (stablelm's heads are hidden / heads wide)")
+    if shape.num_experts:
+        problems.append(f"num_experts={shape.num_experts} with LayerNorm (stablelm has no experts)")
+    problems += _pattern_problems(shape, "stablelm")
+    if problems:
+        _no_family("normalization='LayerNorm': " + "; ".join(problems))
+
+
+def _check_llama_like(shape: GPTShape, family: str, what: str) -> None:
+    """Refuse, by argument, what a Megatron GPT with ``what`` computes and ``family`` does not.
+
+    ``smollm3`` is Llama with two per-layer patterns: ``layer_types`` (``sliding_attention`` masks with
+    ``sliding_window``) and ``no_rope_layers`` (0: the layer skips RoPE). ``granite_swa`` has the same patterns
+    (``layer_rope_theta`` 0: no RoPE) and a learnable sink per head (``sinks``: a logit beside every softmax's, as
+    Megatron-Core's ``SoftmaxOne``) and its softmax scale (``attention_multiplier``). Both have Llama's
+    ``attention_bias`` (q, k, v, o) and ``mlp_bias``; no query/key norms, no experts, full rotary only.
+    """
+    problems = []
+    if shape.qk_layernorm:
+        problems.append(f"qk_layernorm=True with {what} ({family} has no query/key norms)")
+    if shape.add_qkv_bias and not shape.add_bias_linear:
+        problems.append(
+            f"add_qkv_bias=True without add_bias_linear with {what} ({family} biases every linear or none)"
+        )
+    if shape.num_experts:
+        problems.append(f"num_experts={shape.num_experts} with {what} ({family} has no experts)")
+    if shape.rotary_interleaved:
+        problems.append(f"rotary_interleaved=True with {what} ({family} rotates halves; glm pairs)")
     if problems:
         _no_family("; ".join(problems))
 
@@ -330,6 +530,85 @@ def hf_config(shape: GPTShape, *, vocab_size: int | None, dtype: str, family: st
     family = family or hf_family(shape)
     if family == "deepseek_v3":
         return _deepseek_v3_config(shape, vocab_size=vocab_size, dtype=dtype)
+    rope = _rope_parameters(shape)
+    config: dict[str, Any] = {
+        "architectures": [_ARCHITECTURES[family]],
+        "model_type": family,
+        "vocab_size": vocab_size,
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.ffn_hidden_size,
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_query_groups,
+        "head_dim": shape.kv_channels,
+        "hidden_act": shape.hidden_act,
+        "max_position_embeddings": shape.max_position_embeddings,
+        "rms_norm_eps": shape.norm_epsilon,
+        "rope_parameters": rope,
+        "tie_word_embeddings": not shape.untie_embeddings_and_output_weights,
+        "dtype": dtype,
+    }
+    if family == "llama":
+        config |= {"attention_bias": shape.add_bias_linear, "mlp_bias": shape.add_bias_linear}
+    if family in ("smollm3", "granite_swa"):  # their token ids default to their tokenizers' (past a small vocab)
+        config |= {
+            "pad_token_id": None,
+            "bos_token_id": None,
+            "eos_token_id": None,
+            "attention_bias": shape.add_bias_linear,
+            "mlp_bias": shape.add_bias_linear,
+            "layer_types": [
+                "sliding_attention" if i in shape.window_layers else "full_attention" for i in range(shape.num_layers)
+            ],
+        }
+    if family == "granite_swa":  # sinks, the softmax scale; no multipliers; RoPE theta 0: the layer has none
+        config |= {
+            "attention_multiplier": shape.softmax_scale or shape.kv_channels**-0.5,
+            "embedding_multiplier": 1.0,
+            "residual_multiplier": 1.0,
+            "logits_scaling": 1.0,
+            "sliding_window": shape.sliding_window or shape.max_position_embeddings,  # unused when no layer slides
+            "layer_rope_theta": [
+                0 if i in shape.no_rope_layers else shape.rotary_base for i in range(shape.num_layers)
+            ],
+        }
+    if family == "smollm3":
+        config |= {
+            "no_rope_layers": [int(i not in shape.no_rope_layers) for i in range(shape.num_layers)],
+            "use_sliding_window": bool(shape.window_layers),
+            "sliding_window": shape.sliding_window,
+        }
+    if family == "stablelm":  # partial_rotary_factor stated always: its config defaults it to 0.25
+        rope["partial_rotary_factor"] = shape.rotary_percent
+        config.pop("rms_norm_eps")
+        config.pop("head_dim")
+        config |= {
+            "layer_norm_eps": shape.norm_epsilon,
+            "use_qkv_bias": shape.add_qkv_bias,
+            "qk_layernorm": False,
+            "use_parallel_residual": False,
+            "bos_token_id": None,
+            "eos_token_id": None,
+        }
+    if family == "glm":  # partial_rotary_factor stated always: its config defaults it to 0.5
+        rope["partial_rotary_factor"] = shape.rotary_percent
+        config |= {"attention_bias": shape.add_qkv_bias, "pad_token_id": None, "bos_token_id": None}
+        config["eos_token_id"] = None
+    if family == "glm4_moe":  # stated always: glm4_moe's config defaults partial_rotary_factor to 0.5 when absent
+        rope["partial_rotary_factor"] = shape.rotary_percent
+        config |= {
+            "attention_bias": shape.add_qkv_bias,
+            "use_qk_norm": shape.qk_layernorm,
+            "first_k_dense_replace": shape.num_layers,
+            "num_mtp_layers": 0,
+        }
+    if family in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        config |= _moe_config(shape, family)
+    return config
+
+
+def _rope_parameters(shape: GPTShape) -> dict[str, Any]:
+    """``rope_parameters`` of the Llama-like families: default, linear (interpolated positions) or llama3."""
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": shape.rotary_base}
     if shape.rope_interpolation_factor is not None:
         rope = {"rope_type": "linear", "rope_theta": shape.rotary_base, "factor": shape.rope_interpolation_factor}
@@ -342,43 +621,27 @@ def hf_config(shape: GPTShape, *, vocab_size: int | None, dtype: str, family: st
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8192,
         }
-    config: dict[str, Any] = {
-        "architectures": [_ARCHITECTURES[family]],
-        "model_type": family,
-        "vocab_size": vocab_size,
-        "hidden_size": shape.hidden_size,
-        "intermediate_size": shape.ffn_hidden_size,
-        "num_hidden_layers": shape.num_layers,
-        "num_attention_heads": shape.num_attention_heads,
-        "num_key_value_heads": shape.num_query_groups,
-        "head_dim": shape.kv_channels,
-        "hidden_act": "silu",
-        "max_position_embeddings": shape.max_position_embeddings,
-        "rms_norm_eps": shape.norm_epsilon,
-        "rope_parameters": rope,
-        "tie_word_embeddings": not shape.untie_embeddings_and_output_weights,
-        "dtype": dtype,
+    return rope
+
+
+def _moe_config(shape: GPTShape, family: str) -> dict[str, Any]:
+    """The experts' part of a Mixtral / Qwen2-MoE / Qwen3-MoE ``config.json``."""
+    expert_size = shape.moe_ffn_hidden_size or shape.ffn_hidden_size
+    config: dict[str, Any] = {"num_experts_per_tok": shape.moe_router_topk}
+    if family == "mixtral":
+        return config | {"num_local_experts": shape.num_experts, "intermediate_size": expert_size}
+    config |= {
+        "num_experts": shape.num_experts,
+        "moe_intermediate_size": expert_size,
+        "norm_topk_prob": not shape.moe_router_pre_softmax,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(shape.dense_layers),
     }
-    if family == "llama":
-        config |= {"attention_bias": shape.add_bias_linear, "mlp_bias": shape.add_bias_linear}
-    if family in ("mixtral", "qwen2_moe", "qwen3_moe"):
-        expert_size = shape.moe_ffn_hidden_size or shape.ffn_hidden_size
-        config["num_experts_per_tok"] = shape.moe_router_topk
-        if family == "mixtral":
-            config |= {"num_local_experts": shape.num_experts, "intermediate_size": expert_size}
-        else:
-            config |= {
-                "num_experts": shape.num_experts,
-                "moe_intermediate_size": expert_size,
-                "norm_topk_prob": not shape.moe_router_pre_softmax,
-                "decoder_sparse_step": 1,
-                "mlp_only_layers": list(shape.dense_layers),
-            }
-        if family == "qwen2_moe":
-            config |= {
-                "shared_expert_intermediate_size": shape.moe_shared_expert_intermediate_size,
-                "qkv_bias": shape.add_qkv_bias,
-            }
+    if family == "qwen2_moe":
+        config |= {
+            "shared_expert_intermediate_size": shape.moe_shared_expert_intermediate_size,
+            "qkv_bias": shape.add_qkv_bias,
+        }
     return config
 
 
@@ -418,7 +681,7 @@ def _deepseek_v3_config(shape: GPTShape, *, vocab_size: int | None, dtype: str) 
         "qk_rope_head_dim": mla.qk_pos_emb_head_dim,
         "v_head_dim": mla.v_head_dim,
         "rope_interleave": True,  # Megatron's MLA de-interleaves the rope dims, as transformers does here
-        "hidden_act": "silu",
+        "hidden_act": shape.hidden_act,
         "max_position_embeddings": shape.max_position_embeddings,
         "rms_norm_eps": shape.norm_epsilon,
         "rope_parameters": rope,
@@ -459,6 +722,7 @@ def gpt_shape_from_hf(config: ModelConfig) -> GPTShape:
     if family == "deepseek_v3":
         return _deepseek_v3_shape(config)
     rope = config.get("rope_parameters") or {}
+    partial = _partial_rotary(config, rope)
     scaling = rope.get("factor") if rope.get("rope_type") == "llama3" else None
     interpolation = rope.get("factor") if rope.get("rope_type") == "linear" else None
     if rope.get("rope_type", "default") not in ("default", "llama3", "linear"):
@@ -471,6 +735,24 @@ def gpt_shape_from_hf(config: ModelConfig) -> GPTShape:
     dense = tuple(i for i in range(layers or 0) if i in only or (i + 1) % step) if family != "mixtral" else ()
     experts = config.get("num_local_experts") or config.get("num_experts")
     bias = bool(config.get("attention_bias", False))
+    glm = family == "glm4_moe"
+    if glm and (config.get("first_k_dense_replace") or 0) < (layers or 0):
+        raise MappingError("glm4_moe with experts: not carried to Megatron yet", path=config.path)
+    granite = _granite_swa(config, rope) if family == "granite_swa" else {}
+    stablelm, glm_dense = family == "stablelm", family == "glm"
+    act = config.get("hidden_act", "silu")
+    if act not in ("silu", "quick_gelu"):
+        raise MappingError(
+            f"hidden_act {act!r}: Megatron's gated MLPs compute silu (--swiglu) or quick_gelu (--quick-geglu)",
+            path=config.path,
+        )
+    if stablelm and (config.get("qk_layernorm", False) or config.get("use_parallel_residual", False)):
+        raise MappingError(
+            "stablelm with qk_layernorm (one norm per head) or use_parallel_residual: Megatron-Core computes neither",
+            path=config.path,
+        )
+    if family in ("smollm3", "granite_swa") and bool(config.get("attention_bias")) != bool(config.get("mlp_bias")):
+        raise MappingError("attention_bias without mlp_bias or the reverse: Megatron biases every linear or none")
     return GPTShape(
         num_layers=layers,
         hidden_size=config.get("hidden_size"),
@@ -479,16 +761,21 @@ def gpt_shape_from_hf(config: ModelConfig) -> GPTShape:
         num_query_groups=_given(config, config.num_key_value_heads, "num_key_value_heads"),
         kv_channels=_given(config, config.head_dim, "head_dim"),
         max_position_embeddings=config.get("max_position_embeddings", 4096),
-        norm_epsilon=config.get("rms_norm_eps", 1e-6),
+        norm_epsilon=config.get("layer_norm_eps", 1e-5) if stablelm else config.get("rms_norm_eps", 1e-6),
+        normalization="LayerNorm" if stablelm else "RMSNorm",
+        rotary_interleaved=glm_dense,
+        hidden_act=act,
         rotary_base=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
         rope_scaling_factor=scaling,
         rope_interpolation_factor=interpolation,
-        dense_layers=dense if experts else (),
-        add_qkv_bias=family in ("qwen2", "qwen2_moe") or bias,
-        add_bias_linear=bias,
-        qk_layernorm=family in ("qwen3", "qwen3_moe"),
+        rotary_percent=partial,
+        **(_hf_layer_patterns(config, layers or 0) | granite),
+        dense_layers=dense if experts and not glm else (),
+        add_qkv_bias=family in ("qwen2", "qwen2_moe") or bias or bool(stablelm and config.get("use_qkv_bias")),
+        add_bias_linear=bias and not glm and not glm_dense,  # glm / glm4_moe's attention_bias: q, k and v only
+        qk_layernorm=family in ("qwen3", "qwen3_moe") or (glm and bool(config.get("use_qk_norm", False))),
         untie_embeddings_and_output_weights=not config.tie_word_embeddings,
-        num_experts=experts,
+        num_experts=None if glm else experts,
         moe_router_topk=config.get("num_experts_per_tok", 2),
         moe_ffn_hidden_size=config.get("moe_intermediate_size")
         or (config.get("intermediate_size") if experts else None),
@@ -496,6 +783,80 @@ def gpt_shape_from_hf(config: ModelConfig) -> GPTShape:
         moe_shared_expert_gate=bool(config.get("shared_expert_intermediate_size")),
         moe_router_pre_softmax=bool(experts) and not config.get("norm_topk_prob", family == "mixtral"),
     )
+
+
+def _granite_swa(config: ModelConfig, rope: dict[str, Any]) -> dict[str, Any]:
+    """The :class:`GPTShape` fields of a granite_swa config: its learnable sinks, its softmax scale, its windowed
+    layers and those without RoPE (``layer_rope_theta`` 0); multipliers other than 1 and a per-layer RoPE theta other
+    than the model's have no Megatron argument and are refused by field."""
+    get, layers = config.get, config.get("num_hidden_layers") or 0
+    problems = [
+        f"{key} {get(key)}"
+        for key in ("embedding_multiplier", "residual_multiplier", "logits_scaling")
+        if get(key, 1.0) != 1.0
+    ]
+    theta = float(rope.get("rope_theta", get("rope_theta", 10000.0)))
+    thetas = get("layer_rope_theta") or [theta] * layers
+    if len(thetas) != layers or any(t not in (0, theta) for t in thetas):
+        problems.append(f"layer_rope_theta {thetas} (Megatron has one rotary_base, or no RoPE in a layer)")
+    types = get("layer_types") or ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(layers)]
+    if len(types) != layers:
+        problems.append(f"layer_types of {len(types)} layers, not {layers}")
+    if problems:
+        raise MappingError("this granite_swa model has no Megatron-Core equivalent: " + "; ".join(problems))
+    scale = get("attention_multiplier", 1.0)
+    head_dim = config.head_dim or 1
+    window = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+    return {
+        "softmax_type": "learnable",
+        "softmax_scale": None if math.isclose(scale, head_dim**-0.5, rel_tol=1e-12) else float(scale),
+        "window_layers": window,
+        "sliding_window": int(get("sliding_window", 128)) if window else None,
+        "no_rope_layers": tuple(i for i, t in enumerate(thetas) if t == 0),
+    }
+
+
+def _hf_layer_patterns(config: ModelConfig, layers: int) -> dict[str, Any]:
+    """The sliding window, its layers and the layers without RoPE of a transformers config, as :class:`GPTShape`
+    holds them: smollm3's ``layer_types`` and ``no_rope_layers`` (their defaults as ``SmolLM3Config`` makes them:
+    every 4th layer without RoPE, windowed when ``use_sliding_window``), Mistral's window on every layer (4096 when
+    its config does not say, as ``MistralConfig`` defaults it)."""
+    window = config.get("sliding_window", 4096 if config.model_type == "mistral" else None)
+    if config.model_type == "mistral" and window is not None:
+        return {"sliding_window": int(window), "window_layers": tuple(range(layers))}
+    if config.model_type != "smollm3":
+        return {}
+    interval = config.get("no_rope_layer_interval", 4)
+    rope = config.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+    windowed = bool(config.get("use_sliding_window", False)) and window is not None
+    types = config.get("layer_types") or [
+        "sliding_attention" if windowed and not rope[i] else "full_attention" for i in range(layers)
+    ]
+    if len(rope) != layers or len(types) != layers:
+        raise MappingError(f"no_rope_layers / layer_types do not list {layers} layers", path=config.path)
+    sliding = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention") if windowed else ()
+    return {
+        "sliding_window": int(window) if sliding else None,
+        "window_layers": sliding,
+        "no_rope_layers": tuple(i for i, r in enumerate(rope) if not r),
+    }
+
+
+def _partial_rotary(config: ModelConfig, rope: dict[str, Any]) -> float:
+    """The share of each head RoPE rotates: ``partial_rotary_factor`` (in ``rope_parameters`` or beside it), whose
+    default is 0.5 for ``glm4_moe`` and 0.25 for ``stablelm`` (their configs', when absent) and 1 elsewhere; only they
+    compute less."""
+    default = {"glm4_moe": 0.5, "glm": 0.5, "stablelm": 0.25}.get(config.model_type or "", 1.0)
+    factor = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", default))
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise MappingError(f"partial_rotary_factor {factor!r}: not a number in (0, 1]", path=config.path)
+    if factor != 1 and config.model_type not in ("glm4_moe", "glm", "stablelm"):
+        raise MappingError(
+            f"partial_rotary_factor {factor} in a {config.model_type} config (reshard carries partial rotary as "
+            "glm4_moe's)",
+            path=config.path,
+        )
+    return float(factor)
 
 
 def _deepseek_v3_shape(config: ModelConfig) -> GPTShape:
@@ -604,6 +965,19 @@ def _mla_args(shape: GPTShape) -> dict[str, Any]:
     }
 
 
+def _pattern_args(shape: GPTShape) -> dict[str, Any]:
+    """``window_size``, ``window_attn_skip_freq`` and ``no_rope_freq`` for the layer patterns (lists of 0s and 1s)."""
+    every = range(shape.num_layers)
+    window = shape.sliding_window if shape.window_layers else None
+    return {
+        "window_size": None if window is None else (window - 1, 0),
+        "window_attn_skip_freq": None
+        if window is None or len(shape.window_layers) == shape.num_layers
+        else [int(i in shape.window_layers) for i in every],
+        "no_rope_freq": [int(i in shape.no_rope_layers) for i in every] if shape.no_rope_layers else None,
+    }
+
+
 def megatron_args(
     shape: GPTShape, *, vocab_size: int | None, divisible_by: int = DEFAULT_MEGATRON_MULTIPLE
 ) -> argparse.Namespace:
@@ -619,12 +993,17 @@ def megatron_args(
         kv_channels=shape.kv_channels,
         max_position_embeddings=shape.max_position_embeddings,
         seq_length=shape.max_position_embeddings,
-        normalization="RMSNorm",
+        normalization=shape.normalization,
         norm_epsilon=shape.norm_epsilon,
-        swiglu=True,
+        rotary_interleaved=shape.rotary_interleaved,
+        swiglu=shape.hidden_act == "silu",
+        quick_geglu=shape.hidden_act == "quick_gelu",
         position_embedding_type="rope",
         rotary_base=int(shape.rotary_base) if float(shape.rotary_base).is_integer() else shape.rotary_base,
-        rotary_percent=1.0,
+        rotary_percent=shape.rotary_percent,
+        **_pattern_args(shape),
+        softmax_type=shape.softmax_type,
+        softmax_scale=shape.softmax_scale,
         use_rope_scaling=shape.rope_scaling_factor is not None,
         rope_scaling_factor=shape.rope_scaling_factor or 8.0,
         add_qkv_bias=shape.add_qkv_bias,

@@ -177,7 +177,7 @@ def config_from_args(args: Any, path: Path | None) -> ModelConfig | None:
         "transformer_impl": arg(args, "transformer_impl"),
         "intermediate_size": arg(args, "ffn_hidden_size"),
         "num_hidden_layers": arg(args, "num_layers"),
-        "swiglu": bool(arg(args, "swiglu", False)),
+        "swiglu": bool(arg(args, "swiglu", False) or arg(args, "quick_geglu", False)),  # fc1 is [gate; up]
         "padded_vocab_size": arg(args, "padded_vocab_size"),
         "make_vocab_size_divisible_by": arg(args, "make_vocab_size_divisible_by", DEFAULT_MEGATRON_MULTIPLE),
         "tensor_model_parallel_size": arg(args, "tensor_model_parallel_size"),

@@ -1,10 +1,11 @@
-"""The Llama family as transformers names it: Llama, Mistral, Qwen2, Qwen3 (dense).
+"""The Llama family as transformers names it: Llama, Mistral, Qwen2, Qwen3 (dense), SmolLM3, GraniteSWA.
 
 Column-parallel (dim 0): q/k/v/gate/up; row-parallel (dim 1): o/down; vocab-parallel (dim 0, padded):
 ``embed_tokens`` and ``lm_head``; replicated: norms (including Qwen3's ``q_norm``/``k_norm``), row-parallel
-biases and rotary buffers. Attention weights are split by whole heads (``unit = head_dim``), so a head is
-never cut; k/v are the KV heads, copied onto several ranks when the tp is a larger multiple of their count
-(:func:`kv_heads`), and any other tp that does not divide the heads is reported.
+biases and rotary buffers; GraniteSWA's ``sinks`` (one per query head) as the query heads. Attention weights are
+split by whole heads (``unit = head_dim``), so a head is never cut; k/v are the KV heads, copied onto several ranks
+when the tp is a larger multiple of their count (:func:`kv_heads`), and any other tp that does not divide the heads
+is reported.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from reshard.config import ModelConfig
 from reshard.geometry import Replicate, ReplicatedHeads, Shard, Vocab
 from reshard.plans.base import Plan, Rule
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "granite_swa")
 # A name present in every model of the family, for checkpoints without a config.json.
 SIGNATURE = r"layers\.\d+\.self_attn\.q_proj\.weight$"
 
@@ -48,6 +49,7 @@ LLAMA_PLAN = Plan(
         Rule(r"self_attn\.[kv]_proj\.(weight|bias)$", kv_heads(0)),
         Rule(r"self_attn\.o_proj\.weight$", by_heads(1)),
         Rule(r"self_attn\.o_proj\.bias$", Replicate()),
+        Rule(r"self_attn\.sinks$", Shard(0)),
         Rule(r"mlp\.(gate|up)_proj\.(weight|bias)$", Shard(0)),
         Rule(r"mlp\.down_proj\.weight$", Shard(1)),
         Rule(r"mlp\.down_proj\.bias$", Replicate()),

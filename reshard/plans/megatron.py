@@ -10,6 +10,7 @@
 * Multi-latent attention (DeepSeek-V3): ``linear_q_proj``, ``linear_q_up_proj``, ``linear_kv_up_proj`` in whole
   heads on dim 0; ``linear_q_down_proj`` / ``linear_kv_down_proj`` are split on dim 0 by the local spec (which
   gathers their outputs) and whole on every rank under Transformer Engine (``transformer_impl`` in the args).
+* A learnable softmax offset (``core_attention.softmax_offset``, one per head): dim 0.
 * Row-parallel (dim 1): ``linear_proj`` / ``dense`` (in whole heads), ``linear_fc2`` / ``dense_4h_to_h``.
 * MoE: every expert's (and the shared experts') fc1/fc2 like the dense MLP's, sized by
   ``moe_ffn_hidden_size`` / ``moe_shared_expert_intermediate_size`` (expert tensor parallelism is the tp);
@@ -104,6 +105,7 @@ MEGATRON_PLAN = Plan(
             r"\.shared_experts" + _FC1,
             fc1_of("shared_expert_intermediate_size", "shared expert fc1 (moe_shared_expert_intermediate_size)"),
         ),
+        Rule(r"\.core_attention\.softmax_offset$", Shard(0)),  # softmax_type learnable: one sink per head
         Rule(r"\.mlp\.router\.(weight|bias|expert_bias)$", Replicate()),
         Rule(r"\.shared_experts\.gate_weight$", Replicate()),
         Rule(_FC1, fc1_partition),

@@ -39,11 +39,12 @@ SWEEP: dict[str, tuple[Spec, str | None]] = {
     "qk-norm-qkv-bias": (_spec(qk_norm=True, qkv_bias=True), "qk_layernorm=True with add_bias_linear / add_qkv_bias"),
     "gelu": (_spec(act="gelu"), "swiglu=False"),
     "squared-relu": (_spec(act="squared_relu"), "squared_relu=True"),
-    "layernorm": (_spec(norm="LayerNorm"), "normalization='LayerNorm'"),
-    "rotary-percent": (_spec(rotary_percent=0.5), "rotary_percent=0.5"),
+    "layernorm": (_spec(norm="LayerNorm"), None),  # stablelm
+    "rotary-percent": (_spec(rotary_percent=0.5), None),  # glm4_moe's partial_rotary_factor
+    "rotary-percent-bias": (_spec(rotary_percent=0.5, bias=True), "add_bias_linear=True with partial rotary"),
     "learned-absolute": (_spec(pos="learned_absolute"), "position_embedding_type='learned_absolute'"),
     "no-positions": (_spec(pos="none"), "position_embedding_type='none'"),
-    "softmax-scale": (_spec(softmax_scale=0.5), "softmax_scale=0.5"),
+    "softmax-scale": (_spec(softmax_scale=0.5), "softmax_scale=0.5 with softmax_type 'vanilla'"),
     "moe": (_spec("moe"), None),
     "moe-pre-softmax": (_spec("moe", pre_softmax=True), "moe_router_pre_softmax=True"),  # Mixtral renormalizes
     "moe-qk-norm-pre-softmax": (_spec("moe", qk_norm=True, pre_softmax=True), None),

@@ -36,7 +36,7 @@ REFUSED = {
     "moe_router_num_groups": {"moe_router_num_groups": 2, "moe_router_group_topk": 1},
     "moe_router_enable_expert_bias": {"moe_router_enable_expert_bias": True},
     "apply_layernorm_1p": {"apply_layernorm_1p": True},
-    "softmax_scale": {"softmax_scale": 0.5},
+    "mrope_section": {"mrope_section": [2, 2]},
     "frobnicate": {"frobnicate": 3},  # unknown to the table and set: refused too
 }
 
@@ -65,7 +65,8 @@ def test_irrelevant_and_default_arguments_pass(cli, full: Full, tmp_path: Path) 
 def test_the_table_classifies() -> None:
     assert classify("rotary_seq_len_interpolation_factor") == "carried"
     assert classify("moe_router_group_topk") == "carried"  # into DeepSeek-V3 only: refused by value elsewhere
-    assert classify("softmax_scale") == "refused"
+    assert classify("mrope_section") == "refused"
+    assert classify("softmax_type") == classify("window_size") == classify("no_rope_freq") == "carried"
     assert args_problems({"moe_router_group_topk": 1, "multi_latent_attention": True}) == []
     assert args_problems({"moe_router_group_topk": 1}) == [
         "moe_router_group_topk=1 (group-limited routing (DeepSeek-V3's topk_group, with multi-latent attention))"
@@ -95,6 +96,61 @@ def test_interpolated_rope_is_carried_and_a_disagreeing_config_refused(cli, full
     result = cli("convert", ckpt, "--tp", 1, "--layout", "hf", "--config", given, "-o", refused)
     assert result.exit_code == 2 and not refused.exists(), result.output
     assert "RoPE default" in result.output and "linear factor 4.0" in result.output
+
+
+def test_layer_patterns_are_carried_into_smollm3(cli, full: Full, tmp_path: Path) -> None:
+    """Megatron's window (left 3, right 0) on every 2nd layer (1-based: the 2nd is full) and no RoPE in the 1st."""
+    ckpt = write(tmp_path / "m", full, window_size=(3, 0), window_attn_skip_freq=2, no_rope_freq=[1, 0])
+    out = tmp_path / "hf"
+    result = cli("convert", ckpt, "--tp", 1, "--layout", "hf", "-o", out)
+    assert result.exit_code == 0, result.output
+    config = json.loads((out / "config.json").read_text())
+    assert (config["model_type"], config["sliding_window"], config["use_sliding_window"]) == ("smollm3", 4, True)
+    assert config["layer_types"] == ["sliding_attention", "full_attention"] and config["no_rope_layers"] == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"window_size": (4, 2)}, "window_size=(4, 2): reshard carries a causal sliding window (left >= 0, right 0)"),
+        ({"window_size": (-1, 0)}, "window_size=(-1, 0): reshard carries a causal sliding window"),
+        ({"window_size": (4, 0), "window_attn_skip_freq": [1, 0, 1]}, "window_attn_skip_freq=[1, 0, 1]: neither"),
+        ({"no_rope_freq": 0}, "no_rope_freq=0: neither a positive int nor a list of 2"),
+        ({"no_rope_freq": 2, "rotary_percent": 0.5}, "no_rope_freq: layers without RoPE (glm4_moe has none"),
+        ({"window_size": (4, 0), "qk_layernorm": True}, "qk_layernorm=True with sliding-window attention"),
+        ({"rotary_percent": 1.5}, "rotary_percent=1.5: not a number in (0, 1]"),
+        ({"softmax_type": "learnable", "qk_layernorm": True}, "qk_layernorm=True with an attention sink"),
+        ({"softmax_type": "sigmoid"}, "softmax_type='sigmoid': Megatron-Core computes vanilla, off-by-one, learnable"),
+        (
+            {"softmax_scale": 0.5, "rotary_percent": 0.5},
+            "softmax_scale=0.5: another softmax scale (glm4_moe has none)",
+        ),
+        ({"rotary_interleaved": True, "qk_layernorm": True}, "qk_layernorm=True with rotary_interleaved (glm has no"),
+        ({"rotary_interleaved": True, "window_size": (3, 0)}, "window_size: sliding-window attention (glm has none"),
+    ],
+    ids=[
+        "right",
+        "unbounded",
+        "skip-list",
+        "no-rope-0",
+        "no-rope-partial",
+        "window-qk-norm",
+        "percent",
+        "sinks-qk-norm",
+        "softmax-type",
+        "scale-partial",
+        "interleaved-qk-norm",
+        "interleaved-window",
+    ],
+)
+def test_layer_patterns_no_family_computes_are_refused(
+    cli, full: Full, tmp_path: Path, extra: dict, message: str
+) -> None:
+    ckpt = write(tmp_path / "m", full, **extra)
+    out = tmp_path / "hf"
+    result = cli("convert", ckpt, "--tp", 1, "--layout", "hf", "-o", out)
+    assert result.exit_code == 2 and not out.exists(), result.output
+    assert message in result.output and len(result.output.strip().splitlines()) == 1, result.output
 
 
 @pytest.mark.parametrize("layout", ["hf", "megatron"])

@@ -51,6 +51,8 @@ CPU workarounds (each one fails without it; see ``/work/shared/reference/megatro
 5a. Multi-latent attention (``dsv3`` variants): ``multi_latent_attention.HAVE_TE = False`` (an importable stub of
    Transformer Engine's module makes it take TE's paths), and the local ``DotProductAttention`` wrapped to take the
    ``k_channels`` / ``v_channels`` MLA passes (its output is heads x ``v_channels`` wide).
+5b. ``fused_softmax.get_sliding_window_causal_mask`` builds the same mask on the CPU: Megatron-Core's (0.19) makes
+   it on ``"cuda"`` (sliding-window variants).
 6. The causal ``attention_mask`` (bool ``[b, 1, s, s]``, True = masked) is passed: the default one is built on
    ``"cuda"``.
 7. ``TorchDistSaveShardedStrategy("torch_dist", 1)`` gets its positional arguments (0.16.1).
@@ -94,6 +96,13 @@ def cpu_workarounds() -> None:
     from megatron.core.transformer import multi_latent_attention
 
     multi_latent_attention.HAVE_TE = False
+    from megatron.core.fusions import fused_softmax
+
+    def sliding_window_mask(sq: int, skv: int, window_size: tuple[int, int]) -> torch.Tensor:
+        ones = torch.ones(sq, skv, dtype=torch.bool)  # Megatron-Core's get_sliding_window_causal_mask, on the CPU
+        return ~torch.tril(torch.triu(ones, diagonal=skv - sq - window_size[0]), diagonal=skv - sq + window_size[1])
+
+    fused_softmax.get_sliding_window_causal_mask = sliding_window_mask
 
 
 def mla_core_attention():
@@ -115,7 +124,7 @@ def build(variant: Variant, spec: Spec, *, seed: int) -> list:
     """This rank's model chunks (one per virtual stage): GPTModel, local (non-TE) spec, fp32, eval mode."""
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
-    from megatron.core.activations import squared_relu
+    from megatron.core.activations import quick_gelu, squared_relu
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -157,8 +166,10 @@ def build(variant: Variant, spec: Spec, *, seed: int) -> list:
         ffn_hidden_size=variant.ffn,
         normalization=variant.norm,
         layernorm_epsilon=variant.norm_eps,
-        gated_linear_unit=variant.act == "swiglu",
-        activation_func={"swiglu": F.silu, "gelu": F.gelu, "squared_relu": squared_relu}[variant.act],
+        gated_linear_unit=variant.act in ("swiglu", "quick_geglu"),
+        activation_func={"swiglu": F.silu, "gelu": F.gelu, "squared_relu": squared_relu, "quick_geglu": quick_gelu}[
+            variant.act
+        ],
         add_bias_linear=variant.bias,
         softmax_scale=variant.softmax_scale or None,
         moe_router_pre_softmax=variant.pre_softmax,
@@ -191,6 +202,11 @@ def build(variant: Variant, spec: Spec, *, seed: int) -> list:
         gradient_accumulation_fusion=False,
         **mla,
         **router,
+        window_size=variant.window_size,
+        window_attn_skip_freq=variant.window_skip or None,
+        no_rope_freq=variant.no_rope or None,
+        softmax_type=variant.softmax,
+        rotary_interleaved=variant.interleaved,
     )
     if variant.dense_first or variant.mla:  # dense and MoE layers: one spec per layer, from moe_layer_freq
         layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=variant.norm)
@@ -230,7 +246,8 @@ def build(variant: Variant, spec: Spec, *, seed: int) -> list:
 
 
 def _randomize_constants(model, where: str) -> None:
-    """Norms start as ones and biases as zeros: make them random so that a misplaced one shows.
+    """Norms start as ones and biases as zeros (learnable softmax offsets uninitialized): make them random so that a
+    misplaced one shows.
 
     The values depend on the parameter's name and stage (``where``), and on the tp rank for tp-sharded ones, so
     replicas agree across tp ranks and no two stages or shards hold the same values.
@@ -239,9 +256,11 @@ def _randomize_constants(model, where: str) -> None:
 
     with torch.no_grad():
         for name, param in [*model.named_parameters(), *model.named_buffers()]:
-            if "norm" not in name and not name.endswith((".bias", ".expert_bias")):
+            if "norm" not in name and not name.endswith((".bias", ".expert_bias", ".softmax_offset")):
                 continue
-            shard = ps.get_tensor_model_parallel_rank() if getattr(param, "tensor_model_parallel", False) else -1
+            # the learnable softmax offset holds this rank's heads, though Megatron-Core does not mark it tp-sharded
+            sharded = getattr(param, "tensor_model_parallel", False) or name.endswith(".softmax_offset")
+            shard = ps.get_tensor_model_parallel_rank() if sharded else -1
             gen = torch.Generator().manual_seed(zlib.crc32(f"{where}/{shard}/{name}".encode()))
             base = 1.0 if "norm" in name else 0.0
             param.copy_(base + 0.2 * torch.randn(param.shape, generator=gen, dtype=param.dtype))

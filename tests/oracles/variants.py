@@ -62,7 +62,7 @@ class Variant:
     group_topk: int = 0  # moe_router_group_topk (0: None)
     te_names: bool = False  # files under Transformer Engine's names (the latent norms fused in the up projections)
     # The argument sweep (tests/mappings/test_megatron_sweep.py): one Megatron argument away from the Llama shape.
-    act: str = "swiglu"  # swiglu (gated silu), gelu, squared_relu: swiglu, squared_relu
+    act: str = "swiglu"  # swiglu (gated silu), gelu, squared_relu, quick_geglu (gated quick_gelu): their args flags
     bias: bool = False  # add_bias_linear (biases on qkv, proj, fc1, fc2)
     norm: str = "RMSNorm"  # normalization (RMSNorm, LayerNorm)
     rotary_percent: float = 1.0
@@ -70,6 +70,15 @@ class Variant:
     softmax_scale: float = 0.0  # softmax_scale (0: None, 1/sqrt(head_dim))
     pre_softmax: bool = False  # moe_router_pre_softmax
     fp32_residual: bool = False  # fp32_residual_connection
+    window: int = -1  # window_size (window, 0): a query sees itself and `window` keys before it (-1: None)
+    window_skip: int = 0  # window_attn_skip_freq (0: None, every layer windowed): every Nth layer full
+    no_rope: int = 0  # no_rope_freq (0: None): every Nth layer without RoPE
+    interleaved: bool = False  # rotary_interleaved: RoPE pairs channels 2i, 2i + 1 (GPT-J), not i, i + d/2
+    softmax: str = "vanilla"  # softmax_type: vanilla, off-by-one (a zero logit beside each row), learnable (per head)
+
+    @property
+    def window_size(self) -> tuple[int, int] | None:
+        return (self.window, 0) if self.window >= 0 else None
 
     @property
     def moe_layer_freq(self) -> int | list[int]:

@@ -74,7 +74,8 @@ STANDARD_SPECS = frozenset(
     "get_gpt_layer_with_transformer_engine_spec get_gpt_layer_local_spec".split()
 )
 # The carried arguments (``megatron/args.CARRIED``) reshard's readers take as one value: a list or a
-# mapping there (a YAML alias bomb) is refused here, by name. ``moe_layer_freq`` may be a flat list.
+# mapping there (a YAML alias bomb) is refused here, by name. ``LISTS`` may be flat lists (a layer pattern, a
+# window's ``(left, right)``).
 SINGLE = frozenset(
     (
         "num_layers hidden_size ffn_hidden_size num_attention_heads group_query_attention num_query_groups "
@@ -86,10 +87,10 @@ SINGLE = frozenset(
         "moe_ffn_hidden_size moe_shared_expert_intermediate_size moe_shared_expert_gate moe_router_pre_softmax "
         "moe_router_score_function low_freq_factor high_freq_factor old_context_len q_lora_rank kv_lora_rank "
         "qk_head_dim qk_pos_emb_head_dim v_head_dim rotary_scaling_factor original_max_position_embeddings "
-        "beta_fast beta_slow mscale mscale_all_dim"
+        "beta_fast beta_slow mscale mscale_all_dim quick_geglu softmax_type softmax_scale"
     ).split()
 )
-LISTS = frozenset({"moe_layer_freq"})
+LISTS = frozenset({"moe_layer_freq", "window_size", "window_attn_skip_freq", "no_rope_freq"})
 # Any other field is passed on as it is (the table ignores an irrelevant one and prints a refused or unknown one
 # that is set): a value of more than this many items and characters is no config's, and is refused by name.
 MAX_ITEMS = 4096

@@ -1,5 +1,6 @@
 """Megatron-LM / Megatron-Core GPT <-> the transformers families it trains: Llama, Mistral, Qwen2, Qwen3,
-their MoE cousins Mixtral, Qwen2-MoE, Qwen3-MoE, and DeepSeek-V3 (multi-latent attention).
+their MoE cousins Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 (multi-latent attention), and GLM-4.5 (``glm4_moe``:
+partial rotary; its dense layers have Llama's names).
 
 What the table does (and why each row is not a plain rename):
 
@@ -39,11 +40,13 @@ from reshard.errors import MappingError
 from reshard.mappings.base import Entry, Mapping, rename
 from reshard.mappings.transforms import Chunk, Invertible, SplitGroupedQKV, WithZeros
 
-DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "granite_swa", "stablelm", "glm")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 MLA_FAMILIES = ("deepseek_v3",)
+PARTIAL_ROTARY_FAMILIES = ("glm4_moe",)
 MEGATRON = "megatron"
 
+FAMILIES = DENSE_FAMILIES + MOE_FAMILIES + MLA_FAMILIES + PARTIAL_ROTARY_FAMILIES
 _L = "decoder.layers.{L}."
 _LEGACY = "language_model.encoder.layers.{L}."
 _HF = "model.layers.{L}."
@@ -193,18 +196,54 @@ def _deepseek_v3_mlp(expert_bias: bool) -> tuple[Entry, ...]:
     )
 
 
-def megatron_to_hf(family: str | None, *, expert_bias: bool = True) -> Mapping:
+def _norm_biases() -> tuple[Entry, ...]:
+    """LayerNorm's biases, under the names its weights have (Transformer Engine's fused ones written)."""
+    return (
+        rename(_L + "self_attention.linear_qkv.layer_norm_bias", _HF + "input_layernorm.bias"),
+        rename(_L + "input_layernorm.bias", _HF + "input_layernorm.bias", alternative=True),
+        rename(_L + "mlp.linear_fc1.layer_norm_bias", _HF + "post_attention_layernorm.bias"),
+        rename(_L + "pre_mlp_layernorm.bias", _HF + "post_attention_layernorm.bias", alternative=True),
+        rename("decoder.final_layernorm.bias", "model.norm.bias"),
+    )
+
+
+def _sinks(zeros: bool) -> tuple[Entry, ...]:
+    """granite_swa's ``sinks``: Megatron's learnable ``softmax_offset``, or (``zeros``: softmax_type off-by-one, a
+    fixed zero logit) a zero vector of the heads, made beside ``linear_proj`` (whose rename it then replaces)."""
+    sinks = _HF + "self_attn.sinks"
+    if not zeros:
+        return (rename(_L + "self_attention.core_attention.softmax_offset", sinks),)
+    return (Entry((_L + "self_attention.linear_proj.weight",), (_HF + "self_attn.o_proj.weight", sinks), head_zeros),)
+
+
+def head_zeros(config: ModelConfig | None) -> Invertible:
+    """A zero vector of the attention heads beside the tensor (off-by-one's sinks)."""
+    return WithZeros(_need(config, "num_attention_heads"))
+
+
+def megatron_to_hf(family: str | None, *, expert_bias: bool = True, zero_sinks: bool = False) -> Mapping:
     """The Megatron GPT -> transformers table for one family (``llama``, ``qwen2``, ``mixtral``, ...);
-    ``expert_bias`` off: DeepSeek-V3's sigmoid router has no expert bias (a zero one is written)."""
-    if family not in DENSE_FAMILIES + MOE_FAMILIES + MLA_FAMILIES:
-        raise MappingError(
-            f"no Megatron mapping to the {family!r} family",
-            hint=f"one of {DENSE_FAMILIES + MOE_FAMILIES + MLA_FAMILIES}",
-        )
+    ``expert_bias`` off: DeepSeek-V3's sigmoid router has no expert bias (a zero one is written); ``zero_sinks``:
+    granite_swa's sinks are zeros (Megatron's off-by-one softmax), else its learnable softmax offsets."""
+    if family not in FAMILIES:
+        raise MappingError(f"no Megatron mapping to the {family!r} family", hint=f"one of {FAMILIES}")
     if family in MLA_FAMILIES:
         layers = (*_mla_attention(), *_deepseek_v3_mlp(expert_bias))
-    else:
+    else:  # glm4_moe (partial rotary) without experts, smollm3, granite_swa: Llama's rows
         layers = (*_attention(), *(_moe_mlp(family) if family in MOE_FAMILIES else _dense_mlp()))
+    if family == "glm":  # SwiGLU fused as Megatron's: gate_up_proj is linear_fc1 ([gate; up]) as it is
+        fused = {_L + "mlp.linear_fc1.weight", _LEGACY + "mlp.dense_h_to_4h.weight"}
+        gate_up = _HF + "mlp.gate_up_proj.weight"
+        layers = tuple(
+            rename(row.sources[0], gate_up, alternative=row.alternative) if row.sources[0] in fused else row
+            for row in layers
+        )
+    if family == "stablelm":  # LayerNorm: the norms' biases
+        layers = (*layers, *_norm_biases())
+    if family == "granite_swa":
+        proj = _L + "self_attention.linear_proj.weight"
+        kept = (row for row in layers if not (zero_sinks and row.sources == (proj,)))
+        layers = (*kept, *_sinks(zero_sinks))
     return Mapping(
         MEGATRON,
         family,

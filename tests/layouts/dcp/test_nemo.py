@@ -48,7 +48,7 @@ def test_llama31_rope_scaling_is_carried(tmp_path: Path) -> None:
         ("  moe_router_num_groups: 2\n  moe_router_group_topk: 1\n", "moe_router_num_groups=2"),
         ("  moe_router_topk_scaling_factor: 2.5\n", "moe_router_topk_scaling_factor=2.5"),
         ("  rope_scaling: true\n", "rope_scaling=True (an argument reshard does not know"),
-        ("  window_size: [128, 0]\n", "window_size=[128, 0]"),
+        ("  mrope_section: [16, 24, 24]\n", "mrope_section=[16, 24, 24]"),
     ],
 )
 def test_refused_by_the_table(tmp_path: Path, lines: str, problem: str) -> None:

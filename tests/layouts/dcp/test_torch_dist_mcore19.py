@@ -19,24 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 from fixtures.dcp import rewrite_metadata
-from fixtures.torchrun import source_key, write_once
-from fixtures.venvs import framework_python
-from oracles import SCRIPT, run_jobs
+from fixtures.mcore19 import mcore19_python, written_by_mcore19
+from oracles import run_jobs
 from oracles.variants import Spec
 
 from reshard.layouts.dcp.torch_dist_common import COMMON_STATE
 
 pytestmark = pytest.mark.oracle
 
-TORCH_WHEEL = "/opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"
-REQUIREMENTS = [
-    "--ignore-requires-python",
-    TORCH_WHEEL,
-    "megatron-core==0.19.2",
-    "numpy==2.4.6",
-    "psutil==7.2.2",
-    "triton==3.9.0",
-]
 # DeepSeek-V3-like (MLA with q_lora_rank, YaRN, the grouped sigmoid router with its expert bias, scaled top-k, a
 # shared expert, a dense first layer), under the local spec's names and Transformer Engine's (down projections whole).
 # Without q_lora_rank 0.19 puts a norm before linear_q_proj (Transformer Engine's fused
@@ -55,30 +45,13 @@ TOLERANCE = 1e-4  # fp32
 
 @pytest.fixture(scope="module")
 def mcore19(pytestconfig: pytest.Config) -> Path:
-    """The python of a venv holding megatron-core 0.19.2 and the local torch 2.13.0 CPU wheel."""
-    return framework_python(pytestconfig, "megatron-core-0.19", REQUIREMENTS)
+    return mcore19_python(pytestconfig)
 
 
 @pytest.fixture(scope="module")
 def written(pytestconfig: pytest.Config, mcore19: Path) -> Path:
     """``SPECS`` saved by Megatron-Core 0.19.2 (``<name>/torch_dist``, ``<name>/reference.pt``), once."""
-    oracles = SCRIPT.parent
-    sources = [SCRIPT, oracles / "megatron_lm.py", oracles / "variants.py"]
-    key = source_key(sources, f"{' '.join(REQUIREMENTS)} {sorted(SPECS.items())}")
-    root = Path(pytestconfig.cache.mkdir("mcore-0.19-checkpoints")) / key
-
-    def prepare(staging: Path) -> None:
-        jobs = [{"command": "save", "spec": s.to_json(), "out": str(staging / name)} for name, s in SPECS.items()]
-        (staging / "jobs.json").write_text(json.dumps(jobs))
-
-    return write_once(
-        root,
-        str(SCRIPT),
-        ranks=2,
-        args=lambda staging: ["jobs", str(staging / "jobs.json")],
-        prepare=prepare,
-        python=mcore19,
-    )
+    return written_by_mcore19(pytestconfig, mcore19, SPECS, "mcore-0.19-checkpoints")
 
 
 def reference(written: Path, name: str) -> dict:

@@ -33,10 +33,10 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from fixtures.mcore19 import REQUIREMENTS
 from fixtures.torchrun import source_key, write_once
 from fixtures.venvs import framework_python
 from oracles import SCRIPT, run_jobs
-from test_torch_dist_mcore19 import REQUIREMENTS
 
 from reshard.cli import main
 from reshard.layouts.dcp import torch_dist_dp

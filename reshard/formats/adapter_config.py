@@ -40,6 +40,7 @@ _IRRELEVANT = {
     "inference_mode": "whether PEFT trains the adapter",
     "auto_mapping": "PEFT's record of the wrapped class",
     "peft_version": "the PEFT release that saved it",
+    "runtime_config": "PEFT's runtime options (ephemeral GPU offload), not saved by PEFT; verl's asdict() keeps them",
     "bias": "bias tensors are the base model's own (an adapter folder refuses any but 'none')",
 }
 # Variants reshard does not compute: refused unless at their default.

@@ -89,7 +89,8 @@ def discover(path: Path, options: ReadOptions) -> SourceCheckpoint:
     refs = {name: TensorRef(name, 0, reader, name, reader.headers[name]) for name in names}
     side = files.side
     config = find_config(side, options.config) if side is not None else find_config(folder, options.config)
-    source = SourceCheckpoint(path, NAME, [refs], config=config, side_files=side_files(side) if side else [])
+    # the actor folder is the checkpoint: a LoRA run's adapter_config.json is looked for in its lora_adapter/
+    source = SourceCheckpoint(folder, NAME, [refs], config=config, side_files=side_files(side) if side else [])
     source.notes.extend([*notes, *_file_notes(folder, files, kinds)])
     return source
 
@@ -259,6 +260,13 @@ def _file_notes(folder: Path, files: Files, kinds: dict[str, int]) -> list[str]:
             )
     else:
         notes.append("no huggingface/ folder: no config.json, tokenizer or generation config beside the weights")
+    if files.lora_adapter is not None:
+        held = sorted(p.name for p in files.lora_adapter.iterdir())
+        notes.append(
+            f"{files.lora_adapter.name}/: a LoRA run's adapter ({', '.join(held) or 'empty'}): its "
+            "adapter_config.json gives alpha and r to --merge-lora and --layout peft; the LoRA weights are read from "
+            "the rank files"
+        )
     if files.fsdp_config is not None:
         recorded = files.fsdp_config
         notes.append(f"{FSDP_CONFIG}: FSDP_version {recorded['FSDP_version']}, world_size {recorded['world_size']}")

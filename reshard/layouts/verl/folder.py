@@ -11,7 +11,8 @@ writes::
     actor/extra_state_world_size_{W}_rank_{r}.pt  the scheduler's state and the RNG of each rank
     actor/huggingface/                            config.json, tokenizer, generation config (rank 0)
     actor/fsdp_config.json                        {"FSDP_version", "world_size"} (runs since mid-2025)
-    actor/lora_adapter/                           a LoRA run's adapter (PEFT)
+    actor/lora_adapter/                           a LoRA run's adapter (PEFT: adapter_config.json and the adapter
+                                                  gathered, ``fsdp_workers.save_checkpoint``), rank files PEFT-named
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from reshard.errors import CorruptFileError, ReshardError
 from reshard.ranks import listed
 
 TRACKER = "latest_checkpointed_iteration.txt"
+LORA_ADAPTER = "lora_adapter"
 STEP = re.compile(r"^global_step_(\d+)$")
 MODEL = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 TRAINING = re.compile(r"^(optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
@@ -113,6 +115,7 @@ class Files:
     world_size: int = 0
     training: list[Path] = field(default_factory=list)
     side: Path | None = None
+    lora_adapter: Path | None = None  # a LoRA run's adapter: its adapter_config.json records alpha and r
     fsdp_config: dict[str, int] | None = None
 
 
@@ -141,10 +144,8 @@ def classify(folder: Path) -> Files:
             files.side = child
         elif name == FSDP_CONFIG and child.is_file():
             files.fsdp_config = _fsdp_config(child)
-        elif name == "lora_adapter" and child.is_dir():
-            raise ReshardError(
-                "a LoRA run's actor (lora_adapter/): its PEFT-named weights are not read yet", path=child
-            )
+        elif name == LORA_ADAPTER and child.is_dir():
+            files.lora_adapter = child
         else:
             raise ReshardError(
                 "a file verl does not write in an actor folder: not read as weights, training state or a side file",

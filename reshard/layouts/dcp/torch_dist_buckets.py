@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from reshard.geometry.padding import round_up
 from reshard.megatron.model import arg
 
 PARAM_ALIGN = 64  # param_layout.pad_param_start
@@ -110,13 +111,13 @@ def bucket_layout(
     bucket_start = start = end = 0
 
     def close(end: int) -> int:
-        padded = _round_up(end, divisor)
+        padded = round_up(end, divisor)
         buckets.append(Bucket(dict(members), padded - bucket_start, end - bucket_start))
         members.clear()
         return padded
 
     for name, numel in reversed(params):
-        start = _round_up(start, PARAM_ALIGN)
+        start = round_up(start, PARAM_ALIGN)
         end = start + numel
         members[name] = (start - bucket_start, end - bucket_start)
         if bucket_size is not None and end - bucket_start >= bucket_size:
@@ -162,7 +163,3 @@ def bucket_size_of(args: Any, dp: int) -> tuple[int | None, bool, str | None]:
 
 def _has(args: Any, name: str) -> bool:
     return name in args if isinstance(args, dict) else hasattr(args, name)
-
-
-def _round_up(value: int, divisor: int) -> int:
-    return -(-value // divisor) * divisor

@@ -22,14 +22,18 @@ LAYOUTS = ("deepspeed", "dcp")
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "reshard"]
 # Imported by every process started with it on the path: each tensor of a torch archive (the universal checkpoint's
-# files, DCP's archives) written 40 ms late, so that a SIGKILL lands while the output is being written.
+# files, DCP's archives) written 40 ms late, whole or streamed as byte ranges, so that a SIGKILL lands while the
+# output is being written.
 SLOW = """
 import time
 import reshard.formats.torch_zip.writer as writer
-def slow(self, *args, real=writer.TorchZipWriter.write):
-    time.sleep(0.04)
-    return real(self, *args)
-writer.TorchZipWriter.write = slow
+def slowed(real):
+    def slow(self, *args):
+        time.sleep(0.04)
+        return real(self, *args)
+    return slow
+writer.TorchZipWriter.write = slowed(writer.TorchZipWriter.write)
+writer.TorchZipWriter.begin_parts = slowed(writer.TorchZipWriter.begin_parts)
 """
 
 
